@@ -1,0 +1,97 @@
+"""Exact causal softmax attention, computed in row blocks so that no (queries x keys) map is ever whole.
+
+Every function takes post-RoPE queries and keys of one sequence:
+    query: (heads, n_queries, head_dim)      key: (kv_heads, n_keys, head_dim)
+    query_positions: (n_queries,) absolute positions; query row i sees keys 0..query_positions[i].
+Query head h reads KV head h // (heads_total // kv_heads), as transformers' `repeat_kv` does; when
+only some query heads are passed, `kv_index` names the KV head of each.
+
+Probabilities are the model's: softmax in float32 of q.k * scaling over all causal keys, so a block
+of columns is still normalised over the whole row. This matches transformers' eager attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+# One block of probabilities holds at most this many float32 numbers (64 MiB).
+BLOCK_ELEMENTS = 1 << 24
+
+
+def _expand_kv(key: torch.Tensor, kv_index: torch.Tensor | None, n_heads: int) -> torch.Tensor:
+    """(kv_heads, n_keys, d) -> (n_heads, n_keys, d), one KV head per query head."""
+    if kv_index is None:
+        if n_heads % key.shape[0]:
+            raise ValueError(f"{n_heads} query heads cannot share {key.shape[0]} KV heads evenly; pass kv_index")
+        kv_index = torch.arange(n_heads, device=key.device) // (n_heads // key.shape[0])
+    return key.index_select(0, kv_index.to(key.device))
+
+
+def attention_row_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    query_positions: torch.Tensor,
+    *,
+    kv_index: torch.Tensor | None = None,
+    block_elements: int = BLOCK_ELEMENTS,
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Yield (rows, probs) with probs (heads, len(rows), n_keys_needed) float32, for consecutive row blocks.
+
+    n_keys_needed is 1 + the largest query position of the block: later keys are masked anyway.
+    """
+    heads, n_queries, _ = query.shape
+    keys = _expand_kv(key, kv_index, heads).float()
+    query_positions = torch.as_tensor(query_positions, device=query.device)
+    if query_positions.shape != (n_queries,):
+        raise ValueError(f"query_positions must have shape ({n_queries},), got {tuple(query_positions.shape)}")
+    if n_queries and int(query_positions.max()) >= keys.shape[1]:
+        raise ValueError(f"a query at position {int(query_positions.max())} needs more than the {keys.shape[1]} keys given")
+    rows_per_block = max(1, block_elements // max(1, heads * keys.shape[1]))
+    for start in range(0, n_queries, rows_per_block):
+        rows = slice(start, min(start + rows_per_block, n_queries))
+        positions = query_positions[rows]
+        width = int(positions.max()) + 1
+        logits = torch.einsum("hqd,hkd->hqk", query[:, rows].float(), keys[:, :width]) * scaling
+        future = torch.arange(width, device=logits.device)[None, :] > positions[:, None]
+        logits.masked_fill_(future, float("-inf"))
+        yield rows, torch.softmax(logits, dim=-1)
+
+
+def attention_probs(query, key, scaling, query_positions, *, key_index=None, kv_index=None) -> torch.Tensor:
+    """Softmax attention (heads, n_queries, n_selected_keys) float32; key_index selects columns (default all)."""
+    n_keys = key.shape[1]
+    columns = torch.arange(n_keys) if key_index is None else torch.as_tensor(key_index).reshape(-1)
+    out = torch.zeros(query.shape[0], query.shape[1], columns.numel(), dtype=torch.float32, device=query.device)
+    columns = columns.to(query.device)
+    for rows, probs in attention_row_blocks(query, key, scaling, query_positions, kv_index=kv_index):
+        visible = columns < probs.shape[-1]
+        out[:, rows, visible] = probs.index_select(-1, columns[visible])
+    return out
+
+
+def attention_column_sums(query, key, scaling, query_positions, *, kv_index=None) -> torch.Tensor:
+    """Sum over the query rows of their attention, (heads, n_keys) float32: the SnapKV vote before pooling."""
+    out = torch.zeros(query.shape[0], key.shape[1], dtype=torch.float32, device=query.device)
+    for _, probs in attention_row_blocks(query, key, scaling, query_positions, kv_index=kv_index):
+        out[:, : probs.shape[-1]] += probs.sum(dim=1)
+    return out
+
+
+def attention_row_topk(query, key, scaling, query_positions, k: int, *, kv_index=None):
+    """The k largest probabilities of every row and their key positions, each (heads, n_queries, k).
+
+    Rows that see fewer than k keys are padded with probability 0 and position -1.
+    """
+    heads, n_queries, _ = query.shape
+    values = torch.zeros(heads, n_queries, k, dtype=torch.float32, device=query.device)
+    indices = torch.full((heads, n_queries, k), -1, dtype=torch.long, device=query.device)
+    positions = torch.as_tensor(query_positions, device=query.device)
+    for rows, probs in attention_row_blocks(query, key, scaling, positions, kv_index=kv_index):
+        top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+        visible = top.indices <= positions[rows, None]
+        values[:, rows, : top.values.shape[-1]] = top.values * visible
+        indices[:, rows, : top.indices.shape[-1]] = torch.where(visible, top.indices, -1)
+    return values, indices

@@ -1,0 +1,130 @@
+"""capture(): run a model on a prompt (greedy generation or a teacher-forced continuation) and record the
+post-RoPE queries and keys of every layer at the attention call itself, whatever backend computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from .hooks import intercept_attention
+from .inputs import encode_continuation, encode_prompt
+from .trace import AttentionTrace
+
+
+class _QKRecorder:
+    """Collects, per layer, the queries and the new keys of each attention call (batch of one)."""
+
+    def __init__(self, layers: set[int] | None, store_device: str | None):
+        self.layers = layers
+        self.store_device = store_device
+        self.queries: dict[int, list[torch.Tensor]] = {}
+        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.scaling: float | None = None
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        layer = module.layer_idx
+        if self.layers is not None and layer not in self.layers:
+            return
+        if kwargs.get("sliding_window") or kwargs.get("softcap"):
+            raise NotImplementedError(
+                f"layer {layer} uses sliding-window or soft-capped attention, which trace.attention does not "
+                "recompute; capture supports full causal softmax attention only."
+            )
+        new = query.shape[2]
+        seen = sum(q.shape[1] for q in self.queries.get(layer, []))
+        if key.shape[2] != seen + new:
+            raise RuntimeError(
+                f"layer {layer}: the cache holds {key.shape[2]} keys but {seen + new} tokens were fed; capture needs "
+                "an uncompressed cache that starts empty."
+            )
+        device = self.store_device or query.device
+        self.queries.setdefault(layer, []).append(query[0].detach().to(device))
+        self.keys.setdefault(layer, []).append(key[0, :, -new:].detach().to(device))
+        self.scaling = kwargs.get("scaling") or module.scaling
+
+    def stacked(self):
+        layers = sorted(self.queries)
+        if not layers:
+            raise RuntimeError(
+                "no attention call was recorded: this model's attention layers do not dispatch through "
+                "transformers' attention-function registry, so capture cannot see them."
+            )
+        return (layers, [torch.cat(self.queries[i], dim=1) for i in layers], [torch.cat(self.keys[i], dim=1) for i in layers])
+
+
+@torch.inference_mode()
+def capture(
+    model,
+    tokenizer,
+    prompt,
+    *,
+    max_new_tokens: int = 64,
+    continuation=None,
+    layers=None,
+    stop_at_eos: bool = True,
+    store_device: str | None = "cpu",
+    progress: bool = True,
+) -> AttentionTrace:
+    """Run `model` on `prompt` and return an AttentionTrace of every token's queries and keys.
+
+    prompt: text, chat messages ([{"role": ..., "content": ...}]) or token ids (see encode_prompt).
+    continuation: None to generate greedily up to max_new_tokens (stopping at EOS if stop_at_eos), or a
+        text / token ids to teacher-force instead (the paper's observation code fed reference replies).
+    layers: model layer indices to record (default all).
+    store_device: where recorded tensors go ("cpu" keeps GPU memory free; None keeps them on the model's device).
+    Every generated token is fed back once, so it has a query row too: trace.n_tokens = prompt + generated.
+    """
+    device = model.device
+    input_ids = encode_prompt(tokenizer, prompt).to(device)
+    prompt_len = input_ids.shape[1]
+    recorder = _QKRecorder(None if layers is None else set(layers), store_device)
+    cache = DynamicCache(config=model.config)
+
+    def forward(ids):
+        # logits_to_keep=1: a full-vocabulary logit matrix for a long prompt would cost more than the trace.
+        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    with intercept_attention(model, recorder):
+        if continuation is not None:
+            forced = encode_continuation(tokenizer, continuation).to(device)
+            generated = forced.tolist()
+            forward(torch.cat([input_ids, forced[None]], dim=1))
+            mode = "teacher-forced"
+        else:
+            generated = []
+            eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
+            logits = forward(input_ids)
+            for _ in tqdm(range(max_new_tokens), desc="capture", disable=not progress, leave=False):
+                token = int(logits.argmax(-1))
+                generated.append(token)
+                logits = forward(torch.tensor([[token]], device=device))
+                if token in eos:
+                    break
+            mode = "generated"
+
+    layer_ids, queries, keys = recorder.stacked()
+    token_ids = torch.cat([input_ids[0].cpu(), torch.tensor(generated, dtype=torch.long)])
+    return AttentionTrace(
+        token_ids=token_ids,
+        tokens=[tokenizer.decode([t]) for t in token_ids.tolist()],
+        prompt_len=prompt_len,
+        queries=queries,
+        keys=keys,
+        scaling=float(recorder.scaling),
+        layers=layer_ids,
+        meta=dict(
+            model=model.config.name_or_path,
+            attn_implementation=model.config._attn_implementation,
+            dtype=str(queries[0].dtype).replace("torch.", ""),
+            mode=mode,
+            n_model_layers=model.config.num_hidden_layers,
+        ),
+    )
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    return {i for i in [*ids, tokenizer.eos_token_id] if i is not None}

@@ -1,0 +1,38 @@
+"""Turning what a user passes as a prompt (text, chat messages, token ids) into input ids."""
+
+from __future__ import annotations
+
+import torch
+
+
+def encode_prompt(tokenizer, prompt) -> torch.Tensor:
+    """Prompt -> (1, n) input ids.
+
+    str: tokenised as is (with the tokenizer's special tokens, e.g. BOS).
+    list of {"role", "content"} dicts: the model's chat template, with the generation prompt appended.
+    list of ints, or a 1-D / (1, n) tensor: used as given.
+    """
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=True,
+                                            return_tensors="pt")["input_ids"]
+    else:
+        ids = torch.as_tensor(prompt, dtype=torch.long)
+        if ids.ndim == 1:
+            ids = ids[None]
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise ValueError(
+            f"expected one prompt, got input ids of shape {tuple(ids.shape)}; pass prompts one at a time "
+            "(padded batches would put pad tokens inside the attention maps)."
+        )
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def encode_continuation(tokenizer, continuation) -> torch.Tensor:
+    """Teacher-forced continuation -> (n,) ids; text is tokenised without special tokens."""
+    if isinstance(continuation, str):
+        return torch.as_tensor(tokenizer(continuation, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return torch.as_tensor(continuation, dtype=torch.long).reshape(-1)
