@@ -11,3 +11,33 @@ def convert(args) -> int:
 
     print(bundled_checkpoint())
     return 0
+
+
+@command("figures", "Regenerate every figure into figures/ from the tables in data/ (--recompute reruns the model first).")
+def figures(args) -> int:
+    import time
+
+    from .figures import make_figures
+
+    start = time.perf_counter()
+    options = {k: v for k, v in vars(args).items() if k not in ("run", "command", "data_dir", "figures_dir", "recompute", "only")}
+    written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
+    for path in written:
+        print(path)
+    print(f"{len(written)} files written in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def _figures_arguments(p) -> None:
+    p.add_argument("--recompute", action="store_true", help="rerun the model and rewrite the tables in data/ first")
+    p.add_argument("--data-dir", default="data")
+    p.add_argument("--figures-dir", default="figures")
+    p.add_argument("--only", nargs="*", help="names of figure sets to draw (default all)")
+    p.add_argument("--model", default=None, help="Hugging Face id or local path (default: the bundled SmolLM2)")
+    p.add_argument("--samples", type=int, default=None, help="prompts per experiment (default: each set's own)")
+    p.add_argument("--obs-window", type=int, default=None, help="observation window in tokens (default 32)")
+    p.add_argument("--prompt-window", type=int, default=None, help="prompt-window size for experiment (a) (default 128)")
+    p.add_argument("--gen-window", type=int, default=None, help="generation-window size for experiment (b) (default 128)")
+
+
+figures.arguments = _figures_arguments

@@ -1,0 +1,60 @@
+"""`snapkv-lab figures`: every figure of the project, drawn from the tidy tables saved in data/.
+
+A figure set is a pair of functions: `recompute(options)` runs the model and writes its tables into
+data/, `draw(data_dir, figures_dir)` reads them and writes PNG (for papers) and HTML (plotly) files.
+Modules register their sets at import; `make_figures` draws them all, recomputing first if asked.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# Modules whose import registers figure sets (each calls `register`).
+FIGURE_MODULES = ["snapkv_lab.experiments", "snapkv_lab.pressure"]
+
+
+@dataclass
+class FigureSet:
+    name: str
+    recompute: Callable[[dict], None]  # options (model, samples, window sizes, data_dir, ...) -> writes tables
+    draw: Callable[[Path, Path], list[Path]]  # (data_dir, figures_dir) -> files written
+
+
+FIGURE_SETS: dict[str, FigureSet] = {}
+
+
+def register(figure_set: FigureSet) -> FigureSet:
+    FIGURE_SETS[figure_set.name] = figure_set
+    return figure_set
+
+
+def load_figure_sets() -> dict[str, FigureSet]:
+    for module in FIGURE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name != module:  # a real missing dependency, not a module not written yet
+                raise
+    return FIGURE_SETS
+
+
+def make_figures(data_dir="data", figures_dir="figures", *, recompute: bool = False, only=None,
+                 options: dict | None = None) -> list[Path]:
+    """Draw every registered figure set (or those named in `only`); recompute their tables first if asked."""
+    sets = load_figure_sets()
+    unknown = set(only or []) - set(sets)
+    if unknown:
+        raise ValueError(f"unknown figure sets {sorted(unknown)}; known: {sorted(sets)}")
+    data_dir, figures_dir = Path(data_dir), Path(figures_dir)
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, figure_set in sets.items():
+        if only and name not in only:
+            continue
+        if recompute:
+            figure_set.recompute({**(options or {}), "data_dir": data_dir})
+        written += figure_set.draw(data_dir, figures_dir)
+    return written

@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny random GQA Llama (unit tests) and the bundled SmolLM2 (integration tests)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.set_num_threads(2)
+
+
+class ByteTokenizer:
+    """Just enough tokenizer for the tiny model: one token per byte, no special tokens but EOS = 0."""
+
+    eos_token_id = 0
+    vocab_size = 256
+
+    def __call__(self, text, add_special_tokens=True, return_tensors=None):
+        ids = list(text.encode())
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(int(i) for i in ids).decode(errors="replace")
+
+
+def make_tiny_llama(attn_implementation: str = "sdpa", seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """2 layers, 4 query heads sharing 2 KV heads, head_dim 16; same weights for the same seed."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=0, bos_token_id=1, pad_token_id=0, **overrides)
+    config._attn_implementation = attn_implementation
+    return LlamaForCausalLM(config).eval()
+
+
+def eager_twin(model):
+    """Same weights under eager attention; the config is deep-copied because twins share it otherwise."""
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = "eager"
+    twin = type(model)(config).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin.to(model.device)
+
+
+@pytest.fixture
+def tiny_model():
+    return make_tiny_llama()
+
+
+@pytest.fixture
+def byte_tokenizer():
+    return ByteTokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The bundled SmolLM2-135M-Instruct (converted once into the cache folder), sdpa, fp32."""
+    from snapkv_lab import load_model
+
+    return load_model()
