@@ -60,27 +60,30 @@ def attention_row_blocks(
         yield rows, torch.softmax(logits, dim=-1)
 
 
-def attention_probs(query, key, scaling, query_positions, *, key_index=None, kv_index=None) -> torch.Tensor:
+def attention_probs(query, key, scaling, query_positions, *, key_index=None, kv_index=None,
+                    block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
     """Softmax attention (heads, n_queries, n_selected_keys) float32; key_index selects columns (default all)."""
     n_keys = key.shape[1]
     columns = torch.arange(n_keys) if key_index is None else torch.as_tensor(key_index).reshape(-1)
     out = torch.zeros(query.shape[0], query.shape[1], columns.numel(), dtype=torch.float32, device=query.device)
     columns = columns.to(query.device)
-    for rows, probs in attention_row_blocks(query, key, scaling, query_positions, kv_index=kv_index):
+    for rows, probs in attention_row_blocks(query, key, scaling, query_positions, kv_index=kv_index, block_elements=block_elements):
         visible = columns < probs.shape[-1]
         out[:, rows, visible] = probs.index_select(-1, columns[visible])
     return out
 
 
-def attention_column_sums(query, key, scaling, query_positions, *, kv_index=None) -> torch.Tensor:
+def attention_column_sums(query, key, scaling, query_positions, *, kv_index=None,
+                          block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
     """Sum over the query rows of their attention, (heads, n_keys) float32: the SnapKV vote before pooling."""
     out = torch.zeros(query.shape[0], key.shape[1], dtype=torch.float32, device=query.device)
-    for _, probs in attention_row_blocks(query, key, scaling, query_positions, kv_index=kv_index):
+    for _, probs in attention_row_blocks(query, key, scaling, query_positions, kv_index=kv_index, block_elements=block_elements):
         out[:, : probs.shape[-1]] += probs.sum(dim=1)
     return out
 
 
-def attention_row_topk(query, key, scaling, query_positions, k: int, *, kv_index=None):
+def attention_row_topk(query, key, scaling, query_positions, k: int, *, kv_index=None,
+                       block_elements: int = BLOCK_ELEMENTS):
     """The k largest probabilities of every row and their key positions, each (heads, n_queries, k).
 
     Rows that see fewer than k keys are padded with probability 0 and position -1.
@@ -89,7 +92,7 @@ def attention_row_topk(query, key, scaling, query_positions, k: int, *, kv_index
     values = torch.zeros(heads, n_queries, k, dtype=torch.float32, device=query.device)
     indices = torch.full((heads, n_queries, k), -1, dtype=torch.long, device=query.device)
     positions = torch.as_tensor(query_positions, device=query.device)
-    for rows, probs in attention_row_blocks(query, key, scaling, positions, kv_index=kv_index):
+    for rows, probs in attention_row_blocks(query, key, scaling, positions, kv_index=kv_index, block_elements=block_elements):
         top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
         visible = top.indices <= positions[rows, None]
         values[:, rows, : top.values.shape[-1]] = top.values * visible
