@@ -39,9 +39,11 @@ class _QKRecorder:
                 f"layer {layer}: the cache holds {key.shape[2]} keys but {seen + new} tokens were fed; capture needs "
                 "an uncompressed cache that starts empty."
             )
+        # copy=True: a slice of `key` is a view that would pin the whole cache tensor of this step
+        # (a new, longer one every decode step), making memory quadratic in tokens.
         device = self.store_device or query.device
-        self.queries.setdefault(layer, []).append(query[0].detach().to(device))
-        self.keys.setdefault(layer, []).append(key[0, :, -new:].detach().to(device))
+        self.queries.setdefault(layer, []).append(query[0].to(device, copy=True))
+        self.keys.setdefault(layer, []).append(key[0, :, -new:].to(device, copy=True))
         self.scaling = kwargs.get("scaling") or module.scaling
 
     def stacked(self):
@@ -51,7 +53,11 @@ class _QKRecorder:
                 "no attention call was recorded: this model's attention layers do not dispatch through "
                 "transformers' attention-function registry, so capture cannot see them."
             )
-        return (layers, [torch.cat(self.queries[i], dim=1) for i in layers], [torch.cat(self.keys[i], dim=1) for i in layers])
+        queries, keys = [], []
+        for i in layers:  # pop as we go, so the chunks and the stacked copy never coexist for all layers
+            queries.append(torch.cat(self.queries.pop(i), dim=1))
+            keys.append(torch.cat(self.keys.pop(i), dim=1))
+        return layers, queries, keys
 
 
 @torch.inference_mode()
