@@ -1,0 +1,404 @@
+"""KV-cache compression policies and their application to a live transformers cache.
+
+A policy scores the prompt's key positions once, at prefill, and keeps `capacity` of them per KV head:
+the top-scored prefix positions plus the last `window_size` prompt tokens (the observation window).
+Nothing is evicted while decoding. Every policy has one scoring method:
+
+    policy.score(query, key, scaling, positions, layer) -> (heads, n_keys) float32, or None
+        query: (heads, n_rows, head_dim) post-RoPE queries of the prompt rows at `positions` (n_rows,)
+        key: (kv_heads, n_keys, head_dim) post-RoPE keys of the whole prompt so far
+
+and the shared `Policy.keep` turns scores into kept indices with `selection.select` (pooling, GQA
+reduction, top-k): the very function the attention analysis uses, so the two never disagree.
+
+Applying a policy (`compress`) wraps the model's attention function with `intercept_attention`: at
+the prefill call of each layer the callback scores, selects and swaps the layer's cache tensors for the
+gathered ones. The layer's own attention still runs on the full keys it was handed, so the prefill
+logits (and the first generated token) are those of the full cache, as in the paper.
+
+Positions stay right after the cache shrinks because nothing downstream derives them from the cache
+length: `generate` below passes position ids explicitly, and `model.generate` in transformers 5.x
+counts positions from the prompt's own position ids (checked token for token in the tests). Under
+sdpa, decode steps get no mask; under eager, the causal mask of a decode step is built for the
+physical (compressed) cache length and every column is visible.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .attention import attention_column_sums
+from .hooks import intercept_attention
+from .inputs import encode_continuation, encode_prompt
+from .selection import POOLINGS, select, window_votes
+
+
+@dataclass
+class Policy:
+    """Base policy: keep `capacity` positions per KV head after prefill (see module doc).
+
+    capacity: total positions kept per head (prefix picks + window), as tokens (int), or as a ratio of
+        the prompt (float in (0, 1)); None keeps everything. Prompts at or below it are left untouched.
+    window_size: the last prompt tokens, always kept (and, for SnapKV, the voters).
+    per_query_head: False (default) pools the scores of each GQA group and keeps one selection per KV
+        head, so a GQA cache really shrinks. True reproduces the official SnapKV code: the KV heads are
+        repeated and each query head keeps its own selection, a cache of `heads / kv_heads` times more
+        bytes (3x on SmolLM2, 4x on Mistral-7B).
+    """
+
+    capacity: int | float | None = 1024
+    window_size: int = 32
+    per_query_head: bool = False
+    pooling: str | None = None  # selection.pool_votes over positions, before the GQA reduction
+    kernel_size: int = 1
+    # True: scores of successive prompt chunks add up (accumulated attention); False: the last chunk's stand.
+    accumulates: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if not isinstance(self.window_size, int) or self.window_size < 1:
+            raise ValueError(f"window_size must be a positive int, got {self.window_size!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be a positive odd int (pooling keeps positions centred), got {self.kernel_size!r}")
+        if isinstance(self.capacity, float):
+            if not 0 < self.capacity < 1:
+                raise ValueError(f"a capacity ratio must lie in (0, 1), got {self.capacity}")
+        elif self.capacity is not None:
+            if not isinstance(self.capacity, int) or self.capacity < 1:
+                raise ValueError(f"capacity must be a positive int, a ratio in (0, 1) or None, got {self.capacity!r}")
+            if self.window_size >= self.capacity:
+                raise ValueError(
+                    f"window_size ({self.window_size}) must be smaller than capacity ({self.capacity}): the cache keeps "
+                    "the whole observation window plus at least one selected prefix position."
+                )
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @property
+    def label(self) -> str:
+        """Short description for tables: name and budget."""
+        return self.name if self.capacity is None else f"{self.name}@{self.capacity}"
+
+    def budget(self, n_tokens: int) -> int | None:
+        """Positions kept for an n-token prompt, or None when the prompt is left untouched."""
+        if self.capacity is None:
+            return None
+        budget = math.floor(self.capacity * n_tokens) if isinstance(self.capacity, float) else self.capacity
+        if n_tokens <= budget:
+            return None
+        if budget <= self.window_size:
+            raise ValueError(
+                f"capacity ratio {self.capacity} of a {n_tokens}-token prompt keeps {budget} positions, no more than "
+                f"window_size ({self.window_size}); use a larger ratio or a token budget."
+            )
+        return budget
+
+    def score(self, query, key, scaling: float, positions, layer: int) -> torch.Tensor | None:
+        """(heads, n_keys) float32 scores of the key positions, higher is kept first (see module doc)."""
+        raise NotImplementedError
+
+    def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int) -> torch.Tensor:
+        """Kept positions (kv_heads, or heads if per_query_head, budget) long, sorted ascending:
+        the top prefix positions by pooled scores, then the window. Call only when budget(n) is not None."""
+        budget = self.budget(n_tokens)
+        prefix_len = n_tokens - self.window_size
+        picked = select(scores[:, :prefix_len], budget - self.window_size, pooling=self.pooling,
+                        kernel_size=self.kernel_size, kv_heads=None if self.per_query_head else kv_heads)
+        window = torch.arange(prefix_len, n_tokens, device=picked.device).expand(picked.shape[0], -1)
+        return torch.cat([picked, window], dim=-1)
+
+
+@dataclass
+class FullCache(Policy):
+    """No compression (the reference)."""
+
+    capacity: int | float | None = None
+
+    def score(self, query, key, scaling, positions, layer):
+        return None
+
+
+@dataclass
+class SnapKV(Policy):
+    """SnapKV: votes of the last `window_size` prompt queries over the prefix, max-pooled (kernel 7)."""
+
+    pooling: str | None = "max"
+    kernel_size: int = 7
+
+    def score(self, query, key, scaling, positions, layer):
+        if query.shape[1] < self.window_size:
+            raise ValueError(f"the last prompt chunk ({query.shape[1]} tokens) must hold the whole observation "
+                             f"window ({self.window_size} tokens)")
+        return window_votes(query[:, -self.window_size:], key, scaling, positions[-self.window_size:], key.shape[1])
+
+
+@dataclass
+class SnapKVNoPooling(SnapKV):
+    """SnapKV without pooling: the paper's ablation (keeps isolated high-vote tokens, fragments of facts)."""
+
+    pooling: str | None = None
+    kernel_size: int = 1
+
+
+@dataclass
+class H2O(Policy):
+    """H2O-style heavy hitters: attention accumulated over all prompt queries (a one-shot, prefill-only
+    version of H2O, which evicts during decoding too). Costs one extra pass of attention over the prompt."""
+
+    accumulates: ClassVar[bool] = True
+
+    def score(self, query, key, scaling, positions, layer):
+        return attention_column_sums(query, key, scaling, positions)
+
+
+@dataclass
+class StreamingLLM(Policy):
+    """StreamingLLM: `sinks` first tokens (attention sinks) plus the most recent ones."""
+
+    sinks: int = 4
+
+    def score(self, query, key, scaling, positions, layer):
+        recency = torch.arange(key.shape[1], dtype=torch.float32, device=key.device)
+        recency[: self.sinks] = math.inf
+        return recency.expand(query.shape[0], -1)
+
+
+@dataclass
+class RandomKeep(Policy):
+    """Uniformly random prefix positions, a different draw per layer and head (reproducible by seed)."""
+
+    seed: int = 0
+
+    def score(self, query, key, scaling, positions, layer):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + layer)
+        return torch.rand(query.shape[0], key.shape[1], generator=generator).to(key.device)
+
+
+POLICIES = {cls.__name__: cls for cls in (FullCache, SnapKV, SnapKVNoPooling, H2O, StreamingLLM, RandomKeep)}
+
+
+def gather_kv(tensor: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Keep positions of one layer's keys or values.
+
+    tensor: (batch, kv_heads, n, head_dim); kept: (batch, kv_heads or heads, budget).
+    With one selection per query head, the KV heads are first repeated as transformers' repeat_kv does.
+    Returns (batch, kept heads, budget, head_dim), contiguous (the full tensor can be freed).
+    """
+    if kept.shape[1] != tensor.shape[1]:
+        tensor = tensor.repeat_interleave(kept.shape[1] // tensor.shape[1], dim=1)
+    return tensor.gather(2, kept[..., None].expand(-1, -1, -1, tensor.shape[-1]))
+
+
+class _QueryHeadLayer(DynamicLayer):
+    """Cache layer with one KV head per query head (official SnapKV layout): new keys are repeated on arrival."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, groups: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.groups = keys, values, groups
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        repeat = lambda t: t.repeat_interleave(self.groups, dim=1)  # noqa: E731
+        return super().update(repeat(key_states), repeat(value_states), *args, **kwargs)
+
+
+def _refuse_padding(attention_mask) -> None:
+    """A left-padded prefill has masked columns in its last row; unpadded prompts have none."""
+    if attention_mask is None or attention_mask.ndim != 4:
+        return
+    last_row = attention_mask[:, :, -1, :]
+    visible = last_row if last_row.dtype == torch.bool else last_row == 0
+    if not bool(visible.all()):
+        raise NotImplementedError(
+            "padded batches are not supported by the compressor: pad tokens would vote and be kept, and the "
+            "compressed cache would no longer line up with the padding mask. Pass prompts of equal length, or one "
+            "at a time."
+        )
+
+
+@dataclass
+class CompressionState:
+    """What `compress` yields: the cache to pass to the model, and the kept indices once prefill ran."""
+
+    policy: Policy
+    cache: DynamicCache
+    kept_indices: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (batch, heads, kept)
+    _groups: dict = field(default_factory=dict)  # attention module -> its original num_key_value_groups
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        layer = module.layer_idx
+        if layer in self.kept_indices:  # prefill done: a decode step or an appended question
+            if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
+                self._groups[module] = module.num_key_value_groups  # one KV head per query head from now on
+                module.num_key_value_groups = 1
+            return
+        if layer >= len(self.cache.layers) or self.cache.layers[layer].keys is not key:
+            raise RuntimeError("the model was not called with this compressor's cache: pass past_key_values=state.cache")
+        if key.shape[2] != query.shape[2]:
+            raise RuntimeError("the compressor's cache must start empty (the prefill compresses the whole prompt)")
+        _refuse_padding(attention_mask)
+        batch, kv_heads, n, _ = key.shape
+        if self.policy.budget(n) is None:
+            self.kept_indices[layer] = torch.arange(n, device=key.device).expand(batch, kv_heads, -1)
+            return
+        scaling = kwargs.get("scaling") or module.scaling
+        positions = torch.arange(n, device=key.device)
+        kept = torch.stack([
+            self.policy.keep(self.policy.score(query[b], key[b], scaling, positions, layer), n, kv_heads)
+            for b in range(batch)
+        ])
+        self.kept_indices[layer] = kept
+        keys, values = gather_kv(key, kept), gather_kv(value, kept)
+        if kept.shape[1] == kv_heads:
+            self.cache.layers[layer].keys, self.cache.layers[layer].values = keys, values
+        else:
+            self.cache.layers[layer] = _QueryHeadLayer(keys, values, kept.shape[1] // kv_heads)
+
+    def restore(self) -> None:
+        for module, groups in self._groups.items():
+            module.num_key_value_groups = groups
+
+
+@contextmanager
+def compress(model, policy: Policy | None = None):
+    """Compress the prompt's cache with `policy` at the next prefill inside the block.
+
+        with compress(model, SnapKV(capacity=1024)) as state:
+            model.generate(input_ids, past_key_values=state.cache, max_new_tokens=32)
+        state.kept_indices[layer]  # (batch, kv_heads, kept), sorted ascending
+
+    The cache must start empty and be passed to the model; padded batches are refused. Any attribute
+    patched for the per-query-head layout is restored on exit.
+    """
+    state = CompressionState(policy or FullCache(), DynamicCache())
+    try:
+        with intercept_attention(model, state):
+            yield state
+    finally:
+        state.restore()
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes held by all keys and values of a cache."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+
+@dataclass
+class GenerationResult:
+    """Output of `generate`.
+
+    text: the answer (a list for a batch). token_ids: (batch, new_tokens). prompt_ids: (batch, n) of the
+    compressed prompt (the context alone in query-agnostic mode). kept_indices[layer]: (batch, kv_heads,
+    kept) prompt positions kept, sorted ascending. cache_lengths[layer]: cache length right after prefill.
+    """
+
+    text: str | list[str]
+    token_ids: torch.Tensor
+    prompt_ids: torch.Tensor
+    kept_indices: list[torch.Tensor]
+    cache_lengths: list[int]
+    kv_bytes: int
+    prefill_seconds: float
+    decode_ms_per_token: float
+    policy: Policy
+
+
+def encode_batch(tokenizer, prompt) -> torch.Tensor:
+    """One prompt (see inputs.encode_prompt), a (batch, n) tensor, or a list of prompts of equal length -> (batch, n)."""
+    if isinstance(prompt, torch.Tensor) and prompt.ndim == 2:
+        return prompt.long()
+    is_batch = isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, torch.Tensor))
+    if not is_batch:
+        return encode_prompt(tokenizer, prompt)
+    rows = [encode_prompt(tokenizer, p) for p in prompt]
+    lengths = sorted({r.shape[1] for r in rows})
+    if len(lengths) > 1:
+        raise NotImplementedError(
+            f"prompts of different lengths {lengths}: left-padded batches are not supported by the compressor (pad "
+            "tokens would be voted on and kept). Pass prompts of equal length, or one at a time."
+        )
+    return torch.cat(rows)
+
+
+@torch.inference_mode()
+def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids=(), stop=None) -> tuple[torch.Tensor, list[float]]:
+    """Greedy decoding from the last prompt logits (batch, vocab), positions counted from `start`.
+
+    Positions are passed explicitly: the compressed cache is shorter than the number of tokens seen.
+    stop(token_ids) -> bool ends early (e.g. once an answer is complete). Returns ((batch, new), step seconds).
+    """
+    tokens, seconds = [], []
+    done = torch.zeros(logits.shape[0], dtype=torch.bool)
+    next_token = logits.argmax(-1)
+    for step in range(max_new_tokens):
+        tokens.append(next_token)
+        done |= torch.isin(next_token.cpu(), torch.tensor(list(eos_ids), dtype=torch.long))
+        if bool(done.all()) or step == max_new_tokens - 1 or (stop is not None and stop(torch.stack(tokens, 1))):
+            break
+        began = time.perf_counter()
+        position = torch.full((logits.shape[0], 1), start + step, dtype=torch.long, device=model.device)
+        out = model(next_token[:, None], past_key_values=cache, position_ids=position, use_cache=True)
+        next_token = out.logits[:, -1].argmax(-1)
+        seconds.append(time.perf_counter() - began)
+    return torch.stack(tokens, 1), seconds
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,) if eos is not None else ()
+
+
+def decode_text(tokenizer, token_ids: torch.Tensor, eos_ids) -> list[str]:
+    """(batch, new) -> texts, each cut at its first EOS."""
+    texts = []
+    for row in token_ids.tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
+        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
+    return texts
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_tokens: int = 64,
+             question=None, stop=None) -> GenerationResult:
+    """Greedy generation with the prompt's KV cache compressed by `policy` after prefill.
+
+    prompt: text, chat messages, token ids, or a list of equal-length prompts (a batch).
+    question: query-agnostic mode: `prompt` is the context alone, compressed; the question (text,
+        tokenised without special tokens, or ids) is appended after compression, then the answer decoded.
+    Timings: prefill_seconds covers the compressed forward (question included); decode ms/token the steps after.
+    """
+    ids = encode_batch(tokenizer, prompt).to(model.device)
+    batch, n = ids.shape
+    eos = _eos_ids(model, tokenizer)
+    with compress(model, policy) as state:
+        began = time.perf_counter()
+        logits = model(ids, past_key_values=state.cache, position_ids=torch.arange(n, device=model.device)[None],
+                       use_cache=True).logits[:, -1]
+        cache_lengths = [layer.keys.shape[-2] for layer in state.cache.layers]
+        kv_bytes = cache_bytes(state.cache)
+        start = n
+        if question is not None:
+            extra = encode_continuation(tokenizer, question).to(model.device).expand(batch, -1)
+            positions = torch.arange(n, n + extra.shape[1], device=model.device)[None]
+            logits = model(extra, past_key_values=state.cache, position_ids=positions, use_cache=True).logits[:, -1]
+            start += extra.shape[1]
+        prefill_seconds = time.perf_counter() - began
+        token_ids, seconds = greedy_decode(model, state.cache, logits, start, max_new_tokens, eos, stop)
+    texts = decode_text(tokenizer, token_ids, eos)
+    return GenerationResult(
+        text=texts[0] if batch == 1 else texts, token_ids=token_ids.cpu(), prompt_ids=ids.cpu(),
+        kept_indices=[state.kept_indices[i].cpu() for i in sorted(state.kept_indices)], cache_lengths=cache_lengths,
+        kv_bytes=kv_bytes, prefill_seconds=prefill_seconds,
+        decode_ms_per_token=1000 * sum(seconds) / len(seconds) if seconds else float("nan"), policy=state.policy,
+    )
