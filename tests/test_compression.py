@@ -1,0 +1,228 @@
+"""The compressor: kept indices vs a plain eager reference, cache lengths, identity below capacity,
+positions after compression, model.generate vs our own loop, batches and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import eager_twin, make_tiny_llama
+from snapkv_lab import compression as C
+
+WINDOW, CAPACITY = 8, 40
+
+
+def tiny(attn="sdpa"):
+    # A larger init than the default 0.02 gives peaked attention, so votes are not near-uniform ties.
+    return make_tiny_llama(attn, initializer_range=0.3)
+
+
+def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_head=False):
+    """SnapKV written plainly from transformers' eager attention maps: (layers, batch, heads, capacity)
+    kept positions, plus the scores they were chosen from (to tell ties apart)."""
+    twin = eager_twin(model)
+    with torch.no_grad():
+        attentions = twin(ids, output_attentions=True).attentions  # per layer (batch, heads, n, n)
+    n = ids.shape[1]
+    prefix = n - window
+    kv_heads = model.config.num_key_value_heads
+    kept, scores = [], []
+    for attn in attentions:
+        votes = attn[:, :, -window:, :prefix].sum(dim=2)  # (batch, heads, prefix)
+        if pooling == "max":
+            votes = F.max_pool1d(votes, kernel, stride=1, padding=kernel // 2)
+        if not per_query_head:  # mean over the query heads of each KV head's group
+            votes = votes.reshape(votes.shape[0], kv_heads, -1, prefix).mean(dim=2)
+        top = votes.topk(capacity - window, dim=-1).indices.sort(dim=-1).values
+        window_positions = torch.arange(prefix, n).expand(*top.shape[:2], -1)
+        kept.append(torch.cat([top, window_positions], dim=-1))
+        scores.append(votes)
+    return kept, scores
+
+
+def assert_same_selection(kept, ref_kept, ref_scores, window):
+    """Equal kept sets, except that positions tied in score (within 1e-5) at the top-k boundary may swap."""
+    for layer, (mine, ref, score) in enumerate(zip(kept, ref_kept, ref_scores)):
+        assert mine.shape == ref.shape, layer
+        assert torch.equal(mine[..., -window:], ref[..., -window:])
+        mine_scores = score.gather(-1, mine[..., :-window]).sort(dim=-1).values
+        ref_top = score.gather(-1, ref[..., :-window]).sort(dim=-1).values
+        torch.testing.assert_close(mine_scores, ref_top, atol=1e-5, rtol=0)
+        agree = (mine == ref).float().mean()
+        assert agree > 0.95, f"layer {layer}: only {agree:.0%} of kept positions agree"
+
+
+@pytest.mark.parametrize("pooling,kernel,per_query_head", [("max", 7, False), (None, 1, False), ("max", 5, True)])
+def test_kept_indices_match_eager_reference(pooling, kernel, per_query_head, byte_tokenizer):
+    model = tiny()
+    ids = torch.randint(2, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW, pooling=pooling, kernel_size=kernel,
+                      per_query_head=per_query_head)
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
+    ref_kept, ref_scores = reference_kept(model, ids, WINDOW, CAPACITY, pooling=pooling, kernel=kernel,
+                                          per_query_head=per_query_head)
+    assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
+
+
+@pytest.mark.slow
+def test_kept_indices_match_eager_reference_smollm(smollm):
+    from snapkv_lab.corpus import haystack_ids
+
+    model, tokenizer = smollm
+    ids = torch.tensor([haystack_ids(tokenizer, 600, start=3)])
+    policy = C.SnapKV(capacity=256, window_size=32)
+    result = C.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1)
+    ref_kept, ref_scores = reference_kept(model, ids, 32, 256, pooling="max", kernel=7)
+    assert_same_selection(result.kept_indices, ref_kept, ref_scores, 32)
+    assert result.cache_lengths == [256] * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("policy", [C.SnapKV(capacity=CAPACITY, window_size=WINDOW), C.SnapKVNoPooling(capacity=CAPACITY, window_size=WINDOW),
+                                    C.H2O(capacity=CAPACITY, window_size=WINDOW), C.StreamingLLM(capacity=CAPACITY, window_size=WINDOW),
+                                    C.RandomKeep(capacity=CAPACITY, window_size=WINDOW), C.SnapKV(capacity=0.5, window_size=WINDOW)],
+                         ids=lambda p: p.label)
+def test_cache_length_after_prefill_equals_capacity(policy, byte_tokenizer):
+    model = tiny()
+    ids = torch.randint(2, 256, (1, 90), generator=torch.Generator().manual_seed(2))
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=3)
+    budget = policy.budget(90)
+    assert result.cache_lengths == [budget] * model.config.num_hidden_layers
+    for kept in result.kept_indices:
+        assert kept.shape == (1, model.config.num_key_value_heads, budget)
+        assert torch.equal(kept, kept.sort(dim=-1).values) and len(kept.unique()) <= 90
+        assert torch.equal(kept[0, 0, -WINDOW:], torch.arange(90 - WINDOW, 90))
+    assert result.kv_bytes == 2 * 2 * model.config.num_key_value_heads * budget * 16 * 4  # 2 layers x (K, V) fp32
+
+
+@pytest.mark.parametrize("capacity", [64, 100])
+def test_capacity_at_or_above_prompt_is_identical_to_uncompressed(capacity, byte_tokenizer):
+    model = tiny()
+    ids = torch.randint(2, 256, (1, 64), generator=torch.Generator().manual_seed(3))
+    result = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=capacity, window_size=WINDOW), max_new_tokens=20)
+    plain = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)[:, 64:]
+    assert torch.equal(result.token_ids, plain)
+    assert result.cache_lengths == [64, 64]
+    assert torch.equal(result.kept_indices[0], torch.arange(64).expand(1, 2, -1))
+
+
+def test_compression_changes_generation(byte_tokenizer):
+    """The other tests would pass vacuously if compression had no effect."""
+    model = tiny()
+    ids = torch.randint(2, 256, (1, 120), generator=torch.Generator().manual_seed(4))
+    full = C.generate(model, byte_tokenizer, ids, max_new_tokens=20)
+    small = C.generate(model, byte_tokenizer, ids, policy=C.StreamingLLM(capacity=16, window_size=4), max_new_tokens=20)
+    assert torch.equal(full.token_ids[:, 0], small.token_ids[:, 0])  # the first token comes from the full prefill
+    assert not torch.equal(full.token_ids, small.token_ids)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_positions_after_compression_match_masked_full_cache(attn, byte_tokenizer):
+    """StreamingLLM keeps the same positions in every head, so decoding on its compressed cache must equal
+    decoding on the full cache with the dropped positions masked out: same RoPE positions, same softmax."""
+    model = tiny(attn)
+    n, policy = 100, C.StreamingLLM(capacity=30, window_size=WINDOW, sinks=4)
+    ids = torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(5))
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=12)
+    visible = torch.zeros(n, dtype=torch.long)
+    visible[result.kept_indices[0][0, 0]] = 1
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache, token, tokens = out.past_key_values, out.logits[:, -1].argmax(-1), []
+        for step in range(12):
+            tokens.append(token)
+            mask = torch.cat([visible, torch.ones(step + 1, dtype=torch.long)])[None]
+            out = model(token[:, None], past_key_values=cache, attention_mask=mask,
+                        position_ids=torch.tensor([[n + step]]))
+            token = out.logits[:, -1].argmax(-1)
+    assert torch.equal(result.token_ids, torch.stack(tokens, 1))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("per_query_head", [False, True])
+def test_model_generate_matches_own_loop(attn, per_query_head, byte_tokenizer):
+    model = tiny(attn)
+    ids = torch.randint(2, 256, (2, 80), generator=torch.Generator().manual_seed(6))
+    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=per_query_head)
+    ours = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=16)
+    with C.compress(model, policy) as state:
+        theirs = model.generate(ids, past_key_values=state.cache, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    assert torch.equal(theirs[:, 80:], ours.token_ids)
+    assert all(torch.equal(state.kept_indices[i], ours.kept_indices[i]) for i in range(2))
+    assert model.model.layers[0].self_attn.num_key_value_groups == 2  # restored after the per-query-head layout
+
+
+def test_per_query_head_layout_costs_group_times_the_memory(byte_tokenizer):
+    model = tiny()
+    ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(7))
+    per_kv = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=4)
+    per_q = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True),
+                       max_new_tokens=4)
+    assert per_q.kept_indices[0].shape == (1, 4, CAPACITY)
+    assert per_q.kv_bytes == 2 * per_kv.kv_bytes  # 4 query heads share 2 KV heads
+
+
+def test_equal_length_batch_matches_single_prompts(byte_tokenizer):
+    model = tiny()
+    prompts = ["the cat sat on the mat and looked at the dog " * 2, "a quick brown fox jumps over lazy dogs again " * 2]
+    assert len(prompts[0]) == len(prompts[1])
+    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+    batch = C.generate(model, byte_tokenizer, prompts, policy=policy, max_new_tokens=10)
+    for b, prompt in enumerate(prompts):
+        single = C.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=10)
+        assert torch.equal(batch.token_ids[b], single.token_ids[0])
+        assert torch.equal(batch.kept_indices[1][b], single.kept_indices[1][0])
+    assert isinstance(batch.text, list) and isinstance(single.text, str)
+
+
+def test_query_agnostic_mode(byte_tokenizer):
+    model = tiny()
+    context = torch.randint(2, 256, (1, 90), generator=torch.Generator().manual_seed(8))
+    question = torch.randint(2, 256, (12,), generator=torch.Generator().manual_seed(9))
+    agnostic = C.generate(model, byte_tokenizer, context, question=question,
+                          policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=8)
+    assert agnostic.cache_lengths == [CAPACITY] * 2  # the question is appended after the snapshot
+    assert int(agnostic.kept_indices[0].max()) == 89
+    # Capacity above the context: the chunked prefill equals the one-piece prompt.
+    untouched = C.generate(model, byte_tokenizer, context, question=question, policy=C.SnapKV(capacity=200), max_new_tokens=8)
+    whole = C.generate(model, byte_tokenizer, torch.cat([context[0], question])[None], max_new_tokens=8)
+    assert torch.equal(untouched.token_ids, whole.token_ids)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(window_size=64, capacity=32), "window_size \\(64\\) must be smaller than capacity \\(32\\)"),
+    (dict(window_size=32, capacity=32), "must be smaller than capacity"),
+    (dict(kernel_size=6), "kernel_size must be a positive odd int"),
+    (dict(kernel_size=0), "kernel_size must be a positive odd int"),
+    (dict(capacity=1.5), "ratio must lie in"),
+    (dict(capacity=-3), "capacity must be a positive int"),
+    (dict(window_size=0), "window_size must be a positive int"),
+    (dict(pooling="median"), "pooling must be one of"),
+])
+def test_bad_parameters_get_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        C.SnapKV(**kwargs)
+
+
+def test_ratio_too_small_for_window_is_refused(byte_tokenizer):
+    with pytest.raises(ValueError, match="no more than window_size"):
+        C.generate(tiny(), byte_tokenizer, torch.randint(2, 256, (1, 100)), policy=C.SnapKV(capacity=0.2, window_size=32))
+
+
+def test_padded_batches_are_refused(byte_tokenizer):
+    model = tiny()
+    with pytest.raises(NotImplementedError, match="left-padded batches are not supported"):
+        C.generate(model, byte_tokenizer, ["short prompt", "a much longer prompt than that"], policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW))
+    ids = torch.randint(2, 256, (2, 60))
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    with pytest.raises(NotImplementedError, match="padded batches are not supported"):
+        with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
+            model.generate(ids, attention_mask=mask, past_key_values=state.cache, max_new_tokens=2, do_sample=False)
+
+
+def test_model_called_without_the_compressor_cache_is_refused():
+    model = tiny()
+    with pytest.raises(RuntimeError, match="past_key_values=state.cache"):
+        with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)):
+            model(torch.randint(2, 256, (1, 60)))
