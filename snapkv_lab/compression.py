@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -287,6 +288,49 @@ def compress(model, policy: Policy | None = None):
             yield state
     finally:
         state.restore()
+
+
+class ScoreRecorder:
+    """Hook callback that records, without compressing, the scores of several policies at every layer, so
+    one prefill serves many policies and budgets (the pressure tests compress copies of one full cache).
+
+    Successive calls of a layer are prompt chunks (a context, then a question): accumulating policies add
+    their scores up, the others keep the last chunk's. scores[policy.name][layer]: (batch, heads, n_keys).
+    """
+
+    def __init__(self, policies):
+        self.policies = {p.name: p for p in policies}
+        self.scores: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.policies}
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        layer, n, rows = module.layer_idx, key.shape[2], query.shape[2]
+        scaling = kwargs.get("scaling") or module.scaling
+        positions = torch.arange(n - rows, n, device=key.device)
+        for name, policy in self.policies.items():
+            new = policy.score(query[0], key[0], scaling, positions, layer)
+            if new is None:
+                continue
+            old = self.scores[name].get(layer)
+            if policy.accumulates and old is not None:
+                new = new + F.pad(old[0], (0, n - old.shape[-1]))
+            self.scores[name][layer] = new[None]
+
+
+def cache_from(layers_kv) -> DynamicCache:
+    """A DynamicCache over existing (keys, values) tensors, without copying: decoding appends by
+    concatenation, so the tensors given are never modified and several caches can share them."""
+    cache = DynamicCache()
+    for keys, values in layers_kv:
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        cache.layers.append(layer)
+    return cache
+
+
+def compressed_copy(cache: DynamicCache, kept: list[torch.Tensor]) -> DynamicCache:
+    """A new cache holding the kept positions of `cache` (per layer (batch, kv_heads, kept), per KV head)."""
+    return cache_from((gather_kv(layer.keys, k), gather_kv(layer.values, k)) for layer, k in zip(cache.layers, kept))
 
 
 def cache_bytes(cache: DynamicCache) -> int:
