@@ -1,0 +1,140 @@
+"""A/B comparison of compression policies on the same prompts, with a rich notebook display.
+
+    table = compare(model, tokenizer, prompts, policies=[FullCache(), SnapKV(capacity=1024), StreamingLLM()])
+    table                      # in a notebook: answers side by side, then the metrics
+    table.kept_view(0, "SnapKV@1024", around=(900, 1100))   # prompt text shaded by how often each token was kept
+
+`compare` returns a pandas DataFrame (one row per prompt and policy) that also remembers each run's
+GenerationResult, so the kept-token view needs no rerun.
+"""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from .compression import FullCache, GenerationResult, SnapKV, generate
+
+
+def kept_mask(kept_indices: list[torch.Tensor], n_tokens: int, batch: int = 0) -> torch.Tensor:
+    """(layers, heads, n_tokens) bool: which prompt positions each layer's head kept."""
+    mask = torch.zeros(len(kept_indices), kept_indices[0].shape[1], n_tokens, dtype=torch.bool)
+    for layer, kept in enumerate(kept_indices):
+        mask[layer].scatter_(-1, kept[batch].cpu(), True)
+    return mask
+
+
+def kept_tokens_html(tokenizer, prompt_ids, kept_indices, *, layer: int | None = None, head: int | None = None,
+                     highlight: tuple[int, int] | None = None, around: tuple[int, int] | None = None) -> str:
+    """The prompt as HTML, each token shaded green by the fraction of heads that kept it.
+
+    prompt_ids: (n,) or (1, n); kept_indices: per layer (batch, heads, kept). layer None averages over
+    layers and heads; layer alone over that layer's heads; layer and head give kept (1) or dropped (0).
+    highlight: [start, end) tokens outlined in red (e.g. the needle). around: [start, end) tokens shown.
+    """
+    ids = torch.as_tensor(prompt_ids).reshape(-1).tolist()
+    mask = kept_mask(kept_indices, len(ids)).float()
+    if layer is not None:
+        mask = mask[layer: layer + 1]
+    if head is not None:
+        mask = mask[:, head: head + 1]
+    fraction = mask.mean(dim=(0, 1)).tolist()
+    start, end = around or (0, len(ids))
+    start, end = max(0, start), min(len(ids), end)
+    spans = ["<span style='color:#888'>…</span>"] if start > 0 else []
+    for i in range(start, end):
+        text = html.escape(tokenizer.decode([ids[i]])).replace("\n", "↵<br>")
+        style = f"background:rgba(0,150,0,{0.1 + 0.75 * fraction[i]:.2f})" if fraction[i] > 0 else "color:#aaa"
+        if highlight and highlight[0] <= i < highlight[1]:
+            style += ";outline:2px solid #d00"
+        spans.append(f"<span title='pos {i}: kept by {fraction[i]:.0%}' style='{style}'>{text}</span>")
+    if end < len(ids):
+        spans.append("<span style='color:#888'>…</span>")
+    scope = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", KV head {head}")
+    legend = (f"<div style='font-size:80%;color:#555'>green: kept (shade = fraction of {scope}); grey: dropped; "
+              "red outline: highlighted span</div>")
+    return legend + "<div style='font-family:monospace;font-size:85%;line-height:1.6'>" + "".join(spans) + "</div>"
+
+
+class ABTable(pd.DataFrame):
+    """DataFrame of `compare` rows that keeps the runs (`results`, by row label) for the rich display."""
+
+    _metadata = ["results", "tokenizer"]
+
+    @property
+    def _constructor(self):
+        return ABTable
+
+    def result(self, prompt, policy: str) -> GenerationResult:
+        row = self[(self["prompt"] == prompt) & (self["policy"] == policy)]
+        if row.empty:
+            raise KeyError(f"no run for prompt {prompt!r} and policy {policy!r}; policies: {sorted(self['policy'].unique())}")
+        return self.results[row.index[0]]
+
+    def kept_view(self, prompt, policy: str, **kwargs):
+        """IPython HTML of `kept_tokens_html` for one run (kwargs: layer, head, highlight, around)."""
+        from IPython.display import HTML
+
+        run = self.result(prompt, policy)
+        return HTML(kept_tokens_html(self.tokenizer, run.prompt_ids[0], run.kept_indices, **kwargs))
+
+    def _repr_html_(self):
+        if getattr(self, "results", None) is None:
+            return super()._repr_html_()
+        cards = []
+        for prompt, rows in self.groupby("prompt", sort=False):
+            boxes = []
+            for _, row in rows.iterrows():
+                mark = "" if pd.isna(row["correct"]) else (" ✅" if row["correct"] else " ❌")
+                boxes.append(
+                    "<div style='flex:1;min-width:12em;border:1px solid #ccc;border-radius:4px;padding:4px'>"
+                    f"<b>{html.escape(row['policy'])}</b>{mark}<br><span style='font-size:80%;color:#555'>"
+                    f"{row['kv_bytes'] / 2**20:.1f} MiB KV, {row['decode_ms_per_token']:.0f} ms/token</span>"
+                    f"<div style='white-space:pre-wrap'>{html.escape(str(row['answer']))}</div></div>")
+            cards.append(f"<div><b>prompt {html.escape(str(prompt))}</b> ({rows['prompt_tokens'].iloc[0]} tokens)"
+                         f"<div style='display:flex;gap:6px'>{''.join(boxes)}</div></div>")
+        metrics = pd.DataFrame(self).drop(columns=["answer"])._repr_html_()
+        return "<div>" + "".join(cards) + "</div><br>" + metrics
+
+
+def _as_item(prompt, index: int) -> dict:
+    item = dict(prompt) if isinstance(prompt, dict) and "prompt" in prompt else dict(prompt=prompt)
+    item.setdefault("name", index)
+    return item
+
+
+def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_new_tokens: int = 64,
+            progress: bool = True) -> ABTable:
+    """Run every prompt with every policy: one row per (prompt, policy).
+
+    prompts: a list of prompts (text, chat messages, ids), or of dicts {"prompt", "answer" (expected text,
+        optional: correct = it appears in the output, case-insensitive), "question" (optional: query-agnostic
+        mode, appended after compression), "name" (optional row label)}.
+    Columns: prompt, policy, mode, answer, expected, correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one),
+    cache_length, prompt_tokens, prefill_s, decode_ms_per_token, new_tokens.
+    """
+    items = [_as_item(p, i) for i, p in enumerate(prompts)]
+    rows, results = [], {}
+    bar = tqdm(total=len(items) * len(policies), desc="compare", disable=not progress)
+    for item in items:
+        for policy in policies:
+            run = generate(model, tokenizer, item["prompt"], policy=policy, max_new_tokens=max_new_tokens,
+                           question=item.get("question"))
+            expected = item.get("answer")
+            results[len(rows)] = run
+            rows.append(dict(
+                prompt=item["name"], policy=policy.label, mode="query-agnostic" if "question" in item else "query-aware",
+                answer=run.text, expected=expected,
+                correct=pd.NA if expected is None else expected.lower() in run.text.lower(),
+                kv_bytes=run.kv_bytes, cache_length=max(run.cache_lengths), prompt_tokens=run.prompt_ids.shape[1],
+                prefill_s=run.prefill_seconds, decode_ms_per_token=run.decode_ms_per_token,
+                new_tokens=run.token_ids.shape[1]))
+            bar.update()
+    bar.close()
+    table = ABTable(rows)
+    table["kv_ratio"] = table.groupby("prompt").kv_bytes.transform("max") / table.kv_bytes
+    table.results, table.tokenizer = results, tokenizer
+    return table

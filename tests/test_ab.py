@@ -1,0 +1,86 @@
+"""The A/B harness and the pressure-test runner (its one-prefill reuse must equal plain `generate`)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from snapkv_lab import FullCache, H2O, SnapKV, StreamingLLM, compare, generate
+from snapkv_lab.ab import kept_mask, kept_tokens_html
+from snapkv_lab.pressure import Context, Query, accuracy_table, run_retrieval
+
+POLICIES = [FullCache(), SnapKV(capacity=40, window_size=8), StreamingLLM(capacity=40, window_size=8)]
+
+
+def tiny():
+    return make_tiny_llama(initializer_range=0.3)
+
+
+def test_compare_table_and_display(byte_tokenizer):
+    prompts = ["x" * 30 + "the answer is here " * 4, {"prompt": "y" * 70, "question": "what?", "answer": "zz", "name": "agnostic"}]
+    table = compare(tiny(), byte_tokenizer, prompts, policies=POLICIES, max_new_tokens=6, progress=False)
+    assert len(table) == 6 and list(table.policy[:3]) == ["FullCache", "SnapKV@40", "StreamingLLM@40"]
+    assert set(table["mode"]) == {"query-aware", "query-agnostic"}
+    assert table.correct.iloc[:3].isna().all() and table.correct.iloc[3:].map(lambda c: c in (True, False)).all()
+    first = table[table.prompt == 0]
+    assert first.kv_bytes.iloc[0] * 40 == first.kv_bytes.iloc[1] * first.prompt_tokens.iloc[0]  # n -> 40 positions
+    assert (first.kv_ratio.iloc[1:] > 1).all() and first.kv_ratio.iloc[0] == 1
+    page = table._repr_html_()
+    assert "SnapKV@40" in page and "MiB KV" in page
+    sliced = table[table.policy != "FullCache"]
+    assert isinstance(sliced.results, dict)
+    view = sliced.kept_view("agnostic", "SnapKV@40", layer=1, around=(0, 20)).data
+    assert view.count("<span title=") == 20
+
+
+def test_kept_tokens_html_shades_by_fraction(byte_tokenizer):
+    kept = [torch.tensor([[[0, 2], [0, 3]]]), torch.tensor([[[0, 2], [1, 2]]])]  # 2 layers, 2 heads, 4 tokens
+    mask = kept_mask(kept, 4)
+    assert mask.float().mean(dim=(0, 1)).tolist() == [0.75, 0.25, 0.75, 0.25]
+    page = kept_tokens_html(byte_tokenizer, torch.tensor([97, 98, 99, 100]), kept, highlight=(1, 2))
+    assert "kept by 75%" in page and page.count("outline:2px") == 1
+    assert "kept by 0%" in kept_tokens_html(byte_tokenizer, torch.tensor([97, 98, 99, 100]), kept, layer=0, head=0)
+
+
+def test_retrieval_runner_reuse_equals_generate(byte_tokenizer):
+    """One prefill per context, many compressed copies: each row must match a fresh `generate`."""
+    model = tiny()
+    g = torch.Generator().manual_seed(11)
+    context = torch.randint(2, 256, (100,), generator=g).tolist()
+    question = torch.randint(2, 256, (12,), generator=g).tolist()
+    ctx = Context(context, [Query(question, "7", (40, 50), (45, 47))], dict(task="unit", length=112))
+    policies = [SnapKV(window_size=8), H2O(window_size=8), StreamingLLM(window_size=8)]
+    table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), max_new_tokens=6, progress=False)
+    assert len(table) == 1 + 3 * 2
+    full = generate(model, byte_tokenizer, [context + question], max_new_tokens=6)
+    assert table.output.iloc[0] == full.text
+    for policy in policies:
+        sized = type(policy)(capacity=40, window_size=8)
+        aware = generate(model, byte_tokenizer, [context + question], policy=sized, max_new_tokens=6)
+        agnostic = generate(model, byte_tokenizer, [context], question=question, policy=sized, max_new_tokens=6)
+        rows = table[table.policy == policy.name].set_index("mode")
+        assert rows.loc["query-aware", "output"] == aware.text, policy.name
+        assert rows.loc["query-agnostic", "output"] == agnostic.text, policy.name
+        kept = aware.kept_indices
+        span = ((kept[0][0] >= 40) & (kept[0][0] < 50)).sum() + ((kept[1][0] >= 40) & (kept[1][0] < 50)).sum()
+        assert rows.loc["query-aware", "fact_kept"] == pytest.approx(float(span) / (2 * 2 * 10))
+    acc = accuracy_table(table.assign(length=112))
+    assert ("query-aware", "FullCache", "full") in acc.index
+
+
+@pytest.mark.slow
+def test_needle_context_places_the_needle(smollm):
+    from snapkv_lab.pressure import needle_context
+
+    _, tokenizer = smollm
+    for depth in (0.0, 0.5, 1.0):
+        ctx = needle_context(tokenizer, 1000, depth, sample=1)
+        query = ctx.queries[0]
+        assert len(ctx.context_ids) + len(query.question_ids) == 1000
+        start, end = query.value_span
+        assert tokenizer.decode(ctx.context_ids[start:end]) == query.answer
+        assert "special magic number" in tokenizer.decode(ctx.context_ids[query.span[0]:query.span[1]])
+        assert len(query.question_ids) >= 32  # SnapKV's window votes with the question alone
+    assert isinstance(pd.DataFrame([query.meta]).depth.iloc[0], float)
