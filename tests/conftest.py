@@ -28,9 +28,10 @@ class ByteTokenizer:
 def make_tiny_llama(attn_implementation: str = "sdpa", seed: int = 0, **overrides) -> LlamaForCausalLM:
     """2 layers, 4 query heads sharing 2 KV heads, head_dim 16; same weights for the same seed."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         eos_token_id=0, bos_token_id=1, pad_token_id=0, **overrides)
+    settings = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                    eos_token_id=0, bos_token_id=1, pad_token_id=0)
+    config = LlamaConfig(**{**settings, **overrides})
     config._attn_implementation = attn_implementation
     return LlamaForCausalLM(config).eval()
 

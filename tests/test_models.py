@@ -71,3 +71,20 @@ def test_smollm_trace_matches_eager_on_real_text(smollm):
         reference = eager_twin(model)(trace.token_ids[None], output_attentions=True).attentions
     for layer in (0, 13, 29):
         torch.testing.assert_close(trace.attention(layer), reference[layer][0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_local_path_in_bfloat16_and_eager(tmp_path):
+    """Any local folder loads, in the dtype and backend asked for, and capture runs on it."""
+    from conftest import make_tiny_llama
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_checkpoint())
+    make_tiny_llama(vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, tok = load_model(str(tmp_path), device="cpu", dtype="bf16", attn_implementation="eager")
+    assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
+    trace = capture(model, tok, "Hello there, attention.", max_new_tokens=3, stop_at_eos=False, progress=False)
+    assert trace.meta["dtype"] == "bfloat16" and trace.n_generated == 3
+    probs = trace.attention(1)
+    torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), atol=1e-5, rtol=0)
