@@ -235,6 +235,7 @@ class CompressionState:
     policy: Policy
     cache: DynamicCache
     kept_indices: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (batch, heads, kept)
+    selection_seconds: float = 0.0  # time spent scoring, selecting and gathering (the compressor's overhead)
     _groups: dict = field(default_factory=dict)  # attention module -> its original num_key_value_groups
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
@@ -253,6 +254,7 @@ class CompressionState:
         if self.policy.budget(n) is None:
             self.kept_indices[layer] = torch.arange(n, device=key.device).expand(batch, kv_heads, -1)
             return
+        began = time.perf_counter()
         scaling = kwargs.get("scaling") or module.scaling
         positions = torch.arange(n, device=key.device)
         kept = torch.stack([
@@ -265,6 +267,7 @@ class CompressionState:
             self.cache.layers[layer].keys, self.cache.layers[layer].values = keys, values
         else:
             self.cache.layers[layer] = _QueryHeadLayer(keys, values, kept.shape[1] // kv_heads)
+        self.selection_seconds += time.perf_counter() - began
 
     def restore(self) -> None:
         for module, groups in self._groups.items():
@@ -354,6 +357,7 @@ class GenerationResult:
     cache_lengths: list[int]
     kv_bytes: int
     prefill_seconds: float
+    selection_seconds: float
     decode_ms_per_token: float
     policy: Policy
 
@@ -420,7 +424,8 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
     prompt: text, chat messages, token ids, or a list of equal-length prompts (a batch).
     question: query-agnostic mode: `prompt` is the context alone, compressed; the question (text,
         tokenised without special tokens, or ids) is appended after compression, then the answer decoded.
-    Timings: prefill_seconds covers the compressed forward (question included); decode ms/token the steps after.
+    Timings: prefill_seconds covers the compressed forward (question included), selection_seconds the part of
+    it spent scoring, selecting and gathering; decode ms/token the steps after the first token.
     """
     ids = encode_batch(tokenizer, prompt).to(model.device)
     batch, n = ids.shape
@@ -443,6 +448,6 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
     return GenerationResult(
         text=texts[0] if batch == 1 else texts, token_ids=token_ids.cpu(), prompt_ids=ids.cpu(),
         kept_indices=[state.kept_indices[i].cpu() for i in sorted(state.kept_indices)], cache_lengths=cache_lengths,
-        kv_bytes=kv_bytes, prefill_seconds=prefill_seconds,
+        kv_bytes=kv_bytes, prefill_seconds=prefill_seconds, selection_seconds=state.selection_seconds,
         decode_ms_per_token=1000 * sum(seconds) / len(seconds) if seconds else float("nan"), policy=state.policy,
     )
