@@ -92,7 +92,15 @@ def capture(
         # logits_to_keep=1: a full-vocabulary logit matrix for a long prompt would cost more than the trace.
         return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
-    with intercept_attention(model, recorder):
+    # The prefill (one forward over the whole prompt) is the long part of a long prompt: count its layers.
+    prefill_bar = tqdm(total=model.config.num_hidden_layers, desc="prefill (layers)", disable=not progress, leave=False)
+
+    def record(module, *args, **kwargs):
+        recorder(module, *args, **kwargs)
+        if prefill_bar.n < prefill_bar.total:
+            prefill_bar.update()
+
+    with intercept_attention(model, record):
         if continuation is not None:
             forced = encode_continuation(tokenizer, continuation).to(device)
             generated = forced.tolist()
@@ -102,6 +110,7 @@ def capture(
             generated = []
             eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
             logits = forward(input_ids)
+            prefill_bar.close()
             for _ in tqdm(range(max_new_tokens), desc="capture", disable=not progress, leave=False):
                 token = int(logits.argmax(-1))
                 generated.append(token)
@@ -109,6 +118,7 @@ def capture(
                 if token in eos:
                     break
             mode = "generated"
+    prefill_bar.close()
 
     layer_ids, queries, keys = recorder.stacked()
     token_ids = torch.cat([input_ids[0].cpu(), torch.tensor(generated, dtype=torch.long)])

@@ -128,4 +128,6 @@ def load_model(name: str | None = None, *, device: str | None = None, dtype=None
             f"Face cache (this machine may be offline). Pass a local path, pre-download the model, or use "
             f"load_model() for the bundled {BUNDLED_NAME}. Original error: {err}"
         ) from err
+    if name is None:  # name traces and tables after the model, not after a cache folder of this machine
+        model.config.name_or_path = BUNDLED_NAME
     return model.to(device).eval(), tokenizer
