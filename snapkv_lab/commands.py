@@ -51,7 +51,8 @@ def needle(args) -> int:
     from .pressure import recompute
 
     start = time.perf_counter()
-    recompute(dict(data_dir=args.data_dir, model=args.model, samples=args.samples, lengths=args.lengths,
+    recompute(dict(data_dir=args.data_dir, model=args.model, samples=args.samples, first_sample=args.first_sample,
+                   lengths=args.lengths,
                    depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths))
     for path in make_figures(args.data_dir, args.figures_dir, only=["pressure"]):
         print(path)
@@ -64,6 +65,7 @@ def _needle_arguments(p) -> None:
     p.add_argument("--figures-dir", default="figures")
     p.add_argument("--model", default=None, help="Hugging Face id or local path (default: the bundled SmolLM2)")
     p.add_argument("--samples", type=int, default=1, help="haystacks per (length, depth)")
+    p.add_argument("--first-sample", type=int, default=0, help="index of the first sample (to run a grid in pieces)")
     p.add_argument("--lengths", type=int, nargs="*", default=None, help="prompt lengths in tokens (default 2000 4000 7500)")
     p.add_argument("--depths", type=float, nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
     p.add_argument("--lines-lengths", type=int, nargs="*", default=None, help="lines-task record lengths (default 2000)")

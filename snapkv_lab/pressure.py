@@ -247,13 +247,14 @@ def recompute(options: dict) -> None:
     model, tokenizer = load_model(options.get("model"))
     lengths = options.get("lengths") or NEEDLE_LENGTHS
     depths = options.get("depths") or NEEDLE_DEPTHS
-    samples = options.get("samples") or 1
-    contexts = [needle_context(tokenizer, n, d, s) for n in lengths for d in depths for s in range(samples)]
+    # Samples differ in needle (key, value) and haystack start; first_sample lets a long grid run in pieces.
+    samples = range(options.get("first_sample") or 0, (options.get("first_sample") or 0) + (options.get("samples") or 1))
+    contexts = [needle_context(tokenizer, n, d, s) for n in lengths for d in depths for s in samples]
     save = lambda name: (lambda table: table.to_csv(data_dir / name, index=False))  # noqa: E731
     save("pressure_needle.csv")(run_retrieval(model, tokenizer, contexts, on_context=save("pressure_needle.csv")))
     if not options.get("skip_lines"):
         lines = [lines_context(tokenizer, n, n_queries=options.get("line_queries") or 8, sample=s)
-                 for n in options.get("lines_lengths") or (2000,) for s in range(samples)]
+                 for n in options.get("lines_lengths") or (2000,) for s in samples]
         table = run_retrieval(model, tokenizer, lines, policies=(SnapKV(), SnapKVNoPooling()),
                               capacities=(256, 512, 1024), modes=("query-aware",), on_context=save("pressure_lines.csv"))
         save("pressure_lines.csv")(table)
