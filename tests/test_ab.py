@@ -84,3 +84,18 @@ def test_needle_context_places_the_needle(smollm):
         assert "special magic number" in tokenizer.decode(ctx.context_ids[query.span[0]:query.span[1]])
         assert len(query.question_ids) >= 32  # SnapKV's window votes with the question alone
     assert isinstance(pd.DataFrame([query.meta]).depth.iloc[0], float)
+
+
+def test_pressure_figures_draw_from_tables(tmp_path):
+    from snapkv_lab.figures import FIGURE_SETS, load_figure_sets
+
+    rows = [dict(task="needle", length=n, depth=d, sample=0, policy=p, capacity=c, mode=m, correct=(d + (c or 4096) / 4096) > 0.5,
+                 value_kept=0.5, fact_kept=0.5)
+            for n in (1000, 2000) for d in (0.0, 1.0)
+            for p, c, m in [("FullCache", None, "full")] + [(p, c, m) for p in ("SnapKV", "H2O") for c in (256, 512)
+                                                               for m in ("query-aware", "query-agnostic")]]
+    pd.DataFrame(rows).to_csv(tmp_path / "pressure_needle.csv", index=False)
+    pd.DataFrame(rows).assign(task="lines").to_csv(tmp_path / "pressure_lines.csv", index=False)
+    written = load_figure_sets()["pressure"].draw(tmp_path, tmp_path)
+    assert {p.name for p in written} >= {"pressure_needle_query-aware.png", "pressure_needle_budget.html", "pressure_lines.png"}
+    assert "pressure" in FIGURE_SETS
