@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .compression import (FullCache, H2O, RandomKeep, ScoreRecorder, SnapKV, SnapKVNoPooling, StreamingLLM,
+from .compression import (H2O, RandomKeep, ScoreRecorder, SnapKV, SnapKVNoPooling, StreamingLLM,
                           _eos_ids, cache_from, compressed_copy, decode_text, greedy_decode)
 from .corpus import haystack_ids
 from .figures import FigureSet, register
@@ -84,10 +83,6 @@ def _word_key(rng: random.Random) -> str:
     return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
 
 
-def _insert(ids: list[int], fact: list[int], at: int) -> tuple[list[int], int]:
-    return ids[:at] + fact + ids[at:], at
-
-
 def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> Context:
     """A haystack of Paul Graham essays of n_tokens in all (question included), with one 7-digit needle
     placed at `depth` (0 = first sentence, 1 = last), after a sentence end."""
@@ -99,7 +94,7 @@ def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> C
     at = round(depth * len(hay))
     while 0 < at < len(hay) and "." not in tokenizer.decode(hay[at - 1: at]):
         at -= 1  # back to the previous sentence end, so the needle is a sentence of its own
-    body, at = _insert(hay, needle, at)
+    body = hay[:at] + needle + hay[at:]
     start = len(head) + at
     value_at = _find(needle, _tokens(tokenizer, value), tokenizer)
     query = Query(question, value, (start, start + len(needle)), (start + value_at[0], start + value_at[1]),
