@@ -250,6 +250,8 @@ class CompressionState:
         if key.shape[2] != query.shape[2]:
             raise RuntimeError("the compressor's cache must start empty (the prefill compresses the whole prompt)")
         _refuse_padding(attention_mask)
+        if kwargs.get("sliding_window"):
+            raise NotImplementedError(f"layer {layer} uses sliding-window attention, whose cache the compressor does not manage")
         batch, kv_heads, n, _ = key.shape
         if self.policy.budget(n) is None:
             self.kept_indices[layer] = torch.arange(n, device=key.device).expand(batch, kv_heads, -1)
