@@ -15,18 +15,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from einops import rearrange
 
 # One block of probabilities holds at most this many float32 numbers (64 MiB).
 BLOCK_ELEMENTS = 1 << 24
 
 
-def _expand_kv(key: torch.Tensor, kv_index: torch.Tensor | None, n_heads: int) -> torch.Tensor:
-    """(kv_heads, n_keys, d) -> (n_heads, n_keys, d), one KV head per query head."""
-    if kv_index is None:
-        if n_heads % key.shape[0]:
-            raise ValueError(f"{n_heads} query heads cannot share {key.shape[0]} KV heads evenly; pass kv_index")
-        kv_index = torch.arange(n_heads, device=key.device) // (n_heads // key.shape[0])
-    return key.index_select(0, kv_index.to(key.device))
+def _logits(query: torch.Tensor, key: torch.Tensor, kv_index: torch.Tensor | None) -> torch.Tensor:
+    """q.k for (heads, rows, d) queries and (kv_heads, keys, d) keys -> (heads, rows, keys) float32.
+
+    With kv_index None the heads are all of the model's, in order: a grouped einsum then reads each KV
+    head in place instead of copying it once per query head.
+    """
+    query = query.float()
+    if kv_index is not None:
+        return torch.einsum("hqd,hkd->hqk", query, key.index_select(0, kv_index.to(key.device)).float())
+    if query.shape[0] % key.shape[0]:
+        raise ValueError(f"{query.shape[0]} query heads cannot share {key.shape[0]} KV heads evenly; pass kv_index")
+    grouped = rearrange(query, "(kv g) q d -> kv g q d", kv=key.shape[0])
+    return rearrange(torch.einsum("vgqd,vkd->vgqk", grouped, key.float()), "kv g q k -> (kv g) q k")
 
 
 def attention_row_blocks(
@@ -43,18 +50,17 @@ def attention_row_blocks(
     n_keys_needed is 1 + the largest query position of the block: later keys are masked anyway.
     """
     heads, n_queries, _ = query.shape
-    keys = _expand_kv(key, kv_index, heads).float()
     query_positions = torch.as_tensor(query_positions, device=query.device)
     if query_positions.shape != (n_queries,):
         raise ValueError(f"query_positions must have shape ({n_queries},), got {tuple(query_positions.shape)}")
-    if n_queries and int(query_positions.max()) >= keys.shape[1]:
-        raise ValueError(f"a query at position {int(query_positions.max())} needs more than the {keys.shape[1]} keys given")
-    rows_per_block = max(1, block_elements // max(1, heads * keys.shape[1]))
+    if n_queries and int(query_positions.max()) >= key.shape[1]:
+        raise ValueError(f"a query at position {int(query_positions.max())} needs more than the {key.shape[1]} keys given")
+    rows_per_block = max(1, block_elements // max(1, heads * key.shape[1]))
     for start in range(0, n_queries, rows_per_block):
         rows = slice(start, min(start + rows_per_block, n_queries))
         positions = query_positions[rows]
         width = int(positions.max()) + 1
-        logits = torch.einsum("hqd,hkd->hqk", query[:, rows].float(), keys[:, :width]) * scaling
+        logits = _logits(query[:, rows], key[:, :width], kv_index) * scaling
         future = torch.arange(width, device=logits.device)[None, :] > positions[:, None]
         logits.masked_fill_(future, float("-inf"))
         yield rows, torch.softmax(logits, dim=-1)

@@ -45,10 +45,11 @@ def prompt_windows(trace, *, window=128, n_windows=20, p=TOP_P, sample=0) -> pd.
     _require(trace, window * n_windows + 1, "prompt_windows")
     rows = []
     for layer in trace.layers:
+        attn = trace.attention(layer, queries=trace.generated, keys=slice(0, prefix_len))
         for j in range(1, n_windows + 1):
             start = trace.prompt_len - window * j
             selected = to_mask(select_from_trace(trace, layer, slice(start, start + window), p, prefix_len=prefix_len), prefix_len)
-            rows += selection_vs_generation(trace, layer, selected, trace.generated, prefix_len=prefix_len, window=-j)
+            rows += selection_vs_generation(attn, selected, layer=layer, window=-j)
     return pd.DataFrame(rows).assign(sample=sample)
 
 
@@ -59,12 +60,13 @@ def generation_consistency(trace, *, obs_window=32, gen_window=128, n_gen_window
     observation = slice(prefix_len, trace.prompt_len)
     windows = [slice(trace.prompt_len + i * gen_window, trace.prompt_len + (i + 1) * gen_window) for i in range(n_gen_windows)]
     windows = [w for w in windows if w.start < trace.n_tokens]
-    rows = []
+    rows, prefix = [], slice(0, prefix_len)
     for layer in trace.layers:
         selected = to_mask(select_from_trace(trace, layer, observation, p), prefix_len)
+        observed = trace.attention(layer, queries=observation, keys=prefix)
         for i, rows_i in enumerate(windows):
-            rows += selection_vs_generation(trace, layer, selected, slice(rows_i.start, min(rows_i.stop, trace.n_tokens)),
-                                            prefix_len=prefix_len, window=i + 1, observation_rows=observation)
+            attn = trace.attention(layer, queries=slice(rows_i.start, min(rows_i.stop, trace.n_tokens)), keys=prefix)
+            rows += selection_vs_generation(attn, selected, layer=layer, window=i + 1, observed=observed)
     return pd.DataFrame(rows).assign(sample=sample)
 
 

@@ -111,14 +111,15 @@ def metric_rows(parts: dict[str, torch.Tensor], *, layer, window, metric, sinks,
             for h in range(len(value))]
 
 
-def selection_vs_generation(trace, layer: int, selected: torch.Tensor, generated_rows, *, prefix_len: int,
-                            window, observation_rows=None, theta=THETA, sink_rule=SinkRule(),
+def selection_vs_generation(attn, selected, *, layer, window, observed=None, theta=THETA, sink_rule=SinkRule(),
                             min_support=MIN_SUPPORT) -> list[dict]:
-    """hit_rate, recall (and coarse, given the observation rows) of one selection against the attention
-    of `generated_rows` over the prefix, with sinks kept and excluded. selected: (heads, prefix_len) bool."""
-    attn = trace.attention(layer, queries=generated_rows, keys=slice(0, prefix_len))
+    """hit_rate, recall (and coarse, given `observed`) of one selection, sinks kept and excluded.
+
+    attn: (heads, generated rows, prefix) attention of the generated rows over the prefix;
+    selected: (heads, prefix) bool; observed: (heads, window rows, prefix) attention of the voting window.
+    Sinks are found on `attn` with `sink_rule`.
+    """
     sinks = sink_rule.mask(attn)
-    observed = None if observation_rows is None else trace.attention(layer, queries=observation_rows, keys=slice(0, prefix_len))
     rows = []
     for label, eligible in (("kept", None), ("excluded", ~sinks)):
         common = dict(layer=layer, window=window, sinks=label, min_support=min_support)

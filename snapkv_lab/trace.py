@@ -95,10 +95,15 @@ class AttentionTrace:
         if layer not in self.layers:
             raise KeyError(f"layer {layer} was not recorded; recorded layers: {self.layers}")
         entry = self.layers.index(layer)
-        head_index = positions(heads, self.n_heads)
         rows = positions(queries, self.n_tokens)
-        kv_index = head_index // (self.n_heads // self.n_kv_heads)
-        query = self.queries[entry].index_select(0, head_index).index_select(1, rows)
+        # Views where possible: a slice of rows and all heads copy nothing.
+        query = self.queries[entry]
+        query = query[:, queries] if isinstance(queries, slice) else query.index_select(1, rows)
+        kv_index = None
+        if heads is not None:
+            head_index = positions(heads, self.n_heads)
+            kv_index = head_index // (self.n_heads // self.n_kv_heads)
+            query = query.index_select(0, head_index)
         return dict(query=query, key=self.keys[entry], scaling=self.scaling, query_positions=rows, kv_index=kv_index)
 
     def attention(self, layer: int, heads=None, queries=None, keys=None) -> torch.Tensor:
