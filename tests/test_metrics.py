@@ -1,0 +1,152 @@
+"""Metrics against hand-computed cases; selection against transformers' eager attention; experiments' tables."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from conftest import eager_twin, make_tiny_llama
+
+from snapkv_lab import capture
+from snapkv_lab.experiments import generation_consistency, prompt_windows, question_dependence
+from snapkv_lab.metrics import (SinkRule, attention_recall, coarse_overlap, hit_rate, metric_rows,
+                                selection_overlap, summarise, to_mask)
+from snapkv_lab.selection import pool_votes, select, select_from_trace, topk_count, votes_per_kv_head
+
+
+def one_head(*rows):
+    return torch.tensor([rows], dtype=torch.float32)  # (1 head, rows, prefix)
+
+
+def test_hit_rate_by_hand():
+    attn = one_head([0.50, 0.30, 0.10, 0.06, 0.04], [0.02, 0.90, 0.02, 0.03, 0.03])
+    selected = torch.tensor([[False, True, False, True, False]])
+    parts = hit_rate(attn, selected, theta=0.05)
+    # Above theta: row 0 -> {0, 1, 2, 3}, row 1 -> {1}; selected among them: {1, 3} and {1}.
+    assert parts["support"].item() == 5 and parts["numerator"].item() == 3
+    assert parts["chance_numerator"].item() == pytest.approx(5 * 2 / 5)
+    # Excluding position 0 (a sink): support 4, hits 3, chance 2 of 4 eligible.
+    eligible = torch.tensor([[False, True, True, True, True]])
+    parts = hit_rate(attn, selected, theta=0.05, eligible=eligible)
+    assert (parts["numerator"].item(), parts["support"].item()) == (3, 4)
+    assert parts["chance_numerator"].item() == pytest.approx(4 * 2 / 4)
+
+
+def test_recall_by_hand():
+    attn = one_head([0.5, 0.3, 0.2], [0.1, 0.1, 0.8])
+    selected = torch.tensor([[False, True, True]])
+    parts = attention_recall(attn, selected)
+    assert parts["numerator"].item() == pytest.approx(0.5 + 0.9)
+    assert parts["support"].item() == 2 and parts["chance_numerator"].item() == pytest.approx(2 * 2 / 3)
+    # Without position 0: row 0 mass 0.5, all on the selection; row 1 likewise.
+    parts = attention_recall(attn, selected, eligible=torch.tensor([[False, True, True]]))
+    assert parts["numerator"].item() == pytest.approx(2.0)
+
+
+def test_overlap_and_coarse_by_hand():
+    a = to_mask(torch.tensor([[0, 1, 2]]), 10)
+    b = to_mask(torch.tensor([[1, 2, 3]]), 10)
+    parts = selection_overlap(a, b)
+    assert (parts["numerator"].item(), parts["support"].item()) == (2, 3)
+    assert parts["chance_numerator"].item() == pytest.approx(3 * 3 / 10)
+    generated = one_head([0.990, 0.006, 0.004], [0.990, 0.008, 0.002])  # mean > 0.005 at {0, 1}
+    window = one_head([0.994, 0.003, 0.003], [0.980, 0.002, 0.018])  # mean > 0.005 at {0, 2}
+    parts = coarse_overlap(generated, window, threshold=0.005)
+    assert (parts["numerator"].item(), parts["support"].item()) == (1, 2)
+
+
+def test_sink_rule():
+    attn = one_head([0.1, 0.6, 0.3], [0.2, 0.5, 0.3], [0.0, 0.8, 0.2])
+    assert SinkRule(first=1, share=0.25).mask(attn).tolist() == [[True, True, False]]
+    assert SinkRule(first=0, share=0.2).mask(attn).tolist() == [[False, True, True]]
+
+
+def test_undefined_cells_are_nan_and_pooling_is_exact():
+    parts = dict(numerator=torch.tensor([3.0, 0.0]), chance_numerator=torch.tensor([1.0, 0.0]),
+                 support=torch.tensor([6.0, 2.0]))
+    rows = metric_rows(parts, layer=0, window=1, metric="hit_rate", sinks="kept", min_support=5)
+    assert rows[0]["value"] == 0.5 and math.isnan(rows[1]["value"])
+    table = pd.DataFrame(rows + metric_rows(parts, layer=1, window=1, metric="hit_rate", sinks="kept", min_support=5))
+    summary = summarise(table, min_support=5)
+    assert summary["value"].tolist() == [3 / 8, 3 / 8] and summary["defined"].all()
+    tiny = summarise(table[table["head"] == 1], min_support=5)
+    assert tiny["value"].isna().all() and not tiny["defined"].any()
+
+
+def test_random_selection_hit_rate_matches_chance():
+    """Many random selections of k of P positions: the mean hit rate is k / P, as the chance column says."""
+    generator = torch.Generator().manual_seed(0)
+    heads, rows, prefix, k = 4, 64, 400, 20
+    attn = torch.distributions.Dirichlet(torch.full((prefix,), 0.05)).sample((heads, rows))
+    rates, chances = [], []
+    for _ in range(300):
+        scores = torch.rand(heads, prefix, generator=generator)
+        parts = hit_rate(attn, to_mask(torch.topk(scores, k).indices, prefix))
+        rates.append(parts["numerator"].sum() / parts["support"].sum())
+        chances.append(parts["chance_numerator"].sum() / parts["support"].sum())
+    assert float(torch.stack(chances).mean()) == pytest.approx(k / prefix)
+    assert float(torch.stack(rates).mean()) == pytest.approx(k / prefix, abs=0.01)
+
+
+def test_select_pooling_gqa_and_k():
+    votes = torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0, 1.0, 0.0, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 4.0]])
+    assert select(votes, 1, pooling=None).tolist() == [[2], [7]]
+    assert pool_votes(votes[:1], "max", 3).tolist() == [[0.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0, 0.0]]
+    assert pool_votes(votes[:1], "avg", 3)[0, 1].item() == pytest.approx(5 / 3)
+    assert votes_per_kv_head(votes, 1, "mean").tolist() == [votes.mean(0).tolist()]
+    assert select(votes, 2, pooling=None, kv_heads=1, gqa="max").tolist() == [[2, 7]]
+    assert topk_count(0.05, 100) == 5 and topk_count(0.001, 100) == 1
+    with pytest.raises(ValueError, match="odd"):
+        pool_votes(votes, "max", 4)
+    with pytest.raises(ValueError, match="cannot be chosen"):
+        topk_count(9, 8)
+
+
+def _eager_votes(model, token_ids, layer, window: slice, prefix_len: int) -> torch.Tensor:
+    with torch.no_grad():
+        attn = eager_twin(model)(token_ids[None], output_attentions=True).attentions[layer][0]
+    return attn[:, window, :prefix_len].sum(1)  # (heads, prefix)
+
+
+def test_selection_equals_eager_reference_tiny(byte_tokenizer):
+    model = make_tiny_llama()
+    trace = capture(model, byte_tokenizer, torch.arange(3, 103), max_new_tokens=4, stop_at_eos=False, progress=False)
+    votes = _eager_votes(model, trace.token_ids, 1, slice(84, 100), 84)
+    expected = torch.topk(votes, 8).indices.sort().values
+    assert torch.equal(select_from_trace(trace, 1, slice(84, 100), 8), expected)
+
+
+@pytest.mark.slow
+def test_vote_equals_eager_rows_on_real_prompt(smollm):
+    from snapkv_lab.corpus import paul_graham_essays
+
+    model, tokenizer = smollm
+    trace = capture(model, tokenizer, paul_graham_essays()["founders"][:1500], max_new_tokens=2, progress=False)
+    n = trace.prompt_len
+    for layer in (2, 17):
+        votes = _eager_votes(model, trace.token_ids, layer, slice(n - 32, n), n - 32)
+        torch.testing.assert_close(trace.column_sums(layer, queries=slice(n - 32, n))[:, : n - 32], votes, atol=1e-5, rtol=0)
+        k = topk_count(0.05, n - 32)
+        expected = set(map(tuple, torch.topk(votes, k).indices.sort().values.tolist()))
+        got = select_from_trace(trace, layer, slice(n - 32, n), 0.05)
+        # Ties (exact equal floats) are vanishingly rare; compare as sets per head.
+        assert [set(r) for r in got.tolist()] == [set(r) for r in map(list, expected)] or \
+            all(len(set(g) & set(e)) >= k - 1 for g, e in zip(got.tolist(), torch.topk(votes, k).indices.tolist()))
+
+
+def test_experiment_tables_are_tidy(byte_tokenizer):
+    model = make_tiny_llama()
+    trace = capture(model, byte_tokenizer, torch.arange(3, 203), max_new_tokens=24, stop_at_eos=False, progress=False)
+    a = prompt_windows(trace, window=16, n_windows=5)
+    assert set(a["window"]) == {-1, -2, -3, -4, -5} and set(a["metric"]) == {"hit_rate", "recall"}
+    assert len(a) == 2 * 5 * 4 * 2 * 2  # layers x windows x heads x metrics x sink variants
+    b = generation_consistency(trace, obs_window=8, gen_window=8, n_gen_windows=3)
+    assert set(b["window"]) == {1, 2, 3} and "coarse" in set(b["metric"])
+    assert ((b["value"].isna()) | ((b["value"] >= 0) & (b["value"] <= 1))).all()
+    with pytest.raises(ValueError, match="needs a prompt of more than"):
+        prompt_windows(trace, window=64, n_windows=20)
+    d = question_dependence([trace, trace], (10, 150), [150, 150])
+    assert (d.loc[d["sinks"] == "kept", "value"] == 1.0).all()  # identical traces select identically
