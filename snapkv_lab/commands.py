@@ -38,6 +38,8 @@ def _figures_arguments(p) -> None:
     p.add_argument("--obs-window", type=int, default=None, help="observation window in tokens (default 32)")
     p.add_argument("--prompt-window", type=int, default=None, help="prompt-window size for experiment (a) (default 128)")
     p.add_argument("--gen-window", type=int, default=None, help="generation-window size for experiment (b) (default 128)")
+    p.add_argument("--split", choices=["dev", "heldout"], default=None,
+                   help="prompt split of data/prompt_recipes.json for the findings (default dev)")
 
 
 figures.arguments = _figures_arguments

@@ -145,7 +145,7 @@ def _recompute(options: dict) -> None:
     model, tokenizer = load_model(options.get("model"))
     run_findings(model, tokenizer, data_dir=options["data_dir"], samples=options.get("samples"),
                  obs_window=options.get("obs_window"), prompt_window=options.get("prompt_window"),
-                 gen_window=options.get("gen_window"))
+                 gen_window=options.get("gen_window"), split=options.get("split"))
 
 
 # ---- figures -------------------------------------------------------------------------------------
