@@ -30,8 +30,9 @@ from .metrics import SinkRule, metric_rows, selection_overlap, selection_vs_gene
 from .selection import select, select_from_trace
 
 TOP_P = 0.05
+MODES = ("generated", "teacher-forced")
 DEFAULTS = dict(samples=2, obs_window=32, prompt_window=128, gen_window=128, n_windows=20, n_gen_windows=4,
-                questions=3, qa_new_tokens=48, split="dev", modes=("generated", "teacher-forced"))
+                questions=3, qa_new_tokens=48, split="dev", modes=MODES)
 
 
 def _require(trace, needed: int, what: str) -> None:
@@ -107,6 +108,8 @@ def run_findings(model, tokenizer, *, data_dir="data", **options) -> dict[str, p
     from .prompts import chat_prompts, load_recipes, qa_prompts
 
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+    if not o["modes"] or set(o["modes"]) - set(MODES):
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {o['modes']!r}")
     data_dir = Path(data_dir)
     recipes = load_recipes(data_dir / "prompt_recipes.json")
     began = time.perf_counter()
@@ -121,14 +124,20 @@ def run_findings(model, tokenizer, *, data_dir="data", **options) -> dict[str, p
         tables["b"].append(generation_consistency(trace, obs_window=o["obs_window"], gen_window=o["gen_window"],
                                                   n_gen_windows=o["n_gen_windows"], sample=i).assign(mode=mode))
         del trace
-    placed, back = {}, []
-    for placement in tqdm(("front", "back"), desc="(c, d) QA placements"):
-        prompts = qa_prompts(tokenizer, recipes, split=o["split"], questions=o["questions"], placement=placement)
-        placed[placement] = [capture(model, tokenizer, q.ids, max_new_tokens=o["qa_new_tokens"]) for q in prompts]
-        back = prompts if placement == "back" else back
-    tables["c"] = [question_placement(placed, obs_window=o["obs_window"]).assign(mode="generated")]
-    tables["d"] = [question_dependence(placed["back"], back[0].spans["document"],
-                                       [q.spans["question"][0] for q in back]).assign(mode="generated")]
+    qa = {placement: qa_prompts(tokenizer, recipes, split=o["split"], questions=o["questions"], placement=placement)
+          for placement in ("front", "back")}
+    tables["c"], tables["d"] = [], []
+    answers = None
+    for mode in MODES:  # greedy first: its answers are the teacher-forced references
+        placed = _qa_traces(model, tokenizer, qa, o["qa_new_tokens"], answers)
+        answers = {placement: [t.token_ids[t.generated] for t in traces] for placement, traces in placed.items()}
+        if mode in o["modes"]:
+            tables["c"].append(question_placement(placed, obs_window=o["obs_window"]).assign(mode=mode))
+            tables["d"].append(question_dependence(placed["back"], qa["back"][0].spans["document"],
+                                                   [q.spans["question"][0] for q in qa["back"]]).assign(mode=mode))
+        del placed
+        if "teacher-forced" not in o["modes"]:
+            break
     out = {k: pd.concat(v, ignore_index=True).assign(model=model.config.name_or_path, split=o["split"]) for k, v in tables.items()}
     data_dir.mkdir(parents=True, exist_ok=True)
     for key, table in out.items():
@@ -137,6 +146,22 @@ def run_findings(model, tokenizer, *, data_dir="data", **options) -> dict[str, p
     (data_dir / "findings_run.json").write_text(pd.Series({**{k: str(v) for k, v in o.items()}, "seconds": round(seconds),
                                                            "model": model.config.name_or_path}).to_json(indent=1))
     return out
+
+
+def _qa_traces(model, tokenizer, qa: dict[str, list], new_tokens: int, answers: dict | None = None) -> dict[str, list]:
+    """Traces of the QA prompts {"front": [Prompt], "back": [Prompt]}: greedy, or teacher-forced on `answers`.
+
+    The essays come without reference answers, so the teacher-forced reference of a (question, placement)
+    is the model's own greedy answer to that question in the *other* placement (answers: {placement: [(n,)
+    ids]}): (c) then compares the placements on answers that neither prompt wrote itself, and (d) votes
+    with answers written under another prompt.
+    """
+    other = {"front": "back", "back": "front"}
+    mode = "greedy" if answers is None else "teacher-forced"
+    return {placement: [capture(model, tokenizer, q.ids, max_new_tokens=new_tokens,
+                                continuation=None if answers is None else answers[other[placement]][i])
+                        for i, q in enumerate(tqdm(prompts, desc=f"(c, d) QA {mode}, question {placement}"))]
+            for placement, prompts in qa.items()}
 
 
 def _recompute(options: dict) -> None:
@@ -166,61 +191,68 @@ def _summary(table: pd.DataFrame, key: str) -> pd.DataFrame:
 
 
 def draw(data_dir, figures_dir) -> list[Path]:
-    """PNG (matplotlib) and HTML (plotly) per experiment from data/findings_*.csv."""
+    """PNG (matplotlib) and HTML (plotly) per experiment and mode from data/findings_*.csv.
+
+    Generated mode is figures/findings_{key}.png/.html; teacher-forced is findings_{key}_teacher-forced.*.
+    """
+    written = []
+    for key, (_, title) in EXPERIMENTS.items():
+        path = Path(data_dir) / f"findings_{key}.csv"
+        if not path.exists():
+            continue
+        for mode, summary in _summary(pd.read_csv(path), key).groupby("mode"):
+            suffix = "" if mode == "generated" else f"_{mode}"
+            written += _draw_one(summary, key, f"{title}  [{mode}; dashed: chance]", Path(figures_dir) / f"findings_{key}{suffix}")
+    return written
+
+
+def _draw_one(summary: pd.DataFrame, key: str, title: str, stem: Path) -> list[Path]:
+    """One experiment in one mode: a PNG grid (rows: metrics, columns: sinks kept / excluded) and its HTML twin."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import plotly.express as px
 
-    written = []
-    for key, (hue, title) in EXPERIMENTS.items():
-        path = Path(data_dir) / f"findings_{key}.csv"
-        if not path.exists():
-            continue
-        summary = _summary(pd.read_csv(path), key)
-        summary = summary[summary["mode"] == "generated"]
-        metric_names = [m for m in ("hit_rate", "recall", "overlap") if m in set(summary["metric"])]
-        fig, axes = plt.subplots(len(metric_names), 2, figsize=(12, 3.6 * len(metric_names)), squeeze=False, sharex=True)
-        for r, metric in enumerate(metric_names):
-            for c, sinks in enumerate(("kept", "excluded")):
-                ax, part = axes[r][c], summary[(summary.metric == metric) & (summary.sinks == sinks)]
-                if key == "a":  # x = window, one line per shown layer
-                    for layer in SHOWN_LAYERS:
-                        line = part[part.layer == layer].sort_values("window")
-                        ax.plot(line["window"], line["value"], marker=".", label=f"layer {layer}")
-                    chance = part.groupby("window")["chance"].mean()
-                    ax.plot(chance.index, chance.values, "k--", label="chance")
-                    ax.set_xlabel("prompt window (-1 = observation window)")
-                else:
-                    for value, line in part.groupby(hue):
-                        ax.plot(line["layer"], line["value"], marker=".", label=f"{hue} {value}")
-                    chance = part.groupby("layer")["chance"].mean()
-                    ax.plot(chance.index, chance.values, "k--", label="chance")
-                    undefined = sorted(set(part.loc[~part["defined"], "layer"]))
-                    if undefined:
-                        ax.text(0.01, 0.02, f"undefined (support < {metrics.MIN_SUPPORT}): layers {undefined}",
-                                transform=ax.transAxes, fontsize=7)
-                    ax.set_xlabel("layer")
-                ax.set_ylim(-0.02, 1.02)
-                ax.set_title(f"{metric}, sinks {sinks}", fontsize=10)
-                ax.grid(alpha=0.3)
-        axes[0][1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
-        fig.suptitle(f"{title}  [{summary['mode'].iloc[0] if len(summary) else ''}; dashed: chance]", fontsize=11)
-        fig.tight_layout()
-        png = Path(figures_dir) / f"findings_{key}.png"
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
-        x = "window" if key == "a" else "layer"
-        color = "layer" if key == "a" else hue
-        shown = summary[summary.layer.isin(SHOWN_LAYERS)] if key == "a" else summary
-        figure = px.line(shown.assign(**{color: shown[color].astype(str)}), x=x, y="value", color=color,
-                         facet_row="metric", facet_col="sinks", markers=True, title=title,
-                         hover_data=["chance", "support", "n_cells"])
-        html = Path(figures_dir) / f"findings_{key}.html"
-        figure.write_html(html, include_plotlyjs="cdn")
-        written += [png, html]
-    return written
+    hue = EXPERIMENTS[key][0]
+    metric_names = [m for m in ("hit_rate", "recall", "overlap") if m in set(summary["metric"])]
+    fig, axes = plt.subplots(len(metric_names), 2, figsize=(12, 3.6 * len(metric_names)), squeeze=False, sharex=True)
+    for r, metric in enumerate(metric_names):
+        for c, sinks in enumerate(("kept", "excluded")):
+            ax, part = axes[r][c], summary[(summary.metric == metric) & (summary.sinks == sinks)]
+            if key == "a":  # x = window, one line per shown layer, as in the paper
+                for layer in SHOWN_LAYERS:
+                    line = part[part.layer == layer].sort_values("window")
+                    ax.plot(line["window"], line["value"], marker=".", label=f"layer {layer}")
+                chance = part.groupby("window")["chance"].mean()
+                ax.set_xlabel("prompt window (-1 = observation window)")
+            else:
+                for value, line in part.groupby(hue):
+                    ax.plot(line["layer"], line["value"], marker=".", label=f"{hue} {value}")
+                chance = part.groupby("layer")["chance"].mean()
+                ax.set_xlabel("layer")
+            ax.plot(chance.index, chance.values, "k--", label="chance")
+            # NaN (undefined) cells leave gaps in the lines; name them so a gap is not read as missing data.
+            undefined = sorted(set(part.loc[~part["defined"], "layer"]))
+            if undefined:
+                ax.text(0.01, 0.02, f"undefined (support < {metrics.MIN_SUPPORT}): layers {undefined}",
+                        transform=ax.transAxes, fontsize=7)
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_title(f"{metric}, sinks {sinks}", fontsize=10)
+            ax.grid(alpha=0.3)
+    axes[0][1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    png, html = stem.with_suffix(".png"), stem.with_suffix(".html")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    x, color = ("window", "layer") if key == "a" else ("layer", hue)
+    shown = summary[summary.layer.isin(SHOWN_LAYERS)] if key == "a" else summary
+    figure = px.line(shown.assign(**{color: shown[color].astype(str)}), x=x, y="value", color=color,
+                     facet_row="metric", facet_col="sinks", markers=True, title=title,
+                     hover_data=["chance", "support", "n_cells"])
+    figure.write_html(html, include_plotlyjs="cdn")
+    return [png, html]
 
 
 register(FigureSet(name="findings", recompute=_recompute, draw=draw))

@@ -1,4 +1,4 @@
-"""Metrics against hand-computed cases; selection against transformers' eager attention; experiments' tables."""
+"""Metrics against hand-computed cases; selection against transformers' eager attention."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from conftest import eager_twin, make_tiny_llama
 
 from snapkv_lab import capture
-from snapkv_lab.experiments import generation_consistency, prompt_windows, question_dependence
 from snapkv_lab.metrics import (SinkRule, attention_recall, coarse_overlap, hit_rate, metric_rows,
                                 selection_overlap, summarise, to_mask)
 from snapkv_lab.selection import pool_votes, select, select_from_trace, topk_count, votes_per_kv_head
@@ -135,18 +134,3 @@ def test_vote_equals_eager_rows_on_real_prompt(smollm):
         # Ties (exact equal floats) are vanishingly rare; compare as sets per head.
         assert [set(r) for r in got.tolist()] == [set(r) for r in map(list, expected)] or \
             all(len(set(g) & set(e)) >= k - 1 for g, e in zip(got.tolist(), torch.topk(votes, k).indices.tolist()))
-
-
-def test_experiment_tables_are_tidy(byte_tokenizer):
-    model = make_tiny_llama()
-    trace = capture(model, byte_tokenizer, torch.arange(3, 203), max_new_tokens=24, stop_at_eos=False, progress=False)
-    a = prompt_windows(trace, window=16, n_windows=5)
-    assert set(a["window"]) == {-1, -2, -3, -4, -5} and set(a["metric"]) == {"hit_rate", "recall"}
-    assert len(a) == 2 * 5 * 4 * 2 * 2  # layers x windows x heads x metrics x sink variants
-    b = generation_consistency(trace, obs_window=8, gen_window=8, n_gen_windows=3)
-    assert set(b["window"]) == {1, 2, 3} and "coarse" in set(b["metric"])
-    assert ((b["value"].isna()) | ((b["value"] >= 0) & (b["value"] <= 1))).all()
-    with pytest.raises(ValueError, match="needs a prompt of more than"):
-        prompt_windows(trace, window=64, n_windows=20)
-    d = question_dependence([trace, trace], (10, 150), [150, 150])
-    assert (d.loc[d["sinks"] == "kept", "value"] == 1.0).all()  # identical traces select identically

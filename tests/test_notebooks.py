@@ -29,13 +29,3 @@ def test_attention_maps_notebook():
     text = "".join(o.get("text", "") for o in outputs)
     assert "AttentionTrace(" in text and "answer:" in text
     assert sum("application/vnd.plotly.v1+json" in o.get("data", {}) for o in outputs) >= 3
-
-
-
-@pytest.mark.notebook
-def test_consistency_findings_notebook():
-    notebook = run_notebook("02_consistency_findings.ipynb")
-    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    assert "answer:" in "".join(o.get("text", "") for o in outputs)
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # the four findings' figures
