@@ -129,8 +129,7 @@ def test_vote_equals_eager_rows_on_real_prompt(smollm):
         votes = _eager_votes(model, trace.token_ids, layer, slice(n - 32, n), n - 32)
         torch.testing.assert_close(trace.column_sums(layer, queries=slice(n - 32, n))[:, : n - 32], votes, atol=1e-5, rtol=0)
         k = topk_count(0.05, n - 32)
-        expected = set(map(tuple, torch.topk(votes, k).indices.sort().values.tolist()))
+        expected = torch.topk(votes, k).indices.sort().values
         got = select_from_trace(trace, layer, slice(n - 32, n), 0.05)
-        # Ties (exact equal floats) are vanishingly rare; compare as sets per head.
-        assert [set(r) for r in got.tolist()] == [set(r) for r in map(list, expected)] or \
-            all(len(set(g) & set(e)) >= k - 1 for g, e in zip(got.tolist(), torch.topk(votes, k).indices.tolist()))
+        # Votes that differ by less than the 1e-5 tolerance may swap at the k-th place: allow one swap per head.
+        assert all(len(set(g) & set(e)) >= k - 1 for g, e in zip(got.tolist(), expected.tolist()))
