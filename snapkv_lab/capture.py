@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from .hooks import intercept_attention
-from .inputs import encode_continuation, encode_prompt
+from .inputs import encode_continuation, encode_prompt, eos_ids
 from .trace import AttentionTrace
 
 
@@ -108,7 +108,7 @@ def capture(
             mode = "teacher-forced"
         else:
             generated = []
-            eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
+            eos = eos_ids(model, tokenizer) if stop_at_eos else ()
             logits = forward(input_ids)
             prefill_bar.close()
             for _ in tqdm(range(max_new_tokens), desc="capture", disable=not progress, leave=False):
@@ -138,9 +138,3 @@ def capture(
             n_model_layers=model.config.num_hidden_layers,
         ),
     )
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = ids if isinstance(ids, (list, tuple)) else [ids]
-    return {i for i in [*ids, tokenizer.eos_token_id] if i is not None}

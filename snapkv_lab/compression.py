@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .attention import attention_column_sums
 from .hooks import intercept_attention
-from .inputs import encode_continuation, encode_prompt
+from .inputs import encode_batch, encode_continuation, eos_ids
 from .selection import POOLINGS, select, window_votes
 
 
@@ -364,23 +364,6 @@ class GenerationResult:
     policy: Policy
 
 
-def encode_batch(tokenizer, prompt) -> torch.Tensor:
-    """One prompt (see inputs.encode_prompt), a (batch, n) tensor, or a list of prompts of equal length -> (batch, n)."""
-    if isinstance(prompt, torch.Tensor) and prompt.ndim == 2:
-        return prompt.long()
-    is_batch = isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, torch.Tensor))
-    if not is_batch:
-        return encode_prompt(tokenizer, prompt)
-    rows = [encode_prompt(tokenizer, p) for p in prompt]
-    lengths = sorted({r.shape[1] for r in rows})
-    if len(lengths) > 1:
-        raise NotImplementedError(
-            f"prompts of different lengths {lengths}: left-padded batches are not supported by the compressor (pad "
-            "tokens would be voted on and kept). Pass prompts of equal length, or one at a time."
-        )
-    return torch.cat(rows)
-
-
 @torch.inference_mode()
 def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids=(), stop=None) -> tuple[torch.Tensor, list[float]]:
     """Greedy decoding from the last prompt logits (batch, vocab), positions counted from `start`.
@@ -402,11 +385,6 @@ def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids
         next_token = out.logits[:, -1].argmax(-1)
         seconds.append(time.perf_counter() - began)
     return torch.stack(tokens, 1), seconds
-
-
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
-    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,) if eos is not None else ()
 
 
 def decode_text(tokenizer, token_ids: torch.Tensor, eos_ids) -> list[str]:
@@ -431,18 +409,20 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
     """
     ids = encode_batch(tokenizer, prompt).to(model.device)
     batch, n = ids.shape
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     with compress(model, policy) as state:
         began = time.perf_counter()
+        # logits_to_keep=1: the full-vocabulary logits of a long prompt would cost more memory than its KV cache.
         logits = model(ids, past_key_values=state.cache, position_ids=torch.arange(n, device=model.device)[None],
-                       use_cache=True).logits[:, -1]
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
         cache_lengths = [layer.keys.shape[-2] for layer in state.cache.layers]
         kv_bytes = cache_bytes(state.cache)
         start = n
         if question is not None:
             extra = encode_continuation(tokenizer, question).to(model.device).expand(batch, -1)
             positions = torch.arange(n, n + extra.shape[1], device=model.device)[None]
-            logits = model(extra, past_key_values=state.cache, position_ids=positions, use_cache=True).logits[:, -1]
+            logits = model(extra, past_key_values=state.cache, position_ids=positions, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]
             start += extra.shape[1]
         prefill_seconds = time.perf_counter() - began
         token_ids, seconds = greedy_decode(model, state.cache, logits, start, max_new_tokens, eos, stop)

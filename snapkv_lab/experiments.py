@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import torch
 from tqdm.auto import tqdm
 
 from . import metrics

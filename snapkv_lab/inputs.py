@@ -36,3 +36,27 @@ def encode_continuation(tokenizer, continuation) -> torch.Tensor:
     if isinstance(continuation, str):
         return torch.as_tensor(tokenizer(continuation, add_special_tokens=False)["input_ids"], dtype=torch.long)
     return torch.as_tensor(continuation, dtype=torch.long).reshape(-1)
+
+
+def encode_batch(tokenizer, prompt) -> torch.Tensor:
+    """One prompt (see encode_prompt), a (batch, n) tensor, or a list of prompts of equal length -> (batch, n)."""
+    if isinstance(prompt, torch.Tensor) and prompt.ndim == 2:
+        return prompt.long()
+    is_batch = isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, torch.Tensor))
+    if not is_batch:
+        return encode_prompt(tokenizer, prompt)
+    rows = [encode_prompt(tokenizer, p) for p in prompt]
+    lengths = sorted({r.shape[1] for r in rows})
+    if len(lengths) > 1:
+        raise NotImplementedError(
+            f"prompts of different lengths {lengths}: left-padded batches are not supported by the compressor (pad "
+            "tokens would be voted on and kept). Pass prompts of equal length, or one at a time."
+        )
+    return torch.cat(rows)
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every token id that ends a greedy answer: the generation config's (one or several) and the tokenizer's."""
+    config = model.generation_config.eos_token_id if model.generation_config is not None else None
+    config = config if isinstance(config, (list, tuple)) else [config]
+    return tuple(dict.fromkeys(i for i in [*config, tokenizer.eos_token_id] if i is not None))

@@ -29,10 +29,11 @@ import torch
 from tqdm.auto import tqdm
 
 from .compression import (H2O, RandomKeep, ScoreRecorder, SnapKV, SnapKVNoPooling, StreamingLLM,
-                          _eos_ids, cache_from, compressed_copy, decode_text, greedy_decode)
+                          cache_from, compressed_copy, decode_text, greedy_decode)
 from .corpus import haystack_ids
 from .figures import FigureSet, register
 from .hooks import intercept_attention
+from .inputs import eos_ids
 
 CHAT_HEAD = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
              "<|im_start|>user\n")
@@ -148,7 +149,8 @@ def _prefill(model, ids: list[int], cache, recorder: ScoreRecorder, start: int):
     tensor = torch.tensor([ids], device=model.device)
     positions = torch.arange(start, start + len(ids), device=model.device)[None]
     with intercept_attention(model, recorder):
-        return model(tensor, past_key_values=cache, position_ids=positions, use_cache=True).logits[:, -1]
+        return model(tensor, past_key_values=cache, position_ids=positions, use_cache=True,
+                     logits_to_keep=1).logits[:, -1]
 
 
 def _snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,7 +169,7 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
     """
     policies = list(policies)
     kv_heads = model.config.num_key_value_heads
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     rows = []
     steps = sum(len(c.queries) for c in contexts) * (1 + len(policies) * len(capacities) * len(modes))
     bar = tqdm(total=steps, desc="retrieval", disable=not progress)
@@ -176,7 +178,7 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
         recorder = ScoreRecorder(policies)
         began = time.perf_counter()
         context_cache = cache_from([])
-        context_logits = _prefill(model, context.context_ids, context_cache, recorder, 0)
+        _prefill(model, context.context_ids, context_cache, recorder, 0)
         prefill_seconds = time.perf_counter() - began
         context_kv, context_scores = _snapshot(context_cache), recorder.scores
         for query in context.queries:
