@@ -66,7 +66,7 @@ def _needle_arguments(p) -> None:
     p.add_argument("--data-dir", default="data")
     p.add_argument("--figures-dir", default="figures")
     p.add_argument("--model", default=None, help="Hugging Face id or local path (default: the bundled SmolLM2)")
-    p.add_argument("--samples", type=int, default=1, help="haystacks per (length, depth)")
+    p.add_argument("--samples", type=int, default=None, help="haystacks per (length, depth) (default 3)")
     p.add_argument("--first-sample", type=int, default=0, help="index of the first sample (to run a grid in pieces)")
     p.add_argument("--lengths", type=int, nargs="*", default=None, help="prompt lengths in tokens (default 2000 4000 7500)")
     p.add_argument("--depths", type=float, nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")

@@ -247,9 +247,13 @@ def _draw_one(summary: pd.DataFrame, key: str, title: str, stem: Path) -> list[P
     plt.close(fig)
     x, color = ("window", "layer") if key == "a" else ("layer", hue)
     shown = summary[summary.layer.isin(SHOWN_LAYERS)] if key == "a" else summary
-    figure = px.line(shown.assign(**{color: shown[color].astype(str)}), x=x, y="value", color=color,
-                     facet_row="metric", facet_col="sinks", markers=True, title=title,
+    chance = (shown.groupby(["metric", "sinks", x], as_index=False)["chance"].mean()
+              .assign(value=lambda t: t["chance"], **{color: "chance"}))
+    figure = px.line(pd.concat([shown.assign(**{color: shown[color].astype(str)}), chance]), x=x, y="value",
+                     color=color, facet_row="metric", facet_col="sinks", markers=True, title=title,
                      hover_data=["chance", "support", "n_cells"])
+    figure.for_each_trace(lambda trace: trace.update(line=dict(dash="dash", color="black"), marker=dict(size=1))
+                          if trace.name == "chance" else None)
     figure.write_html(html, include_plotlyjs="cdn")
     return [png, html]
 

@@ -8,6 +8,7 @@ Modules register their sets at import; `make_figures` draws them all, recomputin
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,9 @@ class FigureSet:
     name: str
     recompute: Callable[[dict], None]  # options (model, samples, window sizes, data_dir, ...) -> writes tables
     draw: Callable[[Path, Path], list[Path]]  # (data_dir, figures_dir) -> files written
+    # False for a set whose recompute takes far longer than the rest (the needle grid): a plain
+    # `--recompute` then redraws it from its committed tables, and naming it in `only` reruns it.
+    recompute_by_default: bool = True
 
 
 FIGURE_SETS: dict[str, FigureSet] = {}
@@ -43,7 +47,10 @@ def load_figure_sets() -> dict[str, FigureSet]:
 
 def make_figures(data_dir="data", figures_dir="figures", *, recompute: bool = False, only=None,
                  options: dict | None = None) -> list[Path]:
-    """Draw every registered figure set (or those named in `only`); recompute their tables first if asked."""
+    """Draw every registered figure set (or those named in `only`); recompute their tables first if asked.
+
+    With recompute, a set with recompute_by_default=False is rerun only when `only` names it.
+    """
     sets = load_figure_sets()
     unknown = set(only or []) - set(sets)
     if unknown:
@@ -54,7 +61,10 @@ def make_figures(data_dir="data", figures_dir="figures", *, recompute: bool = Fa
     for name, figure_set in sets.items():
         if only and name not in only:
             continue
-        if recompute:
+        if recompute and (figure_set.recompute_by_default or name in (only or [])):
             figure_set.recompute({**(options or {}), "data_dir": data_dir})
+        elif recompute:
+            print(f"{name}: redrawn from its tables in {data_dir}/ (its recompute is long: name it to rerun, "
+                  f"--recompute --only {name})", file=sys.stderr)
         written += figure_set.draw(data_dir, figures_dir)
     return written

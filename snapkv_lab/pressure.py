@@ -233,6 +233,8 @@ def _keep(policy, scores: dict, n: int, kv_heads: int) -> list[torch.Tensor] | N
 
 NEEDLE_LENGTHS = (2000, 4000, 7500)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
+LINES_SAMPLES = 1
 
 
 def recompute(options: dict) -> None:
@@ -245,13 +247,14 @@ def recompute(options: dict) -> None:
     lengths = options.get("lengths") or NEEDLE_LENGTHS
     depths = options.get("depths") or NEEDLE_DEPTHS
     # Samples differ in needle (key, value) and haystack start; first_sample lets a long grid run in pieces.
-    samples = range(options.get("first_sample") or 0, (options.get("first_sample") or 0) + (options.get("samples") or 1))
+    first = options.get("first_sample") or 0
+    samples = range(first, first + (options.get("samples") or NEEDLE_SAMPLES))
     contexts = [needle_context(tokenizer, n, d, s) for n in lengths for d in depths for s in samples]
     save = lambda name: (lambda table: table.to_csv(data_dir / name, index=False))  # noqa: E731
     save("pressure_needle.csv")(run_retrieval(model, tokenizer, contexts, on_context=save("pressure_needle.csv")))
     if not options.get("skip_lines"):
         lines = [lines_context(tokenizer, n, n_queries=options.get("line_queries") or 8, sample=s)
-                 for n in options.get("lines_lengths") or (2000,) for s in samples]
+                 for n in options.get("lines_lengths") or (2000,) for s in range(first, first + LINES_SAMPLES)]
         table = run_retrieval(model, tokenizer, lines, policies=(SnapKV(), SnapKVNoPooling()),
                               capacities=(256, 512, 1024), modes=("query-aware",), on_context=save("pressure_lines.csv"))
         save("pressure_lines.csv")(table)
@@ -373,4 +376,4 @@ def _budget_png(summary: pd.DataFrame, full: pd.Series, path: Path) -> None:
     plt.close(fig)
 
 
-register(FigureSet(name="pressure", recompute=recompute, draw=draw))
+register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))

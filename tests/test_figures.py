@@ -1,0 +1,39 @@
+"""The figures registry: which sets `make_figures` recomputes and draws."""
+
+import pytest
+
+from snapkv_lab import figures
+from snapkv_lab.figures import FigureSet, make_figures
+
+
+@pytest.fixture
+def fake_sets(monkeypatch, tmp_path):
+    calls = []
+    sets = {
+        name: FigureSet(name=name, recompute=lambda options, name=name: calls.append(("recompute", name, options)),
+                        draw=lambda data, out, name=name: calls.append(("draw", name)) or [out / f"{name}.png"],
+                        recompute_by_default=name != "slow")
+        for name in ("quick", "slow")
+    }
+    monkeypatch.setattr(figures, "load_figure_sets", lambda: sets)
+    return calls
+
+
+def test_plain_recompute_skips_long_sets_but_draws_them(fake_sets, tmp_path, capsys):
+    written = make_figures(tmp_path, tmp_path / "figs", recompute=True, options={"samples": 2})
+    assert [c[:2] for c in fake_sets] == [("recompute", "quick"), ("draw", "quick"), ("draw", "slow")]
+    assert fake_sets[0][2] == {"samples": 2, "data_dir": tmp_path}
+    assert [p.name for p in written] == ["quick.png", "slow.png"]
+    assert "--recompute --only slow" in capsys.readouterr().err
+
+
+def test_naming_a_long_set_recomputes_it(fake_sets, tmp_path):
+    make_figures(tmp_path, tmp_path, recompute=True, only=["slow"])
+    assert [c[:2] for c in fake_sets] == [("recompute", "slow"), ("draw", "slow")]
+
+
+def test_redraw_only_and_unknown_names(fake_sets, tmp_path):
+    make_figures(tmp_path, tmp_path)
+    assert [c[:2] for c in fake_sets] == [("draw", "quick"), ("draw", "slow")]
+    with pytest.raises(ValueError, match="unknown figure sets"):
+        make_figures(tmp_path, tmp_path, only=["nope"])
