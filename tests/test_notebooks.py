@@ -12,20 +12,30 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def run_notebook(name: str, timeout: int = 600):
-    """Execute a notebook in its folder with SNAPKV_LAB_SMALL=1; return the executed notebook."""
+def run_notebook(name: str, timeout: int = 600) -> list:
+    """Execute a notebook in its folder with SNAPKV_LAB_SMALL=1; return its code cells' outputs, none an error."""
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     os.environ["SNAPKV_LAB_SMALL"] = "1"
     NotebookClient(notebook, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-    return notebook
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    errors = [f"{o.ename}: {o.evalue}" for o in outputs if o.output_type == "error"]
+    assert not errors, errors
+    return outputs
+
+
+def printed(outputs) -> str:
+    """All text the cells printed."""
+    return "".join(o.get("text", "") for o in outputs)
+
+
+def count_plotly(outputs) -> int:
+    return sum("application/vnd.plotly.v1+json" in o.get("data", {}) for o in outputs)
 
 
 @pytest.mark.notebook
 def test_attention_maps_notebook():
-    notebook = run_notebook("01_attention_maps.ipynb")
-    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    text = "".join(o.get("text", "") for o in outputs)
+    outputs = run_notebook("01_attention_maps.ipynb")
+    text = printed(outputs)
     assert "AttentionTrace(" in text and "answer:" in text
-    assert sum("application/vnd.plotly.v1+json" in o.get("data", {}) for o in outputs) >= 3
+    assert count_plotly(outputs) >= 3
