@@ -49,23 +49,27 @@ def attention_heatmap(trace, layer: int, head: int, *, queries=None, keys=None, 
 
 
 def heatmap_explorer(trace, **heatmap_options):
-    """Layer and head pickers (ipywidgets) over `attention_heatmap`; needs a live kernel to react."""
+    """Layer and head pickers (ipywidgets) over `attention_heatmap`, redrawn in place in a plotly FigureWidget.
+
+    Needs a live kernel to react. A FigureWidget rather than an ipywidgets Output: headless runners
+    (nbclient) answer an Output widget's large display with a message that can stall the cell (nbclient #312).
+    """
     import ipywidgets as widgets
-    from IPython.display import display
 
     layer = widgets.Dropdown(options=trace.layers, value=trace.layers[0], description="layer")
     head = widgets.Dropdown(options=list(range(trace.n_heads)), value=0, description="head")
-    output = widgets.Output()
+    figure = go.FigureWidget(attention_heatmap(trace, layer.value, head.value, **heatmap_options))
 
     def redraw(_=None):
-        with output:
-            output.clear_output(wait=True)
-            display(attention_heatmap(trace, layer.value, head.value, **heatmap_options))
+        new = attention_heatmap(trace, layer.value, head.value, **heatmap_options)
+        heatmap = new.data[0]
+        with figure.batch_update():
+            figure.data[0].update(z=heatmap.z, x=heatmap.x, y=heatmap.y, zmax=heatmap.zmax)
+            figure.layout.title = new.layout.title
 
     layer.observe(redraw, names="value")
     head.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox([layer, head]), output])
+    return widgets.VBox([widgets.HBox([layer, head]), figure])
 
 
 def token_attention(trace, query: int, *, layers=None, heads=None, keys=None) -> torch.Tensor:
