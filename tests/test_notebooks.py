@@ -12,7 +12,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def run_notebook(name: str, timeout: int = 600) -> list:
+def run_notebook(name: str, timeout: int = 180) -> list:  # per cell: small settings run each in under a minute
     """Execute a notebook in its folder with SNAPKV_LAB_SMALL=1; return its code cells' outputs, none an error."""
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     os.environ["SNAPKV_LAB_SMALL"] = "1"
