@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from . import metrics
 from .capture import capture
-from .figures import FigureSet, register
+from .figures import FigureSet, register, write_html
 from .metrics import SinkRule, metric_rows, selection_overlap, selection_vs_generation, summarise, to_mask
 from .selection import select, select_from_trace
 
@@ -254,7 +254,7 @@ def _draw_one(summary: pd.DataFrame, key: str, title: str, stem: Path) -> list[P
                      hover_data=["chance", "support", "n_cells"])
     figure.for_each_trace(lambda trace: trace.update(line=dict(dash="dash", color="black"), marker=dict(size=1))
                           if trace.name == "chance" else None)
-    figure.write_html(html, include_plotlyjs="cdn")
+    write_html(figure, html)
     return [png, html]
 
 

@@ -30,6 +30,13 @@ class FigureSet:
 FIGURE_SETS: dict[str, FigureSet] = {}
 
 
+def write_html(figure, path: Path) -> Path:
+    """A plotly figure as a small HTML page (plotly.js from its CDN). The div id is the file's name, not a
+    random one, so that redrawing unchanged tables leaves the file unchanged."""
+    figure.write_html(path, include_plotlyjs="cdn", div_id=Path(path).stem)
+    return Path(path)
+
+
 def register(figure_set: FigureSet) -> FigureSet:
     FIGURE_SETS[figure_set.name] = figure_set
     return figure_set

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from .compression import (H2O, RandomKeep, ScoreRecorder, SnapKV, SnapKVNoPooling, StreamingLLM,
                           cache_from, compressed_copy, decode_text, greedy_decode)
 from .corpus import haystack_ids
-from .figures import FigureSet, register
+from .figures import FigureSet, register, write_html
 from .hooks import intercept_attention
 from .inputs import eos_ids
 
@@ -310,9 +310,7 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
                                              facet_row="policy", facet_col="budget", histfunc="avg", range_color=(0, 1),
                                              color_continuous_scale="RdYlGn", title=f"Needle retrieval, {mode}",
                                              category_orders={"budget": budgets})
-            html = figures_dir / f"pressure_needle_{mode}.html"
-            interactive.write_html(html, include_plotlyjs="cdn")
-            written += [png, html]
+            written += [png, write_html(interactive, figures_dir / f"pressure_needle_{mode}.html")]
         summary = accuracy_table(table).stack().rename("accuracy").reset_index()
         summary = summary[summary.policy != "FullCache"].assign(budget=lambda d: d.budget.astype(int))
         full = table[table.policy == "FullCache"].groupby("length").correct.mean()
@@ -321,8 +319,7 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
         for i, length in enumerate(sorted(full.index)):
             for row in (1, 2):
                 fig.add_hline(y=full[length], line_dash="dot", row=row, col=i + 1)
-        html = figures_dir / "pressure_needle_budget.html"
-        fig.write_html(html, include_plotlyjs="cdn")
+        html = write_html(fig, figures_dir / "pressure_needle_budget.html")
         png = figures_dir / "pressure_needle_budget.png"
         _budget_png(summary, full, png)
         written += [png, html]
@@ -345,10 +342,9 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
         png = figures_dir / "pressure_lines.png"
         fig.savefig(png, dpi=110)
         plt.close(fig)
-        html = figures_dir / "pressure_lines.html"
-        px.bar(acc, x="budget", y="accuracy", color="policy", barmode="group", hover_data=["value_kept"],
-               title="Lines retrieval: SnapKV with and without pooling").write_html(html, include_plotlyjs="cdn")
-        written += [png, html]
+        bars = px.bar(acc, x="budget", y="accuracy", color="policy", barmode="group", hover_data=["value_kept"],
+                      title="Lines retrieval: SnapKV with and without pooling")
+        written += [png, write_html(bars, figures_dir / "pressure_lines.html")]
     return written
 
 

@@ -37,3 +37,12 @@ def test_redraw_only_and_unknown_names(fake_sets, tmp_path):
     assert [c[:2] for c in fake_sets] == [("draw", "quick"), ("draw", "slow")]
     with pytest.raises(ValueError, match="unknown figure sets"):
         make_figures(tmp_path, tmp_path, only=["nope"])
+
+
+def test_html_figures_are_reproducible(tmp_path):
+    import plotly.express as px
+
+    figure = px.line(x=[1, 2, 3], y=[0.2, 0.5, 0.4])
+    first = figures.write_html(figure, tmp_path / "a.html").read_bytes()
+    assert figures.write_html(figure, tmp_path / "a.html").read_bytes() == first  # no random div id
+    assert b'id="a"' in first
