@@ -60,3 +60,22 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
     config = model.generation_config.eos_token_id if model.generation_config is not None else None
     config = config if isinstance(config, (list, tuple)) else [config]
     return tuple(dict.fromkeys(i for i in [*config, tokenizer.eos_token_id] if i is not None))
+
+
+def check_context_length(model_or_config, n_tokens: int, what: str = "prompt") -> None:
+    """Raise ValueError if a run would use more positions than the model was trained for.
+
+    model_or_config: a model (its `.config` is read) or a config. n_tokens: positions the run uses (the
+    prompt, plus the new tokens when it generates). The limit is `max_position_embeddings` of the (text)
+    config; a config without one is not checked. Called before any model run, because past that limit
+    rotary models do not fail: they return fluent garbage.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and n_tokens > limit:
+        name = getattr(config, "name_or_path", "") or type(config).__name__
+        raise ValueError(
+            f"{what} needs {n_tokens} positions, but {name} handles at most {limit} "
+            f"(config.max_position_embeddings). Use a shorter prompt or fewer new tokens, or a model with a longer context."
+        )

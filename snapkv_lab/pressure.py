@@ -30,20 +30,23 @@ from tqdm.auto import tqdm
 
 from .compression import (H2O, RandomKeep, ScoreRecorder, SnapKV, SnapKVNoPooling, StreamingLLM,
                           cache_from, compressed_copy, decode_text, greedy_decode)
+from .chat import chat_frame
 from .corpus import haystack_ids
 from .figures import FigureSet, register, write_html
 from .hooks import intercept_attention
-from .inputs import eos_ids
+from .inputs import check_context_length, eos_ids
+from .tokens import encode, token_span
 
-CHAT_HEAD = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-             "<|im_start|>user\n")
+# The chat template comes from the tokenizer (chat.chat_frame): the context is the template's head and
+# the user's text; a question chunk is the question, the template's tail (end of the user turn and the
+# assistant's generation prompt) and the answer's first words, so that the next token is the value.
 NEEDLE = " One of the special magic numbers for {key} is: {value}. "
-NEEDLE_QUESTION = ("\n\nWhat is the special magic number for {key} mentioned in the provided text?<|im_end|>\n"
-                   "<|im_start|>assistant\nThe special magic number for {key} mentioned in the provided text is")
+NEEDLE_QUESTION = "\n\nWhat is the special magic number for {key} mentioned in the provided text?"
+NEEDLE_ANSWER = "The special magic number for {key} mentioned in the provided text is"
 LINE = "line {key}: REGISTER_CONTENT is <{value}>\n"
 LINES_HEAD = "Below is a record of lines I want you to remember. Each line begins with 'line <line index>' and contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. For each line index, memorize its corresponding <REGISTER_CONTENT>. At the end of the record, I will ask you to retrieve the corresponding <REGISTER_CONTENT> of a certain line index.\n\n"
-LINES_QUESTION = ("\nNow the record is over. Tell me what is the <REGISTER_CONTENT> in line {key}? I need the number."
-                  "<|im_end|>\n<|im_start|>assistant\nThe <REGISTER_CONTENT> in line {key} is <")
+LINES_QUESTION = "\nNow the record is over. Tell me what is the <REGISTER_CONTENT> in line {key}? I need the number."
+LINES_ANSWER = "The <REGISTER_CONTENT> in line {key} is <"
 
 DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKeep())
 CAPACITIES = (256, 512, 1024, 2048)
@@ -53,7 +56,7 @@ MODES = ("query-aware", "query-agnostic")
 @dataclass
 class Query:
     """A question about a context: question_ids follow the context; `span` is the [start, end) token range
-    of the fact in the context and `value_span` that of the answer's own tokens."""
+    of the fact in the context and `value_span` that of every token overlapping the answer's characters."""
 
     question_ids: list[int]
     answer: str
@@ -69,19 +72,27 @@ class Context:
     meta: dict = field(default_factory=dict)
 
 
-def _tokens(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def _word_key(rng: random.Random) -> str:
     """RULER-style key: adjective-noun from wonderwords' lists."""
-    from wonderwords import RandomWord
+    if not hasattr(_word_key, "lists"):  # loading the lists takes ~0.1 s: once, not once per key
+        from wonderwords import RandomWord
 
-    words = RandomWord()
-    if not hasattr(_word_key, "lists"):
+        words = RandomWord()
         _word_key.lists = (words.filter(include_categories=["adjectives"]), words.filter(include_categories=["nouns"]))
     adjectives, nouns = _word_key.lists
     return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
+
+
+def _fact(tokenizer, template: str, key: str, value: str) -> tuple[list[int], tuple[int, int]]:
+    """A fact's token ids (tokenised on its own) and the [start, end) range of the tokens holding its value."""
+    text = template.format(key=key, value=value)
+    start = len(template.partition("{value}")[0].format(key=key))
+    return token_span(tokenizer, text, start, start + len(value))
+
+
+def _question(tokenizer, question: str, tail: str, answer: str, key: str) -> list[int]:
+    """The question chunk: question, the chat template's tail, and the answer's first words."""
+    return encode(tokenizer, question.format(key=key) + tail + answer.format(key=key))
 
 
 def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> Context:
@@ -89,35 +100,32 @@ def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> C
     placed at `depth` (0 = first sentence, 1 = last), after a sentence end."""
     rng = random.Random(f"needle-{sample}")
     key, value = _word_key(rng), str(rng.randint(1_000_000, 9_999_999))
-    head, needle = _tokens(tokenizer, CHAT_HEAD), _tokens(tokenizer, NEEDLE.format(key=key, value=value))
-    question = _tokens(tokenizer, NEEDLE_QUESTION.format(key=key))
-    hay = haystack_ids(tokenizer, n_tokens - len(head) - len(needle) - len(question), start=sample * 7)
+    chat_head, tail = chat_frame(tokenizer)
+    head = encode(tokenizer, chat_head)
+    needle, value_at = _fact(tokenizer, NEEDLE, key, value)
+    question = _question(tokenizer, NEEDLE_QUESTION, tail, NEEDLE_ANSWER, key)
+    room = n_tokens - len(head) - len(needle) - len(question)
+    if room < 1:
+        raise ValueError(f"a needle context of {n_tokens} tokens leaves no room for a haystack: the chat template, "
+                         f"needle and question alone take {n_tokens - room}")
+    hay = haystack_ids(tokenizer, room, start=sample * 7)
     at = round(depth * len(hay))
     while 0 < at < len(hay) and "." not in tokenizer.decode(hay[at - 1: at]):
         at -= 1  # back to the previous sentence end, so the needle is a sentence of its own
     body = hay[:at] + needle + hay[at:]
     start = len(head) + at
-    value_at = _find(needle, _tokens(tokenizer, value), tokenizer)
     query = Query(question, value, (start, start + len(needle)), (start + value_at[0], start + value_at[1]),
                   dict(key=key, depth=depth, depth_position=start))
     return Context(head + body, [query], dict(task="needle", length=n_tokens, depth=depth, sample=sample))
-
-
-def _find(haystack: list[int], value: list[int], tokenizer) -> tuple[int, int]:
-    """[start, end) of the value's tokens inside a tokenised fact (digits tokenise one by one in SmolLM2)."""
-    for i in range(len(haystack) - len(value) + 1):
-        if haystack[i: i + len(value)] == value:
-            return i, i + len(value)
-    text = tokenizer.decode(haystack)
-    raise ValueError(f"value tokens not found verbatim in {text!r}")
 
 
 def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0) -> Context:
     """LongEval-Lines-style record of `line <word-word>: REGISTER_CONTENT is <number>` lines filling n_tokens,
     with n_queries questions about lines spread evenly over the record."""
     rng = random.Random(f"lines-{sample}")
-    head = _tokens(tokenizer, CHAT_HEAD + LINES_HEAD)
-    question_room = len(_tokens(tokenizer, LINES_QUESTION.format(key="wonderful-question")))
+    chat_head, tail = chat_frame(tokenizer)
+    head = encode(tokenizer, chat_head + LINES_HEAD)
+    question_room = len(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, "wonderful-question"))
     body, facts, keys = [], [], set()
     while len(head) + len(body) < n_tokens - question_room - 30:
         key = _word_key(rng)
@@ -125,15 +133,16 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0)
             continue
         keys.add(key)
         value = str(rng.randint(10_000, 99_999))
-        line = _tokens(tokenizer, LINE.format(key=key, value=value))
-        facts.append((key, value, len(head) + len(body), line))
+        line, value_at = _fact(tokenizer, LINE, key, value)
+        facts.append((key, value, len(head) + len(body), line, value_at))
         body += line
+    if len(facts) < n_queries:
+        raise ValueError(f"a lines record of {n_tokens} tokens holds {len(facts)} lines, fewer than {n_queries} queries")
     queries = []
     for i in range(n_queries):
-        key, value, start, line = facts[round((i + 0.5) * len(facts) / n_queries)]
-        value_at = _find(line, _tokens(tokenizer, value), tokenizer)
-        queries.append(Query(_tokens(tokenizer, LINES_QUESTION.format(key=key)), value, (start, start + len(line)),
-                             (start + value_at[0], start + value_at[1]),
+        key, value, start, line, value_at = facts[round((i + 0.5) * len(facts) / n_queries)]
+        queries.append(Query(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, key), value,
+                             (start, start + len(line)), (start + value_at[0], start + value_at[1]),
                              dict(key=key, depth=start / (len(head) + len(body)), depth_position=start)))
     return Context(head + body, queries, dict(task="lines", length=n_tokens, lines=len(facts), sample=sample))
 
@@ -167,6 +176,10 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
     tokens kept (mean over layers and KV heads), the cache length and the decode time.
     on_context(rows_so_far) is called after each context (to save partial results).
     """
+    for context in contexts:  # all of them before the first prefill, not an hour into the grid
+        longest = max(len(q.question_ids) for q in context.queries)
+        check_context_length(model, len(context.context_ids) + longest + max_new_tokens,
+                             what=f"retrieval context {context.meta} with its question and {max_new_tokens} new tokens")
     policies = list(policies)
     kv_heads = model.config.num_key_value_heads
     eos = eos_ids(model, tokenizer)

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from .chat import chat_ids
 from .corpus import paul_graham_essays, pydoc_topics, pydoc_topics_checksum
+from .tokens import encode
 
-PLACEHOLDER = "\u2063SNAPKV_LAB_PART\u2063"
 QUESTIONS = [
     "What is the main argument of this essay?",
     "Which people, companies or places does the author mention, and why?",
@@ -46,24 +47,6 @@ class Prompt:
     @property
     def n_tokens(self) -> int:
         return self.ids.shape[1]
-
-
-def chat_ids(tokenizer, history: list[dict], parts: list[tuple[str, str | list[int]]]) -> tuple[torch.Tensor, dict]:
-    """Token ids of `history` + a user turn made of named parts, with the generation prompt.
-
-    parts: [(name, text or token ids)], tokenised one by one so that their spans are exact.
-    Returns ((1, n) ids, {name: (start, end)}).
-    """
-    messages = [*history, {"role": "user", "content": PLACEHOLDER}]
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    head, tail = rendered.split(PLACEHOLDER)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    ids, spans = encode(head), {}
-    for name, part in parts:
-        piece = encode(part) if isinstance(part, str) else list(part)
-        spans[name] = (len(ids), len(ids) + len(piece))
-        ids += piece
-    return torch.tensor([ids + encode(tail)]), spans
 
 
 def make_recipes(seed: int = 0) -> dict:
@@ -99,7 +82,7 @@ def save_recipes(path="data/prompt_recipes.json", seed: int = 0) -> Path:
 
 
 def _cut(tokenizer, text: str, n_tokens: int) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
+    return encode(tokenizer, text)[:n_tokens]
 
 
 def chat_prompts(tokenizer, recipes: dict, *, split: str = "dev", samples: int = 2) -> list[Prompt]:
