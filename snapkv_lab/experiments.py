@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from . import metrics
 from .capture import capture
 from .figures import FigureSet, register, write_html
+from .inputs import check_context_length
 from .metrics import SinkRule, metric_rows, selection_overlap, selection_vs_generation, summarise, to_mask
 from .selection import select, select_from_trace
 
@@ -113,6 +114,13 @@ def run_findings(model, tokenizer, *, data_dir="data", **options) -> dict[str, p
     recipes = load_recipes(data_dir / "prompt_recipes.json")
     began = time.perf_counter()
     chats = chat_prompts(tokenizer, recipes, split=o["split"], samples=o["samples"])
+    qa = {placement: qa_prompts(tokenizer, recipes, split=o["split"], questions=o["questions"], placement=placement)
+          for placement in ("front", "back")}
+    # Every prompt is checked before the first capture, not after an hour of them.
+    planned = [(p, o["gen_window"] * o["n_gen_windows"]) for p in chats]
+    planned += [(p, o["qa_new_tokens"]) for prompts in qa.values() for p in prompts]
+    for prompt, new_tokens in planned:
+        check_context_length(model, prompt.n_tokens + new_tokens, what=f"prompt {prompt.name} with {new_tokens} new tokens")
     tables = {"a": [], "b": []}
     runs = [(mode, i, prompt) for mode in o["modes"] for i, prompt in enumerate(chats)]
     for mode, i, prompt in tqdm(runs, desc="(a, b) chat prompts"):
@@ -123,8 +131,6 @@ def run_findings(model, tokenizer, *, data_dir="data", **options) -> dict[str, p
         tables["b"].append(generation_consistency(trace, obs_window=o["obs_window"], gen_window=o["gen_window"],
                                                   n_gen_windows=o["n_gen_windows"], sample=i).assign(mode=mode))
         del trace
-    qa = {placement: qa_prompts(tokenizer, recipes, split=o["split"], questions=o["questions"], placement=placement)
-          for placement in ("front", "back")}
     tables["c"], tables["d"] = [], []
     answers = None
     for mode in MODES:  # greedy first: its answers are the teacher-forced references

@@ -126,7 +126,7 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0)
     chat_head, tail = chat_frame(tokenizer)
     head = encode(tokenizer, chat_head + LINES_HEAD)
     question_room = len(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, "wonderful-question"))
-    body, facts, keys = [], [], set()
+    body, facts, keys, longest_question = [], [], set(), 0
     while len(head) + len(body) < n_tokens - question_room - 30:
         key = _word_key(rng)
         if key in keys:
@@ -134,6 +134,11 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0)
         keys.add(key)
         value = str(rng.randint(10_000, 99_999))
         line, value_at = _fact(tokenizer, LINE, key, value)
+        # A tokenizer with short tokens makes lines longer than the 30 spare tokens: stop before the
+        # record and any line's question pass n_tokens.
+        longest_question = max(longest_question, len(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, key)))
+        if len(head) + len(body) + len(line) + longest_question > n_tokens:
+            break
         facts.append((key, value, len(head) + len(body), line, value_at))
         body += line
     if len(facts) < n_queries:
