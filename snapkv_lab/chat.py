@@ -14,21 +14,26 @@ from .tokens import encode
 PLACEHOLDER = "\u2063SNAPKV_LAB_PART\u2063"
 
 
-def chat_frame(tokenizer, history: list[dict] = ()) -> tuple[str, str]:
-    """(head, tail): the template's text before and after the content of a user turn that follows `history`.
+def _name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
 
-    Raises ValueError, naming the model, if the tokenizer has no chat template.
-    """
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+
+def require_chat_template(tokenizer) -> None:
+    """Raise ValueError, naming the model and what to do, if the tokenizer has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"The tokenizer of {name!r} has no chat template, and these prompts are chat turns. Use an "
+            f"The tokenizer of {_name(tokenizer)!r} has no chat template, and these prompts are chat turns. Use an "
             "instruction-tuned (chat) model, or set tokenizer.chat_template to a Jinja chat template first."
         )
+
+
+def chat_frame(tokenizer, history: list[dict] = ()) -> tuple[str, str]:
+    """(head, tail): the template's text before and after the content of a user turn that follows `history`."""
+    require_chat_template(tokenizer)
     messages = [*history, {"role": "user", "content": PLACEHOLDER}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if rendered.count(PLACEHOLDER) != 1:
-        raise ValueError(f"The chat template of {name!r} does not copy a user message verbatim: {rendered!r}")
+        raise ValueError(f"The chat template of {_name(tokenizer)!r} does not copy a user message verbatim: {rendered!r}")
     head, tail = rendered.split(PLACEHOLDER)
     return head, tail
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .chat import require_chat_template
+
 
 def encode_prompt(tokenizer, prompt) -> torch.Tensor:
     """Prompt -> (1, n) input ids.
@@ -15,6 +17,7 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
     if isinstance(prompt, str):
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        require_chat_template(tokenizer)
         ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=True,
                                             return_tensors="pt")["input_ids"]
     else:

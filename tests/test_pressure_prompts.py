@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from snapkv_lab.chat import chat_frame
-from snapkv_lab.inputs import check_context_length
+from snapkv_lab.inputs import check_context_length, encode_prompt
 from snapkv_lab.models import bundled_checkpoint
 from snapkv_lab.pressure import Context, Query, lines_context, needle_context, run_retrieval
 from snapkv_lab.tokens import decoded_offsets, token_span
@@ -156,6 +156,10 @@ def test_a_tokenizer_without_chat_template_gets_a_clear_error(digits_tokenizer):
     for build in (lambda: needle_context(plain, 600, 0.5), lambda: lines_context(plain, 700)):
         with pytest.raises(ValueError, match="'tiny-digit-merging-bpe' has no chat template.*set tokenizer.chat_template"):
             build()
+    with pytest.raises(ValueError, match="'tiny-digit-merging-bpe' has no chat template"):
+        encode_prompt(plain, [{"role": "user", "content": "Hello"}])
+    ids = encode_prompt(digits_tokenizer, [{"role": "user", "content": "Hello"}])
+    assert digits_tokenizer.decode(ids[0]) == DIGITS_HEAD + "Hello" + DIGITS_TAIL
     with pytest.raises(ValueError, match="no room for a haystack"):
         needle_context(digits_tokenizer, 30, 0.5)
 
