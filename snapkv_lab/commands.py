@@ -1,11 +1,24 @@
-"""The `snapkv-lab` subcommands. Each is a thin wrapper over a library function."""
+"""The `snapkv-lab` subcommands, in one table: name -> help, options and run function.
+
+Building the parser imports nothing heavy: a run function imports the library (torch, transformers)
+when it runs, so `snapkv-lab --help` answers at once. Each command is a thin wrapper over a library function.
+"""
 
 from __future__ import annotations
 
-from .cli import command
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 
-@command("convert", "Convert the bundled SmolLM2 GGUF once into the cache folder and print its path.")
+@dataclass(frozen=True)
+class Command:
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]  # adds the command's options to its parser
+    run: Callable[[argparse.Namespace], int]  # exit status
+
+
 def convert(args) -> int:
     from .models import bundled_checkpoint
 
@@ -13,14 +26,12 @@ def convert(args) -> int:
     return 0
 
 
-@command("figures", "Regenerate every figure into figures/ from the tables in data/ (--recompute reruns the model first).")
 def figures(args) -> int:
-    import time
-
     from .figures import make_figures
 
     start = time.perf_counter()
-    options = {k: v for k, v in vars(args).items() if k not in ("run", "command", "data_dir", "figures_dir", "recompute", "only")}
+    # The remaining options go to every figure set's recompute (model, samples, window sizes, split).
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
     written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
     for path in written:
         print(path)
@@ -28,12 +39,33 @@ def figures(args) -> int:
     return 0
 
 
+def needle(args) -> int:
+    from .figures import make_figures
+    from .pressure import recompute
+
+    start = time.perf_counter()
+    recompute(dict(data_dir=args.data_dir, model=args.model, samples=args.samples, first_sample=args.first_sample,
+                   lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths))
+    for path in make_figures(args.data_dir, args.figures_dir, only=["pressure"]):
+        print(path)
+    print(f"done in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def _no_arguments(p) -> None:
+    pass
+
+
+def _folders_and_model(p) -> None:
+    p.add_argument("--data-dir", default="data", help="folder of the tables (CSV) read and written (default data)")
+    p.add_argument("--figures-dir", default="figures", help="folder the figures are written to (default figures)")
+    p.add_argument("--model", default=None, help="Hugging Face id or local folder of a chat model (default: the bundled SmolLM2)")
+
+
 def _figures_arguments(p) -> None:
+    _folders_and_model(p)
     p.add_argument("--recompute", action="store_true", help="rerun the model and rewrite the tables in data/ first")
-    p.add_argument("--data-dir", default="data")
-    p.add_argument("--figures-dir", default="figures")
     p.add_argument("--only", nargs="*", help="names of figure sets to draw (default all)")
-    p.add_argument("--model", default=None, help="Hugging Face id or local path (default: the bundled SmolLM2)")
     p.add_argument("--samples", type=int, default=None, help="prompts per experiment (default: each set's own)")
     p.add_argument("--obs-window", type=int, default=None, help="observation window in tokens (default 32)")
     p.add_argument("--prompt-window", type=int, default=None, help="prompt-window size for experiment (a) (default 128)")
@@ -42,30 +74,8 @@ def _figures_arguments(p) -> None:
                    help="prompt split of data/prompt_recipes.json for the findings (default dev)")
 
 
-figures.arguments = _figures_arguments
-
-
-@command("needle", "Run the pressure tests (needle in a haystack, lines retrieval) for every policy and budget, then draw them.")
-def needle(args) -> int:
-    import time
-
-    from .figures import make_figures
-    from .pressure import recompute
-
-    start = time.perf_counter()
-    recompute(dict(data_dir=args.data_dir, model=args.model, samples=args.samples, first_sample=args.first_sample,
-                   lengths=args.lengths,
-                   depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths))
-    for path in make_figures(args.data_dir, args.figures_dir, only=["pressure"]):
-        print(path)
-    print(f"done in {time.perf_counter() - start:.0f} s")
-    return 0
-
-
 def _needle_arguments(p) -> None:
-    p.add_argument("--data-dir", default="data")
-    p.add_argument("--figures-dir", default="figures")
-    p.add_argument("--model", default=None, help="Hugging Face id or local path (default: the bundled SmolLM2)")
+    _folders_and_model(p)
     p.add_argument("--samples", type=int, default=None, help="haystacks per (length, depth) (default 3)")
     p.add_argument("--first-sample", type=int, default=0, help="index of the first sample (to run a grid in pieces)")
     p.add_argument("--lengths", type=int, nargs="*", default=None, help="prompt lengths in tokens (default 2000 4000 7500)")
@@ -74,4 +84,11 @@ def _needle_arguments(p) -> None:
     p.add_argument("--skip-lines", action="store_true", help="run the needle grid only")
 
 
-needle.arguments = _needle_arguments
+COMMANDS: dict[str, Command] = {
+    "convert": Command("Convert the bundled SmolLM2 GGUF once into the cache folder and print its path.",
+                       _no_arguments, convert),
+    "figures": Command("Regenerate every figure into figures/ from the tables in data/ (--recompute reruns the model first).",
+                       _figures_arguments, figures),
+    "needle": Command("Run the pressure tests (needle in a haystack, lines retrieval) for every policy and budget, then draw them.",
+                      _needle_arguments, needle),
+}

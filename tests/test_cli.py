@@ -1,0 +1,77 @@
+"""The command line: one table of commands, the same under its three entry points, light to ask for help."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from snapkv_lab.cli import build_parser, main
+from snapkv_lab.commands import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = {"convert", "figures", "needle"}
+ENTRY_POINTS = {"console script": ["snapkv-lab"], "package": [sys.executable, "-m", "snapkv_lab"],
+                "module": [sys.executable, "-m", "snapkv_lab.cli"]}
+
+
+def run(argv: list[str]) -> subprocess.CompletedProcess:
+    # This checkout's package, whichever one the environment installed.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_table_holds_every_command():
+    assert set(COMMANDS) == NAMES
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_help_lists_every_command(entry):
+    if entry == "console script" and shutil.which("snapkv-lab") is None:
+        pytest.skip("snapkv-lab is not installed (pip install -e .)")
+    result = run([*ENTRY_POINTS[entry], "--help"])
+    assert result.returncode == 0, result.stderr
+    listed = result.stdout.split("positional arguments:")[1]
+    for name in NAMES:
+        assert f"\n    {name} " in listed, (name, result.stdout)
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    code = ("import sys\nfrom snapkv_lab.cli import main\n"
+            f"for argv in [['--help']] + [[name, '--help'] for name in {sorted(NAMES)!r}]:\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)")
+    result = run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+    assert "heavy: []" in result.stderr
+    assert result.stdout.count("usage: snapkv-lab") == 1 + len(NAMES)
+
+
+def test_every_option_has_a_help_string():
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in subparsers.choices.items():
+        for action in parser._actions:
+            assert action.help, (name, action.option_strings)
+
+
+def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
+    import snapkv_lab.figures
+    import snapkv_lab.pressure
+
+    calls = []
+    monkeypatch.setattr(snapkv_lab.figures, "make_figures", lambda *a, **k: calls.append(("draw", a, k)) or [])
+    monkeypatch.setattr(snapkv_lab.pressure, "recompute", lambda options: calls.append(("needle", options)))
+    assert main(["figures", "--recompute", "--only", "findings", "--samples", "1", "--split", "heldout",
+                 "--data-dir", str(tmp_path)]) == 0
+    assert calls.pop() == ("draw", (str(tmp_path), "figures"), dict(
+        recompute=True, only=["findings"], options=dict(model=None, samples=1, obs_window=None, prompt_window=None,
+                                                        gen_window=None, split="heldout")))
+    assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines"]) == 0
+    assert calls == [("needle", dict(data_dir="data", model="some/model", samples=None, first_sample=0, lengths=[1000],
+                                     depths=[0.5], skip_lines=True, lines_lengths=None)),
+                     ("draw", ("data", "figures"), dict(only=["pressure"]))]
