@@ -74,7 +74,7 @@ class Context:
 
 def _word_key(rng: random.Random) -> str:
     """RULER-style key: adjective-noun from wonderwords' lists."""
-    if not hasattr(_word_key, "lists"):  # loading the lists takes ~0.1 s: once, not once per key
+    if not hasattr(_word_key, "lists"):  # loading the lists takes ~0.15 s: once, not once per key
         from wonderwords import RandomWord
 
         words = RandomWord()
