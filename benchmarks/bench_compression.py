@@ -9,7 +9,8 @@ Defaults: the bundled SmolLM2 on Paul Graham's essays, sdpa, fp32 on CPU, greedy
 token ids. Each (length, policy) runs `--repeats` times, alternating full and SnapKV, and reports the median.
 "selection" is the time spent inside the compressor (scoring, top-k, gathering), the direct measure of its
 prefill overhead; the prefill-time ratio also carries run-to-run noise. Decode ms/token averages the steps
-after the first token. On CUDA, `peak_gpu_mib` is the most memory torch allocated during a run (the largest
+after the first token. These three times are the ones `snapkv_lab.generate` measures: right on a GPU only if it
+synchronises (snapkv_lab.timing) before reading its clock. On CUDA, `peak_gpu_mib` is the most memory torch allocated during a run (the largest
 of the repeats); a run that runs out of memory is reported in `status`. Other processes on the machine inflate
 (and add noise to) every timing.
 """
