@@ -8,8 +8,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from .attention import AttentionSettings
 from .hooks import intercept_attention
-from .inputs import encode_continuation, encode_prompt, eos_ids
+from .inputs import check_context_length, encode_continuation, encode_prompt, eos_ids
 from .trace import AttentionTrace
 
 
@@ -21,20 +22,22 @@ class _QKRecorder:
         self.store_device = store_device
         self.queries: dict[int, list[torch.Tensor]] = {}
         self.keys: dict[int, list[torch.Tensor]] = {}
-        self.scaling: float | None = None
+        self.attention: dict[int, AttentionSettings] = {}
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         layer = module.layer_idx
         if self.layers is not None and layer not in self.layers:
             return
-        if kwargs.get("sliding_window") or kwargs.get("softcap"):
-            raise NotImplementedError(
-                f"layer {layer} uses sliding-window or soft-capped attention, which trace.attention does not "
-                "recompute; capture supports full causal softmax attention only."
-            )
+        settings = AttentionSettings.of_call(module, kwargs)
+        if self.attention.setdefault(layer, settings) != settings:
+            raise RuntimeError(f"layer {layer} changed its attention settings between calls: {self.attention[layer]} "
+                               f"then {settings}")
         new = query.shape[2]
         seen = sum(q.shape[1] for q in self.queries.get(layer, []))
-        if key.shape[2] != seen + new:
+        # A sliding layer's cache returns only the window it still needs, so it may hold fewer keys.
+        expected_max = seen + new
+        expected_min = expected_max if settings.sliding_window is None else min(expected_max, settings.sliding_window)
+        if not expected_min <= key.shape[2] <= expected_max:
             raise RuntimeError(
                 f"layer {layer}: the cache holds {key.shape[2]} keys but {seen + new} tokens were fed; capture needs "
                 "an uncompressed cache that starts empty."
@@ -44,7 +47,6 @@ class _QKRecorder:
         device = self.store_device or query.device
         self.queries.setdefault(layer, []).append(query[0].to(device, copy=True))
         self.keys.setdefault(layer, []).append(key[0, :, -new:].to(device, copy=True))
-        self.scaling = kwargs.get("scaling") or module.scaling
 
     def stacked(self):
         layers = sorted(self.queries)
@@ -53,11 +55,11 @@ class _QKRecorder:
                 "no attention call was recorded: this model's attention layers do not dispatch through "
                 "transformers' attention-function registry, so capture cannot see them."
             )
-        queries, keys = [], []
+        queries, keys, attention = [], [], [self.attention[i] for i in layers]
         for i in layers:  # pop as we go, so the chunks and the stacked copy never coexist for all layers
             queries.append(torch.cat(self.queries.pop(i), dim=1))
             keys.append(torch.cat(self.keys.pop(i), dim=1))
-        return layers, queries, keys
+        return layers, queries, keys, attention
 
 
 @torch.inference_mode()
@@ -85,6 +87,9 @@ def capture(
     device = model.device
     input_ids = encode_prompt(tokenizer, prompt).to(device)
     prompt_len = input_ids.shape[1]
+    forced = None if continuation is None else encode_continuation(tokenizer, continuation).to(device)
+    check_context_length(model, prompt_len + (max_new_tokens if forced is None else len(forced)),
+                         "the prompt and its continuation")
     recorder = _QKRecorder(None if layers is None else set(layers), store_device)
     cache = DynamicCache(config=model.config)
 
@@ -101,8 +106,7 @@ def capture(
             prefill_bar.update()
 
     with intercept_attention(model, record):
-        if continuation is not None:
-            forced = encode_continuation(tokenizer, continuation).to(device)
+        if forced is not None:
             generated = forced.tolist()
             forward(torch.cat([input_ids, forced[None]], dim=1))
             mode = "teacher-forced"
@@ -120,7 +124,7 @@ def capture(
             mode = "generated"
     prefill_bar.close()
 
-    layer_ids, queries, keys = recorder.stacked()
+    layer_ids, queries, keys, attention = recorder.stacked()
     token_ids = torch.cat([input_ids[0].cpu(), torch.tensor(generated, dtype=torch.long)])
     return AttentionTrace(
         token_ids=token_ids,
@@ -128,7 +132,7 @@ def capture(
         prompt_len=prompt_len,
         queries=queries,
         keys=keys,
-        scaling=float(recorder.scaling),
+        attention_settings=attention,
         layers=layer_ids,
         meta=dict(
             model=model.config.name_or_path,

@@ -4,9 +4,10 @@ A policy scores the prompt's key positions once, at prefill, and keeps `capacity
 the top-scored prefix positions plus the last `window_size` prompt tokens (the observation window).
 Nothing is evicted while decoding. Every policy has one scoring method:
 
-    policy.score(query, key, scaling, positions, layer) -> (heads, n_keys) float32, or None
-        query: (heads, n_rows, head_dim) post-RoPE queries of the prompt rows at `positions` (n_rows,)
+    policy.score(query, key, attention, positions, layer) -> (heads, n_keys) float32, or None
+        query: (heads, n_rows, head_dim) post-RoPE queries of the prompt rows at `positions` (n_rows,, CPU)
         key: (kv_heads, n_keys, head_dim) post-RoPE keys of the whole prompt so far
+        attention: the layer's AttentionSettings (scaling, soft-cap), so scores see the model's own softmax
 
 and the shared `Policy.keep` turns scores into kept indices with `selection.select` (pooling, GQA
 reduction, top-k): the very function the attention analysis uses, so the two never disagree.
@@ -25,8 +26,8 @@ physical (compressed) cache length and every column is visible.
 
 from __future__ import annotations
 
+import copy
 import math
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -36,10 +37,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .attention import attention_column_sums
+from .attention import AttentionSettings, attention_column_sums
 from .hooks import intercept_attention
-from .inputs import encode_batch, encode_continuation, eos_ids
+from .inputs import check_context_length, encode_batch, encode_continuation, eos_ids
 from .selection import POOLINGS, select, window_votes
+from .timing import SectionTimer, stopwatch
 
 
 @dataclass
@@ -105,7 +107,7 @@ class Policy:
             )
         return budget
 
-    def score(self, query, key, scaling: float, positions, layer: int) -> torch.Tensor | None:
+    def score(self, query, key, attention: AttentionSettings, positions, layer: int) -> torch.Tensor | None:
         """(heads, n_keys) float32 scores of the key positions, higher is kept first (see module doc)."""
         raise NotImplementedError
 
@@ -126,7 +128,7 @@ class FullCache(Policy):
 
     capacity: int | float | None = None
 
-    def score(self, query, key, scaling, positions, layer):
+    def score(self, query, key, attention, positions, layer):
         return None
 
 
@@ -137,11 +139,12 @@ class SnapKV(Policy):
     pooling: str | None = "max"
     kernel_size: int = 7
 
-    def score(self, query, key, scaling, positions, layer):
+    def score(self, query, key, attention, positions, layer):
         if query.shape[1] < self.window_size:
             raise ValueError(f"the last prompt chunk ({query.shape[1]} tokens) must hold the whole observation "
                              f"window ({self.window_size} tokens)")
-        return window_votes(query[:, -self.window_size:], key, scaling, positions[-self.window_size:], key.shape[1])
+        return window_votes(query[:, -self.window_size:], key, attention.scaling, positions[-self.window_size:], key.shape[1],
+                            **attention.options())
 
 
 @dataclass
@@ -159,8 +162,8 @@ class H2O(Policy):
 
     accumulates: ClassVar[bool] = True
 
-    def score(self, query, key, scaling, positions, layer):
-        return attention_column_sums(query, key, scaling, positions)
+    def score(self, query, key, attention, positions, layer):
+        return attention_column_sums(query, key, attention.scaling, positions, **attention.options())
 
 
 @dataclass
@@ -169,7 +172,7 @@ class StreamingLLM(Policy):
 
     sinks: int = 4
 
-    def score(self, query, key, scaling, positions, layer):
+    def score(self, query, key, attention, positions, layer):
         recency = torch.arange(key.shape[1], dtype=torch.float32, device=key.device)
         recency[: self.sinks] = math.inf
         return recency.expand(query.shape[0], -1)
@@ -181,7 +184,7 @@ class RandomKeep(Policy):
 
     seed: int = 0
 
-    def score(self, query, key, scaling, positions, layer):
+    def score(self, query, key, attention, positions, layer):
         generator = torch.Generator().manual_seed(self.seed * 100_003 + layer)
         return torch.rand(query.shape[0], key.shape[1], generator=generator).to(key.device)
 
@@ -201,26 +204,48 @@ def gather_kv(tensor: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return tensor.gather(2, kept[..., None].expand(-1, -1, -1, tensor.shape[-1]))
 
 
-class _QueryHeadLayer(DynamicLayer):
-    """Cache layer with one KV head per query head (official SnapKV layout): new keys are repeated on arrival."""
+class CompressedLayer(DynamicLayer):
+    """A full-attention cache layer holding the kept positions of a compressed prompt, then the new tokens.
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, groups: int):
+    groups > 1: one KV head per query head (the official SnapKV layout): new keys are repeated on arrival.
+    Rolling back is refused: assisted and prompt-lookup decoding feed several draft tokens, count their
+    positions from the cache length (shorter than the tokens seen) and crop the rejected ones.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, groups: int = 1):
         super().__init__()
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.groups = keys, values, groups
 
     def update(self, key_states, value_states, *args, **kwargs):
-        repeat = lambda t: t.repeat_interleave(self.groups, dim=1)  # noqa: E731
-        return super().update(repeat(key_states), repeat(value_states), *args, **kwargs)
+        if self.groups > 1:
+            key_states = key_states.repeat_interleave(self.groups, dim=1)
+            value_states = value_states.repeat_interleave(self.groups, dim=1)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "a compressed KV cache cannot be rolled back: assisted and prompt-lookup decoding are not supported "
+            "under snapkv_lab.compress (they place draft tokens by the cache length, which compression shortened). "
+            "Use plain greedy or sampled generation."
+        )
 
 
 def _refuse_padding(attention_mask) -> None:
-    """A left-padded prefill has masked columns in its last row; unpadded prompts have none."""
-    if attention_mask is None or attention_mask.ndim != 4:
+    """Refuse a padded prefill. Any unpadded causal or sliding-window mask lets every token see itself; a pad
+    token is hidden from every row, its own included. flash_attention_2 gets the 2-D padding mask itself."""
+    if attention_mask is None:
         return
-    last_row = attention_mask[:, :, -1, :]
-    visible = last_row if last_row.dtype == torch.bool else last_row == 0
-    if not bool(visible.all()):
+    if attention_mask.ndim == 2:
+        padded = not bool(attention_mask.bool().all())
+    elif attention_mask.ndim == 4:
+        offset = attention_mask.shape[-1] - attention_mask.shape[-2]
+        diagonal = attention_mask.diagonal(offset, dim1=-2, dim2=-1)
+        visible = diagonal if diagonal.dtype == torch.bool else diagonal == 0
+        padded = not bool(visible.all())
+    else:
+        return
+    if padded:
         raise NotImplementedError(
             "padded batches are not supported by the compressor: pad tokens would vote and be kept, and the "
             "compressed cache would no longer line up with the padding mask. Pass prompts of equal length, or one "
@@ -230,13 +255,22 @@ def _refuse_padding(attention_mask) -> None:
 
 @dataclass
 class CompressionState:
-    """What `compress` yields: the cache to pass to the model, and the kept indices once prefill ran."""
+    """What `compress` yields: the cache to pass to the model, and what compression did once prefill ran.
+
+    kept_indices[layer]: (batch, kv_heads, kept) prompt positions the layer's cache holds after prefill, sorted.
+    Full-attention layers keep what the policy selected. Sliding-window layers are not compressed: they keep
+    their own bounded cache (the model's last `sliding_window - 1` positions), and kept_indices says which.
+    """
 
     policy: Policy
     cache: DynamicCache
-    kept_indices: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (batch, heads, kept)
-    selection_seconds: float = 0.0  # time spent scoring, selecting and gathering (the compressor's overhead)
+    kept_indices: dict[int, torch.Tensor] = field(default_factory=dict)
+    timer: SectionTimer | None = None  # scoring, selecting and gathering: the compressor's own overhead
     _groups: dict = field(default_factory=dict)  # attention module -> its original num_key_value_groups
+
+    @property
+    def selection_seconds(self) -> float:
+        return 0.0 if self.timer is None else self.timer.seconds
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         layer = module.layer_idx
@@ -245,31 +279,35 @@ class CompressionState:
                 self._groups[module] = module.num_key_value_groups  # one KV head per query head from now on
                 module.num_key_value_groups = 1
             return
-        if layer >= len(self.cache.layers) or self.cache.layers[layer].keys is not key:
+        if layer >= len(self.cache.layers) or not self.cache.layers[layer].is_initialized:
             raise RuntimeError("the model was not called with this compressor's cache: pass past_key_values=state.cache")
         if key.shape[2] != query.shape[2]:
             raise RuntimeError("the compressor's cache must start empty (the prefill compresses the whole prompt)")
-        _refuse_padding(attention_mask)
-        if kwargs.get("sliding_window"):
-            raise NotImplementedError(f"layer {layer} uses sliding-window attention, whose cache the compressor does not manage")
+        if not self.kept_indices:  # the mask is the same for every layer: one check (one host sync) per prefill
+            _refuse_padding(attention_mask)
         batch, kv_heads, n, _ = key.shape
-        if self.policy.budget(n) is None:
-            self.kept_indices[layer] = torch.arange(n, device=key.device).expand(batch, kv_heads, -1)
+        settings = AttentionSettings.of_call(module, kwargs)
+        if settings.sliding_window is not None or self.policy.budget(n) is None:
+            held = self.cache.layers[layer].keys.shape[-2]
+            self.kept_indices[layer] = torch.arange(n - held, n, device=key.device).expand(batch, kv_heads, -1)
             return
-        began = time.perf_counter()
-        scaling = kwargs.get("scaling") or module.scaling
-        positions = torch.arange(n, device=key.device)
-        kept = torch.stack([
-            self.policy.keep(self.policy.score(query[b], key[b], scaling, positions, layer), n, kv_heads)
-            for b in range(batch)
-        ])
-        self.kept_indices[layer] = kept
-        keys, values = gather_kv(key, kept), gather_kv(value, kept)
-        if kept.shape[1] == kv_heads:
-            self.cache.layers[layer].keys, self.cache.layers[layer].values = keys, values
-        else:
-            self.cache.layers[layer] = _QueryHeadLayer(keys, values, kept.shape[1] // kv_heads)
-        self.selection_seconds += time.perf_counter() - began
+        self.timer = self.timer or SectionTimer(key.device)
+        with self.timer.section():
+            positions = torch.arange(n)
+            kept = torch.stack([self.policy.keep(self.policy.score(query[b], key[b], settings, positions, layer), n, kv_heads)
+                                for b in range(batch)])
+            self.kept_indices[layer] = kept
+            self.cache.layers[layer] = CompressedLayer(gather_kv(key, kept), gather_kv(value, kept), kept.shape[1] // kv_heads)
+
+    def check_prefill_seen(self) -> None:
+        """Raise if the model filled the cache without its attention calls reaching the compressor."""
+        missed = [i for i, layer in enumerate(self.cache.layers) if layer.is_initialized and i not in self.kept_indices]
+        if missed:
+            raise RuntimeError(
+                f"layers {missed} filled the cache without calling an attention function from transformers' registry, "
+                f"so {self.policy.label} could not compress them (this model's attention bypasses "
+                "ALL_ATTENTION_FUNCTIONS). The run would be uncompressed: refused."
+            )
 
     def restore(self) -> None:
         for module, groups in self._groups.items():
@@ -284,13 +322,14 @@ def compress(model, policy: Policy | None = None):
             model.generate(input_ids, past_key_values=state.cache, max_new_tokens=32)
         state.kept_indices[layer]  # (batch, kv_heads, kept), sorted ascending
 
-    The cache must start empty and be passed to the model; padded batches are refused. Any attribute
-    patched for the per-query-head layout is restored on exit.
+    The cache must start empty and be passed to the model; padded batches, assisted and prompt-lookup
+    decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
     """
-    state = CompressionState(policy or FullCache(), DynamicCache())
+    state = CompressionState(policy or FullCache(), DynamicCache(config=model.config))
     try:
         with intercept_attention(model, state):
             yield state
+        state.check_prefill_seen()
     finally:
         state.restore()
 
@@ -301,6 +340,7 @@ class ScoreRecorder:
 
     Successive calls of a layer are prompt chunks (a context, then a question): accumulating policies add
     their scores up, the others keep the last chunk's. scores[policy.name][layer]: (batch, heads, n_keys).
+    Sliding-window layers are not scored: they are never compressed (see CompressionState).
     """
 
     def __init__(self, policies):
@@ -308,11 +348,13 @@ class ScoreRecorder:
         self.scores: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.policies}
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        settings = AttentionSettings.of_call(module, kwargs)
+        if settings.sliding_window is not None:
+            return
         layer, n, rows = module.layer_idx, key.shape[2], query.shape[2]
-        scaling = kwargs.get("scaling") or module.scaling
-        positions = torch.arange(n - rows, n, device=key.device)
+        positions = torch.arange(n - rows, n)
         for name, policy in self.policies.items():
-            new = policy.score(query[0], key[0], scaling, positions, layer)
+            new = policy.score(query[0], key[0], settings, positions, layer)
             if new is None:
                 continue
             old = self.scores[name].get(layer)
@@ -321,21 +363,21 @@ class ScoreRecorder:
             self.scores[name][layer] = new[None]
 
 
-def cache_from(layers_kv) -> DynamicCache:
-    """A DynamicCache over existing (keys, values) tensors, without copying: decoding appends by
-    concatenation, so the tensors given are never modified and several caches can share them."""
-    cache = DynamicCache()
-    for keys, values in layers_kv:
-        layer = DynamicLayer()
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values
-        cache.layers.append(layer)
-    return cache
+def fork(cache: DynamicCache) -> DynamicCache:
+    """A new cache over the same tensors, without copying: every layer type grows by concatenation and
+    slicing, never in place, so decoding on the fork leaves `cache` as it was and forks can share it."""
+    forked = DynamicCache()
+    forked.layers = [copy.copy(layer) for layer in cache.layers]
+    return forked
 
 
-def compressed_copy(cache: DynamicCache, kept: list[torch.Tensor]) -> DynamicCache:
-    """A new cache holding the kept positions of `cache` (per layer (batch, kv_heads, kept), per KV head)."""
-    return cache_from((gather_kv(layer.keys, k), gather_kv(layer.values, k)) for layer, k in zip(cache.layers, kept))
+def compressed_copy(cache: DynamicCache, kept: dict[int, torch.Tensor]) -> DynamicCache:
+    """A fork of `cache` whose layers in `kept` ({layer: (batch, kv_heads, kept)}) hold only those positions."""
+    forked = fork(cache)
+    for i, positions in kept.items():
+        layer = cache.layers[i]
+        forked.layers[i] = CompressedLayer(gather_kv(layer.keys, positions), gather_kv(layer.values, positions))
+    return forked
 
 
 def cache_bytes(cache: DynamicCache) -> int:
@@ -349,7 +391,9 @@ class GenerationResult:
 
     text: the answer (a list for a batch). token_ids: (batch, new_tokens). prompt_ids: (batch, n) of the
     compressed prompt (the context alone in query-agnostic mode). kept_indices[layer]: (batch, kv_heads,
-    kept) prompt positions kept, sorted ascending. cache_lengths[layer]: cache length right after prefill.
+    kept) prompt positions the layer's cache holds after prefill, sorted ascending (a sliding-window layer:
+    the last ones, its own bounded cache). cache_lengths[layer]: cache length right after prefill.
+    Timings are wall-clock seconds read after synchronising the device.
     """
 
     text: str | list[str]
@@ -379,11 +423,11 @@ def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids
         done |= torch.isin(next_token.cpu(), torch.tensor(list(eos_ids), dtype=torch.long))
         if bool(done.all()) or step == max_new_tokens - 1 or (stop is not None and stop(torch.stack(tokens, 1))):
             break
-        began = time.perf_counter()
-        position = torch.full((logits.shape[0], 1), start + step, dtype=torch.long, device=model.device)
-        out = model(next_token[:, None], past_key_values=cache, position_ids=position, use_cache=True)
-        next_token = out.logits[:, -1].argmax(-1)
-        seconds.append(time.perf_counter() - began)
+        with stopwatch(model.device) as elapsed:
+            position = torch.full((logits.shape[0], 1), start + step, dtype=torch.long, device=model.device)
+            out = model(next_token[:, None], past_key_values=cache, position_ids=position, use_cache=True)
+            next_token = out.logits[:, -1].argmax(-1)
+        seconds.append(elapsed.seconds)
     return torch.stack(tokens, 1), seconds
 
 
@@ -407,29 +451,33 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
     Timings: prefill_seconds covers the compressed forward (question included), selection_seconds the part of
     it spent scoring, selecting and gathering; decode ms/token the steps after the first token.
     """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int (the first token comes from the prefill), got {max_new_tokens!r}")
     ids = encode_batch(tokenizer, prompt).to(model.device)
+    extra = None if question is None else encode_continuation(tokenizer, question).to(model.device).expand(ids.shape[0], -1)
     batch, n = ids.shape
+    check_context_length(model, n + (0 if extra is None else extra.shape[1]) + max_new_tokens,
+                         "the prompt, question and new tokens")
     eos = eos_ids(model, tokenizer)
     with compress(model, policy) as state:
-        began = time.perf_counter()
-        # logits_to_keep=1: the full-vocabulary logits of a long prompt would cost more memory than its KV cache.
-        logits = model(ids, past_key_values=state.cache, position_ids=torch.arange(n, device=model.device)[None],
-                       use_cache=True, logits_to_keep=1).logits[:, -1]
-        cache_lengths = [layer.keys.shape[-2] for layer in state.cache.layers]
-        kv_bytes = cache_bytes(state.cache)
-        start = n
-        if question is not None:
-            extra = encode_continuation(tokenizer, question).to(model.device).expand(batch, -1)
-            positions = torch.arange(n, n + extra.shape[1], device=model.device)[None]
-            logits = model(extra, past_key_values=state.cache, position_ids=positions, use_cache=True,
-                           logits_to_keep=1).logits[:, -1]
-            start += extra.shape[1]
-        prefill_seconds = time.perf_counter() - began
+        with stopwatch(model.device) as prefill:
+            # logits_to_keep=1: the full-vocabulary logits of a long prompt would cost more memory than its KV cache.
+            logits = model(ids, past_key_values=state.cache, position_ids=torch.arange(n, device=model.device)[None],
+                           use_cache=True, logits_to_keep=1).logits[:, -1]
+            state.check_prefill_seen()
+            cache_lengths = [layer.keys.shape[-2] for layer in state.cache.layers]
+            kv_bytes = cache_bytes(state.cache)
+            start = n
+            if extra is not None:
+                positions = torch.arange(n, n + extra.shape[1], device=model.device)[None]
+                logits = model(extra, past_key_values=state.cache, position_ids=positions, use_cache=True,
+                               logits_to_keep=1).logits[:, -1]
+                start += extra.shape[1]
         token_ids, seconds = greedy_decode(model, state.cache, logits, start, max_new_tokens, eos, stop)
     texts = decode_text(tokenizer, token_ids, eos)
     return GenerationResult(
         text=texts[0] if batch == 1 else texts, token_ids=token_ids.cpu(), prompt_ids=ids.cpu(),
         kept_indices=[state.kept_indices[i].cpu() for i in sorted(state.kept_indices)], cache_lengths=cache_lengths,
-        kv_bytes=kv_bytes, prefill_seconds=prefill_seconds, selection_seconds=state.selection_seconds,
+        kv_bytes=kv_bytes, prefill_seconds=prefill.seconds, selection_seconds=state.selection_seconds,
         decode_ms_per_token=1000 * sum(seconds) / len(seconds) if seconds else float("nan"), policy=state.policy,
     )

@@ -13,7 +13,9 @@ to `callback`, then runs the model's own attention function unchanged:
 The patch wraps the entry of the backend the model already uses (eager, sdpa, flash_attention_2, ...)
 in transformers' attention-function registry, under the same name: the mask functions registered for
 that name keep working, so logits are unchanged. Registering a new name instead would silently drop the
-causal mask. The patch is undone on exit, also on error, and it is never applied at import time.
+causal mask. The registry is process-wide, so one dispatcher per backend name routes each call to the
+callbacks of the model that owns the calling module. The patch is undone when the last interception of
+that backend ends, also on error, and it is never applied at import time.
 """
 
 from __future__ import annotations
@@ -35,26 +37,56 @@ def _model_eager_function(module) -> Callable:
     return function
 
 
+class _Dispatcher:
+    """Stands in the registry under one backend name while any interception of that name is active:
+    calls the callbacks registered for the calling module's model, then the backend's own function."""
+
+    def __init__(self, name: str):
+        registry = ALL_ATTENTION_FUNCTIONS._local_mapping
+        self.name = name
+        self.had_local, self.previous_local = name in registry, registry.get(name)
+        self.original = ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else None
+        self.entries: list[tuple[frozenset[int], Callable]] = []
+        registry[name] = self
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        for modules, callback in list(self.entries):
+            if id(module) in modules:
+                callback(module, query, key, value, attention_mask, **kwargs)
+        function = self.original if self.original is not None else _model_eager_function(module)
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    def restore(self) -> None:
+        registry = ALL_ATTENTION_FUNCTIONS._local_mapping
+        if self.had_local:
+            registry[self.name] = self.previous_local
+        else:
+            del registry[self.name]
+
+
+# Backend name -> its dispatcher, while at least one interception of that backend is active.
+_DISPATCHERS: dict[str, _Dispatcher] = {}
+
+
 @contextmanager
 def intercept_attention(model, callback: Callable):
-    """Call `callback` with the inputs of every attention call of `model` inside the block (see module doc)."""
+    """Call `callback` with the inputs of every attention call of `model` inside the block (see module doc).
+
+    Only `model`'s own attention modules reach the callback: another model in the process runs untouched.
+    Interceptions nest and may end in any order; the registry is restored when the last one ends.
+    """
     name = model.config._attn_implementation
     if name is None:
         raise ValueError("model.config._attn_implementation is not set; load the model with from_pretrained.")
-    registry = ALL_ATTENTION_FUNCTIONS._local_mapping
-    had_local, previous_local = name in registry, registry.get(name)
-    original = ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else None
-
-    def attention_with_callback(module, query, key, value, attention_mask, **kwargs):
-        callback(module, query, key, value, attention_mask, **kwargs)
-        function = original if original is not None else _model_eager_function(module)
-        return function(module, query, key, value, attention_mask, **kwargs)
-
-    registry[name] = attention_with_callback
+    if name not in _DISPATCHERS:
+        _DISPATCHERS[name] = _Dispatcher(name)
+    dispatcher = _DISPATCHERS[name]
+    entry = (frozenset(id(m) for m in model.modules()), callback)
+    dispatcher.entries.append(entry)
     try:
         yield
     finally:
-        if had_local:
-            registry[name] = previous_local
-        else:
-            del registry[name]
+        dispatcher.entries.remove(entry)
+        if not dispatcher.entries:
+            dispatcher.restore()
+            del _DISPATCHERS[name]

@@ -97,9 +97,9 @@ def coarse_overlap(attn_generated, attn_window, *, threshold=COARSE_THRESHOLD, e
 
 
 def to_mask(indices: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """(heads, k) positions -> (heads, prefix_len) bool."""
-    mask = torch.zeros(indices.shape[0], prefix_len, dtype=torch.bool)
-    return mask.scatter_(1, indices.cpu(), True)
+    """(heads, k) positions -> (heads, prefix_len) bool, on the device of `indices`."""
+    mask = torch.zeros(indices.shape[0], prefix_len, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(1, indices, True)
 
 
 def metric_rows(parts: dict[str, torch.Tensor], *, layer, window, metric, sinks, min_support=MIN_SUPPORT) -> list[dict]:

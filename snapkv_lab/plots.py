@@ -33,7 +33,7 @@ def attention_heatmap(trace, layer: int, head: int, *, queries=None, keys=None, 
     """
     rows = positions(queries, trace.n_tokens)
     cols = positions(keys, trace.n_tokens)
-    block = trace.attention(layer, heads=head, queries=rows, keys=cols)[0]
+    block = trace.attention(layer, heads=head, queries=rows, keys=cols)[0].cpu()  # plotly reads host memory
     pooled, rb, cb = block_max(block, max_cells, max_cells)
     zmax = float(torch.quantile(pooled[pooled > 0].float(), quantile)) if (pooled > 0).any() else 1.0
     figure = go.Figure(go.Heatmap(
@@ -77,7 +77,7 @@ def token_attention(trace, query: int, *, layers=None, heads=None, keys=None) ->
     cols = positions(trace.prompt if keys is None else keys, trace.n_tokens)
     layers = trace.layers if layers is None else list(np.atleast_1d(layers))
     rows = [trace.attention(layer, heads=heads, queries=query, keys=cols)[:, 0].mean(0) for layer in layers]
-    return torch.stack(rows).mean(0)
+    return torch.stack(rows).mean(0).cpu()
 
 
 def spotlight(trace, query: int, *, layers=None, heads=None, skip_first: int = 1, top: int = 20):
@@ -120,7 +120,7 @@ def window_attention(trace, window: int = 32, *, layers=None) -> torch.Tensor:
     start = trace.prompt_len - window
     layers = trace.layers if layers is None else layers
     return torch.stack([trace.column_sums(layer, queries=slice(start, trace.prompt_len))[:, :start].mean(0) / window
-                        for layer in layers])
+                        for layer in layers]).cpu()
 
 
 def window_attention_figure(trace, window: int = 32, *, layers=None, max_cols: int = 1024) -> go.Figure:

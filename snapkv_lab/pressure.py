@@ -20,21 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from .compression import (H2O, RandomKeep, ScoreRecorder, SnapKV, SnapKVNoPooling, StreamingLLM,
-                          cache_from, compressed_copy, decode_text, greedy_decode)
+                          compressed_copy, decode_text, fork, greedy_decode)
 from .chat import chat_frame
 from .corpus import haystack_ids
 from .figures import FigureSet, register, write_html
 from .hooks import intercept_attention
 from .inputs import check_context_length, eos_ids
+from .timing import stopwatch
 from .tokens import encode, token_span
 
 # The chat template comes from the tokenizer (chat.chat_frame): the context is the template's head and
@@ -152,9 +153,10 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0)
     return Context(head + body, queries, dict(task="lines", length=n_tokens, lines=len(facts), sample=sample))
 
 
-def _kept_fraction(kept: list[torch.Tensor], span: tuple[int, int]) -> float:
+def _kept_fraction(kept: dict[int, torch.Tensor], span: tuple[int, int]) -> float:
     """Fraction of the span's positions kept, averaged over layers and KV heads."""
     start, end = span
+    kept = list(kept.values())
     return float(sum(((k[0] >= start) & (k[0] < end)).sum() for k in kept)) / (len(kept) * kept[0].shape[1] * (end - start))
 
 
@@ -165,10 +167,6 @@ def _prefill(model, ids: list[int], cache, recorder: ScoreRecorder, start: int):
     with intercept_attention(model, recorder):
         return model(tensor, past_key_values=cache, position_ids=positions, use_cache=True,
                      logits_to_keep=1).logits[:, -1]
-
-
-def _snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 @torch.inference_mode()
@@ -194,18 +192,16 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
     for context in contexts:
         n_ctx = len(context.context_ids)
         recorder = ScoreRecorder(policies)
-        began = time.perf_counter()
-        context_cache = cache_from([])
-        _prefill(model, context.context_ids, context_cache, recorder, 0)
-        prefill_seconds = time.perf_counter() - began
-        context_kv, context_scores = _snapshot(context_cache), recorder.scores
+        context_cache = DynamicCache(config=model.config)
+        with stopwatch(model.device) as prefill:
+            _prefill(model, context.context_ids, context_cache, recorder, 0)
+        context_scores = recorder.scores
         for query in context.queries:
             n = n_ctx + len(query.question_ids)
             aware = ScoreRecorder(policies)
             aware.scores = {name: dict(layers) for name, layers in context_scores.items()}  # H2O accumulates
-            full = cache_from(context_kv)
+            full = fork(context_cache)
             logits = _prefill(model, query.question_ids, full, aware, n_ctx)
-            full_kv = _snapshot(full)
 
             def answer(cache, first_logits, policy, capacity, mode, kept, uncompressed_length):
                 tokens, seconds = greedy_decode(model, cache, first_logits, n, max_new_tokens, eos)
@@ -215,22 +211,22 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
                                  correct=query.answer in text,
                                  fact_kept=_kept_fraction(kept, query.span) if kept else 1.0,
                                  value_kept=_kept_fraction(kept, query.value_span) if kept else 1.0,
-                                 cache_length=kept[0].shape[-1] if kept else uncompressed_length,
-                                 prompt_tokens=n, prefill_s=prefill_seconds,
+                                 cache_length=next(iter(kept.values())).shape[-1] if kept else uncompressed_length,
+                                 prompt_tokens=n, prefill_s=prefill.seconds,
                                  decode_ms_per_token=1000 * sum(seconds) / max(1, len(seconds))))
                 bar.update()
 
-            answer(cache_from(full_kv), logits, "FullCache", pd.NA, "full", None, n)
+            answer(fork(full), logits, "FullCache", pd.NA, "full", None, n)
             for policy in policies:
                 for capacity in capacities:
                     sized = dataclasses.replace(policy, capacity=capacity)
                     if "query-aware" in modes:
                         kept = _keep(sized, aware.scores, n, kv_heads)
-                        cache = compressed_copy(cache_from(full_kv), kept) if kept else cache_from(full_kv)
+                        cache = compressed_copy(full, kept) if kept else fork(full)
                         answer(cache, logits, policy.name, capacity, "query-aware", kept, n)
                     if "query-agnostic" in modes:
                         kept = _keep(sized, context_scores, n_ctx, kv_heads)
-                        cache = compressed_copy(cache_from(context_kv), kept) if kept else cache_from(context_kv)
+                        cache = compressed_copy(context_cache, kept) if kept else fork(context_cache)
                         first = _prefill(model, query.question_ids, cache, ScoreRecorder([]), n_ctx)
                         answer(cache, first, policy.name, capacity, "query-agnostic", kept, n_ctx)
         if on_context is not None:
@@ -239,12 +235,12 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
     return pd.DataFrame(rows)
 
 
-def _keep(policy, scores: dict, n: int, kv_heads: int) -> list[torch.Tensor] | None:
-    """Per-layer kept positions (1, kv_heads, budget) from recorded scores, or None if the prompt fits."""
+def _keep(policy, scores: dict, n: int, kv_heads: int) -> dict[int, torch.Tensor] | None:
+    """{layer: kept positions (1, kv_heads, budget)} for every scored (full-attention) layer, or None if the
+    prompt fits."""
     if policy.budget(n) is None:
         return None
-    layers = scores[policy.name]
-    return [policy.keep(layers[i][0], n, kv_heads)[None] for i in sorted(layers)]
+    return {i: policy.keep(layer_scores[0], n, kv_heads)[None] for i, layer_scores in sorted(scores[policy.name].items())}
 
 
 # ---- figure set -------------------------------------------------------------------------------------------

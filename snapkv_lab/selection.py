@@ -23,14 +23,14 @@ POOLINGS = (None, "max", "avg")
 GQA_REDUCTIONS = ("mean", "max")
 
 
-def window_votes(query_window, key, scaling, window_positions, prefix_len: int, *, kv_index=None) -> torch.Tensor:
+def window_votes(query_window, key, scaling, window_positions, prefix_len: int, **options) -> torch.Tensor:
     """SnapKV votes (heads, prefix_len) float32: each window query's softmax attention, summed over the window.
 
     query_window: (heads, window, head_dim); key: (kv_heads, n_keys, head_dim); window_positions: (window,).
     Softmax runs over every key a window query sees (the window's own earlier tokens included); only the
-    first prefix_len columns are kept, as in the paper.
+    first prefix_len columns are kept, as in the paper. options: kv_index, softcap, ... (attention_row_blocks).
     """
-    return attention_column_sums(query_window, key, scaling, window_positions, kv_index=kv_index)[:, :prefix_len]
+    return attention_column_sums(query_window, key, scaling, window_positions, **options)[:, :prefix_len]
 
 
 def pool_votes(votes: torch.Tensor, pooling: str | None = "max", kernel_size: int = 7) -> torch.Tensor:
@@ -84,12 +84,21 @@ def select_from_trace(trace, layer: int, window, k: int | float, *, prefix_len: 
                       gqa: str = "mean") -> torch.Tensor:
     """`select` with the votes of the query rows `window` (a slice of token positions) of a trace.
 
-    prefix_len defaults to the window's first position: the window votes on what precedes it.
+    prefix_len defaults to the window's first position: the window votes on what precedes it. A smaller
+    prefix_len votes on a common prefix (several windows compared); a larger one would let the window vote
+    on its own positions, which it attends to by construction, and is refused.
     Pooling defaults to None here (the observation experiments vote without pooling).
     """
+    if not isinstance(window, slice) or window.step not in (None, 1):
+        raise TypeError(f"window must be a slice of consecutive token positions, got {window!r}")
     rows = range(trace.n_tokens)[window]
+    if len(rows) == 0:
+        raise ValueError(f"window {window} holds no token of the trace ({trace.n_tokens} tokens)")
     prefix_len = rows.start if prefix_len is None else prefix_len
     if prefix_len <= 0:
         raise ValueError(f"window {window} leaves no prefix to vote on")
+    if prefix_len > rows.start:
+        raise ValueError(f"prefix_len {prefix_len} reaches into the window {window} (starting at {rows.start}): "
+                         "a window cannot vote on its own positions")
     votes = trace.column_sums(layer, queries=window)[:, :prefix_len]
     return select(votes, k, pooling=pooling, kernel_size=kernel_size, kv_heads=kv_heads, gqa=gqa)

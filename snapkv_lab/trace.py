@@ -6,25 +6,36 @@ numbers per token, never a (tokens x tokens) map.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
-from .attention import attention_column_sums, attention_probs, attention_row_topk
+from .attention import AttentionSettings, attention_column_sums, attention_probs, attention_row_topk
 
-_FORMAT = "snapkv_lab.AttentionTrace/1"
+# Version 2 adds each layer's attention settings (sliding window, soft-cap); version 1 files had one scaling
+# for all layers and full causal attention, which is what they are read as.
+_FORMAT = "snapkv_lab.AttentionTrace/2"
+_READABLE_FORMATS = ("snapkv_lab.AttentionTrace/1", _FORMAT)
 
 
 def positions(selection, n: int) -> torch.Tensor:
-    """Positions 0..n-1 picked by None (all), an int, a slice, a list or a tensor (negatives count from n)."""
+    """Positions 0..n-1 picked by None (all), an int, a slice, indices (negatives count from n) or a boolean
+    mask of length n. Returns a (k,) long tensor on the CPU."""
     everything = torch.arange(n)
     if selection is None:
         return everything
     if isinstance(selection, (int, slice)):
         return everything[selection].reshape(-1)
-    return everything[torch.as_tensor(selection, dtype=torch.long)].reshape(-1)
+    selection = torch.as_tensor(selection).cpu()
+    if selection.dtype == torch.bool:
+        if selection.shape != (n,):
+            raise ValueError(f"a boolean mask of positions must have shape ({n},), got {tuple(selection.shape)}")
+        return everything[selection]
+    if selection.is_floating_point():
+        raise TypeError(f"positions must be integers or a boolean mask, got {selection.dtype}")
+    return everything[selection.long()].reshape(-1)
 
 
 @dataclass
@@ -34,7 +45,9 @@ class AttentionTrace:
     token_ids: (n_tokens,)            tokens: n_tokens decoded strings
     queries[i]: (heads, n_tokens, head_dim) of model layer layers[i], after RoPE
     keys[i]:    (kv_heads, n_tokens, head_dim), after RoPE, before the GQA repeat
-    Token t's query row sees keys 0..t. Rows prompt_len.. are the generated tokens.
+    attention_settings[i]: that layer's scaling, sliding window and soft-cap, applied by every recompute
+    Token t's query row sees keys 0..t (the last `sliding_window` of them in a sliding layer). Rows
+    prompt_len.. are the generated tokens.
     """
 
     token_ids: torch.Tensor
@@ -42,9 +55,12 @@ class AttentionTrace:
     prompt_len: int
     queries: list[torch.Tensor]
     keys: list[torch.Tensor]
-    scaling: float
+    attention_settings: list[AttentionSettings]
     layers: list[int]
     meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        _check_consistent(self)
 
     # ---- shape facts -------------------------------------------------------------------------
     @property
@@ -72,6 +88,18 @@ class AttentionTrace:
         return self.queries[0].shape[-1]
 
     @property
+    def scaling(self) -> float:
+        """The attention scale shared by every recorded layer."""
+        scalings = {a.scaling for a in self.attention_settings}
+        if len(scalings) != 1:
+            raise ValueError(f"layers use different scalings {sorted(scalings)}; read trace.attention_settings")
+        return scalings.pop()
+
+    def layer_settings(self, layer: int) -> AttentionSettings:
+        """The attention settings of model layer `layer`."""
+        return self.attention_settings[self._entry(layer)]
+
+    @property
     def prompt(self) -> slice:
         return slice(0, self.prompt_len)
 
@@ -91,20 +119,25 @@ class AttentionTrace:
         )
 
     # ---- attention on demand -----------------------------------------------------------------
-    def _operands(self, layer: int, heads, queries):
+    def _entry(self, layer: int) -> int:
         if layer not in self.layers:
             raise KeyError(f"layer {layer} was not recorded; recorded layers: {self.layers}")
-        entry = self.layers.index(layer)
-        rows = positions(queries, self.n_tokens)
+        return self.layers.index(layer)
+
+    def _operands(self, layer: int, heads, queries):
+        entry = self._entry(layer)
+        rows = positions(queries, self.n_tokens)  # stays on the CPU: block bounds are read from it
         # Views where possible: a slice of rows and all heads copy nothing.
         query = self.queries[entry]
-        query = query[:, queries] if isinstance(queries, slice) else query.index_select(1, rows)
+        query = query[:, queries] if isinstance(queries, slice) else query.index_select(1, rows.to(query.device))
         kv_index = None
         if heads is not None:
-            head_index = positions(heads, self.n_heads)
+            head_index = positions(heads, self.n_heads).to(query.device)
             kv_index = head_index // (self.n_heads // self.n_kv_heads)
             query = query.index_select(0, head_index)
-        return dict(query=query, key=self.keys[entry], scaling=self.scaling, query_positions=rows, kv_index=kv_index)
+        settings = self.attention_settings[entry]
+        return dict(query=query, key=self.keys[entry], scaling=settings.scaling, query_positions=rows,
+                    kv_index=kv_index, **settings.options())
 
     def attention(self, layer: int, heads=None, queries=None, keys=None) -> torch.Tensor:
         """Softmax attention probabilities (heads, queries, keys), float32, any block of the causal map.
@@ -134,27 +167,71 @@ class AttentionTrace:
         for layer, q, k in zip(self.layers, self.queries, self.keys):
             tensors[f"layers.{layer}.queries"] = q.contiguous().cpu()
             tensors[f"layers.{layer}.keys"] = k.contiguous().cpu()
-        header = dict(format=_FORMAT, tokens=self.tokens, prompt_len=self.prompt_len, scaling=self.scaling,
-                      layers=self.layers, meta=self.meta)
+        header = dict(format=_FORMAT, tokens=self.tokens, prompt_len=self.prompt_len, layers=self.layers,
+                      attention_settings=[asdict(a) for a in self.attention_settings], meta=self.meta)
         save_file(tensors, str(path), metadata={"snapkv_lab": json.dumps(header)})
         return path
 
     @classmethod
     def load(cls, path, device: str = "cpu") -> "AttentionTrace":
-        """Read a trace written by `save`, onto `device`."""
-        with safe_open(str(path), framework="pt") as f:
-            header = json.loads((f.metadata() or {}).get("snapkv_lab", "{}"))
-        if header.get("format") != _FORMAT:
+        """Read a trace written by `save`, onto `device`. A file that is not a whole, consistent trace
+        raises ValueError saying what is wrong."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = json.loads((f.metadata() or {}).get("snapkv_lab", "{}"))
+                names = set(f.keys())
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a corrupt file raises safetensors' own SafetensorError, or bad JSON
+            raise ValueError(f"{path} is not a readable snapkv_lab trace: {err}") from err
+        if header.get("format") not in _READABLE_FORMATS:
             raise ValueError(f"{path} is not a snapkv_lab trace (format {header.get('format')!r}, expected {_FORMAT!r})")
-        tensors = load_file(str(path), device=device)
+        fields = ("tokens", "prompt_len", "layers", "meta")
+        missing = [f for f in fields if f not in header] + [f"layers.{layer}.{kind}" for layer in header.get("layers", [])
+                                                              for kind in ("queries", "keys")
+                                                              if f"layers.{layer}.{kind}" not in names]
+        missing += [] if "token_ids" in names else ["token_ids"]
+        if missing:
+            raise ValueError(f"{path} is an incomplete snapkv_lab trace: missing {', '.join(missing)}")
         layers = header["layers"]
-        return cls(
-            token_ids=tensors["token_ids"],
-            tokens=header["tokens"],
-            prompt_len=header["prompt_len"],
-            queries=[tensors[f"layers.{layer}.queries"] for layer in layers],
-            keys=[tensors[f"layers.{layer}.keys"] for layer in layers],
-            scaling=header["scaling"],
-            layers=layers,
-            meta=header["meta"],
-        )
+        if "attention_settings" in header:
+            attention = [AttentionSettings(**a) for a in header["attention_settings"]]
+        else:  # format 1: one scaling, full causal attention
+            attention = [AttentionSettings(scaling=header["scaling"]) for _ in layers]
+        tensors = load_file(str(path), device=device)
+        try:
+            return cls(
+                token_ids=tensors["token_ids"],
+                tokens=header["tokens"],
+                prompt_len=header["prompt_len"],
+                queries=[tensors[f"layers.{layer}.queries"] for layer in layers],
+                keys=[tensors[f"layers.{layer}.keys"] for layer in layers],
+                attention_settings=attention,
+                layers=layers,
+                meta=header["meta"],
+            )
+        except ValueError as err:
+            raise ValueError(f"{path} is not a consistent snapkv_lab trace: {err}") from err
+
+
+def _check_consistent(trace: AttentionTrace) -> None:
+    """Shapes and counts that every method relies on; a trace that breaks one would give wrong maps."""
+    n = trace.token_ids.numel()
+    problems = []
+    if trace.token_ids.ndim != 1:
+        problems.append(f"token_ids must be 1-D, got shape {tuple(trace.token_ids.shape)}")
+    if len(trace.tokens) != n:
+        problems.append(f"{len(trace.tokens)} decoded tokens for {n} token ids")
+    if not 0 < trace.prompt_len <= n:
+        problems.append(f"prompt_len {trace.prompt_len} outside 1..{n} (the number of tokens)")
+    if not len(trace.layers) == len(trace.queries) == len(trace.keys) == len(trace.attention_settings) > 0:
+        problems.append(f"{len(trace.layers)} layers, {len(trace.queries)} query tensors, {len(trace.keys)} key tensors "
+                        f"and {len(trace.attention_settings)} attention settings: they must be equal and non-zero")
+    for layer, q, k in zip(trace.layers, trace.queries, trace.keys):
+        if q.ndim != 3 or k.ndim != 3 or q.shape[1] != n or k.shape[1] != n or q.shape[-1] != k.shape[-1]:
+            problems.append(f"layer {layer}: queries {tuple(q.shape)} and keys {tuple(k.shape)} do not fit "
+                            f"(heads, {n}, head_dim) and (kv_heads, {n}, head_dim)")
+        elif q.shape[0] % k.shape[0]:
+            problems.append(f"layer {layer}: {q.shape[0]} query heads cannot share {k.shape[0]} KV heads")
+    if problems:
+        raise ValueError("; ".join(problems))
