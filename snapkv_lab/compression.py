@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -266,7 +267,9 @@ class CompressionState:
     cache: DynamicCache
     kept_indices: dict[int, torch.Tensor] = field(default_factory=dict)
     timer: SectionTimer | None = None  # scoring, selecting and gathering: the compressor's own overhead
+    sliding_layers: list[int] = field(default_factory=list)  # left uncompressed although the prompt exceeds the budget
     _groups: dict = field(default_factory=dict)  # attention module -> its original num_key_value_groups
+    _checked: bool = False
 
     @property
     def selection_seconds(self) -> float:
@@ -287,6 +290,8 @@ class CompressionState:
             _refuse_padding(attention_mask)
         batch, kv_heads, n, _ = key.shape
         settings = AttentionSettings.of_call(module, kwargs)
+        if settings.sliding_window is not None and self.policy.budget(n) is not None:
+            self.sliding_layers.append(layer)
         if settings.sliding_window is not None or self.policy.budget(n) is None:
             held = self.cache.layers[layer].keys.shape[-2]
             self.kept_indices[layer] = torch.arange(n - held, n, device=key.device).expand(batch, kv_heads, -1)
@@ -300,7 +305,11 @@ class CompressionState:
             self.cache.layers[layer] = CompressedLayer(gather_kv(key, kept), gather_kv(value, kept), kept.shape[1] // kv_heads)
 
     def check_prefill_seen(self) -> None:
-        """Raise if the model filled the cache without its attention calls reaching the compressor."""
+        """Raise if the model filled the cache without its attention calls reaching the compressor; warn if
+        every layer is a sliding-window layer, so the policy compressed nothing. Runs once per prefill."""
+        if self._checked:
+            return
+        self._checked = bool(self.kept_indices)
         missed = [i for i, layer in enumerate(self.cache.layers) if layer.is_initialized and i not in self.kept_indices]
         if missed:
             raise RuntimeError(
@@ -308,6 +317,9 @@ class CompressionState:
                 f"so {self.policy.label} could not compress them (this model's attention bypasses "
                 "ALL_ATTENTION_FUNCTIONS). The run would be uncompressed: refused."
             )
+        if self.kept_indices and len(self.sliding_layers) == len(self.kept_indices):
+            warnings.warn(f"every layer of this model uses sliding-window attention, which the compressor leaves to its "
+                          f"own bounded cache: {self.policy.label} compressed nothing", stacklevel=3)
 
     def restore(self) -> None:
         for module, groups in self._groups.items():

@@ -90,7 +90,9 @@ def test_cache_length_after_prefill_equals_capacity(policy, byte_tokenizer):
     assert result.cache_lengths == [budget] * model.config.num_hidden_layers
     for kept in result.kept_indices:
         assert kept.shape == (1, model.config.num_key_value_heads, budget)
-        assert torch.equal(kept, kept.sort(dim=-1).values) and len(kept.unique()) <= 90
+        assert torch.equal(kept, kept.sort(dim=-1).values)
+        assert all(row.unique().numel() == budget for row in kept.reshape(-1, budget))  # no position kept twice
+        assert int(kept.max()) < 90
         assert torch.equal(kept[0, 0, -WINDOW:], torch.arange(90 - WINDOW, 90))
     assert result.kv_bytes == 2 * 2 * model.config.num_key_value_heads * budget * 16 * 4  # 2 layers x (K, V) fp32
 
@@ -226,3 +228,58 @@ def test_model_called_without_the_compressor_cache_is_refused():
     with pytest.raises(RuntimeError, match="past_key_values=state.cache"):
         with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)):
             model(torch.randint(2, 256, (1, 60)))
+
+
+def test_a_prefill_that_bypasses_the_registry_is_refused(byte_tokenizer):
+    """A model whose attention never reaches the hook must not pass for a compressed run. Here the cache is
+    filled by a twin that the compressor does not intercept, as a model with its own attention code would."""
+    model, twin = tiny(), tiny()
+    ids = torch.randint(2, 256, (1, 60), generator=torch.Generator().manual_seed(10))
+    with pytest.raises(RuntimeError, match="without calling an attention function from transformers' registry"):
+        with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
+            twin(ids, past_key_values=state.cache, use_cache=True)
+
+
+def test_zero_new_tokens_and_overlong_runs_are_refused(byte_tokenizer):
+    model = tiny()
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        C.generate(model, byte_tokenizer, torch.randint(2, 256, (1, 60)), max_new_tokens=0)
+    with pytest.raises(ValueError, match="needs 1030 positions, but .* handles at most 1024"):
+        C.generate(model, byte_tokenizer, torch.randint(2, 256, (1, 1000)), max_new_tokens=30)
+
+
+def test_prompt_lookup_decoding_is_refused_on_a_compressed_cache(byte_tokenizer):
+    """Draft tokens are placed by the cache length, which compression shortened: refused, not wrong."""
+    model = tiny()
+    ids = torch.tensor([list(range(10, 40)) * 3])  # repeats, so prompt lookup finds drafts
+    with pytest.raises(NotImplementedError, match="assisted and prompt-lookup decoding are not supported"):
+        with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
+            model.generate(ids, past_key_values=state.cache, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+
+
+def test_flash_style_two_dimensional_padding_masks_are_refused():
+    """flash_attention_2 receives the (batch, n) padding mask itself, not a 4-D one."""
+    C._refuse_padding(torch.ones(2, 7, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="padded batches are not supported"):
+        C._refuse_padding(torch.tensor([[1] * 7, [0, 0] + [1] * 5]))
+
+
+def test_sliding_window_mask_is_not_taken_for_padding(byte_tokenizer):
+    """A prompt longer than a sliding window hides old keys from late rows: that is not padding."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, initializer_range=0.3)
+    for attn in ("eager", "sdpa"):
+        config._attn_implementation = attn
+        model = MistralForCausalLM(config).eval()
+        ids = torch.randint(2, 256, (1, 60), generator=torch.Generator().manual_seed(11))
+        with pytest.warns(UserWarning, match="every layer of this model uses sliding-window attention"):
+            result = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
+                                max_new_tokens=4)
+        # Every layer is a sliding layer: each keeps its own last sliding_window - 1 positions.
+        assert result.cache_lengths == [15, 15]
+        assert torch.equal(result.kept_indices[0][0, 0], torch.arange(45, 60))
+        plain = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)[:, 60:]
+        assert torch.equal(result.token_ids, plain)

@@ -63,14 +63,25 @@ def test_generation_consistency_equals_eager_by_hand(tiny, traces):
     assert recall["value"].item() == pytest.approx(expected.item(), abs=1e-5)
 
 
-def test_question_placement_and_dependence(traces):
+def test_question_placement_and_dependence(tiny, traces):
     c = question_placement({"front": [traces["generated"]], "back": [traces["teacher-forced"]]}, obs_window=8)
     assert set(c["placement"]) == {"front", "back"} and set(c["window"]) == {1}
-    d = question_dependence([traces["generated"], traces["generated"]], (10, 150), [150, 150])
-    assert (d.loc[d["sinks"] == "kept", "value"] == 1.0).all()  # identical traces select identically
-    d = question_dependence([traces["generated"], traces["teacher-forced"]], (10, 150), [150, 150])
+    greedy, forced = traces["generated"], traces["teacher-forced"]
+    d = question_dependence([greedy, forced], (10, 150), [150, 150])
     assert set(d["window"]) == {"q0-q1", "q1-q0"}
     assert d["chance"].dropna().between(0.04, 0.06).all()  # 7 of 140 positions, sinks kept or excluded
+
+    def top_positions(trace, layer, head):  # rows 150.. vote on document positions 10..149, top 5% = 7
+        with torch.no_grad():
+            attn = eager_twin(tiny)(trace.token_ids[None], output_attentions=True).attentions[layer][0, head]
+        return set(attn[150:, 10:150].sum(0).topk(7).indices.tolist())
+
+    for layer, head in ((0, 1), (1, 3)):
+        a, b = top_positions(greedy, layer, head), top_positions(forced, layer, head)
+        row = d[(d.layer == layer) & (d["head"] == head) & (d.window == "q0-q1") & (d.sinks == "kept")]
+        assert (row["numerator"].item(), row["support"].item()) == (len(a & b), 7)
+    # The two continuations differ, so their selections must not all coincide.
+    assert (d.loc[d.sinks == "kept", "value"] < 1).any()
 
 
 def test_draw_writes_one_figure_per_experiment_and_mode(traces, tmp_path):
