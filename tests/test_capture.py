@@ -5,19 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import eager_twin, make_tiny_llama
+from reference import eager_maps
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from snapkv_lab import AttentionTrace, capture, intercept_attention
 from snapkv_lab.attention import attention_column_sums, attention_probs
 
 ATOL = 1e-5
-
-
-def eager_maps(model, token_ids) -> list[torch.Tensor]:
-    """Per layer (heads, n, n) from transformers' eager attention over the whole sequence."""
-    with torch.no_grad():
-        out = eager_twin(model)(token_ids[None], output_attentions=True)
-    return [a[0] for a in out.attentions]
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import eager_twin, make_tiny_llama
+from conftest import make_tiny_llama
+from reference import assert_same_selection, reference_kept
 from snapkv_lab import compression as C
 
 WINDOW, CAPACITY = 8, 40
@@ -16,41 +16,6 @@ WINDOW, CAPACITY = 8, 40
 def tiny(attn="sdpa"):
     # A larger init than the default 0.02 gives peaked attention, so votes are not near-uniform ties.
     return make_tiny_llama(attn, initializer_range=0.3)
-
-
-def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_head=False):
-    """SnapKV written plainly from transformers' eager attention maps: (layers, batch, heads, capacity)
-    kept positions, plus the scores they were chosen from (to tell ties apart)."""
-    twin = eager_twin(model)
-    with torch.no_grad():
-        attentions = twin(ids, output_attentions=True).attentions  # per layer (batch, heads, n, n)
-    n = ids.shape[1]
-    prefix = n - window
-    kv_heads = model.config.num_key_value_heads
-    kept, scores = [], []
-    for attn in attentions:
-        votes = attn[:, :, -window:, :prefix].sum(dim=2)  # (batch, heads, prefix)
-        if pooling == "max":
-            votes = F.max_pool1d(votes, kernel, stride=1, padding=kernel // 2)
-        if not per_query_head:  # mean over the query heads of each KV head's group
-            votes = votes.reshape(votes.shape[0], kv_heads, -1, prefix).mean(dim=2)
-        top = votes.topk(capacity - window, dim=-1).indices.sort(dim=-1).values
-        window_positions = torch.arange(prefix, n).expand(*top.shape[:2], -1)
-        kept.append(torch.cat([top, window_positions], dim=-1))
-        scores.append(votes)
-    return kept, scores
-
-
-def assert_same_selection(kept, ref_kept, ref_scores, window):
-    """Equal kept sets, except that positions tied in score (within 1e-5) at the top-k boundary may swap."""
-    for layer, (mine, ref, score) in enumerate(zip(kept, ref_kept, ref_scores)):
-        assert mine.shape == ref.shape, layer
-        assert torch.equal(mine[..., -window:], ref[..., -window:])
-        mine_scores = score.gather(-1, mine[..., :-window]).sort(dim=-1).values
-        ref_top = score.gather(-1, ref[..., :-window]).sort(dim=-1).values
-        torch.testing.assert_close(mine_scores, ref_top, atol=1e-5, rtol=0)
-        agree = (mine == ref).float().mean()
-        assert agree > 0.95, f"layer {layer}: only {agree:.0%} of kept positions agree"
 
 
 @pytest.mark.parametrize("pooling,kernel,per_query_head", [("max", 7, False), (None, 1, False), ("max", 5, True)])

@@ -1,0 +1,57 @@
+"""Oracles written plainly from transformers' eager attention (`output_attentions=True`), shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from conftest import eager_twin
+
+
+def eager_attentions(model, ids) -> tuple[torch.Tensor, ...]:
+    """Per layer (batch, heads, n, n) from the model's eager twin over ids (batch, n)."""
+    with torch.no_grad():
+        return eager_twin(model)(ids, output_attentions=True).attentions
+
+
+def eager_maps(model, token_ids) -> list[torch.Tensor]:
+    """Per layer (heads, n, n) from transformers' eager attention over one sequence (n,)."""
+    return [a[0] for a in eager_attentions(model, token_ids[None])]
+
+
+def kv_heads(config) -> int:
+    """KV heads per layer; families without GQA (GPT-2, GPT-NeoX) have one per query head."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_head=False):
+    """SnapKV written plainly from transformers' eager attention maps: (layers, batch, heads, capacity)
+    kept positions, plus the scores they were chosen from (to tell ties apart)."""
+    n = ids.shape[1]
+    prefix = n - window
+    kept, scores = [], []
+    for attn in eager_attentions(model, ids):
+        votes = attn[:, :, -window:, :prefix].sum(dim=2)  # (batch, heads, prefix)
+        if pooling == "max":
+            votes = F.max_pool1d(votes, kernel, stride=1, padding=kernel // 2)
+        if not per_query_head:  # mean over the query heads of each KV head's group
+            votes = votes.reshape(votes.shape[0], kv_heads(model.config), -1, prefix).mean(dim=2)
+        top = votes.topk(capacity - window, dim=-1).indices.sort(dim=-1).values
+        window_positions = torch.arange(prefix, n).expand(*top.shape[:2], -1)
+        kept.append(torch.cat([top, window_positions], dim=-1))
+        scores.append(votes)
+    return kept, scores
+
+
+def assert_same_selection(kept, ref_kept, ref_scores, window, layers=None):
+    """Equal kept sets, except that positions tied in score (within 1e-5) at the top-k boundary may swap.
+    layers: the model layer index of each entry, for messages (default 0, 1, ...)."""
+    layers = range(len(kept)) if layers is None else layers
+    for layer, mine, ref, score in zip(layers, kept, ref_kept, ref_scores, strict=True):
+        assert mine.shape == ref.shape, layer
+        assert torch.equal(mine[..., -window:], ref[..., -window:])
+        mine_scores = score.gather(-1, mine[..., :-window]).sort(dim=-1).values
+        ref_top = score.gather(-1, ref[..., :-window]).sort(dim=-1).values
+        torch.testing.assert_close(mine_scores, ref_top, atol=1e-5, rtol=0)
+        agree = (mine == ref).float().mean()
+        assert agree > 0.95, f"layer {layer}: only {agree:.0%} of kept positions agree"
