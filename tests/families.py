@@ -11,17 +11,21 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CohereConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
     GPT2Config,
     GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
     Phi3Config,
+    PhiConfig,
     Qwen2Config,
     Qwen3Config,
+    StableLmConfig,
 )
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -69,6 +73,11 @@ FAMILIES = {
     "olmo2-mha": lambda: make(Olmo2Config, **MHA),
     "olmo2-gqa": lambda: make(Olmo2Config, **GQA),
     "gpt-neox": lambda: make(GPTNeoXConfig),
+    # Granite scales attention by attention_multiplier instead of head_dim ** -0.5.
+    "granite-gqa": lambda: make(GraniteConfig, attention_multiplier=0.09, **GQA),
+    "stablelm-gqa": lambda: make(StableLmConfig, **GQA),  # partial rotary embedding
+    "cohere-gqa": lambda: make(CohereConfig, **GQA),
+    "phi-mha": lambda: make(PhiConfig, **MHA),
     "gpt2": lambda: make(GPT2Config),
     # Attention scores scaled by 1 / (layer + 1) as well (GPT-2 option; e.g. Stanford CRFM's Mistral GPT-2s).
     "gpt2-layer-scaled": lambda: make(GPT2Config, scale_attn_by_inverse_layer_idx=True),
