@@ -8,8 +8,8 @@ import types
 
 _EXPORTS = {  # public name -> its module
     "AttentionTrace": "trace", "capture": "capture", "intercept_attention": "hooks", "load_model": "models",
-    "FullCache": "compression", "H2O": "compression", "Policy": "compression", "RandomKeep": "compression",
-    "SnapKV": "compression", "SnapKVNoPooling": "compression", "StreamingLLM": "compression",
+    "POLICIES": "policies", "Policy": "policies", "FullCache": "policies", "H2O": "policies", "RandomKeep": "policies",
+    "SnapKV": "policies", "SnapKVNoPooling": "policies", "StreamingLLM": "policies",
     "compress": "compression", "generate": "compression", "compare": "ab",
 }
 __all__ = list(_EXPORTS)

@@ -16,7 +16,10 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .compression import FullCache, GenerationResult, SnapKV, generate
+from .compression import GenerationResult, SharedPrefill
+from .compression.generation import answers, encode_questions
+from .inputs import encode_batch
+from .policies import FullCache, SnapKV
 
 
 def kept_mask(kept_indices: list[torch.Tensor], n_tokens: int, batch: int = 0) -> torch.Tensor:
@@ -108,30 +111,44 @@ def _as_item(prompt, index: int) -> dict:
 
 def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_new_tokens: int = 64,
             progress: bool = True) -> ABTable:
-    """Run every prompt with every policy: one row per (prompt, policy).
+    """Run every prompt with every policy, from one full prefill per prompt: one row per (prompt, policy, question).
 
     prompts: a list of prompts (text, chat messages, ids), or of dicts {"prompt", "answer" (expected text,
         optional: correct = it appears in the output, case-insensitive), "question" (optional: query-agnostic
-        mode, appended after compression), "name" (optional row label)}.
-    Columns: prompt, policy, mode, answer, expected, correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one),
-    cache_length, prompt_tokens, prefill_s, decode_ms_per_token, new_tokens.
+        mode, appended after compression; a list of questions is compress once, ask many, and "answer" then a
+        list too), "name" (optional row label)}.
+    Each prompt is prefilled once with the full cache while every policy's scores are recorded; each policy
+    then decodes on a compressed copy (the same cache `compress` would build), so an A/B of k policies costs
+    one prefill, their selections (plus any extra scoring pass, e.g. KVzip's) and k decodes.
+    Columns: prompt, policy (its label: name, non-default settings, budget), mode, question, answer, expected,
+    correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one), cache_length,
+    prompt_tokens, prefill_s (the shared prefill), selection_s, decode_ms_per_token, new_tokens.
     """
+    labels = [policy.label for policy in policies]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"two policies share a label (the same settings): {labels}")
     items = [_as_item(p, i) for i, p in enumerate(prompts)]
     rows, results = [], {}
     bar = tqdm(total=len(items) * len(policies), desc="compare", disable=not progress)
     for item in items:
+        ids = encode_batch(tokenizer, item["prompt"]).to(model.device)
+        questions, extras = encode_questions(model, tokenizer, ids, item.get("question"), max_new_tokens)
+        expected = item.get("answer")
+        expected = list(expected) if isinstance(expected, (list, tuple)) else [expected] * len(questions)
+        shared = SharedPrefill.run(model, tokenizer, ids, policies)
         for policy in policies:
-            run = generate(model, tokenizer, item["prompt"], policy=policy, max_new_tokens=max_new_tokens,
-                           question=item.get("question"))
-            expected = item.get("answer")
-            results[len(rows)] = run
-            rows.append(dict(
-                prompt=item["name"], policy=policy.label, mode="query-agnostic" if "question" in item else "query-aware",
-                answer=run.text, expected=expected,
-                correct=pd.NA if expected is None else expected.lower() in run.text.lower(),
-                kv_bytes=run.kv_bytes, cache_length=max(run.cache_lengths), prompt_tokens=run.prompt_ids.shape[1],
-                prefill_s=run.prefill_seconds, decode_ms_per_token=run.decode_ms_per_token,
-                new_tokens=run.token_ids.shape[1]))
+            state = shared.state(policy)
+            runs = answers(model, tokenizer, state, shared.logits, ids, questions, extras,
+                           shared.seconds + state.selection_seconds, max_new_tokens)
+            for run, question, answer in zip(runs, questions, expected, strict=True):
+                results[len(rows)] = run
+                rows.append(dict(
+                    prompt=item["name"], policy=policy.label, mode="query-aware" if question is None else "query-agnostic",
+                    question=run.question, answer=run.text, expected=answer,
+                    correct=pd.NA if answer is None else answer.lower() in run.text.lower(),
+                    kv_bytes=run.kv_bytes, cache_length=max(run.cache_lengths), prompt_tokens=run.prompt_ids.shape[1],
+                    prefill_s=shared.seconds, selection_s=run.selection_seconds, decode_ms_per_token=run.decode_ms_per_token,
+                    new_tokens=run.token_ids.shape[1]))
             bar.update()
     bar.close()
     table = ABTable(rows)

@@ -10,6 +10,12 @@ to `callback`, then runs the model's own attention function unchanged:
             hold the whole cache, so the last q_len positions are the new tokens'.
         kwargs: scaling, dropout, sliding_window, ... as the layer passes them.
 
+`intercept_attention(model, callback, attend=attend)` also replaces the call itself (the compressor does, for
+layers whose cache the model's own function cannot read):
+
+    attend(function, module, query, key, value, attention_mask, **kwargs) -> (output, weights)
+        function: the backend's own attention function, to call (perhaps with other arguments) or not
+
 The patch wraps the entry of the backend the model already uses (eager, sdpa, flash_attention_2, ...)
 in transformers' attention-function registry, under the same name: the mask functions registered for
 that name keep working, so logits are unchanged. Registering a new name instead would silently drop the
@@ -46,14 +52,19 @@ class _Dispatcher:
         self.name = name
         self.had_local, self.previous_local = name in registry, registry.get(name)
         self.original = ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else None
-        self.entries: list[tuple[frozenset[int], Callable]] = []
+        self.entries: list[tuple[frozenset[int], Callable | None, Callable | None]] = []
         registry[name] = self
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        for modules, callback in list(self.entries):
-            if id(module) in modules:
-                callback(module, query, key, value, attention_mask, **kwargs)
         function = self.original if self.original is not None else _model_eager_function(module)
+        attend = None
+        for modules, callback, override in list(self.entries):
+            if id(module) in modules:
+                if callback is not None:
+                    callback(module, query, key, value, attention_mask, **kwargs)
+                attend = override or attend
+        if attend is not None:
+            return attend(function, module, query, key, value, attention_mask, **kwargs)
         return function(module, query, key, value, attention_mask, **kwargs)
 
     def restore(self) -> None:
@@ -69,8 +80,9 @@ _DISPATCHERS: dict[str, _Dispatcher] = {}
 
 
 @contextmanager
-def intercept_attention(model, callback: Callable):
-    """Call `callback` with the inputs of every attention call of `model` inside the block (see module doc).
+def intercept_attention(model, callback: Callable | None, *, attend: Callable | None = None):
+    """Call `callback` with the inputs of every attention call of `model` inside the block, and compute the
+    call with `attend` instead of the backend's function if given (see module doc).
 
     Only `model`'s own attention modules reach the callback: another model in the process runs untouched.
     Interceptions nest and may end in any order; the registry is restored when the last one ends.
@@ -81,7 +93,7 @@ def intercept_attention(model, callback: Callable):
     if name not in _DISPATCHERS:
         _DISPATCHERS[name] = _Dispatcher(name)
     dispatcher = _DISPATCHERS[name]
-    entry = (frozenset(id(m) for m in model.modules()), callback)
+    entry = (frozenset(id(m) for m in model.modules()), callback, attend)
     dispatcher.entries.append(entry)
     try:
         yield

@@ -21,17 +21,18 @@ def tiny():
 def test_compare_table_and_display(byte_tokenizer):
     prompts = ["x" * 30 + "the answer is here " * 4, {"prompt": "y" * 70, "question": "what?", "answer": "zz", "name": "agnostic"}]
     table = compare(tiny(), byte_tokenizer, prompts, policies=POLICIES, max_new_tokens=6, progress=False)
-    assert len(table) == 6 and list(table.policy[:3]) == ["FullCache", "SnapKV@40", "StreamingLLM@40"]
+    assert len(table) == 6 and list(table.policy[:3]) == ["FullCache", "SnapKV(window_size=8)@40",
+                                                           "StreamingLLM(window_size=8)@40"]
     assert set(table["mode"]) == {"query-aware", "query-agnostic"}
     assert table.correct.iloc[:3].isna().all() and table.correct.iloc[3:].map(lambda c: c in (True, False)).all()
     first = table[table.prompt == 0]
     assert first.kv_bytes.iloc[0] * 40 == first.kv_bytes.iloc[1] * first.prompt_tokens.iloc[0]  # n -> 40 positions
     assert (first.kv_ratio.iloc[1:] > 1).all() and first.kv_ratio.iloc[0] == 1
     page = table._repr_html_()
-    assert "SnapKV@40" in page and "MiB KV" in page
+    assert "SnapKV(window_size=8)@40" in page and "MiB KV" in page
     sliced = table[table.policy != "FullCache"]
     assert isinstance(sliced.results, dict)
-    view = sliced.kept_view("agnostic", "SnapKV@40", layer=1, around=(0, 20)).data
+    view = sliced.kept_view("agnostic", "SnapKV(window_size=8)@40", layer=1, around=(0, 20)).data
     assert view.count("<span title=") == 20
 
 
@@ -60,7 +61,7 @@ def test_retrieval_runner_reuse_equals_generate(byte_tokenizer):
         sized = type(policy)(capacity=40, window_size=8)
         aware = generate(model, byte_tokenizer, [context + question], policy=sized, max_new_tokens=6)
         agnostic = generate(model, byte_tokenizer, [context], question=question, policy=sized, max_new_tokens=6)
-        rows = table[table.policy == policy.name].set_index("mode")
+        rows = table[table.policy == policy.scorer_label].set_index("mode")
         assert rows.loc["query-aware", "output"] == aware.text, policy.name
         assert rows.loc["query-agnostic", "output"] == agnostic.text, policy.name
         kept = aware.kept_indices
@@ -99,3 +100,43 @@ def test_pressure_figures_draw_from_tables(tmp_path):
     written = load_figure_sets()["pressure"].draw(tmp_path, tmp_path)
     assert {p.name for p in written} >= {"pressure_needle_query-aware.png", "pressure_needle_budget.html", "pressure_lines.png"}
     assert "pressure" in FIGURE_SETS
+
+
+def test_compare_from_one_prefill_equals_generate(byte_tokenizer):
+    """compare reuses one full prefill per prompt: every policy's answer and kept positions equal a fresh
+    generate's, query-aware and with several questions on one compressed context."""
+    model = tiny()
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(2, 256, (90,), generator=g).tolist()
+    questions = [torch.randint(2, 256, (9,), generator=g).tolist() for _ in range(2)]
+    policies = [FullCache(), SnapKV(capacity=40, window_size=8), SnapKV(capacity=40, window_size=16), H2O(capacity=0.5, window_size=8)]
+    table = compare(model, byte_tokenizer, [[prompt], {"prompt": [prompt], "question": questions, "name": "many"}],
+                    policies=policies, max_new_tokens=5, progress=False)
+    assert len(table) == len(policies) * 3 and table.policy.nunique() == len(policies)
+    for policy in policies:
+        aware = generate(model, byte_tokenizer, [prompt], policy=policy, max_new_tokens=5)
+        many = generate(model, byte_tokenizer, [prompt], question=questions, policy=policy, max_new_tokens=5)
+        rows = table[table.policy == policy.label]
+        assert rows.answer.tolist() == [aware.text, many[0].text, many[1].text], policy.label
+        run = table.results[rows.index[0]]
+        assert all(torch.equal(a, b) for a, b in zip(run.kept_indices, aware.kept_indices, strict=True))
+        assert rows.kv_bytes.iloc[0] == aware.kv_bytes
+    assert table[table.policy == "FullCache"].kv_ratio.iloc[0] == 1
+
+
+def test_policy_identity_is_its_parameters(byte_tokenizer):
+    """Two SnapKV configurations get rows of their own (they once overwrote each other's scores)."""
+    model = tiny()
+    g = torch.Generator().manual_seed(13)
+    ctx = Context(torch.randint(2, 256, (90,), generator=g).tolist(),
+                  [Query(torch.randint(2, 256, (8,), generator=g).tolist(), "7", (40, 50), (45, 47))], dict(task="unit", length=98))
+    policies = [SnapKV(window_size=8), SnapKV(window_size=8, kernel_size=3)]
+    table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), modes=("query-aware",),
+                          max_new_tokens=4, progress=False)
+    assert sorted(table.policy) == ["FullCache", "SnapKV(window_size=8)", "SnapKV(window_size=8, kernel_size=3)"]
+    for policy in policies:
+        run = generate(model, byte_tokenizer, [ctx.context_ids + ctx.queries[0].question_ids], max_new_tokens=4,
+                       policy=type(policy)(capacity=40, window_size=8, kernel_size=policy.kernel_size))
+        assert table[table.policy == policy.scorer_label].output.item() == run.text
+    with pytest.raises(ValueError, match="share a label"):
+        compare(model, byte_tokenizer, [[ctx.context_ids]], policies=[SnapKV(capacity=40), SnapKV(capacity=40)], progress=False)

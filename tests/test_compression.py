@@ -8,7 +8,8 @@ import torch
 
 from conftest import make_tiny_llama
 from reference import assert_same_selection, reference_kept
-from snapkv_lab import compression as C
+import snapkv_lab as C
+from snapkv_lab.compression.compressor import refuse_padding
 
 WINDOW, CAPACITY = 8, 40
 
@@ -224,9 +225,9 @@ def test_prompt_lookup_decoding_is_refused_on_a_compressed_cache(byte_tokenizer)
 
 def test_flash_style_two_dimensional_padding_masks_are_refused():
     """flash_attention_2 receives the (batch, n) padding mask itself, not a 4-D one."""
-    C._refuse_padding(torch.ones(2, 7, dtype=torch.long))
+    refuse_padding(torch.ones(2, 7, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="padded batches are not supported"):
-        C._refuse_padding(torch.tensor([[1] * 7, [0, 0] + [1] * 5]))
+        refuse_padding(torch.tensor([[1] * 7, [0, 0] + [1] * 5]))
 
 
 def test_sliding_window_mask_is_not_taken_for_padding(byte_tokenizer):

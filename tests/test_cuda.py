@@ -17,7 +17,8 @@ import torch
 from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 
 from snapkv_lab import AttentionTrace, capture, plots
-from snapkv_lab import compression as C
+import snapkv_lab as C
+from snapkv_lab.compression.compressor import refuse_padding
 from snapkv_lab.metrics import selection_vs_generation, to_mask
 from snapkv_lab.selection import select_from_trace
 

@@ -1,0 +1,210 @@
+"""Applying a policy to a live transformers cache: `compress`, and the hook callback behind it.
+
+`compress` wraps the model's attention function with `intercept_attention`. At the prefill call of each
+layer the callback scores, selects and swaps the layer's cache for one holding the kept positions. The
+layer's own attention still runs on the full keys it was handed, so the prefill logits (and the first
+generated token) are those of the full cache, as in the paper. Later calls of a compressed layer are
+routed by `attend`: ragged (head-wise) layers get `headwise_attention`; a mask sized for another layer's
+length (per-layer budgets under eager) is rebuilt for this one. A policy that evicts while decoding
+(`DecodingEviction`) sees every decode call.
+
+Positions stay right after the cache shrinks because nothing downstream derives them from the cache
+length: `generate` passes position ids explicitly, and `model.generate` in transformers 5.x counts
+positions from the prompt's own position ids (checked token for token in the tests).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from ..attention import AttentionSettings
+from ..hooks import intercept_attention
+from ..policies.base import NO_POSITION, AttentionCall, FullCache, Policy
+from ..timing import SectionTimer
+from .layers import HeadwiseLayer, compressed_layer, headwise_attention
+
+
+def refuse_padding(attention_mask) -> None:
+    """Refuse a padded prefill. Any unpadded causal or sliding-window mask lets every token see itself; a pad
+    token is hidden from every row, its own included. flash_attention_2 gets the 2-D padding mask itself."""
+    if attention_mask is None:
+        return
+    if attention_mask.ndim == 2:
+        padded = not bool(attention_mask.bool().all())
+    elif attention_mask.ndim == 4:
+        offset = attention_mask.shape[-1] - attention_mask.shape[-2]
+        diagonal = attention_mask.diagonal(offset, dim1=-2, dim2=-1)
+        visible = diagonal if diagonal.dtype == torch.bool else diagonal == 0
+        padded = not bool(visible.all())
+    else:
+        return
+    if padded:
+        raise NotImplementedError(
+            "padded batches are not supported by the compressor: pad tokens would vote and be kept, and the "
+            "compressed cache would no longer line up with the padding mask. Pass prompts of equal length, or one "
+            "at a time."
+        )
+
+
+def attention_calls(module, query, key, value, positions, settings, n_layers):
+    """One AttentionCall per batch row of an attention call's (batch, heads, rows, head_dim) tensors."""
+    return [AttentionCall(query[b], key[b], value[b], positions, settings, module, module.layer_idx, n_layers)
+            for b in range(query.shape[0])]
+
+
+def stack_kept(kept: list[torch.Tensor]) -> torch.Tensor:
+    """Per batch row (heads, k_b) kept positions -> (batch, heads, max k_b), NO_POSITION-padded."""
+    widest = max(k.shape[-1] for k in kept)
+    return torch.stack([F.pad(k, (0, widest - k.shape[-1]), value=NO_POSITION) for k in kept])
+
+
+def _visible_mask(like: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
+    """A causal mask in the style of `like` (bool: True visible; float: 0 visible) for the last `rows` of
+    n_keys keys, every earlier key visible: (batch, 1, rows, n_keys)."""
+    hidden = torch.ones(rows, n_keys, dtype=torch.bool, device=like.device).triu(n_keys - rows + 1)
+    mask = ~hidden if like.dtype == torch.bool else torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill(
+        hidden, torch.finfo(like.dtype).min)
+    return mask.expand(like.shape[0], 1, rows, n_keys)
+
+
+def attend_cache(cache: DynamicCache, function, module, query, key, value, attention_mask, **kwargs):
+    """Compute one attention call over `cache`'s layer: see the module doc."""
+    layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
+    if isinstance(layer, HeadwiseLayer):
+        return headwise_attention(layer, query, AttentionSettings.of_call(module, kwargs)), None
+    if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] != key.shape[-2]:
+        attention_mask = _visible_mask(attention_mask, query.shape[-2], key.shape[-2])
+    return function(module, query, key, value, attention_mask, **kwargs)
+
+
+@dataclass
+class CompressionState:
+    """What `compress` yields: the cache to pass to the model, and what compression did.
+
+    kept_indices[layer]: (batch, kv_heads, kept) token positions the layer's cache holds, sorted; after prefill
+    the kept prompt positions, and with eviction while decoding, those held at the end (generated tokens
+    included). Ragged (head-wise) layers pad each head's row with NO_POSITION (-1). Sliding-window layers are
+    not compressed: they keep their own bounded cache (the model's last `sliding_window - 1` positions).
+    """
+
+    policy: Policy
+    cache: DynamicCache
+    n_layers: int
+    kept_indices: dict[int, torch.Tensor] = field(default_factory=dict)
+    timer: SectionTimer | None = None  # scoring, selecting and gathering: the compressor's own overhead
+    sliding_layers: list[int] = field(default_factory=list)  # left uncompressed although the prompt exceeds the budget
+    _groups: dict = field(default_factory=dict)  # attention module -> its original num_key_value_groups
+    _trackers: dict = field(default_factory=dict)  # layer -> the policy's eviction tracker while decoding
+    _checked: bool = False
+
+    @property
+    def selection_seconds(self) -> float:
+        return 0.0 if self.timer is None else self.timer.seconds
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        layer = module.layer_idx
+        if layer in self.kept_indices:  # prefill done: a decode step or an appended question
+            if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
+                self._groups[module] = module.num_key_value_groups  # one KV head per query head from now on
+                module.num_key_value_groups = 1
+            self._decode_step(module, query, key, value, kwargs)
+            return
+        if layer >= len(self.cache.layers) or not self.cache.layers[layer].is_initialized:
+            raise RuntimeError("the model was not called with this compressor's cache: pass past_key_values=state.cache")
+        if key.shape[2] != query.shape[2]:
+            raise RuntimeError("the compressor's cache must start empty (the prefill compresses the whole prompt)")
+        if not self.kept_indices:  # the mask is the same for every layer: one check (one host sync) per prefill
+            refuse_padding(attention_mask)
+        batch, kv_heads, n, _ = key.shape
+        settings = AttentionSettings.of_call(module, kwargs)
+        if settings.sliding_window is not None and self.policy.budget(n) is not None:
+            self.sliding_layers.append(layer)
+        if settings.sliding_window is not None or self.policy.budget(n) is None:
+            held = self.cache.layers[layer].keys.shape[-2]
+            self.kept_indices[layer] = torch.arange(n - held, n, device=key.device).expand(batch, kv_heads, -1)
+            return
+        self.timer = self.timer or SectionTimer(key.device)
+        with self.timer.section():
+            calls = attention_calls(module, query, key, value, torch.arange(n), settings, self.n_layers)
+            kept = stack_kept([self.policy.keep(self.policy.score(call), n, kv_heads, layer, self.n_layers) for call in calls])
+            self.kept_indices[layer] = kept
+            self.cache.layers[layer] = compressed_layer(key, value, kept)
+
+    def _decode_step(self, module, query, key, value, kwargs) -> None:
+        """Let a policy that evicts while decoding see the call, and evict when it says so."""
+        tracker_for = getattr(self.policy, "tracker", None)
+        layer = module.layer_idx
+        cache_layer = self.cache.layers[layer]
+        if tracker_for is None or not hasattr(cache_layer, "evict"):
+            return
+        if layer not in self._trackers:
+            self._trackers[layer] = tracker_for(layer, self.n_layers)
+        settings = AttentionSettings.of_call(module, kwargs)
+        n = key.shape[2]
+        calls = attention_calls(module, query, key, value, torch.arange(n - query.shape[2], n), settings, self.n_layers)
+        slots = self._trackers[layer].step(calls)
+        if slots is not None:
+            cache_layer.evict(slots)
+            self.kept_indices[layer] = cache_layer.positions
+
+    def attend(self, function, module, query, key, value, attention_mask, **kwargs):
+        return attend_cache(self.cache, function, module, query, key, value, attention_mask, **kwargs)
+
+    def check_prefill_seen(self) -> None:
+        """Raise if the model filled the cache without its attention calls reaching the compressor; warn if
+        every layer is a sliding-window layer, so the policy compressed nothing. Runs once per prefill."""
+        if self._checked:
+            return
+        self._checked = bool(self.kept_indices)
+        missed = [i for i, layer in enumerate(self.cache.layers) if layer.is_initialized and i not in self.kept_indices]
+        if missed:
+            raise RuntimeError(
+                f"layers {missed} filled the cache without calling an attention function from transformers' registry, "
+                f"so {self.policy.label} could not compress them (this model's attention bypasses "
+                "ALL_ATTENTION_FUNCTIONS). The run would be uncompressed: refused."
+            )
+        if self.kept_indices and len(self.sliding_layers) == len(self.kept_indices):
+            warnings.warn(f"every layer of this model uses sliding-window attention, which the compressor leaves to its "
+                          f"own bounded cache: {self.policy.label} compressed nothing", stacklevel=3)
+
+    def restore(self) -> None:
+        for module, groups in self._groups.items():
+            module.num_key_value_groups = groups
+
+
+@contextmanager
+def applied(model, state: CompressionState):
+    """Run `model` inside the block with `state` seeing (and routing) every attention call."""
+    try:
+        with intercept_attention(model, state, attend=state.attend):
+            yield state
+    finally:
+        state.restore()
+
+
+@contextmanager
+def compress(model, policy: Policy | None = None):
+    """Compress the prompt's cache with `policy` at the next prefill inside the block.
+
+        with compress(model, SnapKV(capacity=1024)) as state:
+            model.generate(input_ids, past_key_values=state.cache, max_new_tokens=32)
+        state.kept_indices[layer]  # (batch, kv_heads, kept), sorted ascending
+
+    The cache must start empty and be passed to the model; padded batches, assisted and prompt-lookup
+    decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
+    Policies that need extra passes over the prompt (KVzip) cannot run inside one forward: use `generate`.
+    """
+    policy = policy or FullCache()
+    if policy.extra_passes:
+        raise NotImplementedError(f"{policy.label} scores with {policy.extra_passes} extra forward pass(es) over the "
+                                  "prompt, which cannot run inside model.generate's prefill: use snapkv_lab.generate")
+    state = CompressionState(policy, DynamicCache(config=model.config), model.config.num_hidden_layers)
+    with applied(model, state):
+        yield state
+    state.check_prefill_seen()

@@ -1,0 +1,83 @@
+"""One full prefill serving many policies: the A/B engine of `compare` and the pressure tests.
+
+    shared = SharedPrefill.run(model, tokenizer, ids, policies)   # one forward, every policy's scores recorded
+    asked = shared.extend(question_ids)                           # the question on a fork of the full cache
+    state = asked.state(policy)                                   # a compressed copy, as compress() would build
+    with applied(model, state): greedy_decode(model, state.cache, asked.logits, ...)
+
+The prefill's attention runs on the full keys under compression too, so a state built here equals the
+one `compress` builds layer by layer (tested). Policies with extra scoring passes (KVzip) pay only for
+those passes, over a fork of the full cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ..hooks import intercept_attention
+from ..policies.base import FullCache, Policy
+from ..timing import SectionTimer, stopwatch
+from .compressor import CompressionState
+from .layers import compressed_copy, fork
+from .recorder import ScoreRecorder, kept_from_scores
+
+
+@dataclass
+class SharedPrefill:
+    """A full cache after feeding `ids` (batch, n), the last logits (batch, vocab), every policy's scores."""
+
+    model: object
+    tokenizer: object
+    ids: torch.Tensor
+    cache: DynamicCache
+    logits: torch.Tensor
+    recorder: ScoreRecorder
+    seconds: float  # the forward that fed the last chunk
+
+    @classmethod
+    @torch.inference_mode()
+    def run(cls, model, tokenizer, ids: torch.Tensor, policies) -> SharedPrefill:
+        recorder = ScoreRecorder(policies, model.config.num_hidden_layers)
+        return cls(model, tokenizer, ids[:, :0], DynamicCache(config=model.config), None, recorder, 0.0)._fed(ids)
+
+    @torch.inference_mode()
+    def _fed(self, ids: torch.Tensor) -> SharedPrefill:
+        """Feed ids after this prefill, on a fork of its cache, recording on a copy of its scores."""
+        cache, recorder, start = fork(self.cache), self.recorder.copy(), self.ids.shape[1]
+        positions = torch.arange(start, start + ids.shape[1], device=self.model.device)[None]
+        with intercept_attention(self.model, recorder), stopwatch(self.model.device) as elapsed:
+            logits = self.model(ids, past_key_values=cache, position_ids=positions, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
+        return SharedPrefill(self.model, self.tokenizer, torch.cat([self.ids, ids], 1), cache, logits, recorder,
+                             elapsed.seconds)
+
+    def extend(self, ids: torch.Tensor) -> SharedPrefill:
+        """The prefill of this context followed by ids (batch, m), e.g. a question (query-aware mode)."""
+        return self._fed(ids)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.shape[1]
+
+    @torch.inference_mode()
+    def state(self, policy: Policy) -> CompressionState:
+        """The compressor's state after prefill under `policy`: a compressed copy of the full cache (or a fork
+        when the prompt fits), kept_indices for every layer, the selection time (extra passes included)."""
+        n, n_layers = self.n_tokens, self.model.config.num_hidden_layers
+        held = {i: torch.arange(n - layer.keys.shape[-2], n, device=layer.keys.device).expand(*layer.keys.shape[:2], -1)
+                for i, layer in enumerate(self.cache.layers)}
+        timer = SectionTimer(self.model.device)
+        with timer.section():
+            if policy.budget(n) is None:
+                kept = {}
+            else:
+                scores = (policy.prompt_scores(self.model, self.tokenizer, self.ids, self.cache) if policy.extra_passes
+                          else self.recorder.scores[policy.scorer_label])
+                kept = kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers)
+            cache = compressed_copy(self.cache, kept)
+        state = CompressionState(policy or FullCache(), cache, n_layers, kept_indices={**held, **kept}, timer=timer)
+        state.sliding_layers = [i for i in held if i not in kept] if kept else []
+        return state

@@ -1,0 +1,33 @@
+"""Baselines that read no attention: recency with attention sinks, and chance."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import AttentionCall, Policy
+
+
+@dataclass
+class StreamingLLM(Policy):
+    """StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): `sinks` first tokens plus the most recent ones."""
+
+    sinks: int = 4
+
+    def score(self, call: AttentionCall):
+        recency = torch.arange(call.n_keys, dtype=torch.float32, device=call.key.device)
+        recency[: self.sinks] = math.inf
+        return recency.expand(call.key.shape[0], -1)
+
+
+@dataclass
+class RandomKeep(Policy):
+    """Uniformly random prefix positions, a different draw per layer and KV head (reproducible by seed)."""
+
+    seed: int = 0
+
+    def score(self, call: AttentionCall):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + call.layer)
+        return torch.rand(call.key.shape[0], call.n_keys, generator=generator).to(call.key.device)

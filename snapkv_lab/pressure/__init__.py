@@ -1,0 +1,19 @@
+"""Pressure tests on real text: needle in a haystack, and LongEval-Lines-style key/value retrieval.
+
+    tasks.py    the contexts and questions (chat-templated, with the token spans of each fact and value)
+    runner.py   run_retrieval: every question x policy x budget x mode from one prefill per context
+    grid.py     the needle grid and lines ablation as the `pressure` figure set (`snapkv-lab needle`)
+
+Query-aware: the question is part of the prompt, so SnapKV's window votes with the question.
+Query-agnostic (kvpress's protocol): the context alone is compressed, the question appended after.
+The full cache is the same in both modes. The prefill logits are the full cache's in every case
+(as in the paper, the prompt is processed uncompressed), so the first answer token never differs.
+Results are tidy tables (one row per question x policy x budget x mode) in data/pressure_*.csv.
+"""
+
+from .grid import accuracy_table, draw, recompute
+from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
+from .tasks import Context, Query, lines_context, needle_context
+
+__all__ = ["CAPACITIES", "DEFAULT_POLICIES", "MODES", "Context", "Query", "accuracy_table", "draw", "lines_context",
+           "needle_context", "recompute", "run_retrieval"]

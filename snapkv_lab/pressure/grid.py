@@ -1,0 +1,155 @@
+"""The pressure figure set: the needle grid and the lines ablation (`snapkv-lab needle`, `figures`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ..figures import FigureSet, register, write_html
+from ..policies import SnapKV, SnapKVNoPooling
+from .runner import MODES, run_retrieval
+from .tasks import lines_context, needle_context
+
+NEEDLE_LENGTHS = (2000, 4000, 7500)
+NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
+LINES_SAMPLES = 1
+
+
+def recompute(options: dict) -> None:
+    """Run the needle grid and the lines ablation, writing data/pressure_needle.csv and data/pressure_lines.csv."""
+    from ..models import load_model
+
+    data_dir = Path(options.get("data_dir", "data"))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model(options.get("model"))
+    lengths = options.get("lengths") or NEEDLE_LENGTHS
+    depths = options.get("depths") or NEEDLE_DEPTHS
+    # Samples differ in needle (key, value) and haystack start; first_sample lets a long grid run in pieces.
+    first = options.get("first_sample") or 0
+    samples = range(first, first + (options.get("samples") or NEEDLE_SAMPLES))
+    contexts = [needle_context(tokenizer, n, d, s) for n in lengths for d in depths for s in samples]
+    save = lambda name: (lambda table: table.to_csv(data_dir / name, index=False))  # noqa: E731
+    save("pressure_needle.csv")(run_retrieval(model, tokenizer, contexts, on_context=save("pressure_needle.csv")))
+    if not options.get("skip_lines"):
+        lines = [lines_context(tokenizer, n, n_queries=options.get("line_queries") or 8, sample=s)
+                 for n in options.get("lines_lengths") or (2000,) for s in range(first, first + LINES_SAMPLES)]
+        table = run_retrieval(model, tokenizer, lines, policies=(SnapKV(), SnapKVNoPooling()),
+                              capacities=(256, 512, 1024), modes=("query-aware",), on_context=save("pressure_lines.csv"))
+        save("pressure_lines.csv")(table)
+
+
+def accuracy_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy by mode, policy and capacity (rows) and prompt length (columns), the full cache on top."""
+    table = table.copy()
+    full = table[table.policy == "FullCache"]
+    expanded = pd.concat([full.assign(mode=m) for m in MODES if m in set(table["mode"])] + [table[table.policy != "FullCache"]])
+    expanded["budget"] = expanded.capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
+    return expanded.pivot_table(index=["mode", "policy", "budget"], columns="length", values="correct", aggfunc="mean")
+
+
+def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
+    """Heatmaps (depth x length) per policy and budget for each mode, accuracy-vs-budget lines, lines ablation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import plotly.express as px
+
+    data_dir, figures_dir = Path(data_dir), Path(figures_dir)
+    written = []
+    needle_path = data_dir / "pressure_needle.csv"
+    if needle_path.exists():
+        table = pd.read_csv(needle_path)
+        table["budget"] = table.capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
+        for mode in MODES:
+            part = pd.concat([table[table.policy == "FullCache"], table[table["mode"] == mode]])
+            policies = [p for p in part.policy.unique() if p != "FullCache"]
+            budgets = [b for b in part.budget.unique() if b != "full"]
+            cells = part.groupby(["policy", "budget", "depth", "length"], as_index=False).correct.mean()
+            fig, axes = plt.subplots(len(policies) + 1, len(budgets), figsize=(2.6 * len(budgets), 2.2 * (len(policies) + 1)),
+                                     squeeze=False, sharex=True, sharey=True)
+            for r, policy in enumerate(["FullCache", *policies]):
+                for c, budget in enumerate(budgets):
+                    ax = axes[r, c]
+                    sel = cells[(cells.policy == policy) & (cells.budget == ("full" if policy == "FullCache" else budget))]
+                    grid = sel.pivot(index="depth", columns="length", values="correct")
+                    ax.imshow(grid.values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+                    ax.set_xticks(range(len(grid.columns)), [str(x) for x in grid.columns])
+                    ax.set_yticks(range(len(grid.index)), [f"{d:.0%}" for d in grid.index])
+                    ax.set_title(f"{policy} ({'full' if policy == 'FullCache' else budget})", fontsize=8)
+            fig.supxlabel("prompt length (tokens)")
+            fig.supylabel("needle depth")
+            fig.suptitle(f"Needle retrieval, SmolLM2-135M, {mode} (green = found)")
+            fig.tight_layout()
+            png = figures_dir / f"pressure_needle_{mode}.png"
+            fig.savefig(png, dpi=110)
+            plt.close(fig)
+            interactive = px.density_heatmap(cells[cells.policy != "FullCache"], x="length", y="depth", z="correct",
+                                             facet_row="policy", facet_col="budget", histfunc="avg", range_color=(0, 1),
+                                             color_continuous_scale="RdYlGn", title=f"Needle retrieval, {mode}",
+                                             category_orders={"budget": budgets})
+            written += [png, write_html(interactive, figures_dir / f"pressure_needle_{mode}.html")]
+        summary = accuracy_table(table).stack().rename("accuracy").reset_index()
+        summary = summary[summary.policy != "FullCache"].assign(budget=lambda d: d.budget.astype(int))
+        full = table[table.policy == "FullCache"].groupby("length").correct.mean()
+        fig = px.line(summary, x="budget", y="accuracy", color="policy", facet_col="length", facet_row="mode", markers=True,
+                      log_x=True, title="Needle accuracy vs KV budget (dotted: full cache)")
+        for i, length in enumerate(sorted(full.index)):
+            for row in (1, 2):
+                fig.add_hline(y=full[length], line_dash="dot", row=row, col=i + 1)
+        html = write_html(fig, figures_dir / "pressure_needle_budget.html")
+        png = figures_dir / "pressure_needle_budget.png"
+        _budget_png(summary, full, png)
+        written += [png, html]
+    lines_path = data_dir / "pressure_lines.csv"
+    if lines_path.exists():
+        lines = pd.read_csv(lines_path)
+        lines["budget"] = lines.capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
+        acc = lines.groupby(["policy", "budget"], as_index=False).agg(accuracy=("correct", "mean"), value_kept=("value_kept", "mean"))
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        for policy, part in acc[acc.policy != "FullCache"].groupby("policy"):
+            part = part.assign(b=part.budget.astype(int)).sort_values("b")
+            ax.plot(part.b, part.accuracy, marker="o", label=policy)
+        ax.axhline(acc[acc.policy == "FullCache"].accuracy.mean(), ls=":", color="k", label="FullCache")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV budget (tokens)")
+        ax.set_ylabel("accuracy")
+        ax.set_title("LongEval-Lines-style retrieval: pooling ablation")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        png = figures_dir / "pressure_lines.png"
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        bars = px.bar(acc, x="budget", y="accuracy", color="policy", barmode="group", hover_data=["value_kept"],
+                      title="Lines retrieval: SnapKV with and without pooling")
+        written += [png, write_html(bars, figures_dir / "pressure_lines.html")]
+    return written
+
+
+def _budget_png(summary: pd.DataFrame, full: pd.Series, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    modes, lengths = sorted(summary["mode"].unique()), sorted(summary.length.unique())
+    fig, axes = plt.subplots(len(modes), len(lengths), figsize=(3.4 * len(lengths), 2.8 * len(modes)), squeeze=False,
+                             sharex=True, sharey=True)
+    for r, mode in enumerate(modes):
+        for c, length in enumerate(lengths):
+            ax = axes[r, c]
+            part = summary[(summary["mode"] == mode) & (summary.length == length)]
+            for policy, line in part.groupby("policy"):
+                line = line.sort_values("budget")
+                ax.plot(line.budget, line.accuracy, marker="o", label=policy)
+            ax.axhline(full[length], ls=":", color="k", label="FullCache")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, {length} tokens", fontsize=9)
+    axes[0, -1].legend(fontsize=7)
+    fig.supxlabel("KV budget (tokens per head)")
+    fig.supylabel("needle accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))

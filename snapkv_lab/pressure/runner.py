@@ -1,0 +1,90 @@
+"""The retrieval runner: every question of every context, with the full cache and each policy x budget x mode,
+from one prefill of each context (compression.shared.SharedPrefill).
+
+    context prefill (full cache, scores of every policy recorded)  -> query-agnostic states
+    + question chunk (full cache, scores recorded again)            -> query-aware states
+    each (policy, capacity, mode): a compressed copy of the full cache, then greedy decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from ..compression import SharedPrefill, applied, cache_lengths, decode_text, forward, greedy_decode
+from ..compression.compressor import CompressionState
+from ..inputs import check_context_length, eos_ids
+from ..policies import H2O, FullCache, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
+from .tasks import Context
+
+DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKeep())
+CAPACITIES = (256, 512, 1024, 2048)
+MODES = ("query-aware", "query-agnostic")
+
+
+def kept_fraction(state: CompressionState, span: tuple[int, int]) -> float:
+    """Fraction of the span's token positions held, averaged over the compressed layers and their KV heads."""
+    start, end = span
+    kept = [k for layer, k in state.kept_indices.items() if layer not in state.sliding_layers]
+    return float(sum(((k[0] >= start) & (k[0] < end)).sum() for k in kept)) / (len(kept) * kept[0].shape[1] * (end - start))
+
+
+@torch.inference_mode()
+def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_POLICIES, capacities=CAPACITIES,
+                  modes=MODES, max_new_tokens: int = 24, progress: bool = True, on_context=None) -> pd.DataFrame:
+    """Answer every query of every context with the full cache and each policy x capacity x mode.
+
+    Returns a tidy table: one row per (context, query, policy, capacity, mode), with the answer text,
+    correctness (the expected value appears in the answer), the fraction of the fact's and of the value's
+    tokens kept (mean over layers and KV heads), the cache length and the decode time. `policy` is the
+    policy's scorer_label: its name, with any non-default setting, so two configurations never share rows.
+    on_context(rows_so_far) is called after each context (to save partial results).
+    """
+    for context in contexts:  # all of them before the first prefill, not an hour into the grid
+        longest = max(len(q.question_ids) for q in context.queries)
+        check_context_length(model, len(context.context_ids) + longest + max_new_tokens,
+                             what=f"retrieval context {context.meta} with its question and {max_new_tokens} new tokens")
+    policies = [dataclasses.replace(p, capacity=c) for p in policies for c in capacities]
+    eos = eos_ids(model, tokenizer)
+    rows = []
+    steps = sum(len(c.queries) for c in contexts) * (1 + len(policies) * len(modes))
+    bar = tqdm(total=steps, desc="retrieval", disable=not progress)
+    as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
+    for context in contexts:
+        shared = SharedPrefill.run(model, tokenizer, as_ids(context.context_ids), policies)
+        for query in context.queries:
+            question = as_ids(query.question_ids)
+            aware = shared.extend(question)
+            n = aware.n_tokens
+
+            def answer(policy, mode, state, first_logits):
+                compressed = bool(set(state.kept_indices) - set(state.sliding_layers)) and policy.budget(
+                    shared.n_tokens if mode == "query-agnostic" else n) is not None
+                length = max(cache_lengths(state.cache))
+                with applied(model, state):
+                    if first_logits is None:
+                        first_logits = forward(model, question, state.cache, shared.n_tokens)
+                    tokens, seconds = greedy_decode(model, state.cache, first_logits, n, max_new_tokens, eos)
+                text = decode_text(tokenizer, tokens, eos)[0]
+                rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
+                                 policy=policy.scorer_label, capacity=pd.NA if mode == "full" else policy.capacity,
+                                 mode=mode, expected=query.answer, output=text, correct=query.answer in text,
+                                 fact_kept=kept_fraction(state, query.span) if compressed else 1.0,
+                                 value_kept=kept_fraction(state, query.value_span) if compressed else 1.0,
+                                 cache_length=length, prompt_tokens=n, prefill_s=shared.seconds,
+                                 decode_ms_per_token=1000 * sum(seconds) / max(1, len(seconds))))
+                bar.update()
+
+            answer(FullCache(), "full", aware.state(FullCache()), aware.logits)
+            for policy in policies:
+                if "query-aware" in modes:
+                    answer(policy, "query-aware", aware.state(policy), aware.logits)
+                if "query-agnostic" in modes:
+                    answer(policy, "query-agnostic", shared.state(policy), None)
+        if on_context is not None:
+            on_context(pd.DataFrame(rows))
+    bar.close()
+    return pd.DataFrame(rows)

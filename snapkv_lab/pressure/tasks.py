@@ -1,0 +1,125 @@
+"""Retrieval tasks on real text: needle in a haystack, and LongEval-Lines-style key/value records.
+
+A context (the chat template's head and a haystack holding the facts) comes with one or more questions
+about it; each knows the token spans of its fact and of the answer's value, to measure what a cache kept.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from ..chat import chat_frame
+from ..corpus import haystack_ids
+from ..tokens import encode, token_span
+
+# The chat template comes from the tokenizer (chat.chat_frame): the context is the template's head and
+# the user's text; a question chunk is the question, the template's tail (end of the user turn and the
+# assistant's generation prompt) and the answer's first words, so that the next token is the value.
+NEEDLE = " One of the special magic numbers for {key} is: {value}. "
+NEEDLE_QUESTION = "\n\nWhat is the special magic number for {key} mentioned in the provided text?"
+NEEDLE_ANSWER = "The special magic number for {key} mentioned in the provided text is"
+LINE = "line {key}: REGISTER_CONTENT is <{value}>\n"
+LINES_HEAD = "Below is a record of lines I want you to remember. Each line begins with 'line <line index>' and contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. For each line index, memorize its corresponding <REGISTER_CONTENT>. At the end of the record, I will ask you to retrieve the corresponding <REGISTER_CONTENT> of a certain line index.\n\n"
+LINES_QUESTION = "\nNow the record is over. Tell me what is the <REGISTER_CONTENT> in line {key}? I need the number."
+LINES_ANSWER = "The <REGISTER_CONTENT> in line {key} is <"
+
+
+@dataclass
+class Query:
+    """A question about a context: question_ids follow the context; `span` is the [start, end) token range
+    of the fact in the context and `value_span` that of every token overlapping the answer's characters."""
+
+    question_ids: list[int]
+    answer: str
+    span: tuple[int, int]
+    value_span: tuple[int, int]
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    context_ids: list[int]
+    queries: list[Query]
+    meta: dict = field(default_factory=dict)
+
+
+def _word_key(rng: random.Random) -> str:
+    """RULER-style key: adjective-noun from wonderwords' lists."""
+    if not hasattr(_word_key, "lists"):  # loading the lists takes ~0.15 s: once, not once per key
+        from wonderwords import RandomWord
+
+        words = RandomWord()
+        _word_key.lists = (words.filter(include_categories=["adjectives"]), words.filter(include_categories=["nouns"]))
+    adjectives, nouns = _word_key.lists
+    return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
+
+
+def _fact(tokenizer, template: str, key: str, value: str) -> tuple[list[int], tuple[int, int]]:
+    """A fact's token ids (tokenised on its own) and the [start, end) range of the tokens holding its value."""
+    text = template.format(key=key, value=value)
+    start = len(template.partition("{value}")[0].format(key=key))
+    return token_span(tokenizer, text, start, start + len(value))
+
+
+def _question(tokenizer, question: str, tail: str, answer: str, key: str) -> list[int]:
+    """The question chunk: question, the chat template's tail, and the answer's first words."""
+    return encode(tokenizer, question.format(key=key) + tail + answer.format(key=key))
+
+
+def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> Context:
+    """A haystack of Paul Graham essays of n_tokens in all (question included), with one 7-digit needle
+    placed at `depth` (0 = first sentence, 1 = last), after a sentence end."""
+    rng = random.Random(f"needle-{sample}")
+    key, value = _word_key(rng), str(rng.randint(1_000_000, 9_999_999))
+    chat_head, tail = chat_frame(tokenizer)
+    head = encode(tokenizer, chat_head)
+    needle, value_at = _fact(tokenizer, NEEDLE, key, value)
+    question = _question(tokenizer, NEEDLE_QUESTION, tail, NEEDLE_ANSWER, key)
+    room = n_tokens - len(head) - len(needle) - len(question)
+    if room < 1:
+        raise ValueError(f"a needle context of {n_tokens} tokens leaves no room for a haystack: the chat template, "
+                         f"needle and question alone take {n_tokens - room}")
+    hay = haystack_ids(tokenizer, room, start=sample * 7)
+    at = round(depth * len(hay))
+    while 0 < at < len(hay) and "." not in tokenizer.decode(hay[at - 1: at]):
+        at -= 1  # back to the previous sentence end, so the needle is a sentence of its own
+    body = hay[:at] + needle + hay[at:]
+    start = len(head) + at
+    query = Query(question, value, (start, start + len(needle)), (start + value_at[0], start + value_at[1]),
+                  dict(key=key, depth=depth, depth_position=start))
+    return Context(head + body, [query], dict(task="needle", length=n_tokens, depth=depth, sample=sample))
+
+
+def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0) -> Context:
+    """LongEval-Lines-style record of `line <word-word>: REGISTER_CONTENT is <number>` lines filling n_tokens,
+    with n_queries questions about lines spread evenly over the record."""
+    rng = random.Random(f"lines-{sample}")
+    chat_head, tail = chat_frame(tokenizer)
+    head = encode(tokenizer, chat_head + LINES_HEAD)
+    question_room = len(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, "wonderful-question"))
+    body, facts, keys, longest_question = [], [], set(), 0
+    while len(head) + len(body) < n_tokens - question_room - 30:
+        key = _word_key(rng)
+        if key in keys:
+            continue
+        keys.add(key)
+        value = str(rng.randint(10_000, 99_999))
+        line, value_at = _fact(tokenizer, LINE, key, value)
+        # A tokenizer with short tokens makes lines longer than the 30 spare tokens: stop before the
+        # record and any line's question pass n_tokens.
+        longest_question = max(longest_question, len(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, key)))
+        if len(head) + len(body) + len(line) + longest_question > n_tokens:
+            break
+        facts.append((key, value, len(head) + len(body), line, value_at))
+        body += line
+    if len(facts) < n_queries:
+        raise ValueError(f"a lines record of {n_tokens} tokens holds {len(facts)} lines, fewer than {n_queries} queries")
+    queries = []
+    for i in range(n_queries):
+        key, value, start, line, value_at = facts[round((i + 0.5) * len(facts) / n_queries)]
+        queries.append(Query(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, key), value,
+                             (start, start + len(line)), (start + value_at[0], start + value_at[1]),
+                             dict(key=key, depth=start / (len(head) + len(body)), depth_position=start)))
+    return Context(head + body, queries, dict(task="lines", length=n_tokens, lines=len(facts), sample=sample))
+
