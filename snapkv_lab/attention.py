@@ -121,9 +121,22 @@ def attention_probs(query, key, scaling, query_positions, *, key_index=None, **o
 
 def attention_column_sums(query, key, scaling, query_positions, **options) -> torch.Tensor:
     """Sum over the query rows of their attention, (heads, n_keys) float32: the SnapKV vote before pooling."""
+    return _column_reduce(query, key, scaling, query_positions, "sum", **options)
+
+
+def attention_column_max(query, key, scaling, query_positions, **options) -> torch.Tensor:
+    """Largest attention any query row pays each key, (heads, n_keys) float32 (KVzip's score)."""
+    return _column_reduce(query, key, scaling, query_positions, "max", **options)
+
+
+def _column_reduce(query, key, scaling, query_positions, how: str, **options) -> torch.Tensor:
     out = torch.zeros(query.shape[0], key.shape[1], dtype=torch.float32, device=query.device)
     for _, first, probs in attention_row_blocks(query, key, scaling, query_positions, **options):
-        out[:, first: first + probs.shape[-1]] += probs.sum(dim=1)
+        columns = out[:, first: first + probs.shape[-1]]
+        if how == "sum":
+            columns += probs.sum(dim=1)
+        else:
+            columns.copy_(torch.maximum(columns, probs.amax(dim=1)))
     return out
 
 

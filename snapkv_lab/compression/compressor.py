@@ -27,7 +27,7 @@ from ..attention import AttentionSettings
 from ..hooks import intercept_attention
 from ..policies.base import NO_POSITION, AttentionCall, FullCache, Policy
 from ..timing import SectionTimer
-from .layers import HeadwiseLayer, compressed_layer, headwise_attention
+from .layers import CompressedLayer, HeadwiseLayer, compressed_layer, headwise_attention
 
 
 def refuse_padding(attention_mask) -> None:
@@ -141,10 +141,18 @@ class CompressionState:
         tracker_for = getattr(self.policy, "tracker", None)
         layer = module.layer_idx
         cache_layer = self.cache.layers[layer]
-        if tracker_for is None or not hasattr(cache_layer, "evict"):
+        if tracker_for is None or getattr(cache_layer, "is_sliding", False):
             return
-        if layer not in self._trackers:
-            self._trackers[layer] = tracker_for(layer, self.n_layers)
+        if isinstance(cache_layer, HeadwiseLayer):
+            raise NotImplementedError(f"{self.policy.label}: eviction while decoding over head-wise budgets is not supported")
+        if not isinstance(cache_layer, CompressedLayer):  # the prompt fitted: every position so far, in order
+            n = cache_layer.keys.shape[-2]
+            positions = torch.arange(n, device=key.device).expand(*cache_layer.keys.shape[:2], -1)
+            cache_layer = self.cache.layers[layer] = CompressedLayer(cache_layer.keys, cache_layer.values, positions, n)
+        if layer not in self._trackers:  # the first call after prefill: the cache holds the prompt, then this call's
+            self._trackers[layer] = tracker_for(layer, self.n_layers, cache_layer.seen - query.shape[2])
+        if self._trackers[layer] is None:
+            return
         settings = AttentionSettings.of_call(module, kwargs)
         n = key.shape[2]
         calls = attention_calls(module, query, key, value, torch.arange(n - query.shape[2], n), settings, self.n_layers)

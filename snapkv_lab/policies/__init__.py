@@ -6,11 +6,13 @@ and the tests parametrise over it, so a new method is tested the moment it is re
 
 from .base import NO_POSITION, AttentionCall, FullCache, Policy
 from .baselines import RandomKeep, StreamingLLM
+from .decoding import DecodingEviction
 from .h2o import H2O
+from .kvzip import KVzip
 from .snapkv import SnapKV, SnapKVNoPooling
 
 POLICIES: dict[str, type[Policy]] = {cls.__name__: cls for cls in (
-    FullCache, SnapKV, SnapKVNoPooling, H2O, StreamingLLM, RandomKeep,
+    FullCache, SnapKV, SnapKVNoPooling, H2O, StreamingLLM, RandomKeep, KVzip, DecodingEviction,
 )}
 
 __all__ = ["NO_POSITION", "POLICIES", "AttentionCall", "Policy", *POLICIES]

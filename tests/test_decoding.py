@@ -1,0 +1,123 @@
+"""Eviction while decoding (H2O as in its paper) and KVzip, each against a plain reference written from the
+paper with transformers' eager attention; compress once, ask many."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import snapkv_lab
+from conftest import eager_twin, make_tiny_llama
+from snapkv_lab.policies.kvzip import REPEAT
+
+N, WINDOW, CAPACITY, INTERVAL, NEW = 48, 4, 20, 5, 24
+
+
+def ids(seed=0, n=N, batch=1):
+    return torch.randint(2, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def top_with_window(scores: torch.Tensor, n: int, budget: int) -> list[int]:
+    """(n,) scores -> the top (budget - WINDOW) of the first n - WINDOW positions, then the last WINDOW, sorted."""
+    picked = scores[: n - WINDOW].topk(budget - WINDOW).indices.sort().values.tolist()
+    return picked + list(range(n - WINDOW, n))
+
+
+def h2o_reference(model, prompt: torch.Tensor) -> tuple[list[int], list[int]]:
+    """H2O with eviction, on a one-layer model with one KV head, so a (1, 1, 1, n) mask can hide what was evicted.
+
+    Prefill: accumulated attention of the prompt's queries (mean over heads), keep CAPACITY. Then, per decode step,
+    the full cache with evicted positions masked: accumulate each held position's attention from zero; every
+    INTERVAL steps cut back to CAPACITY (heavy hitters + the last WINDOW held). Returns (tokens, held positions).
+    """
+    eager = eager_twin(model)
+    with torch.no_grad():
+        out = eager(prompt, output_attentions=True, use_cache=True)
+    held = top_with_window(out.attentions[0][0].sum(1).mean(0), N, CAPACITY)  # (heads, n, n) -> (n,)
+    cache, token, tokens = out.past_key_values, out.logits[0, -1].argmax(), []
+    accumulated, steps = {}, 0
+    for step in range(NEW):
+        tokens.append(int(token))
+        if step == NEW - 1:
+            break
+        position = N + step
+        held.append(position)
+        mask = torch.full((1, 1, 1, position + 1), float("-inf"))
+        mask[..., held] = 0
+        with torch.no_grad():
+            out = eager(token.view(1, 1), past_key_values=cache, attention_mask=mask, position_ids=torch.tensor([[position]]),
+                        output_attentions=True, use_cache=True)
+        probs = out.attentions[0][0, :, 0].mean(0)  # (position + 1,)
+        for p in held:
+            accumulated[p] = accumulated.get(p, 0.0) + float(probs[p])
+        steps += 1
+        if steps >= INTERVAL and len(held) > CAPACITY:
+            steps = 0
+            candidates = held[:-WINDOW]
+            ranked = sorted(candidates, key=lambda p: -accumulated[p])[: CAPACITY - WINDOW]
+            held = sorted(ranked) + held[-WINDOW:]
+        token = out.logits[0, -1].argmax()
+    return tokens, held
+
+
+def test_h2o_eviction_while_decoding_matches_reference(byte_tokenizer):
+    model = make_tiny_llama(initializer_range=0.3, num_hidden_layers=1, num_key_value_heads=1)
+    prompt = ids(3)
+    policy = snapkv_lab.DecodingEviction(capacity=CAPACITY, window_size=WINDOW, interval=INTERVAL)
+    ref_tokens, ref_held = h2o_reference(model, prompt)
+    run = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=NEW)
+    assert run.token_ids[0].tolist() == ref_tokens
+    # kept_indices: the positions held right after the last eviction; ref_held also lists those appended since.
+    kept = run.kept_indices[0][0, 0].tolist()
+    assert kept == ref_held[: len(kept)] and len(kept) == CAPACITY
+    assert max(kept) >= N  # generated tokens were kept, prompt tokens evicted: eviction really happened
+    plain = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=snapkv_lab.H2O(capacity=CAPACITY, window_size=WINDOW),
+                                max_new_tokens=NEW)
+    assert plain.kept_indices[0].max() < N
+
+
+def test_eviction_bounds_the_cache_under_model_generate(byte_tokenizer):
+    model = make_tiny_llama(initializer_range=0.3)
+    prompt = ids(4, batch=2)
+    policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.SnapKV(), capacity=CAPACITY, window_size=WINDOW, interval=8)
+    with snapkv_lab.compress(model, policy) as state:
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=state.cache, max_new_tokens=40,
+                       do_sample=False, eos_token_id=None)
+    assert all(CAPACITY <= layer.keys.shape[-2] < CAPACITY + 8 for layer in state.cache.layers)
+    ours = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=40)
+    assert all(torch.equal(state.kept_indices[i], kept) for i, kept in enumerate(ours.kept_indices))
+    with pytest.raises(ValueError, match="interval"):
+        snapkv_lab.DecodingEviction(policy=snapkv_lab.SnapKV(), capacity=CAPACITY, window_size=WINDOW, interval=2)
+
+
+def test_kvzip_matches_reference(byte_tokenizer):
+    """KVzip from its paper: one eager forward over context + "repeat the context" + context; a context
+    position's score is the largest attention a reconstruction query pays it (over queries and the group)."""
+    model = make_tiny_llama(initializer_range=0.3)
+    prompt = ids(5)
+    run = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=snapkv_lab.KVzip(capacity=CAPACITY, window_size=WINDOW),
+                              max_new_tokens=2)
+    instruction = torch.tensor([byte_tokenizer(REPEAT, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        attentions = eager_twin(model)(torch.cat([prompt, instruction, prompt], 1), output_attentions=True).attentions
+    kv_heads = model.config.num_key_value_heads
+    for layer, attn in enumerate(attentions):
+        scores = attn[0, :, N:, :N].amax(1).reshape(kv_heads, -1, N).amax(1)  # (heads, rows, n) -> (kv_heads, n)
+        for head in range(kv_heads):
+            assert run.kept_indices[layer][0, head].tolist() == top_with_window(scores[head], N, CAPACITY), (layer, head)
+    assert run.selection_seconds > 0 and run.kv_bytes < snapkv_lab.generate(model, byte_tokenizer, prompt, max_new_tokens=1).kv_bytes
+
+
+def test_compress_once_ask_many(byte_tokenizer):
+    """Several questions on one compressed context: each answer equals a separate query-agnostic run."""
+    model = make_tiny_llama(initializer_range=0.3)
+    prompt = ids(6, n=80)
+    questions = [ids(7 + i, n=6 + i)[0].tolist() for i in range(3)]
+    policy = snapkv_lab.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+    many = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, question=questions, max_new_tokens=8)
+    assert len(many) == 3
+    for question, run in zip(questions, many, strict=True):
+        alone = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, question=question, max_new_tokens=8)
+        assert torch.equal(run.token_ids, alone.token_ids)
+        assert all(torch.equal(a, b) for a, b in zip(run.kept_indices, alone.kept_indices, strict=True))
+    assert len({tuple(run.token_ids[0].tolist()) for run in many}) > 1  # the questions were really asked

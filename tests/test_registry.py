@@ -1,0 +1,86 @@
+"""Every policy in snapkv_lab.POLICIES, the moment it is registered: built from `capacity=` alone, it runs,
+shrinks the cache to its budget, is the plain model when the budget covers the prompt, and the three ways
+of running it (generate, model.generate under compress, compare from one shared prefill) agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import snapkv_lab
+from conftest import make_tiny_llama
+from snapkv_lab.policies import NO_POSITION
+
+N, NEW = 160, 6  # a 25% budget (40) exceeds the default window (32)
+NAMES = sorted(snapkv_lab.POLICIES)
+
+
+def tiny():
+    return make_tiny_llama(initializer_range=0.3, num_hidden_layers=3)
+
+
+def prompt(batch=1, seed=0, n=N):
+    return torch.randint(2, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def build(name, **settings):
+    cls = snapkv_lab.POLICIES[name]
+    return cls(**settings) if name != "FullCache" else cls()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_built_from_capacity_alone_keeps_its_budget(name, model, byte_tokenizer):
+    policy = build(name, capacity=0.25)
+    full = snapkv_lab.generate(model, byte_tokenizer, prompt(), max_new_tokens=NEW)
+    run = snapkv_lab.generate(model, byte_tokenizer, prompt(), policy=policy, max_new_tokens=NEW)
+    if name == "FullCache":
+        assert run.cache_lengths == [N] * 3 and run.kv_bytes == full.kv_bytes
+        return
+    assert sum(run.cache_lengths) == pytest.approx(3 * N // 4, abs=3)  # per-layer/head budgets average out
+    assert run.kv_bytes / full.kv_bytes == pytest.approx(0.25, abs=0.02)
+    for kept in run.kept_indices:
+        for row in kept.reshape(-1, kept.shape[-1]):
+            row = row[row != NO_POSITION]
+            assert torch.equal(row, row.unique()) and 0 <= int(row.min()) and int(row.max()) < N + NEW
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_budget_covering_the_prompt_is_the_plain_model(name, model, byte_tokenizer):
+    ids = prompt(seed=1, n=60)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    run = snapkv_lab.generate(model, byte_tokenizer, ids, policy=build(name, capacity=60 + NEW), max_new_tokens=NEW)
+    assert torch.equal(run.token_ids, plain[:, 60:])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_compress_and_compare_agree(name, model, byte_tokenizer):
+    """Live compression at each layer's prefill call, model.generate under it, and compare's compressed copies
+    of one full prefill: the same kept positions and tokens (KVzip, which needs an extra pass, is refused
+    inside model.generate)."""
+    policy = build(name, capacity=40, window_size=8)
+    ids = prompt(batch=2, seed=2)
+    ours = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
+    if policy.extra_passes:
+        with pytest.raises(NotImplementedError, match="extra forward"):
+            with snapkv_lab.compress(model, policy):
+                pass
+    else:
+        with snapkv_lab.compress(model, policy) as state:
+            theirs = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=state.cache,
+                                    max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        assert torch.equal(theirs[:, N:], ours.token_ids)
+    table = snapkv_lab.compare(model, byte_tokenizer, [ids[:1]], policies=[policy], max_new_tokens=NEW, progress=False)
+    single = snapkv_lab.generate(model, byte_tokenizer, ids[:1], policy=policy, max_new_tokens=NEW)
+    assert table.answer.item() == single.text
+    run = table.results[0]
+    assert all(torch.equal(a, b) for a, b in zip(run.kept_indices, single.kept_indices, strict=True))
+
+
+def test_registry_names_are_class_names_and_exported():
+    for name, cls in snapkv_lab.POLICIES.items():
+        assert cls.__name__ == name and getattr(snapkv_lab, name) is cls
