@@ -8,7 +8,7 @@ import torch
 
 from conftest import make_tiny_llama
 from reference import assert_same_selection, reference_kept
-import snapkv_lab as C
+import snapkv_lab as sl
 from snapkv_lab.compression.compressor import refuse_padding
 
 WINDOW, CAPACITY = 8, 40
@@ -23,9 +23,9 @@ def tiny(attn="sdpa"):
 def test_kept_indices_match_eager_reference(pooling, kernel, per_query_head, byte_tokenizer):
     model = tiny()
     ids = torch.randint(2, 256, (2, 96), generator=torch.Generator().manual_seed(1))
-    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW, pooling=pooling, kernel_size=kernel,
+    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW, pooling=pooling, kernel_size=kernel,
                       per_query_head=per_query_head)
-    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
+    result = sl.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     ref_kept, ref_scores = reference_kept(model, ids, WINDOW, CAPACITY, pooling=pooling, kernel=kernel,
                                           per_query_head=per_query_head)
     assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
@@ -37,21 +37,21 @@ def test_kept_indices_match_eager_reference_smollm(smollm):
 
     model, tokenizer = smollm
     ids = torch.tensor([haystack_ids(tokenizer, 600, start=3)])
-    policy = C.SnapKV(capacity=256, window_size=32)
-    result = C.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1)
+    policy = sl.SnapKV(capacity=256, window_size=32)
+    result = sl.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1)
     ref_kept, ref_scores = reference_kept(model, ids, 32, 256, pooling="max", kernel=7)
     assert_same_selection(result.kept_indices, ref_kept, ref_scores, 32)
     assert result.cache_lengths == [256] * model.config.num_hidden_layers
 
 
-@pytest.mark.parametrize("policy", [C.SnapKV(capacity=CAPACITY, window_size=WINDOW), C.SnapKVNoPooling(capacity=CAPACITY, window_size=WINDOW),
-                                    C.H2O(capacity=CAPACITY, window_size=WINDOW), C.StreamingLLM(capacity=CAPACITY, window_size=WINDOW),
-                                    C.RandomKeep(capacity=CAPACITY, window_size=WINDOW), C.SnapKV(capacity=0.5, window_size=WINDOW)],
+@pytest.mark.parametrize("policy", [sl.SnapKV(capacity=CAPACITY, window_size=WINDOW), sl.SnapKVNoPooling(capacity=CAPACITY, window_size=WINDOW),
+                                    sl.H2O(capacity=CAPACITY, window_size=WINDOW), sl.StreamingLLM(capacity=CAPACITY, window_size=WINDOW),
+                                    sl.RandomKeep(capacity=CAPACITY, window_size=WINDOW), sl.SnapKV(capacity=0.5, window_size=WINDOW)],
                          ids=lambda p: p.label)
 def test_cache_length_after_prefill_equals_capacity(policy, byte_tokenizer):
     model = tiny()
     ids = torch.randint(2, 256, (1, 90), generator=torch.Generator().manual_seed(2))
-    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=3)
+    result = sl.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=3)
     budget = policy.budget(90)
     assert result.cache_lengths == [budget] * model.config.num_hidden_layers
     for kept in result.kept_indices:
@@ -67,7 +67,7 @@ def test_cache_length_after_prefill_equals_capacity(policy, byte_tokenizer):
 def test_capacity_at_or_above_prompt_is_identical_to_uncompressed(capacity, byte_tokenizer):
     model = tiny()
     ids = torch.randint(2, 256, (1, 64), generator=torch.Generator().manual_seed(3))
-    result = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=capacity, window_size=WINDOW), max_new_tokens=20)
+    result = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=capacity, window_size=WINDOW), max_new_tokens=20)
     plain = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)[:, 64:]
     assert torch.equal(result.token_ids, plain)
     assert result.cache_lengths == [64, 64]
@@ -78,8 +78,8 @@ def test_compression_changes_generation(byte_tokenizer):
     """The other tests would pass vacuously if compression had no effect."""
     model = tiny()
     ids = torch.randint(2, 256, (1, 120), generator=torch.Generator().manual_seed(4))
-    full = C.generate(model, byte_tokenizer, ids, max_new_tokens=20)
-    small = C.generate(model, byte_tokenizer, ids, policy=C.StreamingLLM(capacity=16, window_size=4), max_new_tokens=20)
+    full = sl.generate(model, byte_tokenizer, ids, max_new_tokens=20)
+    small = sl.generate(model, byte_tokenizer, ids, policy=sl.StreamingLLM(capacity=16, window_size=4), max_new_tokens=20)
     assert torch.equal(full.token_ids[:, 0], small.token_ids[:, 0])  # the first token comes from the full prefill
     assert not torch.equal(full.token_ids, small.token_ids)
 
@@ -89,9 +89,9 @@ def test_positions_after_compression_match_masked_full_cache(attn, byte_tokenize
     """StreamingLLM keeps the same positions in every head, so decoding on its compressed cache must equal
     decoding on the full cache with the dropped positions masked out: same RoPE positions, same softmax."""
     model = tiny(attn)
-    n, policy = 100, C.StreamingLLM(capacity=30, window_size=WINDOW, sinks=4)
+    n, policy = 100, sl.StreamingLLM(capacity=30, window_size=WINDOW, sinks=4)
     ids = torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(5))
-    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=12)
+    result = sl.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=12)
     visible = torch.zeros(n, dtype=torch.long)
     visible[result.kept_indices[0][0, 0]] = 1
     with torch.no_grad():
@@ -111,9 +111,9 @@ def test_positions_after_compression_match_masked_full_cache(attn, byte_tokenize
 def test_model_generate_matches_own_loop(attn, per_query_head, byte_tokenizer):
     model = tiny(attn)
     ids = torch.randint(2, 256, (2, 80), generator=torch.Generator().manual_seed(6))
-    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=per_query_head)
-    ours = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=16)
-    with C.compress(model, policy) as state:
+    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=per_query_head)
+    ours = sl.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=16)
+    with sl.compress(model, policy) as state:
         theirs = model.generate(ids, past_key_values=state.cache, max_new_tokens=16, do_sample=False, eos_token_id=None)
     assert torch.equal(theirs[:, 80:], ours.token_ids)
     assert all(torch.equal(state.kept_indices[i], ours.kept_indices[i]) for i in range(2))
@@ -123,8 +123,8 @@ def test_model_generate_matches_own_loop(attn, per_query_head, byte_tokenizer):
 def test_per_query_head_layout_costs_group_times_the_memory(byte_tokenizer):
     model = tiny()
     ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(7))
-    per_kv = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=4)
-    per_q = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True),
+    per_kv = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=4)
+    per_q = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True),
                        max_new_tokens=4)
     assert per_q.kept_indices[0].shape == (1, 4, CAPACITY)
     assert per_q.kv_bytes == 2 * per_kv.kv_bytes  # 4 query heads share 2 KV heads
@@ -134,10 +134,10 @@ def test_equal_length_batch_matches_single_prompts(byte_tokenizer):
     model = tiny()
     prompts = ["the cat sat on the mat and looked at the dog " * 2, "a quick brown fox jumps over lazy dogs again " * 2]
     assert len(prompts[0]) == len(prompts[1])
-    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW)
-    batch = C.generate(model, byte_tokenizer, prompts, policy=policy, max_new_tokens=10)
+    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+    batch = sl.generate(model, byte_tokenizer, prompts, policy=policy, max_new_tokens=10)
     for b, prompt in enumerate(prompts):
-        single = C.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=10)
+        single = sl.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=10)
         assert torch.equal(batch.token_ids[b], single.token_ids[0])
         assert torch.equal(batch.kept_indices[1][b], single.kept_indices[1][0])
     assert isinstance(batch.text, list) and isinstance(single.text, str)
@@ -147,13 +147,13 @@ def test_query_agnostic_mode(byte_tokenizer):
     model = tiny()
     context = torch.randint(2, 256, (1, 90), generator=torch.Generator().manual_seed(8))
     question = torch.randint(2, 256, (12,), generator=torch.Generator().manual_seed(9))
-    agnostic = C.generate(model, byte_tokenizer, context, question=question,
-                          policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=8)
+    agnostic = sl.generate(model, byte_tokenizer, context, question=question,
+                          policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=8)
     assert agnostic.cache_lengths == [CAPACITY] * 2  # the question is appended after the snapshot
     assert int(agnostic.kept_indices[0].max()) == 89
     # Capacity above the context: the chunked prefill equals the one-piece prompt.
-    untouched = C.generate(model, byte_tokenizer, context, question=question, policy=C.SnapKV(capacity=200), max_new_tokens=8)
-    whole = C.generate(model, byte_tokenizer, torch.cat([context[0], question])[None], max_new_tokens=8)
+    untouched = sl.generate(model, byte_tokenizer, context, question=question, policy=sl.SnapKV(capacity=200), max_new_tokens=8)
+    whole = sl.generate(model, byte_tokenizer, torch.cat([context[0], question])[None], max_new_tokens=8)
     assert torch.equal(untouched.token_ids, whole.token_ids)
 
 
@@ -169,30 +169,30 @@ def test_query_agnostic_mode(byte_tokenizer):
 ])
 def test_bad_parameters_get_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        C.SnapKV(**kwargs)
+        sl.SnapKV(**kwargs)
 
 
 def test_ratio_too_small_for_window_is_refused(byte_tokenizer):
     with pytest.raises(ValueError, match="no more than window_size"):
-        C.generate(tiny(), byte_tokenizer, torch.randint(2, 256, (1, 100)), policy=C.SnapKV(capacity=0.2, window_size=32))
+        sl.generate(tiny(), byte_tokenizer, torch.randint(2, 256, (1, 100)), policy=sl.SnapKV(capacity=0.2, window_size=32))
 
 
 def test_padded_batches_are_refused(byte_tokenizer):
     model = tiny()
     with pytest.raises(NotImplementedError, match="left-padded batches are not supported"):
-        C.generate(model, byte_tokenizer, ["short prompt", "a much longer prompt than that"], policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW))
+        sl.generate(model, byte_tokenizer, ["short prompt", "a much longer prompt than that"], policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW))
     ids = torch.randint(2, 256, (2, 60))
     mask = torch.ones_like(ids)
     mask[1, :10] = 0
     with pytest.raises(NotImplementedError, match="padded batches are not supported"):
-        with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
+        with sl.compress(model, sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
             model.generate(ids, attention_mask=mask, past_key_values=state.cache, max_new_tokens=2, do_sample=False)
 
 
 def test_model_called_without_the_compressor_cache_is_refused():
     model = tiny()
     with pytest.raises(RuntimeError, match="past_key_values=state.cache"):
-        with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)):
+        with sl.compress(model, sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)):
             model(torch.randint(2, 256, (1, 60)))
 
 
@@ -202,16 +202,16 @@ def test_a_prefill_that_bypasses_the_registry_is_refused(byte_tokenizer):
     model, twin = tiny(), tiny()
     ids = torch.randint(2, 256, (1, 60), generator=torch.Generator().manual_seed(10))
     with pytest.raises(RuntimeError, match="without calling an attention function from transformers' registry"):
-        with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
+        with sl.compress(model, sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
             twin(ids, past_key_values=state.cache, use_cache=True)
 
 
 def test_zero_new_tokens_and_overlong_runs_are_refused(byte_tokenizer):
     model = tiny()
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
-        C.generate(model, byte_tokenizer, torch.randint(2, 256, (1, 60)), max_new_tokens=0)
+        sl.generate(model, byte_tokenizer, torch.randint(2, 256, (1, 60)), max_new_tokens=0)
     with pytest.raises(ValueError, match="needs 1030 positions, but .* handles at most 1024"):
-        C.generate(model, byte_tokenizer, torch.randint(2, 256, (1, 1000)), max_new_tokens=30)
+        sl.generate(model, byte_tokenizer, torch.randint(2, 256, (1, 1000)), max_new_tokens=30)
 
 
 def test_prompt_lookup_decoding_is_refused_on_a_compressed_cache(byte_tokenizer):
@@ -219,7 +219,7 @@ def test_prompt_lookup_decoding_is_refused_on_a_compressed_cache(byte_tokenizer)
     model = tiny()
     ids = torch.tensor([list(range(10, 40)) * 3])  # repeats, so prompt lookup finds drafts
     with pytest.raises(NotImplementedError, match="assisted and prompt-lookup decoding are not supported"):
-        with C.compress(model, C.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
+        with sl.compress(model, sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
             model.generate(ids, past_key_values=state.cache, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
 
 
@@ -242,7 +242,7 @@ def test_sliding_window_mask_is_not_taken_for_padding(byte_tokenizer):
         model = MistralForCausalLM(config).eval()
         ids = torch.randint(2, 256, (1, 60), generator=torch.Generator().manual_seed(11))
         with pytest.warns(UserWarning, match="every layer of this model uses sliding-window attention"):
-            result = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
+            result = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW),
                                 max_new_tokens=4)
         # Every layer is a sliding layer: each keeps its own last sliding_window - 1 positions.
         assert result.cache_lengths == [15, 15]

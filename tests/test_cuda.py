@@ -17,8 +17,7 @@ import torch
 from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 
 from snapkv_lab import AttentionTrace, capture, plots
-import snapkv_lab as C
-from snapkv_lab.compression.compressor import refuse_padding
+import snapkv_lab as sl
 from snapkv_lab.metrics import selection_vs_generation, to_mask
 from snapkv_lab.selection import select_from_trace
 
@@ -172,9 +171,9 @@ def test_load_onto_cuda_round_trip(tmp_path, cuda_trace):
 @pytest.mark.parametrize("per_query_head", [False, True])
 def test_snapkv_generate_on_cuda_equals_cpu(per_query_head):
     ids = torch.randint(2, 256, (2, 96), generator=torch.Generator().manual_seed(1))
-    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=per_query_head)
-    cpu = C.generate(peaked_llama(), ByteTokenizer(), ids, policy=policy, max_new_tokens=16)
-    gpu = C.generate(peaked_llama().to("cuda"), ByteTokenizer(), ids, policy=policy, max_new_tokens=16)
+    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=per_query_head)
+    cpu = sl.generate(peaked_llama(), ByteTokenizer(), ids, policy=policy, max_new_tokens=16)
+    gpu = sl.generate(peaked_llama().to("cuda"), ByteTokenizer(), ids, policy=policy, max_new_tokens=16)
     assert torch.equal(gpu.token_ids, cpu.token_ids)
     assert len(gpu.kept_indices) == len(cpu.kept_indices) == 2
     assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu.kept_indices, cpu.kept_indices))
@@ -185,9 +184,9 @@ def test_snapkv_generate_on_cuda_equals_cpu(per_query_head):
 def test_compress_and_model_generate_on_cuda_equal_generate():
     model = peaked_llama().to("cuda")
     ids = torch.randint(2, 256, (2, 80), generator=torch.Generator().manual_seed(6)).to("cuda")
-    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW)
-    ours = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=16)
-    with C.compress(model, policy) as state:
+    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+    ours = sl.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=16)
+    with sl.compress(model, policy) as state:
         theirs = model.generate(ids, past_key_values=state.cache, max_new_tokens=16, do_sample=False, eos_token_id=None)
     assert torch.equal(theirs[:, 80:].cpu(), ours.token_ids)
     assert all(torch.equal(state.kept_indices[i].cpu(), ours.kept_indices[i]) for i in range(2))
@@ -220,11 +219,11 @@ def test_flash_capture_matches_eager_bf16(prompt):
 def test_flash_generate_with_snapkv_keeps_capacity_and_sdpa_selection():
     model = flash_llama()
     ids = torch.randint(2, 256, (1, 96), generator=torch.Generator().manual_seed(1))
-    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW)
-    flash = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=8)
+    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+    flash = sl.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=8)
     assert flash.cache_lengths == [CAPACITY] * model.config.num_hidden_layers
     model.set_attn_implementation("sdpa")
-    sdpa = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=8)
+    sdpa = sl.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=8)
     # Layer 0 sees the same queries and keys under both backends, so it keeps the same positions. Later layers
     # inherit bf16 rounding differences from the attention outputs: most prefix picks agree (eager vs sdpa on
     # CPU: 90%), where a wrong selection would share about 32 / 88 of them by chance.
@@ -238,13 +237,13 @@ def test_flash_generate_with_snapkv_keeps_capacity_and_sdpa_selection():
 def test_flash_refuses_a_padded_batch():
     model = flash_llama()
     ids = torch.randint(2, 256, (2, 60), generator=torch.Generator().manual_seed(2)).to("cuda")
-    policy = C.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
     unpadded = torch.ones_like(ids)
-    with C.compress(model, policy) as state:  # the same batch without padding is compressed
+    with sl.compress(model, policy) as state:  # the same batch without padding is compressed
         model.generate(ids, attention_mask=unpadded, past_key_values=state.cache, max_new_tokens=2, do_sample=False)
     assert state.kept_indices[0].shape == (2, model.config.num_key_value_heads, CAPACITY)
     padded = unpadded.clone()
     padded[1, :10] = 0
     with pytest.raises(NotImplementedError, match="padded batches are not supported"):
-        with C.compress(model, policy) as state:
+        with sl.compress(model, policy) as state:
             model.generate(ids, attention_mask=padded, past_key_values=state.cache, max_new_tokens=2, do_sample=False)
