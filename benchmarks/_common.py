@@ -81,6 +81,10 @@ class IdTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return " ".join(str(int(i)) for i in ids)
 
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        """Text (e.g. KVzip's instruction) as its bytes: ids any vocabulary holds."""
+        return {"input_ids": list(text.encode())}
+
 
 @dataclass
 class Subject:
