@@ -343,17 +343,27 @@ def test_expected_attention_matches_reference_smollm(smollm):
         assert_same_rows(result.kept_indices[layer], ref_kept[layer].tolist(), ref_scores[layer])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(C.POLICIES))
-def test_every_registered_policy_keeps_a_quarter_of_the_bytes(name, smollm):
-    """Every POLICIES entry, built from capacity=0.25 alone, holds ~25% of the full cache's bytes after prefill."""
+@pytest.fixture(scope="module")
+def quarter_prefill(smollm):
+    """One full 1000-token SmolLM2 prefill serving every registered policy at capacity 0.25 (SharedPrefill:
+    what compress() would build, from recorded scores; one prefill instead of one per policy keeps this fast)."""
+    from snapkv_lab.compression.shared import SharedPrefill
+
     model, tokenizer = smollm
     ids = smollm_prompt(tokenizer, 1000)
-    cls = C.POLICIES[name]
-    policy = cls() if cls is C.FullCache else cls(capacity=0.25)
-    result = C.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1)
+    policies = {name: cls() if cls is C.FullCache else cls(capacity=0.25) for name, cls in C.POLICIES.items()}
+    return ids, policies, SharedPrefill.run(model, tokenizer, ids, list(policies.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(C.POLICIES))
+def test_every_registered_policy_keeps_a_quarter_of_the_bytes(name, quarter_prefill):
+    """Every POLICIES entry, built from capacity=0.25 alone, holds 25% of the full cache's bytes after prefill
+    (measured: 11,520,000 of 46,080,000 bytes, 0.2500, for every compressing policy)."""
+    ids, policies, shared = quarter_prefill
+    kv_bytes = C.compression.cache_bytes(shared.state(policies[name]).cache)
     full_bytes = 30 * 2 * 3 * ids.shape[1] * 64 * 4  # layers x (K, V) x kv_heads x tokens x head_dim x fp32
-    ratio = result.kv_bytes / full_bytes
-    print(f"{name}: kv_bytes {result.kv_bytes} / {full_bytes} = {ratio:.4f}")
-    expected = 1.0 if cls is C.FullCache else 0.25
-    assert abs(ratio - expected) <= 0.01 * expected * 3, ratio
+    ratio = kv_bytes / full_bytes
+    print(f"{name}: kv_bytes {kv_bytes} / {full_bytes} = {ratio:.4f}")
+    expected = 1.0 if name == "FullCache" else 0.25
+    assert abs(ratio - expected) <= 0.03 * expected, ratio
