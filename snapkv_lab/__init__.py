@@ -11,6 +11,7 @@ _EXPORTS = {  # public name -> its module
     "POLICIES": "policies", "Policy": "policies", "FullCache": "policies", "H2O": "policies", "RandomKeep": "policies",
     "SnapKV": "policies", "SnapKVNoPooling": "policies", "StreamingLLM": "policies",
     "KVzip": "policies", "DecodingEviction": "policies",
+    "PyramidKV": "policies", "AdaKV": "policies", "ExpectedAttention": "policies",
     "compress": "compression", "generate": "compression", "compare": "ab",
 }
 __all__ = list(_EXPORTS)

@@ -76,7 +76,9 @@ def _visible_mask(like: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
 def attend_cache(cache: DynamicCache, function, module, query, key, value, attention_mask, **kwargs):
     """Compute one attention call over `cache`'s layer: see the module doc."""
     layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
-    if isinstance(layer, HeadwiseLayer):
+    # The prefill call that has just swapped in a HeadwiseLayer still attends the full keys it was handed
+    # (they outnumber the layer's appended tokens, which are none yet): only later calls read the ragged cache.
+    if isinstance(layer, HeadwiseLayer) and key.shape[-2] == layer.keys.shape[-2]:
         return headwise_attention(layer, query, AttentionSettings.of_call(module, kwargs)), None
     if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] != key.shape[-2]:
         attention_mask = _visible_mask(attention_mask, query.shape[-2], key.shape[-2])

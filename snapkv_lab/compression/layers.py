@@ -98,7 +98,9 @@ class HeadwiseLayer(DynamicLayer):
         self.prompt_keys = [[k[h, row[row >= 0]] for h, row in enumerate(rows)] for k, rows in zip(keys, kept)]
         self.prompt_values = [[v[h, row[row >= 0]] for h, row in enumerate(rows)] for v, rows in zip(values, kept)]
         self.kept, self.seen = kept, keys.shape[-2]
-        self.keys, self.values = keys[:, :, :0], values[:, :, :0]
+        # Fresh empty tensors, not keys[:, :, :0]: a zero-length view would keep the whole prompt's storage alive.
+        self.keys = keys.new_empty(*keys.shape[:2], 0, keys.shape[-1])
+        self.values = values.new_empty(*values.shape[:2], 0, values.shape[-1])
 
     def get_seq_length(self) -> int:
         """The longest head's length: what transformers sizes masks by (the compressor builds its own)."""

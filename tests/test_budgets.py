@@ -1,0 +1,369 @@
+"""Budget-shaping methods (PyramidKV: per layer, AdaKV: per head) and ExpectedAttention, each against a plain
+reference written from its paper's equations, plus the ragged head-wise cache against a masked full cache,
+and one registry-wide memory check (every POLICIES entry at capacity 0.25 on SmolLM2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import eager_twin, make_tiny_llama
+from reference import eager_attentions, kv_heads
+import snapkv_lab as C
+from snapkv_lab.compression.layers import HeadwiseLayer
+
+WINDOW, CAPACITY = 8, 40
+
+
+def tiny(attn="sdpa"):
+    return make_tiny_llama(attn, initializer_range=0.3)  # peaked attention: few ties among votes
+
+
+def prompt(n=96, batch=1, seed=1):
+    return torch.randint(2, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def smollm_prompt(tokenizer, n):
+    from snapkv_lab.corpus import haystack_ids
+
+    return torch.tensor([haystack_ids(tokenizer, n, start=3)])
+
+
+# ----- plain references ---------------------------------------------------------------------------------
+
+def snapkv_votes(model, ids, window, kernel=7):
+    """Per layer (batch, kv_heads, prefix) SnapKV votes from eager attention maps: window rows summed,
+    max-pooled along positions, averaged over each KV head's query heads."""
+    prefix = ids.shape[1] - window
+    votes = []
+    for attn in eager_attentions(model, ids):  # (batch, heads, n, n)
+        v = attn[:, :, -window:, :prefix].sum(dim=2)  # (batch, heads, prefix)
+        v = F.max_pool1d(v, kernel, stride=1, padding=kernel // 2)
+        votes.append(v.reshape(v.shape[0], kv_heads(model.config), -1, prefix).mean(dim=2))
+    return votes
+
+
+def pyramid_budgets(capacity, window, n_layers, n, beta=20):
+    """PyramidKV's per-layer budgets (paper's code / kvpress): a line from 2(B-W) - (B-W)/beta at the bottom
+    to (B-W)/beta at the top, plus the window."""
+    b_min = (capacity - window) / beta
+    b_max = 2 * (capacity - window) - b_min
+    if b_max > n - window:
+        b_max, b_min = n - window, 2 * (capacity - window) - (n - window)
+    return [window + round(b_max - layer * (b_max - b_min) / (n_layers - 1)) for layer in range(n_layers)]
+
+
+def top_with_window(scores, k, n):
+    """(..., prefix) scores -> (..., k + window) the top-k prefix positions sorted, then the window."""
+    top = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([top, torch.arange(scores.shape[-1], n).expand(*top.shape[:-1], -1)], dim=-1)
+
+
+def adakv_reference(scores, share, alpha=0.2):
+    """AdaKV for one layer and batch row. scores: (kv_heads, prefix); share: uniform prefix budget per head.
+    Returns per head the set of kept prefix positions: each head's own top floor(alpha * share), then the
+    best of the rest over all heads together until kv_heads * share are kept."""
+    heads, prefix = scores.shape
+    safe = {(h, int(p)) for h in range(heads) for p in scores[h].topk(int(alpha * share)).indices}
+    rest = sorted(((float(scores[h, p]), h, p) for h in range(heads) for p in range(prefix) if (h, p) not in safe),
+                  reverse=True)
+    chosen = safe | {(h, p) for _, h, p in rest[: heads * share - len(safe)]}
+    return [sorted(p for h2, p in chosen if h2 == h) for h in range(heads)]
+
+
+def rope_matrix(position, d, theta):
+    """(d, d) the RoPE rotation at `position` (transformers' half-split pairing: i with i + d/2)."""
+    angles = position * theta ** (-torch.arange(0, d, 2).float() / d)  # (d/2,)
+    cos, sin = angles.cos(), angles.sin()
+    R = torch.zeros(d, d)
+    half = d // 2
+    idx = torch.arange(half)
+    R[idx, idx], R[idx + half, idx + half] = cos, cos
+    R[idx, idx + half], R[idx + half, idx] = -sin, sin
+    return R
+
+
+def expected_attention_reference(model, ids, window, capacity, n_future=512, n_sink=4):
+    """ExpectedAttention from kvpress's route: queries from the layer's normed input hidden states and q_proj
+    (pre-RoPE), their mean and covariance, the mean RoPE matrix of the next n_future positions, then
+    softmax(R mu . k / sqrt(d) + k^T R Sigma R^T k / 2d) averaged over each KV head's group, times ||v||.
+    Returns per layer kept (batch, kv_heads, capacity) and the scores."""
+    cfg = model.config
+    n, d, heads = ids.shape[1], cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads
+    with torch.no_grad():
+        out = model(ids, use_cache=True, output_hidden_states=True)
+    R = torch.stack([rope_matrix(t, d, cfg.rope_parameters["rope_theta"]) for t in range(n, n + n_future)]).mean(0)
+    kept, all_scores = [], []
+    for layer, block in enumerate(model.model.layers):
+        h = block.input_layernorm(out.hidden_states[layer])[:, n_sink:]  # (batch, n - sinks, hidden)
+        q = block.self_attn.q_proj(h).view(h.shape[0], -1, heads, d).transpose(1, 2)  # (batch, heads, rows, d)
+        mu = R @ q.mean(dim=2)[..., None]  # (batch, heads, d, 1)
+        centred = q - q.mean(dim=2, keepdim=True)
+        cov = R @ (centred.transpose(2, 3) @ centred / centred.shape[2]) @ R.T  # (batch, heads, d, d)
+        keys = out.past_key_values.layers[layer].keys  # (batch, kv_heads, n, d) post-RoPE
+        values = out.past_key_values.layers[layer].values
+        k = keys.repeat_interleave(heads // keys.shape[1], dim=1)  # (batch, heads, n, d)
+        logits = (k @ mu)[..., 0] / math.sqrt(d) + ((k @ cov) * k).sum(-1) / (2 * d)  # (batch, heads, n)
+        scores = logits.softmax(-1).view(keys.shape[0], keys.shape[1], -1, n).mean(2) * values.norm(dim=-1)
+        scores[..., :n_sink] = float("inf")
+        kept.append(top_with_window(scores[..., : n - window], capacity - window, n))
+        all_scores.append(scores)
+    return kept, all_scores
+
+
+def assert_same_rows(kept, ref, scores, rtol=1e-4):
+    """Per (batch, head) row: the same kept positions (NO_POSITION ignored); positions tied in score at the
+    top-k boundary may swap (then the sorted scores of both sets agree)."""
+    for b in range(kept.shape[0]):
+        for h in range(kept.shape[1]):
+            mine = kept[b, h][kept[b, h] >= 0]
+            theirs = torch.as_tensor(ref[b][h])
+            if not torch.equal(mine, theirs):
+                assert mine.shape == theirs.shape, (b, h)
+                torch.testing.assert_close(scores[b, h, mine].sort().values, scores[b, h, theirs].sort().values,
+                                           rtol=rtol, atol=1e-6)
+                assert (torch.isin(mine, theirs)).float().mean() > 0.9, (b, h)
+
+
+def assert_same_pairs(kept, ref, scores, rtol=1e-4):
+    """AdaKV: heads compete, so a tie at the boundary may move a position from one head to another. Per batch
+    row: the same kept (head, position) pairs, or equal sorted scores of both sets and >90% of pairs shared."""
+    for b in range(kept.shape[0]):
+        mine = {(h, int(p)) for h in range(kept.shape[1]) for p in kept[b, h] if p >= 0}
+        theirs = {(h, int(p)) for h in range(kept.shape[1]) for p in ref[b][h]}
+        if mine != theirs:
+            assert len(mine) == len(theirs), b
+            values = lambda pairs: torch.tensor(sorted(float(scores[b, h, p]) for h, p in pairs))
+            torch.testing.assert_close(values(mine), values(theirs), rtol=rtol, atol=1e-6)
+            assert len(mine & theirs) > 0.9 * len(mine), b
+
+
+# ----- PyramidKV ----------------------------------------------------------------------------------------
+
+def test_pyramid_budgets_decrease_linearly_and_average_to_capacity():
+    policy = C.PyramidKV(capacity=0.25)
+    budgets = [policy.layer_budget(1000, layer, 30) for layer in range(30)]
+    assert budgets == pyramid_budgets(250, 32, 30, 1000)
+    assert budgets[0] == 32 + 2 * 218 - round(218 / 20) and budgets[-1] == 32 + round(218 / 20)
+    assert all(a >= b for a, b in zip(budgets, budgets[1:]))
+    assert abs(sum(budgets) / 30 - 250) <= 0.5
+    # The bottom layer cannot keep more than the prompt: capped, the slope is then gentler.
+    capped = [C.PyramidKV(capacity=40, window_size=8).layer_budget(60, layer, 2) for layer in range(2)]
+    assert capped == [60, 20]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_pyramidkv_kept_matches_reference(attn, byte_tokenizer):
+    model = tiny(attn)
+    ids = prompt(96, batch=2)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.PyramidKV(capacity=CAPACITY, window_size=WINDOW),
+                        max_new_tokens=2)
+    budgets = pyramid_budgets(CAPACITY, WINDOW, 2, 96)
+    assert result.cache_lengths == budgets == [70, 10]
+    for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
+        ref = top_with_window(votes, budgets[layer] - WINDOW, 96)
+        assert_same_rows(result.kept_indices[layer], ref.tolist(), votes)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_layers_of_different_lengths_decode_as_the_masked_full_cache(attn, byte_tokenizer):
+    """Each layer its own length, so a mask built for one layer reaches another (eager: rebuilt by attend_cache):
+    our loop and model.generate must both equal decoding on the full cache with each layer's dropped positions
+    masked (the oracle: a per-layer visibility applied through the model's own eager attention)."""
+    model = tiny(attn)
+    ids = prompt(96, batch=2, seed=2)
+    policy = C.PyramidKV(capacity=CAPACITY, window_size=WINDOW)
+    ours = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=12)
+    with C.compress(model, policy) as state:
+        theirs = model.generate(ids, past_key_values=state.cache, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(theirs[:, 96:], ours.token_ids)
+    assert torch.equal(masked_decode(model, ids, ours.kept_indices, 12), ours.token_ids)
+
+
+# ----- the masked-full-cache oracle ---------------------------------------------------------------------
+
+def masked_decode(model, ids, kept, steps, question=None):
+    """Greedy tokens (batch, steps) of the eager twin over the FULL cache of ids (batch, n), each layer's and
+    head's dropped prompt positions hidden by an additive mask added inside its attention (kept: per layer
+    (batch, kv_heads, k) NO_POSITION-padded). A question (batch, m) is fed after the prompt first."""
+    from snapkv_lab.hooks import intercept_attention
+
+    twin = eager_twin(model)
+    batch, n = ids.shape
+    heads, groups = twin.config.num_attention_heads, twin.config.num_attention_heads // kv_heads(twin.config)
+    hidden = []  # per layer (batch, heads, 1, n): -inf on dropped prompt positions
+    for positions in kept:
+        visible = torch.zeros(batch, positions.shape[1], n + 1, dtype=torch.bool)
+        visible.scatter_(-1, positions.clamp(min=-1) % (n + 1), True)  # NO_POSITION lands in the spare column
+        mask = torch.zeros(visible.shape[:2] + (n,)).masked_fill(~visible[..., :n], float("-inf"))
+        hidden.append(mask.repeat_interleave(groups, dim=1)[:, :, None])
+
+    def attend(function, module, query, key, value, attention_mask, **kwargs):
+        extra = torch.zeros(query.shape[0], heads, query.shape[2], key.shape[2])
+        extra[..., :n] = hidden[module.layer_idx]
+        return function(module, query, key, value, attention_mask + extra, **kwargs)
+
+    with torch.no_grad():
+        out = twin(ids, use_cache=True)
+        cache, start, logits = out.past_key_values, n, out.logits[:, -1]
+        with intercept_attention(twin, None, attend=attend):
+            if question is not None:
+                logits = twin(question, past_key_values=cache, position_ids=torch.arange(n, n + question.shape[1])[None]).logits[:, -1]
+                start += question.shape[1]
+            tokens = []
+            for step in range(steps):
+                token = logits.argmax(-1)
+                tokens.append(token)
+                logits = twin(token[:, None], past_key_values=cache, position_ids=torch.tensor([[start + step]])).logits[:, -1]
+    return torch.stack(tokens, 1)
+
+
+# ----- AdaKV --------------------------------------------------------------------------------------------
+
+def test_adakv_kept_matches_reference(byte_tokenizer):
+    model = tiny()
+    ids = prompt(96, batch=2, seed=3)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+    counts = []
+    for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
+        kept = result.kept_indices[layer]  # (batch, kv_heads, widest), NO_POSITION-padded
+        ref = [[sorted(rows) + list(range(88, 96)) for rows in adakv_reference(votes[b], CAPACITY - WINDOW)]
+               for b in range(2)]
+        assert_same_pairs(kept, ref, F.pad(votes, (0, WINDOW), value=math.inf))
+        for row in kept.reshape(-1, kept.shape[-1]):  # each row: its positions ascending, then the padding
+            valid = row[row >= 0]
+            assert torch.equal(valid, valid.sort().values) and bool((row[len(valid):] == -1).all())
+        counts.append((kept >= 0).sum(-1))
+    counts = torch.stack(counts)  # (layers, batch, kv_heads)
+    assert bool((counts.sum(-1) == 2 * CAPACITY).all())  # the layer's total budget, shared out
+    assert bool((counts >= WINDOW + int(0.2 * (CAPACITY - WINDOW))).all())  # the safeguard
+    assert bool((counts != CAPACITY).any())  # budgets really differ between heads (else the test is vacuous)
+    assert bool((result.kept_indices[0] == -1).any())
+
+
+def test_adakv_stores_only_kept_positions(byte_tokenizer):
+    model = tiny()
+    ids = prompt(96, batch=2, seed=3)
+    policy = C.AdaKV(capacity=CAPACITY, window_size=WINDOW)
+    with C.compress(model, policy) as state, torch.no_grad():
+        model(ids, past_key_values=state.cache, use_cache=True)
+    n_kept = sum(int((kept >= 0).sum()) for kept in state.kept_indices.values())
+    assert C.compression.cache_bytes(state.cache) == n_kept * 2 * 16 * 4  # K and V, head_dim 16, fp32: no padding
+    assert n_kept == 2 * 2 * 2 * CAPACITY  # layers x batch x kv_heads x capacity, as a uniform budget would
+    layer = state.cache.layers[0]
+    assert isinstance(layer, HeadwiseLayer)
+    stored = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for rows in (layer.prompt_keys, layer.prompt_values) for row in rows for t in row}
+    stored.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (layer.keys, layer.values)})
+    assert sum(stored.values()) == C.compression.layers.layer_nbytes(layer)  # nothing else held alive
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_headwise_cache_decodes_as_the_masked_full_cache(attn, byte_tokenizer):
+    """Ragged per-head budgets, batch of 2 (different selections per row), GQA groups of 2 and a question of
+    several rows appended after compression: tokens must equal the eager full cache with each head's dropped
+    positions masked; model.generate under compress must equal our loop."""
+    model = tiny(attn)
+    context, question = prompt(96, batch=2, seed=4), prompt(7, seed=5)[0]  # one question, asked of both rows
+    policy = C.AdaKV(capacity=CAPACITY, window_size=WINDOW)
+    asked = C.generate(model, byte_tokenizer, context, question=question, policy=policy, max_new_tokens=10)
+    assert torch.equal(masked_decode(model, context, asked.kept_indices, 10, question=question.expand(2, -1)), asked.token_ids)
+    plain = C.generate(model, byte_tokenizer, context, policy=policy, max_new_tokens=10)
+    assert torch.equal(masked_decode(model, context, plain.kept_indices, 10), plain.token_ids)
+    with C.compress(model, policy) as state:
+        theirs = model.generate(context, past_key_values=state.cache, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert torch.equal(theirs[:, 96:], plain.token_ids)
+    uniform = C.generate(model, byte_tokenizer, context, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=10)
+    assert not torch.equal(uniform.token_ids, plain.token_ids) or not torch.equal(
+        uniform.kept_indices[0], plain.kept_indices[0])  # the oracle compared something other than SnapKV's cache
+
+
+def test_headwise_attention_keeps_the_model_dtype(byte_tokenizer):
+    model = tiny().to(torch.bfloat16)
+    ids = prompt(96, seed=6)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=6)
+    assert result.token_ids.shape == (1, 6)
+    assert result.kv_bytes == sum(int((k >= 0).sum()) for k in result.kept_indices) * 2 * 16 * 2  # bf16
+
+
+# ----- ExpectedAttention --------------------------------------------------------------------------------
+
+def test_expected_attention_kept_matches_reference(byte_tokenizer):
+    model = tiny()
+    ids = prompt(96, batch=2, seed=7)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.ExpectedAttention(capacity=CAPACITY, window_size=WINDOW),
+                        max_new_tokens=2)
+    ref_kept, ref_scores = expected_attention_reference(model, ids, WINDOW, CAPACITY)
+    for layer in range(2):
+        assert_same_rows(result.kept_indices[layer], ref_kept[layer].tolist(), ref_scores[layer])
+        assert bool((result.kept_indices[layer][..., :4] == torch.arange(4)).all())  # the sinks
+
+
+def test_expected_attention_depends_on_the_statistics(byte_tokenizer):
+    """Covariance and value norms both change the selection (else the reference check could pass vacuously)."""
+    model = tiny()
+    ids = prompt(96, seed=8)
+    run = lambda **kw: C.generate(model, byte_tokenizer, ids, policy=C.ExpectedAttention(capacity=CAPACITY, window_size=WINDOW, **kw),
+                                  max_new_tokens=1).kept_indices
+    base = run()
+    assert any(not torch.equal(a, b) for a, b in zip(base, run(use_covariance=False)))
+    assert any(not torch.equal(a, b) for a, b in zip(base, run(use_vnorm=False)))
+
+
+# ----- SmolLM2 ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_budget_methods_match_references_smollm(smollm):
+    model, tokenizer = smollm
+    ids = smollm_prompt(tokenizer, 600)
+    n, capacity, window = ids.shape[1], 200, 32
+    votes = snapkv_votes(model, ids, window)
+    pyramid = C.generate(model, tokenizer, ids, policy=C.PyramidKV(capacity=capacity), max_new_tokens=1)
+    budgets = pyramid_budgets(capacity, window, 30, n)
+    assert pyramid.cache_lengths == budgets
+    ada = C.generate(model, tokenizer, ids, policy=C.AdaKV(capacity=capacity), max_new_tokens=1)
+    for layer in range(30):
+        ref = top_with_window(votes[layer], budgets[layer] - window, n)
+        assert_same_rows(pyramid.kept_indices[layer], ref.tolist(), votes[layer])
+        ada_ref = [[sorted(rows) + list(range(n - window, n)) for rows in adakv_reference(votes[layer][0], capacity - window)]]
+        assert_same_pairs(ada.kept_indices[layer], ada_ref, F.pad(votes[layer], (0, window), value=math.inf))
+    assert ada.kv_bytes == pyramid.kv_bytes == 30 * 2 * 3 * capacity * 64 * 4  # same total, fp32
+
+
+@pytest.mark.slow
+def test_expected_attention_matches_reference_smollm(smollm):
+    model, tokenizer = smollm
+    ids = smollm_prompt(tokenizer, 600)
+    result = C.generate(model, tokenizer, ids, policy=C.ExpectedAttention(capacity=200), max_new_tokens=1)
+    ref_kept, ref_scores = expected_attention_reference(model, ids, 32, 200)
+    for layer in range(30):
+        assert_same_rows(result.kept_indices[layer], ref_kept[layer].tolist(), ref_scores[layer])
+
+
+@pytest.fixture(scope="module")
+def quarter_prefill(smollm):
+    """One full 1000-token SmolLM2 prefill serving every registered policy at capacity 0.25 (SharedPrefill:
+    what compress() would build, from recorded scores; one prefill instead of one per policy keeps this fast)."""
+    from snapkv_lab.compression.shared import SharedPrefill
+
+    model, tokenizer = smollm
+    ids = smollm_prompt(tokenizer, 1000)
+    policies = {name: cls() if cls is C.FullCache else cls(capacity=0.25) for name, cls in C.POLICIES.items()}
+    return ids, policies, SharedPrefill.run(model, tokenizer, ids, list(policies.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(C.POLICIES))
+def test_every_registered_policy_keeps_a_quarter_of_the_bytes(name, quarter_prefill):
+    """Every POLICIES entry, built from capacity=0.25 alone, holds 25% of the full cache's bytes after prefill
+    (measured: 11,520,000 of 46,080,000 bytes, 0.2500, for every compressing policy)."""
+    ids, policies, shared = quarter_prefill
+    kv_bytes = C.compression.cache_bytes(shared.state(policies[name]).cache)
+    full_bytes = 30 * 2 * 3 * ids.shape[1] * 64 * 4  # layers x (K, V) x kv_heads x tokens x head_dim x fp32
+    ratio = kv_bytes / full_bytes
+    print(f"{name}: kv_bytes {kv_bytes} / {full_bytes} = {ratio:.4f}")
+    expected = 1.0 if name == "FullCache" else 0.25
+    assert abs(ratio - expected) <= 0.03 * expected, ratio
