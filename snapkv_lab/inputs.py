@@ -38,7 +38,11 @@ def encode_continuation(tokenizer, continuation) -> torch.Tensor:
     """Teacher-forced continuation -> (n,) ids; text is tokenised without special tokens."""
     if isinstance(continuation, str):
         return torch.as_tensor(tokenizer(continuation, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    return torch.as_tensor(continuation, dtype=torch.long).reshape(-1)
+    ids = torch.as_tensor(continuation, dtype=torch.long)
+    if ids.ndim > 1 and ids.shape[0] != 1:
+        raise ValueError(f"a continuation or question is one sequence of token ids, got shape {tuple(ids.shape)}; "
+                         "pass several questions as a list")
+    return ids.reshape(-1)
 
 
 def encode_batch(tokenizer, prompt) -> torch.Tensor:

@@ -121,3 +121,5 @@ def test_compress_once_ask_many(byte_tokenizer):
         assert torch.equal(run.token_ids, alone.token_ids)
         assert all(torch.equal(a, b) for a, b in zip(run.kept_indices, alone.kept_indices, strict=True))
     assert len({tuple(run.token_ids[0].tolist()) for run in many}) > 1  # the questions were really asked
+    with pytest.raises(ValueError, match="one sequence"):
+        snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, question=torch.tensor([questions[0][:6]] * 2))
