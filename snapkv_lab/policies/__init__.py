@@ -6,11 +6,15 @@ and the tests parametrise over it, so a new method is tested the moment it is re
 
 from .base import NO_POSITION, AttentionCall, FullCache, Policy
 from .baselines import RandomKeep, StreamingLLM
+from .chunkkv import ChunkKV
+from .criticalkv import CriticalKV
 from .h2o import H2O
+from .knorm import KNorm
 from .snapkv import SnapKV, SnapKVNoPooling
+from .tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {cls.__name__: cls for cls in (
-    FullCache, SnapKV, SnapKVNoPooling, H2O, StreamingLLM, RandomKeep,
+    FullCache, SnapKV, SnapKVNoPooling, H2O, StreamingLLM, RandomKeep, TOVA, KNorm, ChunkKV, CriticalKV,
 )}
 
 __all__ = ["NO_POSITION", "POLICIES", "AttentionCall", "Policy", *POLICIES]
