@@ -198,7 +198,7 @@ def test_context_then_question_scores_equal_one_prefill(policy, byte_tokenizer):
     prefill of both selects: accumulating inner scores (H2O) add up, CriticalKV's value norms count once."""
     model = tiny()
     ids = torch.randint(2, 256, (1, 100), generator=torch.Generator().manual_seed(23))
-    state = SharedPrefill.run(model, byte_tokenizer, ids[:, :84], [policy]).extend(ids[:, 84:]).state(policy)
+    state = SharedPrefill.run(model, byte_tokenizer, ids[:, :60], [policy]).extend(ids[:, 60:]).state(policy)
     whole = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
     for layer, kept in enumerate(whole.kept_indices):
         assert torch.equal(state.kept_indices[layer], kept), layer
