@@ -12,6 +12,7 @@ _EXPORTS = {  # public name -> its module
     "SnapKV": "policies", "SnapKVNoPooling": "policies", "StreamingLLM": "policies",
     "KVzip": "policies", "DecodingEviction": "policies",
     "PyramidKV": "policies", "AdaKV": "policies", "ExpectedAttention": "policies",
+    "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies",
     "compress": "compression", "generate": "compression", "compare": "ab",
 }
 __all__ = list(_EXPORTS)

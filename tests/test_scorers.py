@@ -1,0 +1,258 @@
+"""TOVA, KNorm, ChunkKV and CriticalKV: kept positions vs each paper's rule written plainly from transformers'
+eager attention maps and its own cache (post-RoPE keys, values), on the tiny random Llama and on SmolLM2."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import eager_twin, make_tiny_llama
+from reference import assert_same_selection
+import snapkv_lab as C
+from snapkv_lab.attention import AttentionSettings
+from snapkv_lab.compression.shared import SharedPrefill
+from snapkv_lab.policies.base import AttentionCall
+
+WINDOW, CAPACITY, N = 8, 40, 96
+
+
+def tiny(attn="sdpa"):
+    # A larger init than the default 0.02 gives peaked attention, so scores are not near-uniform ties.
+    return make_tiny_llama(attn, initializer_range=0.3)
+
+
+# ----------------------------------------------------------------------------------------------- references
+
+def eager_run(model, ids):
+    """What transformers computes over ids (batch, n): per layer attention maps (batch, heads, n, n), post-RoPE
+    keys and values (batch, kv_heads, n, head_dim), and the output projection weights (hidden, heads * head_dim)."""
+    twin = eager_twin(model)
+    with torch.no_grad():
+        out = twin(ids, output_attentions=True, use_cache=True)
+    layers = out.past_key_values.layers
+    return dict(attentions=out.attentions, keys=[layer.keys for layer in layers], values=[layer.values for layer in layers],
+                o_proj=[block.self_attn.o_proj.weight.detach() for block in twin.model.layers])
+
+
+def group_mean(scores, kv_heads):
+    """(batch, heads, n) -> (batch, kv_heads, n): mean over the query heads sharing each KV head."""
+    return scores.reshape(scores.shape[0], kv_heads, -1, scores.shape[-1]).mean(dim=2)
+
+
+def snapkv_scores(attn, window, kv_heads, kernel=7):
+    """SnapKV's ranking (batch, kv_heads, prefix): window votes, max-pooled, averaged over each GQA group."""
+    prefix = attn.shape[-1] - window
+    votes = attn[:, :, -window:, :prefix].sum(dim=2)  # (batch, heads, prefix)
+    return group_mean(F.max_pool1d(votes, kernel, stride=1, padding=kernel // 2), kv_heads)
+
+
+def top_plus_window(scores, k, n):
+    """Top-k prefix positions of scores (batch, kv_heads, prefix), sorted, then the window up to n."""
+    top = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([top, torch.arange(scores.shape[-1], n).expand(*top.shape[:2], -1)], dim=-1)
+
+
+def ref_tova(run, capacity, kv_heads):
+    """TOVA: the last query's softmax row over the prefix, averaged per KV head; window of 1."""
+    kept, scores = [], []
+    for attn in run["attentions"]:
+        n = attn.shape[-1]
+        last_row = attn[:, :, -1, : n - 1]  # (batch, heads, prefix)
+        score = group_mean(last_row, kv_heads)
+        kept.append(top_plus_window(score, capacity - 1, n))
+        scores.append(score)
+    return kept, scores
+
+
+def ref_knorm(run, capacity, window):
+    """KNorm: minus the L2 norm of each post-RoPE key in the model's own cache, per KV head."""
+    kept, scores = [], []
+    for keys in run["keys"]:  # (batch, kv_heads, n, d)
+        n = keys.shape[2]
+        score = -torch.linalg.vector_norm(keys[:, :, : n - window], dim=-1)  # (batch, kv_heads, prefix)
+        kept.append(top_plus_window(score, capacity - window, n))
+        scores.append(score)
+    return kept, scores
+
+
+def ref_chunkkv(run, capacity, window, chunk, kv_heads):
+    """ChunkKV over SnapKV: chunks [0, c), [c, 2c), ... of the prefix ranked by their mean SnapKV score; whole
+    chunks taken best first, the last one cut to what the budget has left."""
+    kept = []
+    for attn in run["attentions"]:
+        n = attn.shape[-1]
+        prefix = n - window
+        score = snapkv_scores(attn, window, kv_heads)  # (batch, kv_heads, prefix)
+        chunks = [list(range(start, min(start + chunk, prefix))) for start in range(0, prefix, chunk)]
+        layer = torch.empty(*score.shape[:2], capacity, dtype=torch.long)
+        for b in range(score.shape[0]):
+            for h in range(kv_heads):
+                means = [score[b, h, c].mean().item() for c in chunks]
+                chosen = []
+                for i in sorted(range(len(chunks)), key=lambda i: -means[i]):
+                    chosen += chunks[i][: capacity - window - len(chosen)]
+                layer[b, h] = torch.tensor(sorted(chosen) + list(range(prefix, n)))
+        kept.append(layer)
+    return kept
+
+
+def ref_criticalkv(run, capacity, window, kv_heads, ratio=0.5, eps=1e-4):
+    """CriticalKV over SnapKV: stage 1 keeps the floor(ratio * k) best SnapKV positions; stage 2 the rest of k by
+    (score + eps) * ||v W_o^h||_1, the L1 norm averaged over each KV head's query heads."""
+    kept = []
+    for attn, values, weight in zip(run["attentions"], run["values"], run["o_proj"]):
+        n, heads, d = attn.shape[-1], attn.shape[1], values.shape[-1]
+        prefix, k = n - window, capacity - window
+        score = snapkv_scores(attn, window, kv_heads)  # (batch, kv_heads, prefix)
+        norms = torch.stack([  # (batch, heads, n): head h's value through its slice of W_o, (hidden, d)
+            (values[:, h // (heads // kv_heads)] @ weight[:, h * d:(h + 1) * d].T).abs().sum(dim=-1)
+            for h in range(heads)], dim=1)
+        weighted = (score + eps) * group_mean(norms, kv_heads)[..., :prefix]
+        first = score.topk(math.floor(k * ratio), dim=-1).indices  # stage 1
+        rest = weighted.scatter(-1, first, -math.inf).topk(k - first.shape[-1], dim=-1).indices  # stage 2
+        picked = torch.cat([first, rest], dim=-1).sort(dim=-1).values
+        kept.append(torch.cat([picked, torch.arange(prefix, n).expand(*picked.shape[:2], -1)], dim=-1))
+    return kept
+
+
+def assert_equal_kept(kept, ref_kept):
+    for layer, (mine, ref) in enumerate(zip(kept, ref_kept, strict=True)):
+        assert mine.shape == ref.shape, layer
+        agree = (mine == ref).float().mean()
+        assert torch.equal(mine, ref), f"layer {layer}: {agree:.1%} of kept positions agree"
+
+
+# ------------------------------------------------------------------------------------- tiny random Llama
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    model = tiny()
+    ids = torch.randint(2, 256, (2, N), generator=torch.Generator().manual_seed(21))
+    return model, ids, eager_run(model, ids)
+
+
+def test_tova_matches_last_query_attention(tiny_run, byte_tokenizer):
+    model, ids, run = tiny_run
+    result = C.generate(model, byte_tokenizer, ids, policy=C.TOVA(capacity=CAPACITY), max_new_tokens=2)
+    ref_kept, ref_scores = ref_tova(run, CAPACITY, 2)
+    assert_same_selection(result.kept_indices, ref_kept, ref_scores, 1)
+
+
+def test_knorm_matches_key_norms(tiny_run, byte_tokenizer):
+    model, ids, run = tiny_run
+    result = C.generate(model, byte_tokenizer, ids, policy=C.KNorm(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+    ref_kept, ref_scores = ref_knorm(run, CAPACITY, WINDOW)
+    assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
+
+
+@pytest.mark.parametrize("chunk", [10, 7])  # 88-token prefix: 8 chunks of 10 and one of 8; 12 of 7 and one of 4
+def test_chunkkv_matches_chunk_ranking(chunk, tiny_run, byte_tokenizer):
+    model, ids, run = tiny_run
+    policy = C.ChunkKV(capacity=CAPACITY, window_size=WINDOW, chunk_size=chunk)
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
+    assert_equal_kept(result.kept_indices, ref_chunkkv(run, CAPACITY, WINDOW, chunk, 2))
+    for kept in result.kept_indices:  # whole chunks, but for at most one cut chunk per head
+        prefix = kept[..., :-WINDOW]
+        counts = torch.stack([torch.bincount(row // chunk, minlength=N // chunk + 1) for row in prefix.reshape(-1, prefix.shape[-1])])
+        sizes = torch.bincount(torch.arange(N - WINDOW) // chunk, minlength=N // chunk + 1)
+        assert (((counts > 0) & (counts < sizes)).sum(dim=-1) <= 1).all()
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_criticalkv_matches_two_stage_selection(ratio, tiny_run, byte_tokenizer):
+    model, ids, run = tiny_run
+    policy = C.CriticalKV(capacity=CAPACITY, window_size=WINDOW, first_stage_ratio=ratio)
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
+    assert_equal_kept(result.kept_indices, ref_criticalkv(run, CAPACITY, WINDOW, 2, ratio=ratio))
+    snapkv = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+    assert any(not torch.equal(a, b) for a, b in zip(result.kept_indices, snapkv.kept_indices))  # the norms matter
+
+
+VARIANTS = [C.TOVA(capacity=CAPACITY), C.KNorm(capacity=CAPACITY, window_size=WINDOW),
+            C.ChunkKV(capacity=CAPACITY, window_size=WINDOW), C.ChunkKV(policy=C.H2O(), capacity=CAPACITY, window_size=WINDOW),
+            C.CriticalKV(capacity=CAPACITY, window_size=WINDOW), C.CriticalKV(policy=C.H2O(), capacity=CAPACITY, window_size=WINDOW),
+            C.CriticalKV(policy=C.KNorm(), capacity=CAPACITY, window_size=WINDOW),
+            C.CriticalKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True), C.ChunkKV(capacity=0.5, window_size=WINDOW)]
+
+
+@pytest.mark.parametrize("policy", VARIANTS, ids=lambda p: p.label)
+def test_cache_length_equals_budget(policy, byte_tokenizer):
+    model = tiny()
+    ids = torch.randint(2, 256, (1, 90), generator=torch.Generator().manual_seed(22))
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=3)
+    budget, rows = policy.budget(90), 4 if policy.per_query_head else 2
+    assert result.cache_lengths == [budget] * 2
+    for kept in result.kept_indices:
+        assert kept.shape == (1, rows, budget)
+        assert all(row.unique().numel() == budget for row in kept.reshape(-1, budget))  # sorted, no position twice
+        assert torch.equal(kept, kept.sort(dim=-1).values)
+        assert torch.equal(kept[0, 0, -policy.window_size:], torch.arange(90 - policy.window_size, 90))
+
+
+@pytest.mark.parametrize("policy", VARIANTS[:-1], ids=lambda p: p.label)
+def test_context_then_question_scores_equal_one_prefill(policy, byte_tokenizer):
+    """Scores recorded over a context then a question (the A/B engine's query-aware mode) must select what one
+    prefill of both selects: accumulating inner scores (H2O) add up, CriticalKV's value norms count once."""
+    model = tiny()
+    ids = torch.randint(2, 256, (1, 100), generator=torch.Generator().manual_seed(23))
+    state = SharedPrefill.run(model, byte_tokenizer, ids[:, :60], [policy]).extend(ids[:, 60:]).state(policy)
+    whole = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
+    for layer, kept in enumerate(whole.kept_indices):
+        assert torch.equal(state.kept_indices[layer], kept), layer
+
+
+def test_wrappers_propagate_budget_and_name_settings():
+    chunk = C.ChunkKV(capacity=40, window_size=8, chunk_size=5)
+    assert (chunk.policy.capacity, chunk.policy.window_size) == (40, 8)
+    assert chunk.label == "ChunkKV(window_size=8, chunk_size=5)@40"
+    assert C.CriticalKV(policy=C.SnapKV(kernel_size=5), capacity=64).label == "CriticalKV(policy=SnapKV(kernel_size=5))@64"
+    assert C.CriticalKV(policy=C.H2O()).scorer_label != C.CriticalKV().scorer_label
+    assert C.ChunkKV(capacity=64).scorer_label == C.ChunkKV(capacity=128).scorer_label  # budgets share scores
+    assert C.TOVA(capacity=2).window_size == 1
+    with pytest.raises(ValueError, match="inner policy"):
+        C.ChunkKV(pooling="max")
+    with pytest.raises(ValueError, match="chunk_size"):
+        C.ChunkKV(chunk_size=0)
+    with pytest.raises(TypeError, match="wraps"):
+        C.CriticalKV(policy=C.ChunkKV())
+
+
+def test_criticalkv_refuses_attention_without_o_proj():
+    g = torch.Generator().manual_seed(0)
+    call = AttentionCall(query=torch.randn(4, 8, 16, generator=g), key=torch.randn(2, 8, 16, generator=g),
+                         value=torch.randn(2, 8, 16, generator=g), positions=torch.arange(8),
+                         attention=AttentionSettings(scaling=0.25), module=torch.nn.Module(), layer=0, n_layers=1)
+    with pytest.raises(TypeError, match="o_proj"):
+        C.CriticalKV(capacity=6, window_size=2).score(call)
+
+
+# ------------------------------------------------------------------------------------------------- SmolLM2
+
+@pytest.fixture(scope="module")
+def smollm_run(smollm):
+    from snapkv_lab.corpus import haystack_ids
+
+    model, tokenizer = smollm
+    ids = torch.tensor([haystack_ids(tokenizer, 600, start=3)])
+    return model, tokenizer, ids, eager_run(model, ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["TOVA", "KNorm", "ChunkKV", "CriticalKV"])
+def test_kept_indices_match_reference_smollm(name, smollm_run):
+    model, tokenizer, ids, run = smollm_run
+    kv_heads, capacity, window = model.config.num_key_value_heads, 256, 32
+    policy = C.POLICIES[name](capacity=capacity)  # the defaults: window 32 (TOVA: 1), chunks of 10, ratio 0.5
+    result = C.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1)
+    assert result.cache_lengths == [capacity] * model.config.num_hidden_layers
+    if name == "TOVA":
+        assert_same_selection(result.kept_indices, *ref_tova(run, capacity, kv_heads), 1)
+    elif name == "KNorm":
+        assert_same_selection(result.kept_indices, *ref_knorm(run, capacity, window), window)
+    elif name == "ChunkKV":
+        assert_equal_kept(result.kept_indices, ref_chunkkv(run, capacity, window, 10, kv_heads))
+    else:
+        assert_equal_kept(result.kept_indices, ref_criticalkv(run, capacity, window, kv_heads))
