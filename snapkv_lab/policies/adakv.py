@@ -10,26 +10,21 @@ compressor stores the layer ragged (compression.layers.HeadwiseLayer), so the sa
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..selection import pool_votes, votes_per_kv_head
-from .base import NO_POSITION, AttentionCall, Policy, with_window
-from .snapkv import SnapKV
+from .base import NO_POSITION, with_window
+from .wrapper import Wrapper
 
 
 @dataclass
-class AdaKV(Policy):
-    """Head-adaptive budgets over `policy`'s scores (SnapKV by default).
-
-    The wrapped policy scores with AdaKV's window (its own window_size and capacity are replaced), and its
-    pooling is applied before the allocation. keep returns (kv_heads, widest) positions: each row the head's
-    picked prefix positions (ascending), the window, then NO_POSITION padding.
+class AdaKV(Wrapper):
+    """Head-adaptive budgets over `policy`'s scores (SnapKV by default), ranked as the policy's own keep ranks
+    them (its pooling, the GQA mean). keep returns (kv_heads, widest) positions: each row the head's picked
+    prefix positions (ascending), the window, then NO_POSITION padding.
     """
 
-    policy: Policy = field(default_factory=SnapKV)
     alpha_safeguard: float = 0.20
 
     def __post_init__(self):
@@ -38,20 +33,11 @@ class AdaKV(Policy):
             raise ValueError("AdaKV allocates among KV heads: per_query_head=True is not supported")
         if not 0 <= self.alpha_safeguard <= 1:
             raise ValueError(f"alpha_safeguard must lie in [0, 1], got {self.alpha_safeguard!r}")
-        if self.policy.extra_passes or self.policy.per_query_head:
-            raise ValueError(f"AdaKV cannot wrap {self.policy.label} (extra passes or per-query-head selection)")
-        self.policy = dataclasses.replace(self.policy, capacity=None, window_size=self.window_size)
-        self.accumulates = self.policy.accumulates  # an accumulating scorer (H2O) stays accumulating
-
-    def score(self, call: AttentionCall):
-        return self.policy.score(call)
 
     def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
         prefix_len = n_tokens - self.window_size
         per_head = self.layer_budget(n_tokens, layer, n_layers) - self.window_size  # the uniform share
-        pooled = pool_votes(scores[:, :prefix_len], self.policy.pooling, self.policy.kernel_size)
-        if pooled.shape[0] != kv_heads:
-            pooled = votes_per_kv_head(pooled, kv_heads)  # (kv_heads, prefix_len)
+        pooled = self.ranked(scores, prefix_len, kv_heads)  # (kv_heads, prefix_len)
         # Safeguard: every head's own top alpha * share are taken before the heads compete.
         safe = pooled.topk(int(self.alpha_safeguard * per_head), dim=-1).indices
         pooled = pooled.scatter(-1, safe, float("inf"))

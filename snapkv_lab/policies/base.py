@@ -100,12 +100,9 @@ class Policy:
 
     def _settings(self) -> str:
         """Every parameter but the capacity that differs from the class default, as `k=v, ...`."""
-        def shown(value):  # a wrapped policy shows as its own scorer label
-            return value.scorer_label if isinstance(value, Policy) else repr(value)
-
         default = type(self)()
-        return ", ".join(f"{f.name}={shown(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                         if f.name != "capacity" and shown(getattr(self, f.name)) != shown(getattr(default, f.name)))
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                         if f.name != "capacity" and getattr(self, f.name) != getattr(default, f.name))
 
     @property
     def scorer_label(self) -> str:

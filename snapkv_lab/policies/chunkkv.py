@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import AttentionCall, with_window
+from .base import with_window
 from .wrapper import Wrapper
 
 
@@ -30,10 +30,6 @@ class ChunkKV(Wrapper):
         super().__post_init__()
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
-
-    def score(self, call: AttentionCall):
-        # The inner scores as they are (so accumulating ones still add up over prompt chunks); chunks need the budget.
-        return self.policy.score(call)
 
     def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
         prefix_len = n_tokens - self.window_size

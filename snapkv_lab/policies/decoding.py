@@ -23,11 +23,12 @@ import torch
 
 from .base import AttentionCall, Policy
 from .h2o import H2O
+from .wrapper import Wrapper
 
 
 @dataclass
-class DecodingEviction(Policy):
-    """`policy` at prefill, then every `interval` decode steps each layer evicted down to `target` positions."""
+class DecodingEviction(Wrapper):
+    """`policy` at prefill (H2O by default), then every `interval` decode steps each layer evicted down to `target`."""
 
     policy: Policy = field(default_factory=H2O)
     interval: int = 16
@@ -35,8 +36,7 @@ class DecodingEviction(Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        self.policy = dataclasses.replace(self.policy, capacity=self.capacity, window_size=self.window_size)
-        if self.policy.per_query_head:
+        if self.per_query_head:
             raise NotImplementedError("DecodingEviction keeps one selection per KV head: per_query_head is not supported")
         if not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"interval must be a positive int, got {self.interval!r}")
@@ -46,22 +46,8 @@ class DecodingEviction(Policy):
         if self.target is not None and self.target <= self.window_size:
             raise ValueError(f"target ({self.target}) must exceed window_size ({self.window_size})")
 
-    @property
-    def accumulates(self) -> bool:
-        return self.policy.accumulates
-
-    @property
-    def extra_passes(self) -> int:
-        return self.policy.extra_passes
-
-    def score(self, call: AttentionCall):
-        return self.policy.score(call)
-
     def keep(self, scores, n_tokens, kv_heads, layer, n_layers):
         return self.policy.keep(scores, n_tokens, kv_heads, layer, n_layers)
-
-    def prompt_scores(self, *args):
-        return self.policy.prompt_scores(*args)
 
     def tracker(self, layer: int, n_layers: int, n_prompt: int) -> EvictionTracker | None:
         """A fresh per-layer tracker for a run after an n_prompt-token prompt (the compressor holds one per

@@ -1,4 +1,4 @@
-"""What policies that wrap another policy's scorer share (ChunkKV, CriticalKV).
+"""What policies that wrap another policy's scorer share (ChunkKV, CriticalKV, AdaKV, DecodingEviction).
 
 The wrapper's budget is the one that counts: its capacity, window_size and per_query_head are copied onto
 the inner policy (SnapKV's observation window is then the kept window, as in SnapKV alone). The inner
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..selection import pool_votes, votes_per_kv_head
-from .base import Policy
+from .base import AttentionCall, Policy
 from .snapkv import SnapKV
 
 SHARED = ("capacity", "window_size", "per_query_head")  # set on the inner policy by the wrapper
@@ -39,6 +39,9 @@ class Wrapper(Policy):
     @property
     def accumulates(self) -> bool:  # scores of prompt chunks add up exactly when the inner ones do
         return self.policy.accumulates
+
+    def score(self, call: AttentionCall):
+        return self.policy.score(call)
 
     def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
         return self.policy.layer_budget(n_tokens, layer, n_layers)  # same capacity: a per-layer budget carries over
