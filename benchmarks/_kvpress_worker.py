@@ -41,6 +41,9 @@ def gguf_path() -> Path:
 
 def load_model(attn: str):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     path = gguf_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
