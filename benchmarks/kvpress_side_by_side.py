@@ -39,10 +39,10 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from _common import markdown  # benchmarks/ is on sys.path when this script runs
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # this checkout's snapkv_lab, before any installed copy (and before _common imports it)
+from _common import markdown  # noqa: E402 (benchmarks/ is on sys.path when this script runs)
 RESULTS = ROOT / "benchmarks" / "results"
 WORKER = ROOT / "benchmarks" / "_kvpress_worker.py"
 DEFAULT_VENV = Path(os.environ.get("KVPRESS_VENV", "/work/kvpress-venv"))
@@ -211,6 +211,8 @@ def main(argv=None) -> None:
 
     import snapkv_lab
     from snapkv_lab.corpus import haystack_ids
+
+    print(f"snapkv_lab from {Path(snapkv_lab.__file__).parent}; policies: {', '.join(snapkv_lab.POLICIES)}", file=sys.stderr)
 
     torch.manual_seed(0)
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
