@@ -8,6 +8,7 @@ import torch
 
 import snapkv_lab
 from conftest import eager_twin, make_tiny_llama
+from reference import assert_same_selection, eager_attentions
 from snapkv_lab.policies.kvzip import REPEAT
 
 N, WINDOW, CAPACITY, INTERVAL, NEW = 48, 4, 20, 5, 24
@@ -123,3 +124,30 @@ def test_compress_once_ask_many(byte_tokenizer):
     assert len({tuple(run.token_ids[0].tolist()) for run in many}) > 1  # the questions were really asked
     with pytest.raises(ValueError, match="one sequence"):
         snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, question=torch.tensor([questions[0][:6]] * 2))
+
+
+def selection_from(scores: torch.Tensor, n: int, budget: int, window: int):
+    """(batch, kv_heads, n) scores -> kept (batch, kv_heads, budget): top prefix positions, then the window."""
+    top = scores[..., : n - window].topk(budget - window, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([top, torch.arange(n - window, n).expand(*top.shape[:2], -1)], dim=-1)
+
+
+@pytest.mark.slow
+def test_h2o_and_kvzip_match_references_smollm(smollm):
+    """On the real model (30 layers, 9 query / 3 KV heads), 600 tokens of essay: H2O = attention summed over all
+    prompt rows, KVzip = the largest attention of a reconstruction query, each the mean (H2O) or max (KVzip)
+    over a KV head's query heads, from eager output_attentions."""
+    from snapkv_lab.corpus import haystack_ids
+
+    model, tokenizer = smollm
+    n, budget, window = 600, 200, 32
+    prompt = torch.tensor([haystack_ids(tokenizer, n, start=5)])
+    kv_heads = model.config.num_key_value_heads
+    instruction = torch.tensor([tokenizer(REPEAT, add_special_tokens=False)["input_ids"]])
+    h2o_scores = [a.sum(2).reshape(1, kv_heads, -1, n).mean(2) for a in eager_attentions(model, prompt)]
+    kvzip_scores = [a[..., n:, :n].amax(2).reshape(1, kv_heads, -1, n).amax(2)
+                    for a in eager_attentions(model, torch.cat([prompt, instruction, prompt], 1))]
+    for policy, scores in ((snapkv_lab.H2O(capacity=budget), h2o_scores), (snapkv_lab.KVzip(capacity=budget), kvzip_scores)):
+        run = snapkv_lab.generate(model, tokenizer, prompt, policy=policy, max_new_tokens=1)
+        reference = [selection_from(s, n, budget, window) for s in scores]
+        assert_same_selection(run.kept_indices, reference, [s[..., : n - window] for s in scores], window)
