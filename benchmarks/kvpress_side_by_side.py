@@ -88,6 +88,17 @@ SPECS = [
      f"AdaKVPress(press={SNAP_PRESS}, alpha_safeguard=0.2)",
      "kvpress does not prune: it masks the bottom kv_heads*(n-n_kept) scores across the layer's heads "
      "(module.masked_key_indices), so head budgets are ragged; window protected by the inner press's max+1."),
+    # The same wrappers over SnapKV with kvpress's average pooling: what is left is the design difference.
+    ("PyramidKV beta=4 avg-pool", "PyramidKV", dict(window_size=WINDOW, kernel_size=KERNEL, pooling="avg", beta=4),
+     f"PyramidKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL}, beta=4)",
+     "beta 4 keeps kvpress's smallest layer budget above the window, so neither side falls back to a flat budget; "
+     "avg pooling as kvpress's SnapKV."),
+    ("ChunkKV avg-pool", "ChunkKV", dict(window_size=WINDOW, chunk_size=20, policy=("SnapKV", dict(kernel_size=KERNEL, pooling="avg"))),
+     f"ChunkKVPress(press={SNAP_PRESS}, chunk_length=20)", "inner SnapKV with kvpress's avg pooling; chunk choice as above."),
+    ("CriticalKV avg-pool", "CriticalKV", dict(window_size=WINDOW, policy=("SnapKV", dict(kernel_size=KERNEL, pooling="avg"))),
+     f"CriticalKVPress(press={SNAP_PRESS})", "inner SnapKV with kvpress's avg pooling; stage split as above."),
+    ("AdaKV avg-pool", "AdaKV", dict(window_size=WINDOW, alpha_safeguard=0.2, policy=("SnapKV", dict(kernel_size=KERNEL, pooling="avg"))),
+     f"AdaKVPress(press={SNAP_PRESS}, alpha_safeguard=0.2)", "inner SnapKV with kvpress's avg pooling."),
     ("ExpectedAttention", "ExpectedAttention", dict(window_size=1, n_future_positions=512, n_sink=4),
      "ExpectedAttentionPress(compression_ratio={ratio}, n_future_positions=512, n_sink=4)",
      "kvpress protects the n_sink first positions and no window; ours also keeps window_size >= 1 last "

@@ -23,11 +23,13 @@ from .policies import FullCache, SnapKV
 
 
 def kept_mask(kept_indices: list[torch.Tensor], n_tokens: int, batch: int = 0) -> torch.Tensor:
-    """(layers, heads, n_tokens) bool: which prompt positions each layer's head kept."""
-    mask = torch.zeros(len(kept_indices), kept_indices[0].shape[1], n_tokens, dtype=torch.bool)
+    """(layers, heads, n_tokens) bool: which prompt positions each layer's head kept. Padding of head-wise
+    budgets (-1) and generated positions held after eviction while decoding (>= n_tokens) are not prompt."""
+    mask = torch.zeros(len(kept_indices), kept_indices[0].shape[1], n_tokens + 1, dtype=torch.bool)
     for layer, kept in enumerate(kept_indices):
-        mask[layer].scatter_(-1, kept[batch].cpu(), True)
-    return mask
+        rows = kept[batch].cpu()
+        mask[layer].scatter_(-1, torch.where((rows >= 0) & (rows < n_tokens), rows, n_tokens), True)
+    return mask[..., :n_tokens]
 
 
 def kept_tokens_html(tokenizer, prompt_ids, kept_indices, *, layer: int | None = None, head: int | None = None,

@@ -43,6 +43,8 @@ def test_kept_tokens_html_shades_by_fraction(byte_tokenizer):
     page = kept_tokens_html(byte_tokenizer, torch.tensor([97, 98, 99, 100]), kept, highlight=(1, 2))
     assert "kept by 75%" in page and page.count("outline:2px") == 1
     assert "kept by 0%" in kept_tokens_html(byte_tokenizer, torch.tensor([97, 98, 99, 100]), kept, layer=0, head=0)
+    ragged = [torch.tensor([[[0, 2, -1], [1, 3, 5]]])]  # head 0 keeps 2 (padded with -1), head 1 a generated position 5
+    assert kept_mask(ragged, 4)[0].tolist() == [[True, False, True, False], [False, True, False, True]]
 
 
 def test_retrieval_runner_reuse_equals_generate(byte_tokenizer):
