@@ -142,3 +142,22 @@ def test_policy_identity_is_its_parameters(byte_tokenizer):
         assert table[table.policy == policy.scorer_label].output.item() == run.text
     with pytest.raises(ValueError, match="share a label"):
         compare(model, byte_tokenizer, [[ctx.context_ids]], policies=[SnapKV(capacity=40), SnapKV(capacity=40)], progress=False)
+
+
+def test_window_longer_than_the_question_spans_the_context(byte_tokenizer):
+    """Query-aware scores of a question chunk shorter than the window: the window takes the context's last
+    queries too, as one prefill of context and question does (it once raised 'must hold the whole window')."""
+    model = tiny()
+    g = torch.Generator().manual_seed(14)
+    ctx = Context(torch.randint(2, 256, (90,), generator=g).tolist(),
+                  [Query(torch.randint(2, 256, (6,), generator=g).tolist(), "7", (40, 50), (45, 47))], dict(task="unit", length=96))
+    policies = [SnapKV(window_size=16), H2O(window_size=16)]
+    table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), modes=("query-aware",),
+                          max_new_tokens=5, progress=False)
+    for policy in policies:
+        one_chunk = generate(model, byte_tokenizer, [ctx.context_ids + ctx.queries[0].question_ids], max_new_tokens=5,
+                             policy=type(policy)(capacity=40, window_size=16))
+        row = table[table.policy == policy.scorer_label]
+        assert row.output.item() == one_chunk.text, policy.label
+        assert row.fact_kept.item() == pytest.approx(sum(float(((k[0] >= 40) & (k[0] < 50)).sum()) for k in one_chunk.kept_indices)
+                                                     / (2 * 2 * 10))

@@ -22,7 +22,9 @@ class ScoreRecorder:
     """Hook callback that records, without compressing, the scores of several policies at every layer.
 
     Successive calls of a layer are prompt chunks (a context, then a question): accumulating policies add
-    their scores up, the others keep the last chunk's. scores[policy.scorer_label][layer]: (batch, heads or
+    their scores up, the others keep the last chunk's. A chunk shorter than the longest observation window
+    is scored with the last queries of the chunks before it in front (a window may span the end of the
+    context and the question, as in one prefill of both). scores[policy.scorer_label][layer]: (batch, heads or
     kv_heads, n_keys). Policies sharing a scorer_label (differing only in budget) share one entry. Sliding-window
     layers are not scored: they are never compressed (see CompressionState).
     """
@@ -30,16 +32,25 @@ class ScoreRecorder:
     def __init__(self, policies, n_layers: int):
         self.policies = {p.scorer_label: p for p in policies if not p.extra_passes}
         self.n_layers = n_layers
+        self.window = max((p.window_size for p in self.policies.values()), default=0)
         self.scores: dict[str, dict[int, torch.Tensor]] = {label: {} for label in self.policies}
+        self.recent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> last `window` queries, positions
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         settings = AttentionSettings.of_call(module, kwargs)
         if settings.sliding_window is not None:
             return
         layer, n, rows = module.layer_idx, key.shape[2], query.shape[2]
-        calls = attention_calls(module, query, key, value, torch.arange(n - rows, n), settings, self.n_layers)
+        positions = torch.arange(n - rows, n)
+        new_calls = attention_calls(module, query, key, value, positions, settings, self.n_layers)
+        spanning = new_calls
+        if layer in self.recent and rows < self.window:  # (batch, heads, rows, d) with earlier chunks' last queries
+            earlier, earlier_positions = self.recent[layer]
+            query, positions = torch.cat([earlier, query], 2)[:, :, -self.window:], torch.cat([earlier_positions, positions])[-self.window:]
+            spanning = attention_calls(module, query, key, value, positions, settings, self.n_layers)
+        self.recent[layer] = (query[:, :, -self.window:], positions[-self.window:])
         for label, policy in self.policies.items():
-            scored = [policy.score(call) for call in calls]
+            scored = [policy.score(call) for call in (new_calls if policy.accumulates else spanning)]
             if scored[0] is None:
                 continue
             new = torch.stack(scored)
@@ -52,6 +63,7 @@ class ScoreRecorder:
         """A recorder that goes on from this one's scores (a question chunk after a shared context)."""
         other = ScoreRecorder(self.policies.values(), self.n_layers)
         other.scores = {label: dict(layers) for label, layers in self.scores.items()}
+        other.recent = dict(self.recent)
         return other
 
 
