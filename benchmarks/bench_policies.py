@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=sorted(snapkv_lab.POLICIES), choices=sorted(snapkv_lab.POLICIES))
     parser.add_argument("--ratio", type=float, default=0.25, help="capacity as a fraction of the prompt")
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--compare-length", type=int, default=4096)
+    parser.add_argument("--compare-length", type=int, default=4096, help="0: skip the compare table")
     parser.add_argument("--compare-policies", nargs="+", default=list(COMPARED))
     add_model_options(parser)
     args = parse_model_options(parser)
@@ -81,6 +81,8 @@ def main() -> None:
     table = per_policy(subject, args.lengths, names, args.ratio, args.new_tokens)
     report(table, result_name("policies", args), formats={"kv_ratio": ".3f", "scoring_%": ".1f", "decode_speedup": ".2f"},
            title=f"every policy at capacity={args.ratio}, {args.new_tokens} new tokens, single runs, {describe(args)}, {args.attn}")
+    if not args.compare_length:
+        return
     cost = compare_cost(subject, args.compare_length, args.compare_policies, args.ratio, args.new_tokens)
     report(cost, result_name("compare_cost", args), formats={"ratio": ".2f"},
            title=f"compare of {', '.join(args.compare_policies)} on one prompt vs one prefill + their decodes")
