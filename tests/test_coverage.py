@@ -186,3 +186,20 @@ def test_smollm_snapkv_and_adakv(smollm):
             share = attn[h] / attn[h].sum(-1, keepdim=True)
             row = table[(table.layer == layer) & (table.head == h) & (table.sinks == "kept")].iloc[0]
             assert row.coverage == pytest.approx(float(share[:, kept].sum(-1).mean()), abs=1e-5)
+
+
+def test_coverage_figure_draws_one_line_set_per_policy(tiny_runs):
+    import pandas as pd
+
+    from snapkv_lab.plots import coverage_figure
+
+    trace, runs = tiny_runs
+    single = coverage_figure(attention_coverage(trace, runs["SnapKV"]))
+    assert [t.name for t in single.data] == ["coverage", "oracle", "chance"]
+    table = pd.concat([attention_coverage(trace, runs[name]).assign(policy=name) for name in ("SnapKV", "AdaKV")])
+    figure = coverage_figure(table, sinks="kept")
+    assert len(figure.data) == 6 and figure.data[3].name == "AdaKV coverage"
+    kept = table[(table.policy == "AdaKV") & (table.sinks == "kept")]
+    assert list(figure.data[3].y) == pytest.approx(kept.groupby("layer").coverage.mean().tolist())
+    with pytest.raises(ValueError, match="no rows"):
+        coverage_figure(table, sinks="both")
