@@ -184,7 +184,7 @@ def test_smollm_snapkv_and_adakv(smollm):
             rows = run.kept_indices[-1][0, h // group]
             kept[rows[(rows >= 0) & (rows < trace.prompt_len)]] = True
             share = attn[h] / attn[h].sum(-1, keepdim=True)
-            row = table[(table.layer == layer) & (table.head == h) & (table.sinks == "kept")].iloc[0]
+            row = table[(table.layer == layer) & (table["head"] == h) & (table.sinks == "kept")].iloc[0]
             assert row.coverage == pytest.approx(float(share[:, kept].sum(-1).mean()), abs=1e-5)
 
 
