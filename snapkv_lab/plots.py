@@ -134,3 +134,30 @@ def window_attention_figure(trace, window: int = 32, *, layers=None, max_cols: i
     figure.update_layout(title=f"Attention of the last {window} prompt tokens over the prompt (mean over heads)",
                          xaxis_title="prompt position", yaxis_title="layer", width=900, height=450)
     return figure
+
+
+def coverage_figure(table, *, sinks: str = "excluded") -> go.Figure:
+    """Coverage and oracle per layer (mean over heads), with chance, from an `attention_coverage` table.
+
+    One colour per policy when the table has a `policy` column (e.g. tables of several runs concatenated
+    with a policy label): coverage solid, oracle dashed, chance dotted. `sinks` picks the table's variant
+    ("excluded" or "kept"): the two are never averaged together.
+    """
+    rows = table[table["sinks"] == sinks]
+    if rows.empty:
+        raise ValueError(f"the table has no rows with sinks == {sinks!r}; it has {sorted(table['sinks'].unique())}")
+    groups = rows.groupby("policy", sort=False) if "policy" in rows.columns else [(None, rows)]
+    palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+    figure = go.Figure()
+    for i, (policy, part) in enumerate(groups):
+        means = part.groupby("layer", sort=True)[["coverage", "oracle", "chance"]].mean()  # NaN heads are skipped
+        colour = palette[i % len(palette)]
+        for column, dash in (("coverage", "solid"), ("oracle", "dash"), ("chance", "dot")):
+            name = column if policy is None else f"{policy} {column}"
+            figure.add_trace(go.Scatter(x=means.index, y=means[column], mode="lines+markers", name=name,
+                                        legendgroup=str(policy), line=dict(color=colour, dash=dash),
+                                        hovertemplate=f"{name}<br>layer %{{x}}<br>%{{y:.3f}}<extra></extra>"))
+    figure.update_layout(title=f"Share of the generation's prompt attention on the kept positions (sinks {sinks}, "
+                               "mean over heads)", xaxis_title="layer", yaxis_title="share of prompt attention",
+                         yaxis_range=[0, 1.02], width=900, height=450)
+    return figure

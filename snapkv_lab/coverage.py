@@ -1,0 +1,125 @@
+"""How much of the generation's attention to the prompt a compression policy's kept positions hold.
+
+    trace = capture(model, tokenizer, prompt_ids, max_new_tokens=32)           # full cache, every query row
+    run = generate(model, tokenizer, prompt_ids, policy=SnapKV(capacity=256), max_new_tokens=32)
+    table = attention_coverage(trace, run)          # or run.kept_indices
+
+One tidy row per (layer, query head, sinks variant). With attn the generated rows' attention over the
+prompt's eligible positions, renormalised per row to sum to 1 (eligible: all prompt positions, or with
+sinks="excluded" all but the sinks of metrics.SinkRule):
+- coverage = mean over generated rows of attn on the kept positions: the share of the prompt attention
+  the compressed cache would still serve, had the full cache's attention been the same;
+- oracle = the same for the best fixed set of the same size in hindsight: the k eligible positions with
+  the largest renormalised attention summed over the generated rows (k = the head's kept count). Ranking
+  by the renormalised sum makes it the exact maximum of coverage over all k-sets, so coverage <= oracle;
+- chance = k / eligible: the expected coverage of k uniformly random eligible positions.
+Sinks are found, as in metrics.py, on the generated rows' attention over the prompt; with sinks
+"excluded" they leave the numerator, the denominator, the kept set and the oracle's candidates alike, so
+`kept` counts only eligible kept positions there.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from .ab import kept_mask
+from .metrics import SinkRule
+from .trace import AttentionTrace
+
+COLUMNS = ["layer", "head", "kv_head", "sinks", "kept", "eligible", "coverage", "oracle", "chance"]
+
+
+def attention_coverage(trace: AttentionTrace, kept, *, sinks: SinkRule = SinkRule()) -> pd.DataFrame:
+    """Coverage of the generation's prompt attention by a policy's kept positions, against oracle and chance.
+
+    trace: a full-cache AttentionTrace of a prompt and its generation (`capture`), with >= 1 generated row.
+    kept: a GenerationResult of the same prompt (`generate(..., policy=...)`), or its `kept_indices`: one
+        (batch, kv_heads or heads, k) long tensor per layer of `trace.layers`, in that order. Batch row 0
+        is used. Rows of head-wise budgets are padded with -1 and positions >= trace.prompt_len (generated
+        positions held after eviction while decoding) are not prompt: both are ignored. With kv_heads rows,
+        query head h uses row h // (heads // kv_heads); with heads rows, its own.
+        A GenerationResult's prompt must equal the trace's; plain kept_indices cannot be checked, so kept
+        positions of a longer prompt that fall at or past trace.prompt_len would be silently dropped
+        (in query-agnostic mode the kept positions are the context's: the question's count as not kept).
+    sinks: the SinkRule of the "excluded" rows.
+    Returns a DataFrame with COLUMNS, rows ordered by layer, head, sinks ("kept", then "excluded"). A head
+    whose generated rows see no eligible prompt position (a sliding-window layer) gets NaN coverage and
+    oracle; no eligible position at all, NaN chance.
+    Memory: per layer the (heads, generated, prompt) attention block, recomputed blockwise by the trace.
+    """
+    kept_indices, batch_rows = _kept_indices(trace, kept)
+    if trace.n_generated < 1:
+        raise ValueError(f"the trace has no generated rows (prompt_len {trace.prompt_len} = n_tokens): "
+                         "capture it with max_new_tokens >= 1")
+    if len(kept_indices) != trace.n_layers:
+        raise ValueError(f"kept has {len(kept_indices)} layers but the trace records {trace.n_layers} "
+                         f"(layers {trace.layers}); pass [kept[layer] for layer in trace.layers] for a partial trace")
+    for layer, rows in zip(trace.layers, kept_indices):
+        if (rows.ndim != 3 or rows.shape[0] != batch_rows or rows.shape[1] != kept_indices[0].shape[1]
+                or rows.shape[1] not in (trace.n_kv_heads, trace.n_heads)):
+            raise ValueError(f"kept[{layer}] has shape {tuple(rows.shape)}; expected ({batch_rows}, "
+                             f"{trace.n_kv_heads} or {trace.n_heads}, k) like every layer's")
+        if rows.is_floating_point():
+            raise TypeError(f"kept[{layer}] must hold integer positions, got {rows.dtype}")
+    n_prompt, heads = trace.prompt_len, trace.n_heads
+    selected_all = kept_mask(kept_indices, n_prompt)  # (layers, rows, prompt) bool, batch row 0
+    out = []
+    for entry, layer in enumerate(trace.layers):
+        selected = selected_all[entry]
+        group = heads // selected.shape[0]  # 1 when there is one row per query head
+        kv_head = torch.arange(heads) // (heads // trace.n_kv_heads)
+        selected = selected[torch.arange(heads) // group]  # (heads, prompt): each query head's kept set
+        # (heads, generated, prompt): the rows are normalised over all keys they see, prompt and generated.
+        attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt).cpu()
+        sink = sinks.mask(attn)  # (heads, prompt)
+        for label, eligible in (("kept", torch.ones_like(sink)), ("excluded", ~sink)):
+            parts = _coverage(attn, selected & eligible, eligible)
+            for h in range(heads):
+                out.append(dict(layer=layer, head=h, kv_head=int(kv_head[h]), sinks=label,
+                                **{name: value[h].item() for name, value in parts.items()}))
+    return pd.DataFrame(out, columns=COLUMNS)
+
+
+def _coverage(attn: torch.Tensor, selected: torch.Tensor, eligible: torch.Tensor) -> dict[str, torch.Tensor]:
+    """attn (heads, rows, prompt); selected, eligible (heads, prompt) bool, selected within eligible.
+    Returns kept, eligible, coverage, oracle, chance, each (heads,)."""
+    masked = attn * eligible[:, None]
+    mass = masked.sum(-1, keepdim=True)  # (heads, rows, 1): each row's eligible prompt mass
+    seen = (mass > 0).squeeze(-1)  # rows that see no eligible prompt position do not vote (sliding windows)
+    share = masked / mass.clamp(min=torch.finfo(attn.dtype).tiny)  # (heads, rows, prompt), rows sum to 1 or 0
+    n_rows = seen.sum(-1).float()  # (heads,)
+    defined = n_rows > 0
+    k = selected.sum(-1)  # (heads,)
+    n_eligible = eligible.sum(-1)
+    coverage = (share * selected[:, None]).sum(dim=(1, 2)) / n_rows
+    # The oracle ranks eligible positions by their summed share; its coverage is the sum of the top k.
+    column = share.sum(1).masked_fill(~eligible, float("-inf"))  # (heads, prompt)
+    best = column.sort(dim=-1, descending=True).values.clamp(min=0).cumsum(-1)  # -inf -> 0: never past k anyway
+    best = torch.cat([torch.zeros_like(best[:, :1]), best], dim=-1)  # best[:, k]: the top k's sum, k = 0 included
+    oracle = best.gather(-1, k[:, None]).squeeze(-1) / n_rows
+    nan = torch.tensor(float("nan"))
+    return dict(kept=k, eligible=n_eligible,
+                coverage=torch.where(defined, coverage, nan), oracle=torch.where(defined, oracle, nan),
+                chance=torch.where(n_eligible > 0, k / n_eligible.clamp(min=1), nan))
+
+
+def _kept_indices(trace: AttentionTrace, kept) -> tuple[list[torch.Tensor], int]:
+    """kept_indices and their batch size, from a GenerationResult (its prompt checked) or the list itself."""
+    prompt_ids = getattr(kept, "prompt_ids", None)
+    kept_indices = list(getattr(kept, "kept_indices", kept))
+    if not kept_indices or not all(isinstance(rows, torch.Tensor) for rows in kept_indices):
+        raise TypeError("kept must be a GenerationResult or its kept_indices: a non-empty list of tensors, one per layer")
+    batch_rows = kept_indices[0].shape[0] if kept_indices[0].ndim else 0
+    if batch_rows < 1:
+        raise ValueError(f"kept[0] has shape {tuple(kept_indices[0].shape)}: no batch row to read")
+    if prompt_ids is not None:
+        prompt_ids = torch.as_tensor(prompt_ids).cpu()
+        if prompt_ids.ndim != 2 or prompt_ids.shape[0] != batch_rows:
+            raise ValueError(f"the result's prompt_ids {tuple(prompt_ids.shape)} and kept_indices "
+                             f"({batch_rows} batch rows) disagree")
+        ours = trace.token_ids[: trace.prompt_len].cpu()
+        if prompt_ids.shape[1] != trace.prompt_len or not torch.equal(prompt_ids[0], ours.to(prompt_ids.dtype)):
+            raise ValueError(f"the result's prompt ({prompt_ids.shape[1]} tokens, batch row 0) is not the trace's "
+                             f"({trace.prompt_len} tokens): its kept positions index another sequence")
+    return kept_indices, batch_rows
