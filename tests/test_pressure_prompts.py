@@ -212,3 +212,12 @@ def test_run_findings_refuses_prompts_longer_than_the_model(smollm_tokenizer, tm
     with pytest.raises(ValueError, match="prompt chat-dev-0 with 512 new tokens needs .* at most 1024"):
         run_findings(model, smollm_tokenizer, data_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompt_recipes.json"]
+
+
+def test_ruler_and_strict_grades():
+    from snapkv_lab.pressure import found, found_exactly
+
+    assert found("9935848", "99358488888888") and not found_exactly("9935848", "99358488888888")
+    assert found_exactly("9935848", "The number is 9935848.") and found_exactly("9935848", "9935848")
+    assert not found_exactly("9935848", "19935848 is it") and not found("9935848", "993584")
+    assert found_exactly("a1b2-c3", "code: a1b2-c3!") and not found_exactly("a1b2-c3", "code: a1b2-c3x")

@@ -13,7 +13,7 @@ Results are tidy tables (one row per question x policy x budget x mode) in data/
 
 from .grid import accuracy_table, draw, recompute
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
-from .tasks import Context, Query, lines_context, needle_context
+from .tasks import Context, Query, found, found_exactly, lines_context, needle_context
 
-__all__ = ["CAPACITIES", "DEFAULT_POLICIES", "MODES", "Context", "Query", "accuracy_table", "draw", "lines_context",
+__all__ = ["CAPACITIES", "DEFAULT_POLICIES", "MODES", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
            "needle_context", "recompute", "run_retrieval"]

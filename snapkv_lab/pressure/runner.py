@@ -18,7 +18,7 @@ from ..compression import SharedPrefill, applied, cache_lengths, decode_text, fo
 from ..compression.compressor import CompressionState
 from ..inputs import check_context_length, eos_ids
 from ..policies import H2O, FullCache, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
-from .tasks import Context
+from .tasks import Context, found, found_exactly
 
 DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKeep())
 CAPACITIES = (256, 512, 1024, 2048)
@@ -38,7 +38,8 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
     """Answer every query of every context with the full cache and each policy x capacity x mode.
 
     Returns a tidy table: one row per (context, query, policy, capacity, mode), with the answer text,
-    correctness (the expected value appears in the answer), the fraction of the fact's and of the value's
+    correctness as RULER grades it (`correct`: the expected value appears in the answer) and strictly
+    (`exact`: it appears as a whole token, not inside a longer number), the fraction of the fact's and of the value's
     tokens kept (mean over layers and KV heads), the cache length and the decode time. `policy` is the
     policy's scorer_label: its name, with any non-default setting, so two configurations never share rows.
     on_context(rows_so_far) is called after each context (to save partial results).
@@ -71,7 +72,8 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
                 text = decode_text(tokenizer, tokens, eos)[0]
                 rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
                                  policy=policy.scorer_label, capacity=pd.NA if mode == "full" else policy.capacity,
-                                 mode=mode, expected=query.answer, output=text, correct=query.answer in text,
+                                 mode=mode, expected=query.answer, output=text, correct=found(query.answer, text),
+                                 exact=found_exactly(query.answer, text),
                                  fact_kept=kept_fraction(state, query.span) if compressed else 1.0,
                                  value_kept=kept_fraction(state, query.value_span) if compressed else 1.0,
                                  cache_length=length, prompt_tokens=n, prefill_s=shared.seconds,

@@ -7,6 +7,7 @@ about it; each knows the token spans of its fact and of the answer's value, to m
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 from ..chat import chat_frame
@@ -123,3 +124,14 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0)
                              dict(key=key, depth=start / (len(head) + len(body)), depth_position=start)))
     return Context(head + body, queries, dict(task="lines", length=n_tokens, lines=len(facts), sample=sample))
 
+
+
+def found(expected: str, answer: str) -> bool:
+    """RULER's grade: the expected string appears anywhere in the answer (so 99358488888 finds 9935848)."""
+    return expected in answer
+
+
+def found_exactly(expected: str, answer: str) -> bool:
+    """The strict grade: the expected value appears as a whole token, not inside a longer number or word
+    (99358488888 does not find 9935848; "is 9935848." does)."""
+    return re.search(rf"(?<![\w-]){re.escape(expected)}(?![\w-])", answer) is not None
