@@ -221,3 +221,36 @@ def test_ruler_and_strict_grades():
     assert found_exactly("9935848", "The number is 9935848.") and found_exactly("9935848", "9935848")
     assert not found_exactly("9935848", "19935848 is it") and not found("9935848", "993584")
     assert found_exactly("a1b2-c3", "code: a1b2-c3!") and not found_exactly("a1b2-c3", "code: a1b2-c3x")
+
+
+@pytest.mark.parametrize("task", ["single", "multikey", "multivalue", "multiquery"])
+@pytest.mark.parametrize("kind", ["number", "word", "uuid"])
+def test_ruler_contexts_hold_their_needles(task, kind, case):
+    from snapkv_lab.pressure import ruler_context
+
+    tokenizer = case[0]
+    ctx = ruler_context(tokenizer, 1200, task=task, value_kind=kind, needles=3, sample=1)
+    longest = max(len(q.question_ids) for q in ctx.queries)
+    assert len(ctx.context_ids) + longest <= 1200
+    assert len(ctx.queries) == (3 if task == "multiquery" else 1)
+    text = tokenizer.decode(ctx.context_ids)
+    needles = text.count("One of the special magic")
+    assert needles == (1 if task == "single" else 3)
+    for query in ctx.queries:
+        values = query.answer if isinstance(query.answer, list) else [query.answer]
+        assert len(values) == (3 if task == "multivalue" else 1)
+        assert all(text.count(value) == 1 for value in values)  # each value stated once, by its own needle
+        assert_minimal_span(tokenizer, ctx.context_ids, query.value_span, values[0])
+        assert query.meta["key"] in tokenizer.decode(query.question_ids)
+        start, end = query.span
+        assert tokenizer.decode(ctx.context_ids[start:end]).strip().startswith("One of the special magic")
+    if task in ("multikey", "multiquery"):
+        assert len({q.meta["key"] for q in ctx.queries}) == len(ctx.queries)
+        assert text.count(ctx.queries[0].meta["key"]) == 1  # the distractors have other keys
+
+
+def test_ruler_grading_wants_every_value():
+    from snapkv_lab.pressure import found, found_exactly
+
+    assert found(["cat", "dog"], "a dog and a cat") and not found(["cat", "dog"], "a cat")
+    assert not found_exactly(["cat", "dog"], "a cats and dogs") and found_exactly(["cat", "dog"], "cat, dog.")

@@ -1,6 +1,7 @@
 """Pressure tests on real text: needle in a haystack, and LongEval-Lines-style key/value retrieval.
 
-    tasks.py    the contexts and questions (chat-templated, with the token spans of each fact and value)
+    tasks.py    the contexts and questions (chat-templated, with the token spans of each fact and value), grading
+    ruler.py    RULER-style variants: multi-key, multi-value, multi-query; number, word and uuid values
     runner.py   run_retrieval: every question x policy x budget x mode from one prefill per context
     grid.py     the needle grid and lines ablation as the `pressure` figure set (`snapkv-lab needle`)
 
@@ -12,8 +13,9 @@ Results are tidy tables (one row per question x policy x budget x mode) in data/
 """
 
 from .grid import accuracy_table, draw, recompute
+from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import Context, Query, found, found_exactly, lines_context, needle_context
 
-__all__ = ["CAPACITIES", "DEFAULT_POLICIES", "MODES", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
+__all__ = ["CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
            "needle_context", "recompute", "run_retrieval"]

@@ -32,7 +32,7 @@ class Query:
     of the fact in the context and `value_span` that of every token overlapping the answer's characters."""
 
     question_ids: list[int]
-    answer: str
+    answer: str | list[str]  # several values expected (RULER's multivalue): all of them
     span: tuple[int, int]
     value_span: tuple[int, int]
     meta: dict = field(default_factory=dict)
@@ -68,6 +68,13 @@ def _question(tokenizer, question: str, tail: str, answer: str, key: str) -> lis
     return encode(tokenizer, question.format(key=key) + tail + answer.format(key=key))
 
 
+def sentence_start(tokenizer, hay: list[int], at: int) -> int:
+    """The haystack index at or before `at` right after a sentence end, so that a needle is a sentence of its own."""
+    while 0 < at < len(hay) and "." not in tokenizer.decode(hay[at - 1: at]):
+        at -= 1
+    return at
+
+
 def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> Context:
     """A haystack of Paul Graham essays of n_tokens in all (question included), with one 7-digit needle
     placed at `depth` (0 = first sentence, 1 = last), after a sentence end."""
@@ -82,9 +89,7 @@ def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> C
         raise ValueError(f"a needle context of {n_tokens} tokens leaves no room for a haystack: the chat template, "
                          f"needle and question alone take {n_tokens - room}")
     hay = haystack_ids(tokenizer, room, start=sample * 7)
-    at = round(depth * len(hay))
-    while 0 < at < len(hay) and "." not in tokenizer.decode(hay[at - 1: at]):
-        at -= 1  # back to the previous sentence end, so the needle is a sentence of its own
+    at = sentence_start(tokenizer, hay, round(depth * len(hay)))
     body = hay[:at] + needle + hay[at:]
     start = len(head) + at
     query = Query(question, value, (start, start + len(needle)), (start + value_at[0], start + value_at[1]),
@@ -126,12 +131,17 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0)
 
 
 
-def found(expected: str, answer: str) -> bool:
-    """RULER's grade: the expected string appears anywhere in the answer (so 99358488888 finds 9935848)."""
-    return expected in answer
+def found(expected: str | list[str], answer: str) -> bool:
+    """RULER's grade: the expected string (each of them, for a list) appears anywhere in the answer (so
+    99358488888 finds 9935848)."""
+    return all(value in answer for value in _listed(expected))
 
 
-def found_exactly(expected: str, answer: str) -> bool:
-    """The strict grade: the expected value appears as a whole token, not inside a longer number or word
-    (99358488888 does not find 9935848; "is 9935848." does)."""
-    return re.search(rf"(?<![\w-]){re.escape(expected)}(?![\w-])", answer) is not None
+def found_exactly(expected: str | list[str], answer: str) -> bool:
+    """The strict grade: the expected value (each of them) appears as a whole token, not inside a longer
+    number or word (99358488888 does not find 9935848; "is 9935848." does)."""
+    return all(re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", answer) is not None for value in _listed(expected))
+
+
+def _listed(expected: str | list[str]) -> list[str]:
+    return [expected] if isinstance(expected, str) else list(expected)
