@@ -45,7 +45,8 @@ def needle(args) -> int:
 
     start = time.perf_counter()
     recompute(dict(data_dir=args.data_dir, model=args.model, samples=args.samples, first_sample=args.first_sample,
-                   lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths))
+                   lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths,
+                   suites=args.suites))
     for path in make_figures(args.data_dir, args.figures_dir, only=["pressure"]):
         print(path)
     print(f"done in {time.perf_counter() - start:.0f} s")
@@ -81,7 +82,9 @@ def _needle_arguments(p) -> None:
     p.add_argument("--lengths", type=int, nargs="*", default=None, help="prompt lengths in tokens (default 2000 4000 7500)")
     p.add_argument("--depths", type=float, nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
     p.add_argument("--lines-lengths", type=int, nargs="*", default=None, help="lines-task record lengths (default 2000)")
-    p.add_argument("--skip-lines", action="store_true", help="run the needle grid only")
+    p.add_argument("--skip-lines", action="store_true", help="leave the lines task out")
+    p.add_argument("--suites", nargs="*", choices=("needle", "lines", "ruler"), default=None,
+                   help="which pressure tests to run (default all: the needle grid, the lines task, the RULER-style suite)")
 
 
 COMMANDS: dict[str, Command] = {
@@ -89,6 +92,6 @@ COMMANDS: dict[str, Command] = {
                        _no_arguments, convert),
     "figures": Command("Regenerate every figure into figures/ from the tables in data/ (--recompute reruns the model first).",
                        _figures_arguments, figures),
-    "needle": Command("Run the pressure tests (needle in a haystack, lines retrieval) for every policy and budget, then draw them.",
+    "needle": Command("Run the pressure tests (needle grid, lines retrieval, RULER-style needles) for every policy and budget, then draw them.",
                       _needle_arguments, needle),
 }

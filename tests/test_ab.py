@@ -162,3 +162,28 @@ def test_window_longer_than_the_question_spans_the_context(byte_tokenizer):
         assert row.output.item() == one_chunk.text, policy.label
         assert row.fact_kept.item() == pytest.approx(sum(float(((k[0] >= 40) & (k[0] < 50)).sum()) for k in one_chunk.kept_indices)
                                                      / (2 * 2 * 10))
+
+
+def test_ruler_table_and_figure_from_a_run(tmp_path, byte_tokenizer):
+    """A RULER-style table from a real (tiny) run: one row per query x policy x mode, both grades, the tasks the
+    full cache fails marked, and the figure drawn from it."""
+    from snapkv_lab.figures import load_figure_sets
+    from snapkv_lab.pressure import ruler_table
+
+    model = tiny()
+    g = torch.Generator().manual_seed(15)
+    contexts = []
+    for task, answer in (("multikey", "7"), ("multivalue", ["7", "8"])):
+        contexts.append(Context(torch.randint(2, 256, (80,), generator=g).tolist(),
+                                [Query(torch.randint(2, 256, (8,), generator=g).tolist(), answer, (40, 50), (45, 47))],
+                                dict(task=task, value_kind="number", needles=2, length=88, sample=0)))
+    table = run_retrieval(model, byte_tokenizer, contexts, policies=[SnapKV(window_size=8)], capacities=(40,),
+                          max_new_tokens=4, progress=False)
+    assert len(table) == 2 * 3 and {"correct", "exact"} <= set(table.columns)
+    summary = ruler_table(table)
+    assert list(summary.index) == [("multikey", "number"), ("multivalue", "number")]
+    full = table[table["mode"] == "full"].set_index("task").correct
+    assert summary.full_cache_fails.tolist() == [not full["multikey"], not full["multivalue"]]
+    table.to_csv(tmp_path / "pressure_ruler.csv", index=False)
+    written = load_figure_sets()["pressure"].draw(tmp_path, tmp_path)
+    assert {p.name for p in written} == {"pressure_ruler.png", "pressure_ruler.html"}

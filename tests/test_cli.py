@@ -71,7 +71,8 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
     assert calls.pop() == ("draw", (str(tmp_path), "figures"), dict(
         recompute=True, only=["findings"], options=dict(model=None, samples=1, obs_window=None, prompt_window=None,
                                                         gen_window=None, split="heldout")))
-    assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines"]) == 0
+    assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines",
+                 "--suites", "needle", "ruler"]) == 0
     assert calls == [("needle", dict(data_dir="data", model="some/model", samples=None, first_sample=0, lengths=[1000],
-                                     depths=[0.5], skip_lines=True, lines_lengths=None)),
+                                     depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"])),
                      ("draw", ("data", "figures"), dict(only=["pressure"]))]

@@ -7,7 +7,8 @@ from pathlib import Path
 import pandas as pd
 
 from ..figures import FigureSet, register, write_html
-from ..policies import SnapKV, SnapKVNoPooling
+from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA
+from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import MODES, run_retrieval
 from .tasks import lines_context, needle_context
 
@@ -17,27 +18,50 @@ NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
 LINES_SAMPLES = 1
 
 
+SUITES = ("needle", "lines", "ruler")
+RULER_LENGTH = 4000
+RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
+RULER_CAPACITY = 1024  # 25% of the RULER contexts
+
+
 def recompute(options: dict) -> None:
-    """Run the needle grid and the lines ablation, writing data/pressure_needle.csv and data/pressure_lines.csv."""
+    """Run the suites in options["suites"] (default all): the needle grid, the lines ablation and the RULER-style
+    variants, writing data/pressure_needle.csv, data/pressure_lines.csv and data/pressure_ruler.csv."""
     from ..models import load_model
 
     data_dir = Path(options.get("data_dir", "data"))
     data_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(options.get("model"))
-    lengths = options.get("lengths") or NEEDLE_LENGTHS
-    depths = options.get("depths") or NEEDLE_DEPTHS
-    # Samples differ in needle (key, value) and haystack start; first_sample lets a long grid run in pieces.
+    suites = set(options.get("suites") or SUITES) - ({"lines"} if options.get("skip_lines") else set())
+    # Samples differ in needles (keys, values) and haystack start; first_sample lets a long grid run in pieces.
     first = options.get("first_sample") or 0
-    samples = range(first, first + (options.get("samples") or NEEDLE_SAMPLES))
-    contexts = [needle_context(tokenizer, n, d, s) for n in lengths for d in depths for s in samples]
     save = lambda name: (lambda table: table.to_csv(data_dir / name, index=False))  # noqa: E731
-    save("pressure_needle.csv")(run_retrieval(model, tokenizer, contexts, on_context=save("pressure_needle.csv")))
-    if not options.get("skip_lines"):
+    if "needle" in suites:
+        samples = range(first, first + (options.get("samples") or NEEDLE_SAMPLES))
+        contexts = [needle_context(tokenizer, n, d, s) for n in options.get("lengths") or NEEDLE_LENGTHS
+                    for d in options.get("depths") or NEEDLE_DEPTHS for s in samples]
+        save("pressure_needle.csv")(run_retrieval(model, tokenizer, contexts, on_context=save("pressure_needle.csv")))
+    if "lines" in suites:
         lines = [lines_context(tokenizer, n, n_queries=options.get("line_queries") or 8, sample=s)
                  for n in options.get("lines_lengths") or (2000,) for s in range(first, first + LINES_SAMPLES)]
         table = run_retrieval(model, tokenizer, lines, policies=(SnapKV(), SnapKVNoPooling()),
                               capacities=(256, 512, 1024), modes=("query-aware",), on_context=save("pressure_lines.csv"))
         save("pressure_lines.csv")(table)
+    if "ruler" in suites:
+        samples = range(first, first + (options.get("samples") or 1))
+        contexts = [ruler_context(tokenizer, RULER_LENGTH, task, kind, sample=s) for task in TASKS for kind in VALUE_KINDS
+                    for s in samples]
+        save("pressure_ruler.csv")(run_retrieval(model, tokenizer, contexts, policies=RULER_POLICIES,
+                                                 capacities=(RULER_CAPACITY,), on_context=save("pressure_ruler.csv")))
+
+
+def ruler_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy (RULER's substring grade and the strict one) per task and value kind (rows) for the full cache
+    and each policy and mode (columns); `full_cache_fails` marks the tasks the uncompressed model already fails."""
+    table = table.assign(run=table.policy.where(table["mode"] == "full", table.policy + " " + table["mode"]))
+    grades = table.pivot_table(index=["task", "value_kind"], columns="run", values=["correct", "exact"], aggfunc="mean")
+    full = table[table["mode"] == "full"].groupby(["task", "value_kind"]).correct.mean()
+    return grades.assign(full_cache_fails=full.reindex(grades.index) < 1)
 
 
 def accuracy_table(table: pd.DataFrame) -> pd.DataFrame:
@@ -103,6 +127,27 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
         png = figures_dir / "pressure_needle_budget.png"
         _budget_png(summary, full, png)
         written += [png, html]
+    ruler_path = data_dir / "pressure_ruler.csv"
+    if ruler_path.exists():
+        ruler = pd.read_csv(ruler_path)
+        ruler["run"] = ruler.policy.where(ruler["mode"] == "full", ruler.policy + " " + ruler["mode"])
+        grades = ruler.melt(id_vars=["task", "value_kind", "run"], value_vars=["correct", "exact"], var_name="grade",
+                            value_name="accuracy").groupby(["task", "value_kind", "run", "grade"], as_index=False).accuracy.mean()
+        fig = px.bar(grades, x="run", y="accuracy", color="grade", barmode="group", facet_row="task", facet_col="value_kind",
+                     title=f"RULER-style needles, {RULER_LENGTH} tokens, budget {RULER_CAPACITY} (correct: RULER's substring "
+                           "grade; exact: the value as a whole token)", height=900)
+        written += [write_html(fig, figures_dir / "pressure_ruler.html")]
+        png = figures_dir / "pressure_ruler.png"
+        cells = grades[grades.grade == "correct"].pivot_table(index=["task", "value_kind"], columns="run", values="accuracy")
+        fig, ax = plt.subplots(figsize=(1.1 * len(cells.columns) + 3, 0.45 * len(cells) + 1.5))
+        ax.imshow(cells.values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(cells.columns)), cells.columns, rotation=45, ha="right", fontsize=8)
+        ax.set_yticks(range(len(cells.index)), [f"{t} / {k}" for t, k in cells.index], fontsize=8)
+        ax.set_title("RULER-style needles: accuracy (green = found)", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        written.append(png)
     lines_path = data_dir / "pressure_lines.csv"
     if lines_path.exists():
         lines = pd.read_csv(lines_path)
