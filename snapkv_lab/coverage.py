@@ -123,3 +123,77 @@ def _kept_indices(trace: AttentionTrace, kept) -> tuple[list[torch.Tensor], int]
             raise ValueError(f"the result's prompt ({prompt_ids.shape[1]} tokens, batch row 0) is not the trace's "
                              f"({trace.prompt_len} tokens): its kept positions index another sequence")
     return kept_indices, batch_rows
+
+
+def span_attention(trace: AttentionTrace, span: tuple[int, int], kept=None, *,
+                   sinks: SinkRule = SinkRule()) -> pd.DataFrame:
+    """How much of the generation's prompt attention lands on a span of the prompt (e.g. the needle's value),
+    and, given a policy's kept positions, how much of that the kept ones hold.
+
+    span: [start, end) prompt positions. kept: None, a GenerationResult of the same prompt or its kept_indices
+    (as in attention_coverage). Attention is renormalised per generated row over the eligible prompt positions
+    (sinks of `sinks` excluded, as attention_coverage's "excluded" rows).
+    Returns one row per (layer, head): layer, head, kv_head, span_share (mean over generated rows of the
+    span's share), and with kept: span_kept_share (the share on kept span positions, <= span_share) and
+    span_kept (the fraction of the span's positions the head kept).
+    """
+    start, end = span
+    if not 0 <= start < end <= trace.prompt_len:
+        raise ValueError(f"span {span} is not a non-empty range of the {trace.prompt_len}-token prompt")
+    if trace.n_generated < 1:
+        raise ValueError("the trace has no generated rows: capture it with max_new_tokens >= 1")
+    selected_all = None
+    if kept is not None:
+        kept_indices, _ = _kept_indices(trace, kept)
+        if len(kept_indices) != trace.n_layers:
+            raise ValueError(f"kept has {len(kept_indices)} layers but the trace records {trace.n_layers}")
+        selected_all = kept_mask(kept_indices, trace.prompt_len)
+    heads = trace.n_heads
+    kv_head = torch.arange(heads) // (heads // trace.n_kv_heads)
+    out = []
+    for entry, layer in enumerate(trace.layers):
+        attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt).cpu()
+        eligible = ~sinks.mask(attn)  # (heads, prompt)
+        masked = attn * eligible[:, None]
+        share = masked / masked.sum(-1, keepdim=True).clamp(min=torch.finfo(attn.dtype).tiny)
+        in_span = torch.zeros(trace.prompt_len, dtype=torch.bool)
+        in_span[start:end] = True
+        span_share = share[..., in_span].sum(-1).mean(-1)  # (heads,)
+        columns = dict(span_share=span_share)
+        if selected_all is not None:
+            selected = selected_all[entry]
+            selected = selected[torch.arange(heads) // (heads // selected.shape[0])]  # (heads, prompt)
+            columns["span_kept_share"] = (share * (selected & in_span)[:, None]).sum(-1).mean(-1)
+            columns["span_kept"] = selected[:, start:end].float().mean(-1)
+        for h in range(heads):
+            out.append(dict(layer=layer, head=h, kv_head=int(kv_head[h]),
+                            **{name: value[h].item() for name, value in columns.items()}))
+    return pd.DataFrame(out)
+
+
+def coverage_summary(table: pd.DataFrame, *, sinks: str = "excluded", by: str = "policy") -> pd.DataFrame:
+    """Mean coverage, oracle and chance per `by` (e.g. policy) over layers and heads, for one sinks variant,
+    with coverage_of_oracle = coverage / oracle (the means' ratio). NaN heads (no eligible rows) are skipped."""
+    rows = table[table["sinks"] == sinks]
+    if rows.empty:
+        raise ValueError(f"the table has no rows with sinks == {sinks!r}")
+    summary = rows.groupby(by, sort=False)[["coverage", "oracle", "chance"]].mean()
+    summary["coverage_of_oracle"] = summary["coverage"] / summary["oracle"]
+    return summary
+
+
+def layer_spread(table: pd.DataFrame, *, sinks: str = "excluded", by: str = "policy") -> pd.DataFrame:
+    """Where the policies part ways: per layer, each `by` group's mean coverage over heads (one column each),
+    spread (max - min over the groups), highest and lowest (the groups with the largest and the smallest
+    coverage in the layer); rows sorted by spread, largest first."""
+    rows = table[table["sinks"] == sinks]
+    if rows.empty:
+        raise ValueError(f"the table has no rows with sinks == {sinks!r}")
+    means = rows.groupby(["layer", by], sort=False)["coverage"].mean().unstack(by)
+    if means.shape[1] < 2:
+        raise ValueError(f"layer_spread needs at least two {by} groups, got {list(means.columns)}")
+    means["spread"] = means.max(axis=1) - means.min(axis=1)
+    groups = means.columns.drop("spread")
+    means["highest"] = means[groups].idxmax(axis=1)
+    means["lowest"] = means[groups].idxmin(axis=1)
+    return means.sort_values("spread", ascending=False, kind="stable")

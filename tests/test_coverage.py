@@ -203,3 +203,58 @@ def test_coverage_figure_draws_one_line_set_per_policy(tiny_runs):
     assert list(figure.data[3].y) == pytest.approx(kept.groupby("layer").coverage.mean().tolist())
     with pytest.raises(ValueError, match="no rows"):
         coverage_figure(table, sinks="both")
+
+
+def test_span_attention_against_a_loop(tiny_runs):
+    from snapkv_lab.coverage import span_attention
+
+    trace, runs = tiny_runs
+    run, span = runs["SnapKV"], (20, 35)
+    table = span_attention(trace, span, run)
+    assert len(table) == trace.n_layers * trace.n_heads
+    assert (table.span_kept_share <= table.span_share + 1e-6).all() and (table.span_share <= 1 + 1e-6).all()
+    sink_rule = SinkRule()
+    for row in table.itertuples():
+        attn = trace.attention(row.layer, heads=row.head, queries=trace.generated, keys=trace.prompt)[0]
+        sinks = (attn >= sink_rule.share).all(0)
+        sinks[: sink_rule.first] = True
+        share = attn * ~sinks
+        share = share / share.sum(-1, keepdim=True)
+        kept = {p for p in run.kept_indices[trace.layers.index(row.layer)][0, row.kv_head].tolist()}
+        in_kept = torch.tensor([p in kept for p in range(trace.prompt_len)])
+        assert row.span_share == pytest.approx(share[:, span[0]:span[1]].sum(-1).mean().item(), abs=1e-5)
+        assert row.span_kept_share == pytest.approx(
+            (share * in_kept)[:, span[0]:span[1]].sum(-1).mean().item(), abs=1e-5)
+        assert row.span_kept == pytest.approx(in_kept[span[0]:span[1]].float().mean().item())
+    full = span_attention(trace, span, runs["FullCache"])
+    assert full.span_kept_share.to_numpy() == pytest.approx(full.span_share.to_numpy(), abs=1e-5)
+    assert (full.span_kept == 1).all()
+    assert "span_kept" not in span_attention(trace, span).columns
+    with pytest.raises(ValueError, match="span"):
+        span_attention(trace, (5, 5))
+
+
+def test_coverage_summary_and_layer_spread(tiny_runs):
+    import pandas as pd
+
+    from snapkv_lab.coverage import coverage_summary, layer_spread
+
+    trace, runs = tiny_runs
+    table = pd.concat([attention_coverage(trace, runs[n]).assign(policy=n) for n in ("SnapKV", "AdaKV", "FullCache")])
+    summary = coverage_summary(table)
+    assert list(summary.index) == ["SnapKV", "AdaKV", "FullCache"]
+    assert summary.loc["FullCache", "coverage"] == pytest.approx(1.0, abs=1e-5)
+    excluded = table[(table.sinks == "excluded") & (table.policy == "SnapKV")]
+    assert summary.loc["SnapKV", "coverage"] == pytest.approx(excluded.coverage.mean())
+    assert summary.loc["SnapKV", "coverage_of_oracle"] == pytest.approx(excluded.coverage.mean() / excluded.oracle.mean())
+    spread = layer_spread(table)
+    assert sorted(spread.index) == sorted(trace.layers)
+    assert spread.spread.is_monotonic_decreasing
+    assert (spread.highest == "FullCache").all()  # coverage 1 everywhere: nothing beats the full cache
+    layer = spread.index[0]
+    means = excluded[excluded.layer == layer].coverage.mean()
+    assert spread.loc[layer, "SnapKV"] == pytest.approx(means)
+    assert spread.loc[layer, "spread"] == pytest.approx(spread.loc[layer, ["SnapKV", "AdaKV", "FullCache"]].max()
+                                                        - spread.loc[layer, ["SnapKV", "AdaKV", "FullCache"]].min())
+    with pytest.raises(ValueError, match="two"):
+        layer_spread(table[table.policy == "SnapKV"])
