@@ -187,3 +187,18 @@ def test_ruler_table_and_figure_from_a_run(tmp_path, byte_tokenizer):
     table.to_csv(tmp_path / "pressure_ruler.csv", index=False)
     written = load_figure_sets()["pressure"].draw(tmp_path, tmp_path)
     assert {p.name for p in written} == {"pressure_ruler.png", "pressure_ruler.html"}
+
+
+def test_wilson_intervals():
+    from snapkv_lab.pressure import accuracy_intervals, wilson
+
+    low, high = wilson(0, 5)
+    assert low == pytest.approx(0, abs=1e-12) and high == pytest.approx(3.8415 / 5 / (1 + 3.8415 / 5), abs=1e-3)  # 0.434
+    low, high = wilson(5, 5)
+    assert high == pytest.approx(1) and low == pytest.approx(1 - 0.4345, abs=1e-3)
+    low, high = wilson(7, 15)
+    assert low < 7 / 15 < high and (low, high) == pytest.approx((0.248, 0.699), abs=2e-3)
+    table = pd.DataFrame(dict(policy=["A"] * 4 + ["B"] * 2, mode="m", correct=[1, 1, 0, 1, 0, 0], exact=[1, 0, 0, 1, 0, 0]))
+    intervals = accuracy_intervals(table).set_index("policy")
+    assert intervals.loc["A", ["asked", "correct", "exact"]].tolist() == [4, 3, 2]
+    assert intervals.loc["B", "correct_high"] == pytest.approx(wilson(0, 2)[1])

@@ -12,10 +12,10 @@ The full cache is the same in both modes. The prefill logits are the full cache'
 Results are tidy tables (one row per question x policy x budget x mode) in data/pressure_*.csv.
 """
 
-from .grid import accuracy_table, draw, recompute, ruler_table
+from .grid import accuracy_intervals, accuracy_table, draw, recompute, ruler_table, wilson
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import Context, Query, found, found_exactly, lines_context, needle_context
 
 __all__ = ["CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
-           "needle_context", "recompute", "ruler_table", "run_retrieval"]
+           "needle_context", "recompute", "ruler_table", "run_retrieval", "accuracy_intervals", "wilson"]

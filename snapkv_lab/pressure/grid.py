@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +19,8 @@ NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
 LINES_SAMPLES = 1
 
 
-SUITES = ("needle", "lines", "ruler")
+SUITES = ("needle", "lines", "ruler", "windows")
+WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budget of the 4000-token needles
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
 RULER_CAPACITY = 1024  # 25% of the RULER contexts
@@ -47,12 +49,41 @@ def recompute(options: dict) -> None:
         table = run_retrieval(model, tokenizer, lines, policies=(SnapKV(), SnapKVNoPooling()),
                               capacities=(256, 512, 1024), modes=("query-aware",), on_context=save("pressure_lines.csv"))
         save("pressure_lines.csv")(table)
+    if "windows" in suites:
+        samples = range(first, first + (options.get("samples") or 1))
+        contexts = [needle_context(tokenizer, 4000, d, s) for d in NEEDLE_DEPTHS for s in samples]
+        save("pressure_windows.csv")(run_retrieval(model, tokenizer, contexts, policies=[SnapKV(window_size=w) for w in WINDOW_ABLATION],
+                                                   capacities=(1024,), on_context=save("pressure_windows.csv")))
     if "ruler" in suites:
         samples = range(first, first + (options.get("samples") or 1))
         contexts = [ruler_context(tokenizer, RULER_LENGTH, task, kind, sample=s) for task in TASKS for kind in VALUE_KINDS
                     for s in samples]
         save("pressure_ruler.csv")(run_retrieval(model, tokenizer, contexts, policies=RULER_POLICIES,
                                                  capacities=(RULER_CAPACITY,), on_context=save("pressure_ruler.csv")))
+
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (95% by default) of a proportion: (low, high); (nan, nan) without trials."""
+    if trials == 0:
+        return float("nan"), float("nan")
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return centre - half, centre + half
+
+
+def accuracy_intervals(table: pd.DataFrame, by=("policy", "mode")) -> pd.DataFrame:
+    """Found / asked per group with its Wilson interval, for both grades (correct: RULER's, exact: strict)."""
+    rows = []
+    for key, part in table.groupby(list(by), sort=False):
+        row = dict(zip(by, key if isinstance(key, tuple) else (key,)), asked=len(part))
+        for grade in ("correct", "exact"):
+            if grade in part:
+                found = int(part[grade].sum())
+                row[grade] = found
+                row[f"{grade}_low"], row[f"{grade}_high"] = wilson(found, len(part))
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def ruler_table(table: pd.DataFrame) -> pd.DataFrame:
