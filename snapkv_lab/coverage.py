@@ -48,28 +48,13 @@ def attention_coverage(trace: AttentionTrace, kept, *, sinks: SinkRule = SinkRul
     oracle; no eligible position at all, NaN chance.
     Memory: per layer the (heads, generated, prompt) attention block, recomputed blockwise by the trace.
     """
-    kept_indices, batch_rows = _kept_indices(trace, kept)
-    if trace.n_generated < 1:
-        raise ValueError(f"the trace has no generated rows (prompt_len {trace.prompt_len} = n_tokens): "
-                         "capture it with max_new_tokens >= 1")
-    if len(kept_indices) != trace.n_layers:
-        raise ValueError(f"kept has {len(kept_indices)} layers but the trace records {trace.n_layers} "
-                         f"(layers {trace.layers}); pass [kept[layer] for layer in trace.layers] for a partial trace")
-    for layer, rows in zip(trace.layers, kept_indices):
-        if (rows.ndim != 3 or rows.shape[0] != batch_rows or rows.shape[1] != kept_indices[0].shape[1]
-                or rows.shape[1] not in (trace.n_kv_heads, trace.n_heads)):
-            raise ValueError(f"kept[{layer}] has shape {tuple(rows.shape)}; expected ({batch_rows}, "
-                             f"{trace.n_kv_heads} or {trace.n_heads}, k) like every layer's")
-        if rows.is_floating_point():
-            raise TypeError(f"kept[{layer}] must hold integer positions, got {rows.dtype}")
-    n_prompt, heads = trace.prompt_len, trace.n_heads
-    selected_all = kept_mask(kept_indices, n_prompt)  # (layers, rows, prompt) bool, batch row 0
+    _require_generated(trace)
+    selected_all = _kept_masks(trace, kept)  # (layers, rows, prompt) bool, batch row 0
+    heads = trace.n_heads
+    kv_head = torch.arange(heads) // (heads // trace.n_kv_heads)
     out = []
     for entry, layer in enumerate(trace.layers):
-        selected = selected_all[entry]
-        group = heads // selected.shape[0]  # 1 when there is one row per query head
-        kv_head = torch.arange(heads) // (heads // trace.n_kv_heads)
-        selected = selected[torch.arange(heads) // group]  # (heads, prompt): each query head's kept set
+        selected = _per_query_head(selected_all[entry], heads)
         # (heads, generated, prompt): the rows are normalised over all keys they see, prompt and generated.
         attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt).cpu()
         sink = sinks.mask(attn)  # (heads, prompt)
@@ -84,11 +69,9 @@ def attention_coverage(trace: AttentionTrace, kept, *, sinks: SinkRule = SinkRul
 def _coverage(attn: torch.Tensor, selected: torch.Tensor, eligible: torch.Tensor) -> dict[str, torch.Tensor]:
     """attn (heads, rows, prompt); selected, eligible (heads, prompt) bool, selected within eligible.
     Returns kept, eligible, coverage, oracle, chance, each (heads,)."""
-    masked = attn * eligible[:, None]
-    mass = masked.sum(-1, keepdim=True)  # (heads, rows, 1): each row's eligible prompt mass
-    seen = (mass > 0).squeeze(-1)  # rows that see no eligible prompt position do not vote (sliding windows)
-    share = masked / mass.clamp(min=torch.finfo(attn.dtype).tiny)  # (heads, rows, prompt), rows sum to 1 or 0
-    n_rows = seen.sum(-1).float()  # (heads,)
+    share = _renormalised(attn, eligible)  # (heads, rows, prompt), rows sum to 1 or 0
+    # Rows that see no eligible prompt position do not vote (sliding windows).
+    n_rows = (share.sum(-1) > 0).sum(-1).float()  # (heads,)
     defined = n_rows > 0
     k = selected.sum(-1)  # (heads,)
     n_eligible = eligible.sum(-1)
@@ -102,6 +85,41 @@ def _coverage(attn: torch.Tensor, selected: torch.Tensor, eligible: torch.Tensor
     return dict(kept=k, eligible=n_eligible,
                 coverage=torch.where(defined, coverage, nan), oracle=torch.where(defined, oracle, nan),
                 chance=torch.where(n_eligible > 0, k / n_eligible.clamp(min=1), nan))
+
+
+def _require_generated(trace: AttentionTrace) -> None:
+    if trace.n_generated < 1:
+        raise ValueError(f"the trace has no generated rows (prompt_len {trace.prompt_len} = n_tokens): "
+                         "capture it with max_new_tokens >= 1")
+
+
+def _renormalised(attn: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """attn (heads, rows, prompt) renormalised per row over the eligible (heads, prompt) positions; a row
+    that sees none stays all zero."""
+    masked = attn * eligible[:, None]
+    return masked / masked.sum(-1, keepdim=True).clamp(min=torch.finfo(attn.dtype).tiny)
+
+
+def _per_query_head(selected: torch.Tensor, heads: int) -> torch.Tensor:
+    """(kv_heads or heads, prompt) kept sets -> (heads, prompt): each query head's (its KV head's) set."""
+    return selected[torch.arange(heads) // (heads // selected.shape[0])]
+
+
+def _kept_masks(trace: AttentionTrace, kept) -> torch.Tensor:
+    """(layers, kv_heads or heads, prompt) bool kept prompt positions of batch row 0, from a GenerationResult or
+    its kept_indices, checked against the trace (layers, shapes, the result's prompt)."""
+    kept_indices, batch_rows = _kept_indices(trace, kept)
+    if len(kept_indices) != trace.n_layers:
+        raise ValueError(f"kept has {len(kept_indices)} layers but the trace records {trace.n_layers} "
+                         f"(layers {trace.layers}); pass [kept[layer] for layer in trace.layers] for a partial trace")
+    for layer, rows in zip(trace.layers, kept_indices):
+        if (rows.ndim != 3 or rows.shape[0] != batch_rows or rows.shape[1] != kept_indices[0].shape[1]
+                or rows.shape[1] not in (trace.n_kv_heads, trace.n_heads)):
+            raise ValueError(f"kept[{layer}] has shape {tuple(rows.shape)}; expected ({batch_rows}, "
+                             f"{trace.n_kv_heads} or {trace.n_heads}, k) like every layer's")
+        if rows.is_floating_point():
+            raise TypeError(f"kept[{layer}] must hold integer positions, got {rows.dtype}")
+    return kept_mask(kept_indices, trace.prompt_len)
 
 
 def _kept_indices(trace: AttentionTrace, kept) -> tuple[list[torch.Tensor], int]:
@@ -140,29 +158,21 @@ def span_attention(trace: AttentionTrace, span: tuple[int, int], kept=None, *,
     start, end = span
     if not 0 <= start < end <= trace.prompt_len:
         raise ValueError(f"span {span} is not a non-empty range of the {trace.prompt_len}-token prompt")
-    if trace.n_generated < 1:
-        raise ValueError("the trace has no generated rows: capture it with max_new_tokens >= 1")
-    selected_all = None
-    if kept is not None:
-        kept_indices, _ = _kept_indices(trace, kept)
-        if len(kept_indices) != trace.n_layers:
-            raise ValueError(f"kept has {len(kept_indices)} layers but the trace records {trace.n_layers}")
-        selected_all = kept_mask(kept_indices, trace.prompt_len)
+    _require_generated(trace)
+    selected_all = None if kept is None else _kept_masks(trace, kept)
     heads = trace.n_heads
     kv_head = torch.arange(heads) // (heads // trace.n_kv_heads)
     out = []
     for entry, layer in enumerate(trace.layers):
         attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt).cpu()
         eligible = ~sinks.mask(attn)  # (heads, prompt)
-        masked = attn * eligible[:, None]
-        share = masked / masked.sum(-1, keepdim=True).clamp(min=torch.finfo(attn.dtype).tiny)
+        share = _renormalised(attn, eligible)
         in_span = torch.zeros(trace.prompt_len, dtype=torch.bool)
         in_span[start:end] = True
         span_share = share[..., in_span].sum(-1).mean(-1)  # (heads,)
         columns = dict(span_share=span_share)
         if selected_all is not None:
-            selected = selected_all[entry]
-            selected = selected[torch.arange(heads) // (heads // selected.shape[0])]  # (heads, prompt)
+            selected = _per_query_head(selected_all[entry], heads)  # (heads, prompt)
             columns["span_kept_share"] = (share * (selected & in_span)[:, None]).sum(-1).mean(-1)
             columns["span_kept"] = selected[:, start:end].float().mean(-1)
         for h in range(heads):
@@ -174,9 +184,7 @@ def span_attention(trace: AttentionTrace, span: tuple[int, int], kept=None, *,
 def coverage_summary(table: pd.DataFrame, *, sinks: str = "excluded", by: str = "policy") -> pd.DataFrame:
     """Mean coverage, oracle and chance per `by` (e.g. policy) over layers and heads, for one sinks variant,
     with coverage_of_oracle = coverage / oracle (the means' ratio). NaN heads (no eligible rows) are skipped."""
-    rows = table[table["sinks"] == sinks]
-    if rows.empty:
-        raise ValueError(f"the table has no rows with sinks == {sinks!r}")
+    rows = sinks_rows(table, sinks)
     summary = rows.groupby(by, sort=False)[["coverage", "oracle", "chance"]].mean()
     summary["coverage_of_oracle"] = summary["coverage"] / summary["oracle"]
     return summary
@@ -186,9 +194,7 @@ def layer_spread(table: pd.DataFrame, *, sinks: str = "excluded", by: str = "pol
     """Where the policies part ways: per layer, each `by` group's mean coverage over heads (one column each),
     spread (max - min over the groups), highest and lowest (the groups with the largest and the smallest
     coverage in the layer); rows sorted by spread, largest first."""
-    rows = table[table["sinks"] == sinks]
-    if rows.empty:
-        raise ValueError(f"the table has no rows with sinks == {sinks!r}")
+    rows = sinks_rows(table, sinks)
     means = rows.groupby(["layer", by], sort=False)["coverage"].mean().unstack(by)
     if means.shape[1] < 2:
         raise ValueError(f"layer_spread needs at least two {by} groups, got {list(means.columns)}")
@@ -197,3 +203,11 @@ def layer_spread(table: pd.DataFrame, *, sinks: str = "excluded", by: str = "pol
     means["highest"] = means[groups].idxmax(axis=1)
     means["lowest"] = means[groups].idxmin(axis=1)
     return means.sort_values("spread", ascending=False, kind="stable")
+
+
+def sinks_rows(table: pd.DataFrame, sinks: str) -> pd.DataFrame:
+    """The rows of one sinks variant ("kept" or "excluded") of a coverage table; none is an error."""
+    rows = table[table["sinks"] == sinks]
+    if rows.empty:
+        raise ValueError(f"the table has no rows with sinks == {sinks!r}; it has {sorted(table['sinks'].unique())}")
+    return rows

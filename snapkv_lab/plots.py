@@ -143,9 +143,9 @@ def coverage_figure(table, *, sinks: str = "excluded") -> go.Figure:
     with a policy label): coverage solid, oracle dashed, chance dotted. `sinks` picks the table's variant
     ("excluded" or "kept"): the two are never averaged together.
     """
-    rows = table[table["sinks"] == sinks]
-    if rows.empty:
-        raise ValueError(f"the table has no rows with sinks == {sinks!r}; it has {sorted(table['sinks'].unique())}")
+    from .coverage import sinks_rows
+
+    rows = sinks_rows(table, sinks)
     groups = rows.groupby("policy", sort=False) if "policy" in rows.columns else [(None, rows)]
     palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
     figure = go.Figure()

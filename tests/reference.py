@@ -24,6 +24,12 @@ def kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def top_with_window(scores, k, n):
+    """(..., prefix) scores -> (..., k + window) the top-k prefix positions sorted, then the window."""
+    top = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([top, torch.arange(scores.shape[-1], n).expand(*top.shape[:-1], -1)], dim=-1)
+
+
 def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_head=False):
     """SnapKV written plainly from transformers' eager attention maps: (layers, batch, heads, capacity)
     kept positions, plus the scores they were chosen from (to tell ties apart)."""
@@ -36,9 +42,7 @@ def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_h
             votes = F.max_pool1d(votes, kernel, stride=1, padding=kernel // 2)
         if not per_query_head:  # mean over the query heads of each KV head's group
             votes = votes.reshape(votes.shape[0], kv_heads(model.config), -1, prefix).mean(dim=2)
-        top = votes.topk(capacity - window, dim=-1).indices.sort(dim=-1).values
-        window_positions = torch.arange(prefix, n).expand(*top.shape[:2], -1)
-        kept.append(torch.cat([top, window_positions], dim=-1))
+        kept.append(top_with_window(votes, capacity - window, n))
         scores.append(votes)
     return kept, scores
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import eager_twin, make_tiny_llama
-from reference import eager_attentions, kv_heads
+from reference import eager_attentions, kv_heads, top_with_window
 import snapkv_lab as C
 from snapkv_lab.compression.layers import HeadwiseLayer
 
@@ -54,12 +54,6 @@ def pyramid_budgets(capacity, window, n_layers, n, beta=20):
     if b_max > n - window:
         b_max, b_min = n - window, 2 * (capacity - window) - (n - window)
     return [window + round(b_max - layer * (b_max - b_min) / (n_layers - 1)) for layer in range(n_layers)]
-
-
-def top_with_window(scores, k, n):
-    """(..., prefix) scores -> (..., k + window) the top-k prefix positions sorted, then the window."""
-    top = scores.topk(k, dim=-1).indices.sort(dim=-1).values
-    return torch.cat([top, torch.arange(scores.shape[-1], n).expand(*top.shape[:-1], -1)], dim=-1)
 
 
 def adakv_reference(scores, share, alpha=0.2):

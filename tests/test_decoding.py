@@ -8,7 +8,7 @@ import torch
 
 import snapkv_lab
 from conftest import eager_twin, make_tiny_llama
-from reference import assert_same_selection, eager_attentions
+from reference import assert_same_selection, eager_attentions, top_with_window
 from snapkv_lab.policies.kvzip import REPEAT
 
 N, WINDOW, CAPACITY, INTERVAL, NEW = 48, 4, 20, 5, 24
@@ -18,10 +18,9 @@ def ids(seed=0, n=N, batch=1):
     return torch.randint(2, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def top_with_window(scores: torch.Tensor, n: int, budget: int) -> list[int]:
+def kept_at(scores: torch.Tensor, n: int, budget: int) -> list[int]:
     """(n,) scores -> the top (budget - WINDOW) of the first n - WINDOW positions, then the last WINDOW, sorted."""
-    picked = scores[: n - WINDOW].topk(budget - WINDOW).indices.sort().values.tolist()
-    return picked + list(range(n - WINDOW, n))
+    return top_with_window(scores[: n - WINDOW], budget - WINDOW, n).tolist()
 
 
 def h2o_reference(model, prompt: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -34,7 +33,7 @@ def h2o_reference(model, prompt: torch.Tensor) -> tuple[list[int], list[int]]:
     eager = eager_twin(model)
     with torch.no_grad():
         out = eager(prompt, output_attentions=True, use_cache=True)
-    held = top_with_window(out.attentions[0][0].sum(1).mean(0), N, CAPACITY)  # (heads, n, n) -> (n,)
+    held = kept_at(out.attentions[0][0].sum(1).mean(0), N, CAPACITY)  # (heads, n, n) -> (n,)
     cache, token, tokens = out.past_key_values, out.logits[0, -1].argmax(), []
     accumulated, steps = {}, 0
     for step in range(NEW):
@@ -105,7 +104,7 @@ def test_kvzip_matches_reference(byte_tokenizer):
     for layer, attn in enumerate(attentions):
         scores = attn[0, :, N:, :N].amax(1).reshape(kv_heads, -1, N).amax(1)  # (heads, rows, n) -> (kv_heads, n)
         for head in range(kv_heads):
-            assert run.kept_indices[layer][0, head].tolist() == top_with_window(scores[head], N, CAPACITY), (layer, head)
+            assert run.kept_indices[layer][0, head].tolist() == kept_at(scores[head], N, CAPACITY), (layer, head)
     assert run.selection_seconds > 0 and run.kv_bytes < snapkv_lab.generate(model, byte_tokenizer, prompt, max_new_tokens=1).kv_bytes
 
 
@@ -126,12 +125,6 @@ def test_compress_once_ask_many(byte_tokenizer):
         snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, question=torch.tensor([questions[0][:6]] * 2))
 
 
-def selection_from(scores: torch.Tensor, n: int, budget: int, window: int):
-    """(batch, kv_heads, n) scores -> kept (batch, kv_heads, budget): top prefix positions, then the window."""
-    top = scores[..., : n - window].topk(budget - window, dim=-1).indices.sort(dim=-1).values
-    return torch.cat([top, torch.arange(n - window, n).expand(*top.shape[:2], -1)], dim=-1)
-
-
 @pytest.mark.slow
 def test_h2o_and_kvzip_match_references_smollm(smollm):
     """On the real model (30 layers, 9 query / 3 KV heads), 600 tokens of essay: H2O = attention summed over all
@@ -149,5 +142,5 @@ def test_h2o_and_kvzip_match_references_smollm(smollm):
                     for a in eager_attentions(model, torch.cat([prompt, instruction, prompt], 1))]
     for policy, scores in ((snapkv_lab.H2O(capacity=budget), h2o_scores), (snapkv_lab.KVzip(capacity=budget), kvzip_scores)):
         run = snapkv_lab.generate(model, tokenizer, prompt, policy=policy, max_new_tokens=1)
-        reference = [selection_from(s, n, budget, window) for s in scores]
+        reference = [top_with_window(s[..., : n - window], budget - window, n) for s in scores]
         assert_same_selection(run.kept_indices, reference, [s[..., : n - window] for s in scores], window)

@@ -27,7 +27,7 @@ from ..attention import AttentionSettings
 from ..hooks import intercept_attention
 from ..policies.base import NO_POSITION, AttentionCall, FullCache, Policy
 from ..timing import SectionTimer
-from .layers import CompressedLayer, HeadwiseLayer, compressed_layer, headwise_attention
+from .layers import CompressedLayer, HeadwiseLayer, compressed_layer, headwise_attention, held_positions, hidden_future
 
 
 def refuse_padding(attention_mask) -> None:
@@ -67,7 +67,7 @@ def stack_kept(kept: list[torch.Tensor]) -> torch.Tensor:
 def _visible_mask(like: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
     """A causal mask in the style of `like` (bool: True visible; float: 0 visible) for the last `rows` of
     n_keys keys, every earlier key visible: (batch, 1, rows, n_keys)."""
-    hidden = torch.ones(rows, n_keys, dtype=torch.bool, device=like.device).triu(n_keys - rows + 1)
+    hidden = hidden_future(rows, n_keys, like.device)
     mask = ~hidden if like.dtype == torch.bool else torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill(
         hidden, torch.finfo(like.dtype).min)
     return mask.expand(like.shape[0], 1, rows, n_keys)
@@ -123,13 +123,12 @@ class CompressionState:
             raise RuntimeError("the compressor's cache must start empty (the prefill compresses the whole prompt)")
         if not self.kept_indices:  # the mask is the same for every layer: one check (one host sync) per prefill
             refuse_padding(attention_mask)
-        batch, kv_heads, n, _ = key.shape
+        kv_heads, n = key.shape[1], key.shape[2]
         settings = AttentionSettings.of_call(module, kwargs)
         if settings.sliding_window is not None and self.policy.budget(n) is not None:
             self.sliding_layers.append(layer)
         if settings.sliding_window is not None or self.policy.budget(n) is None:
-            held = self.cache.layers[layer].keys.shape[-2]
-            self.kept_indices[layer] = torch.arange(n - held, n, device=key.device).expand(batch, kv_heads, -1)
+            self.kept_indices[layer] = held_positions(self.cache.layers[layer], n)
             return
         self.timer = self.timer or SectionTimer(key.device)
         with self.timer.section():
@@ -149,8 +148,8 @@ class CompressionState:
             raise NotImplementedError(f"{self.policy.label}: eviction while decoding over head-wise budgets is not supported")
         if not isinstance(cache_layer, CompressedLayer):  # the prompt fitted: every position so far, in order
             n = cache_layer.keys.shape[-2]
-            positions = torch.arange(n, device=key.device).expand(*cache_layer.keys.shape[:2], -1)
-            cache_layer = self.cache.layers[layer] = CompressedLayer(cache_layer.keys, cache_layer.values, positions, n)
+            cache_layer = self.cache.layers[layer] = CompressedLayer(cache_layer.keys, cache_layer.values,
+                                                                     held_positions(cache_layer, n), n)
         if layer not in self._trackers:  # the first call after prefill: the cache holds the prompt, then this call's
             self._trackers[layer] = tracker_for(layer, self.n_layers, cache_layer.seen - query.shape[2])
         if self._trackers[layer] is None:

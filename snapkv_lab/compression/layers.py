@@ -78,6 +78,19 @@ class CompressedLayer(DynamicLayer):
         raise NotImplementedError(_ROLLBACK_REFUSED)
 
 
+def held_positions(layer, n: int) -> torch.Tensor:
+    """(batch, kv_heads, held) the positions an uncompressed layer holds after n tokens: its last `held` (all of
+    them for a full layer, the last sliding_window - 1 for a sliding one)."""
+    held = layer.keys.shape[-2]
+    return torch.arange(n - held, n, device=layer.keys.device).expand(*layer.keys.shape[:2], -1)
+
+
+def hidden_future(rows: int, n_keys: int, device) -> torch.Tensor:
+    """(rows, n_keys) bool, True where a key is hidden: the rows are the last `rows` of n_keys tokens, each
+    seeing every key up to itself (a causal mask whose earlier keys are all visible)."""
+    return torch.ones(rows, n_keys, dtype=torch.bool, device=device).triu(n_keys - rows + 1)
+
+
 def _new_positions(positions: torch.Tensor, seen: int, count: int) -> torch.Tensor:
     """(batch, heads, count) positions seen..seen+count-1, shaped like `positions`."""
     new = torch.arange(seen, seen + count, device=positions.device)
@@ -131,8 +144,7 @@ def headwise_attention(layer: HeadwiseLayer, query: torch.Tensor, settings: Atte
     kv_heads = layer.keys.shape[1]
     group = heads // kv_heads
     new = layer.keys.shape[-2]
-    # Row i is token new - rows + i of the appended ones: it sees appended tokens 0..new - rows + i.
-    hidden = torch.ones(rows, new, dtype=torch.bool, device=query.device).triu(new - rows + 1)
+    hidden = hidden_future(rows, new, query.device)  # over the appended tokens: the prompt's are all visible
     out = torch.empty_like(query)
     for b in range(batch):
         for h in range(kv_heads):

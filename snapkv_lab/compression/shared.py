@@ -18,10 +18,10 @@ import torch
 from transformers import DynamicCache
 
 from ..hooks import intercept_attention
-from ..policies.base import FullCache, Policy
+from ..policies.base import Policy
 from ..timing import SectionTimer, stopwatch
 from .compressor import CompressionState
-from .layers import compressed_copy, fork
+from .layers import compressed_copy, fork, held_positions
 from .recorder import ScoreRecorder, kept_from_scores
 
 
@@ -67,8 +67,7 @@ class SharedPrefill:
         """The compressor's state after prefill under `policy`: a compressed copy of the full cache (or a fork
         when the prompt fits), kept_indices for every layer, the selection time (extra passes included)."""
         n, n_layers = self.n_tokens, self.model.config.num_hidden_layers
-        held = {i: torch.arange(n - layer.keys.shape[-2], n, device=layer.keys.device).expand(*layer.keys.shape[:2], -1)
-                for i, layer in enumerate(self.cache.layers)}
+        held = {i: held_positions(layer, n) for i, layer in enumerate(self.cache.layers)}
         timer = SectionTimer(self.model.device)
         with timer.section():
             if policy.budget(n) is None:
@@ -78,6 +77,6 @@ class SharedPrefill:
                           else self.recorder.scores[policy.scorer_label])
                 kept = kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers)
             cache = compressed_copy(self.cache, kept)
-        state = CompressionState(policy or FullCache(), cache, n_layers, kept_indices={**held, **kept}, timer=timer)
+        state = CompressionState(policy, cache, n_layers, kept_indices={**held, **kept}, timer=timer)
         state.sliding_layers = [i for i in held if i not in kept] if kept else []
         return state

@@ -100,9 +100,12 @@ class Policy:
 
     def _settings(self) -> str:
         """Every parameter but the capacity that differs from the class default, as `k=v, ...`."""
-        default = type(self)()
-        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                         if f.name != "capacity" and getattr(self, f.name) != getattr(default, f.name))
+        return ", ".join(self._differences(type(self)(), skip=("capacity",)))
+
+    def _differences(self, default: Policy, skip) -> list[str]:
+        """`name=value` of every field outside `skip` whose value differs from `default`'s."""
+        return [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                if f.name not in skip and getattr(self, f.name) != getattr(default, f.name)]
 
     @property
     def scorer_label(self) -> str:

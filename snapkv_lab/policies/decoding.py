@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..selection import votes_per_kv_head
 from .base import AttentionCall, Policy
 from .h2o import H2O
 from .wrapper import Wrapper
@@ -78,7 +79,7 @@ class EvictionTracker:
         self.steps += calls[0].query.shape[1]
         if self.policy.accumulates:
             for b, call in enumerate(calls):
-                new = _per_kv_head(self.policy.score(call), call.key.shape[0])
+                new = votes_per_kv_head(self.policy.score(call), call.key.shape[0])  # GQA mean
                 old = self.scores[b] if b < len(self.scores) else torch.zeros_like(new[:, :0])
                 total = torch.nn.functional.pad(old, (0, new.shape[-1] - old.shape[-1])) + new
                 self.scores[b:b + 1] = [total]
@@ -101,7 +102,3 @@ class EvictionTracker:
             self.scores = [s.gather(-1, k) for s, k in zip(self.scores, kept, strict=True)]
         return torch.stack(kept)
 
-
-def _per_kv_head(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(heads, n) -> (kv_heads, n): the mean over each GQA group (scores already per KV head pass through)."""
-    return scores.reshape(kv_heads, -1, scores.shape[-1]).mean(1)

@@ -9,6 +9,7 @@ import torch
 
 from ..attention import AttentionSettings, attention_column_max
 from ..hooks import intercept_attention
+from ..selection import votes_per_kv_head
 from ..tokens import encode
 from .base import Policy
 
@@ -42,7 +43,7 @@ class KVzip(Policy):
             per_row = [attention_column_max(q, k, settings.scaling, positions, **settings.options())[:, :n]
                        for q, k in zip(query, key, strict=True)]  # each (heads, n)
             kv_heads = key.shape[1]
-            scores[module.layer_idx] = torch.stack([s.reshape(kv_heads, -1, n).amax(1) for s in per_row])
+            scores[module.layer_idx] = torch.stack([votes_per_kv_head(s, kv_heads, "max") for s in per_row])
 
         positions = torch.arange(n, n + feed.shape[1], device=ids.device)[None]
         with intercept_attention(model, record):

@@ -49,17 +49,14 @@ class Wrapper(Policy):
     def _inner_settings(self) -> str:
         """The inner policy by the settings the wrapper does not set for it, e.g. `SnapKV(kernel_size=5)`."""
         inner = self.policy
-        default = type(inner)(**{name: getattr(inner, name) for name in SHARED})
-        settings = ", ".join(f"{f.name}={getattr(inner, f.name)!r}" for f in dataclasses.fields(inner)
-                             if f.name not in SHARED and getattr(inner, f.name) != getattr(default, f.name))
+        settings = ", ".join(inner._differences(type(inner)(**{name: getattr(inner, name) for name in SHARED}), SHARED))
         return f"{inner.name}({settings})" if settings else inner.name
 
     def _settings(self) -> str:
         default = type(self)()
         parts = [f"policy={self._inner_settings()}"] if type(self.policy) is not type(default.policy) or \
             self._inner_settings() != default._inner_settings() else []
-        parts += [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                  if f.name not in ("capacity", "policy") and getattr(self, f.name) != getattr(default, f.name)]
+        parts += self._differences(default, skip=("capacity", "policy"))
         return ", ".join(parts)
 
     def ranked(self, scores: torch.Tensor, prefix_len: int, kv_heads: int) -> torch.Tensor:

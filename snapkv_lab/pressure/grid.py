@@ -86,10 +86,15 @@ def accuracy_intervals(table: pd.DataFrame, by=("policy", "mode")) -> pd.DataFra
     return pd.DataFrame(rows)
 
 
+def _run_label(table: pd.DataFrame) -> pd.Series:
+    """"FullCache" for the full cache's rows, else "<policy> <mode>"."""
+    return table.policy.where(table["mode"] == "full", table.policy + " " + table["mode"])
+
+
 def ruler_table(table: pd.DataFrame) -> pd.DataFrame:
     """Accuracy (RULER's substring grade and the strict one) per task and value kind (rows) for the full cache
     and each policy and mode (columns); `full_cache_fails` marks the tasks the uncompressed model already fails."""
-    table = table.assign(run=table.policy.where(table["mode"] == "full", table.policy + " " + table["mode"]))
+    table = table.assign(run=_run_label(table))
     grades = table.pivot_table(index=["task", "value_kind"], columns="run", values=["correct", "exact"], aggfunc="mean")
     full = table[table["mode"] == "full"].groupby(["task", "value_kind"]).correct.mean()
     return grades.assign(full_cache_fails=full.reindex(grades.index) < 1)
@@ -161,7 +166,7 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
     ruler_path = data_dir / "pressure_ruler.csv"
     if ruler_path.exists():
         ruler = pd.read_csv(ruler_path)
-        ruler["run"] = ruler.policy.where(ruler["mode"] == "full", ruler.policy + " " + ruler["mode"])
+        ruler["run"] = _run_label(ruler)
         grades = ruler.melt(id_vars=["task", "value_kind", "run"], value_vars=["correct", "exact"], var_name="grade",
                             value_name="accuracy").groupby(["task", "value_kind", "run", "grade"], as_index=False).accuracy.mean()
         fig = px.bar(grades, x="run", y="accuracy", color="grade", barmode="group", facet_row="task", facet_col="value_kind",
