@@ -14,12 +14,12 @@ import html
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from .compression import GenerationResult, SharedPrefill
 from .compression.generation import answers, encode_questions
 from .inputs import encode_batch
 from .policies import FullCache, SnapKV
+from .progress import progress_bar
 
 
 def kept_mask(kept_indices: list[torch.Tensor], n_tokens: int, batch: int = 0) -> torch.Tensor:
@@ -131,7 +131,7 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
         raise ValueError(f"two policies share a label (the same settings): {labels}")
     items = [_as_item(p, i) for i, p in enumerate(prompts)]
     rows, results = [], {}
-    bar = tqdm(total=len(items) * len(policies), desc="compare", disable=not progress)
+    bar = progress_bar(total=len(items) * len(policies), desc="compare", disable=not progress)
     for item in items:
         ids = encode_batch(tokenizer, item["prompt"]).to(model.device)
         questions, extras = encode_questions(model, tokenizer, ids, item.get("question"), max_new_tokens)

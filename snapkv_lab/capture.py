@@ -5,13 +5,13 @@ post-RoPE queries and keys of every layer at the attention call itself, whatever
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from .attention import AttentionSettings
 from .hooks import intercept_attention
 from .inputs import check_context_length, encode_continuation, encode_prompt, eos_ids
 from .trace import AttentionTrace
+from .progress import progress_bar
 
 
 class _QKRecorder:
@@ -98,7 +98,7 @@ def capture(
         return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
     # The prefill (one forward over the whole prompt) is the long part of a long prompt: count its layers.
-    prefill_bar = tqdm(total=model.config.num_hidden_layers, desc="prefill (layers)", disable=not progress, leave=False)
+    prefill_bar = progress_bar(total=model.config.num_hidden_layers, desc="prefill (layers)", disable=not progress, leave=False)
 
     def record(module, *args, **kwargs):
         recorder(module, *args, **kwargs)
@@ -115,7 +115,7 @@ def capture(
             eos = eos_ids(model, tokenizer) if stop_at_eos else ()
             logits = forward(input_ids)
             prefill_bar.close()
-            for _ in tqdm(range(max_new_tokens), desc="capture", disable=not progress, leave=False):
+            for _ in progress_bar(range(max_new_tokens), desc="capture", disable=not progress, leave=False):
                 token = int(logits.argmax(-1))
                 generated.append(token)
                 logits = forward(torch.tensor([[token]], device=device))

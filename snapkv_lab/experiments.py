@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from . import metrics
 from .capture import capture
@@ -28,6 +27,7 @@ from .figures import FigureSet, register, write_html
 from .inputs import check_context_length
 from .metrics import SinkRule, metric_rows, selection_overlap, selection_vs_generation, summarise, to_mask
 from .selection import select, select_from_trace
+from .progress import progress_bar
 
 TOP_P = 0.05
 MODES = ("generated", "teacher-forced")
@@ -123,7 +123,7 @@ def run_findings(model, tokenizer, *, data_dir="data", **options) -> dict[str, p
         check_context_length(model, prompt.n_tokens + new_tokens, what=f"prompt {prompt.name} with {new_tokens} new tokens")
     tables = {"a": [], "b": []}
     runs = [(mode, i, prompt) for mode in o["modes"] for i, prompt in enumerate(chats)]
-    for mode, i, prompt in tqdm(runs, desc="(a, b) chat prompts"):
+    for mode, i, prompt in progress_bar(runs, desc="(a, b) chat prompts"):
         forced = prompt.continuation if mode == "teacher-forced" else None
         trace = capture(model, tokenizer, prompt.ids, max_new_tokens=o["gen_window"] * o["n_gen_windows"],
                         continuation=forced, stop_at_eos=False)
@@ -165,7 +165,7 @@ def _qa_traces(model, tokenizer, qa: dict[str, list], new_tokens: int, answers: 
     mode = "greedy" if answers is None else "teacher-forced"
     return {placement: [capture(model, tokenizer, q.ids, max_new_tokens=new_tokens,
                                 continuation=None if answers is None else answers[other[placement]][i])
-                        for i, q in enumerate(tqdm(prompts, desc=f"(c, d) QA {mode}, question {placement}"))]
+                        for i, q in enumerate(progress_bar(prompts, desc=f"(c, d) QA {mode}, question {placement}"))]
             for placement, prompts in qa.items()}
 
 

@@ -12,13 +12,13 @@ import dataclasses
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from ..compression import SharedPrefill, applied, cache_lengths, decode_text, forward, greedy_decode
 from ..compression.compressor import CompressionState
 from ..inputs import check_context_length, eos_ids
 from ..policies import H2O, FullCache, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
 from .tasks import Context, found, found_exactly
+from ..progress import progress_bar
 
 DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKeep())
 CAPACITIES = (256, 512, 1024, 2048)
@@ -52,7 +52,7 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
     eos = eos_ids(model, tokenizer)
     rows = []
     steps = sum(len(c.queries) for c in contexts) * (1 + len(policies) * len(modes))
-    bar = tqdm(total=steps, desc="retrieval", disable=not progress)
+    bar = progress_bar(total=steps, desc="retrieval", disable=not progress)
     as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
     for context in contexts:
         shared = SharedPrefill.run(model, tokenizer, as_ids(context.context_ids), policies)
