@@ -3,7 +3,8 @@
     tasks.py    the contexts and questions (chat-templated, with the token spans of each fact and value), grading
     ruler.py    RULER-style variants: multi-key, multi-value, multi-query; number, word and uuid values
     runner.py   run_retrieval: every question x policy x budget x mode from one prefill per context
-    grid.py     the needle grid, lines ablation and RULER suite as the `pressure` figure set (`snapkv-lab needle`)
+    grid.py     the suites (needle grid, lines ablation, window ablation, RULER) as one table, SUITES; each context
+                is a cell of a resumable grid (snapkv_lab.sweep); the `pressure` figure set (`snapkv-lab needle`)
 
 Query-aware: the question is part of the prompt, so SnapKV's window votes with the question.
 Query-agnostic (kvpress's protocol): the context alone is compressed, the question appended after.
@@ -12,10 +13,10 @@ The full cache is the same in both modes. The prefill logits are the full cache'
 Results are tidy tables (one row per question x policy x budget x mode) in data/pressure_*.csv.
 """
 
-from .grid import accuracy_intervals, accuracy_table, draw, recompute, ruler_table, wilson
+from .grid import SUITES, Suite, accuracy_intervals, accuracy_table, draw, grid_cells, recompute, ruler_table, run_context, wilson
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import Context, Query, found, found_exactly, lines_context, needle_context
 
-__all__ = ["CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
+__all__ = ["SUITES", "Suite", "grid_cells", "run_context", "CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
            "needle_context", "recompute", "ruler_table", "run_retrieval", "accuracy_intervals", "wilson"]

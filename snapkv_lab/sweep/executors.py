@@ -23,7 +23,7 @@ RAY_INSTALL = "pip install 'snapkv_lab[ray]' (or: pip install ray)"
 
 
 def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "local", ray_address: str | None = None,
-              desc: str = "grid", loader=None) -> pd.DataFrame:
+              desc: str = "grid", loader=None, manifest: dict | None = None) -> pd.DataFrame:
     """Run every cell not yet in `store` with `work(model, tokenizer, cell.config)` and write each finished table to
     the store at once; say how many cells were skipped; one progress bar (done / skipped / remaining).
 
@@ -31,6 +31,8 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     here (local) or once per Ray actor, and only when a cell is left to run. loader must be module-level for Ray.
     executor: "local" or "ray"; ray_address: an existing cluster ("auto", "ray://head:10001", ...), else Ray
     starts a local one for this run and stops it after.
+    manifest: the arguments of `store.write_manifest` (command, options, model, seeds), written once the options
+    are checked, before any cell runs.
     Returns every cell's table, read back from the store, concatenated in the order of `cells`, so a resumed run
     returns the same table as an uninterrupted one.
     """
@@ -39,7 +41,9 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     if ray_address and executor != "ray":
         raise ValueError("ray_address (--ray-address) is only used with executor='ray' (--executor ray)")
     if executor == "ray":
-        _import_ray()  # a missing Ray is said before any work, not after the local cells
+        import_ray()  # a missing Ray is said before any work, not after the local cells
+    if manifest is not None:
+        store.write_manifest(**manifest)
     cells = list(cells)
     unique = list({cell.key: cell for cell in cells}.values())
     pending = [cell for cell in unique if not store.done(cell)]
@@ -69,7 +73,7 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
                 _run_ray(pending, work, model, load, ray_address, finished)
     finally:
         bar.close()
-    return pd.concat([store.get(cell) for cell in cells], ignore_index=True) if cells else pd.DataFrame()
+    return store.table(cells)
 
 
 def _load_model(name):
@@ -78,7 +82,7 @@ def _load_model(name):
     return load_model(name)
 
 
-def _import_ray():
+def import_ray():
     try:
         import ray
     except ModuleNotFoundError as err:
@@ -118,7 +122,7 @@ def _start_actors(ray, model, loader, n_cells: int) -> list:
 
 def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) -> None:
     """Keep every actor busy with one cell; store each table as it comes back (in completion order)."""
-    ray = _import_ray()
+    ray = import_ray()
     started = not ray.is_initialized()
     if started and ray_address:
         ray.init(address=ray_address)

@@ -102,6 +102,11 @@ class ResultStore:
             raise KeyError(f"cell {cell.kind} {cell.key} is not in {self.root}")
         return pd.read_parquet(self.path(cell))
 
+    def table(self, cells) -> pd.DataFrame:
+        """The tables of `cells` (all stored), concatenated in their order; an empty table for no cells."""
+        cells = list(cells)
+        return pd.concat([self.get(cell) for cell in cells], ignore_index=True) if cells else pd.DataFrame()
+
     def write_manifest(self, command: str, options: dict, model, seeds) -> Path:
         """Append this run to <root>/manifest.json: command, options, model, seeds, library versions and the git
         commit of the code (with a `dirty` flag for uncommitted changes). Returns the manifest's path."""
