@@ -110,10 +110,18 @@ def attention_probs(query, key, scaling, query_positions, *, key_index=None, **o
     options: kv_index, sliding_window, softcap, block_elements (see attention_row_blocks).
     """
     n_keys = key.shape[1]
-    columns = torch.arange(n_keys) if key_index is None else torch.as_tensor(key_index).reshape(-1)
+    columns = torch.arange(n_keys) if key_index is None else torch.as_tensor(key_index).reshape(-1).cpu()
     out = torch.zeros(query.shape[0], query.shape[1], columns.numel(), dtype=torch.float32, device=query.device)
+    # A run of consecutive keys (all keys, a slice) is copied as a slice, not gathered column by column.
+    run = columns.numel() > 0 and bool((columns.diff() == 1).all())
+    low = int(columns[0]) if run else 0
     columns = columns.to(query.device)
     for rows, first, probs in attention_row_blocks(query, key, scaling, query_positions, **options):
+        if run:
+            start, stop = max(first, low), min(first + probs.shape[-1], low + out.shape[-1])
+            if start < stop:
+                out[:, rows, start - low:stop - low] = probs[..., start - first:stop - first]
+            continue
         inside = (columns >= first) & (columns < first + probs.shape[-1])
         out[:, rows, inside] = probs.index_select(-1, columns[inside] - first)
     return out

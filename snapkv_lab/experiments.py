@@ -1,267 +1,421 @@
-"""The paper's four observation experiments, each a function from captured traces to a tidy table, and
-the "findings" figure set (`snapkv-lab figures`).
+"""The paper's four observation experiments, each a function from captured traces to a tidy table, run as cells
+over both prompt splits, and the "findings" figure set (`snapkv-lab figures`).
 
-(a) prompt_windows:        the last `n_windows` prompt windows, each voting on a common prefix, vs the
-                           attention of all generated tokens; x = window (-1 is the observation window).
+(a) prompt_windows:         the last `n_windows` prompt windows, each voting on a common prefix, vs the
+                            attention of all generated tokens; x = window (-1 is the observation window).
 (b) generation_consistency: the observation window's selection vs each of `n_gen_windows` windows of
-                           generated tokens.
-(c) question_placement:    (b) with one window of all generated tokens, question before vs after the document.
-(d) question_dependence:   selections over the document made by (question + its answer), H(M_A, M_B)
-                           between the selections of different questions.
+                            generated tokens; observation windows of several sizes, and two selections:
+                            "paper" (top-p per query head, no pooling, as the paper's observation code) and
+                            "compressor" (what `SnapKV` keeps: max pooling, kernel 7, one set per KV head).
+(c) question_placement:     (b) with one window of all generated tokens, question before vs after the document.
+(d) question_dependence:    selections over the document made by (question + its answer), H(M_A, M_B)
+                            between the selections of different questions, and the same overlap between
+                            alternate rows of one question (a control: how stable a selection is at all).
 
-Selections are `selection.select_from_trace` top-p (default 5%) per query head, without pooling, as in the
-paper's observation code; metrics come from `metrics` with their chance levels, sinks kept and excluded.
+Selections are top-p (default 5%) of the prefix; metrics come from `metrics` with their chance levels, sinks
+kept and excluded, sinks defined once per prompt from all its generated rows.
+
+Every sample is one cell of `sweep.run_cells` (work functions `chat_cell`: one chat prompt, (a) and (b);
+`placement_cell`: one document, (c); `dependence_cell`: one document and its questions, (d)), stored under
+<data_dir>/cells/findings/ as it finishes, so a stopped `snapkv-lab figures --recompute` resumes where it was.
 """
 
 from __future__ import annotations
 
 import itertools
+import shlex
+import sys
 import time
 from pathlib import Path
 
 import pandas as pd
+import torch
 
-from . import metrics
 from .capture import capture
-from .figures import FigureSet, register, write_html
+from .figures import FigureSet, register
 from .inputs import check_context_length
-from .metrics import SinkRule, metric_rows, selection_overlap, selection_vs_generation, summarise, to_mask
+from .metrics import (MIN_SUPPORT, PARTS, THETA, SinkRule, metric_rows, selection_overlap, selection_vs_generation,
+                      to_mask)
+from .policies.snapkv import SnapKV
 from .selection import select, select_from_trace
-from .progress import progress_bar
+from .tokens import encode
 
 TOP_P = 0.05
 MODES = ("generated", "teacher-forced")
-DEFAULTS = dict(samples=2, obs_window=32, prompt_window=128, gen_window=128, n_windows=20, n_gen_windows=4,
-                questions=3, qa_new_tokens=48, split="dev", modes=MODES)
+SPLITS = ("dev", "heldout")
+OBS_WINDOWS = (16, 32, 64, 128)
+# How each selection turns votes (heads, prefix) into kept positions, as `selection.select` options.
+SELECTIONS = {"paper": dict(pooling=None, per_kv_head=False),
+              "compressor": dict(pooling=SnapKV.pooling, kernel_size=SnapKV.kernel_size, per_kv_head=True)}
+DEFAULTS = dict(splits=SPLITS, samples=8, placement_documents=6, dependence_documents=4, questions=3,
+                obs_window=32, obs_windows=OBS_WINDOWS, prompt_window=128, n_windows=20, gen_window=128,
+                n_gen_windows=4, qa_new_tokens=48, modes=("generated",), p=TOP_P)
+TABLES = ("a", "b", "b_variants", "c", "d")  # data/findings_<name>.csv
 
 
-def _require(trace, needed: int, what: str) -> None:
-    if trace.prompt_len < needed:
-        raise ValueError(f"{what} needs a prompt of more than {needed} tokens, got {trace.prompt_len}")
+ORDER = ["layer", "head", "window", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks", *PARTS,
+         "n_heads", "value", "chance"]
 
 
-def prompt_windows(trace, *, window=128, n_windows=20, p=TOP_P, sample=0) -> pd.DataFrame:
+def _tidy(table: pd.DataFrame) -> pd.DataFrame:
+    """Columns in one order in every findings table: keys, metric, parts, value, chance, then the rest."""
+    return table[[c for c in ORDER if c in table] + [c for c in table if c not in ORDER]]
+
+
+def _require(prompt_len: int, needed: int, what: str) -> None:
+    if prompt_len < needed:
+        raise ValueError(f"{what} needs a prompt of more than {needed} tokens, got {prompt_len}")
+
+
+def _generated_attention(trace, layer: int, sink_rule: SinkRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(heads, generated, prompt) attention of every generated row over the prompt, and the prompt's sinks
+    (heads, prompt) from those rows: one set per prompt, whatever window is scored later."""
+    attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt)
+    return attn, sink_rule.mask(attn)
+
+
+def prompt_windows(trace, *, window=128, n_windows=20, p=TOP_P, sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
     """(a) Each of the last `n_windows` prompt windows votes on the common prefix before the earliest one."""
+    _require(trace.prompt_len, window * n_windows + 1, "prompt_windows")
+    rows = [row for layer in trace.layers
+            for row in _window_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), window, n_windows, p)]
+    return _window_table(rows, sample)
+
+
+def _window_rows(trace, layer, attn, sinks, window, n_windows, p) -> list[dict]:
+    """(a) in one layer, from its generated rows' attention and sinks (`_generated_attention`)."""
     prefix_len = trace.prompt_len - window * n_windows
-    _require(trace, window * n_windows + 1, "prompt_windows")
-    rows = []
-    for layer in trace.layers:
-        attn = trace.attention(layer, queries=trace.generated, keys=slice(0, prefix_len))
-        for j in range(1, n_windows + 1):
-            start = trace.prompt_len - window * j
-            selected = to_mask(select_from_trace(trace, layer, slice(start, start + window), p, prefix_len=prefix_len), prefix_len)
-            rows += selection_vs_generation(attn, selected, layer=layer, window=-j)
-    return pd.DataFrame(rows).assign(sample=sample)
+    selections = {}
+    for j in range(1, n_windows + 1):
+        start = trace.prompt_len - window * j
+        selections[-j] = to_mask(select_from_trace(trace, layer, slice(start, start + window), p, prefix_len=prefix_len), prefix_len)
+    return selection_vs_generation(attn[..., :prefix_len], selections, sinks=sinks[:, :prefix_len], layer=layer)
 
 
-def generation_consistency(trace, *, obs_window=32, gen_window=128, n_gen_windows=4, p=TOP_P, sample=0) -> pd.DataFrame:
-    """(b) The observation window's top-p selection vs each window of `gen_window` generated tokens."""
-    prefix_len = trace.prompt_len - obs_window
-    _require(trace, obs_window + 1, "generation_consistency")
-    observation = slice(prefix_len, trace.prompt_len)
-    windows = [slice(trace.prompt_len + i * gen_window, trace.prompt_len + (i + 1) * gen_window) for i in range(n_gen_windows)]
-    windows = [w for w in windows if w.start < trace.n_tokens]
-    rows, prefix = [], slice(0, prefix_len)
-    for layer in trace.layers:
-        selected = to_mask(select_from_trace(trace, layer, observation, p), prefix_len)
-        observed = trace.attention(layer, queries=observation, keys=prefix)
-        for i, rows_i in enumerate(windows):
-            attn = trace.attention(layer, queries=slice(rows_i.start, min(rows_i.stop, trace.n_tokens)), keys=prefix)
-            rows += selection_vs_generation(attn, selected, layer=layer, window=i + 1, observed=observed)
-    return pd.DataFrame(rows).assign(sample=sample)
+def _window_table(rows: list[dict], sample) -> pd.DataFrame:
+    # Each prompt window is a selection here, scored against all generated rows.
+    return _tidy(pd.DataFrame(rows).drop(columns=["window"]).rename(columns={"selection": "window"}).assign(sample=sample))
 
 
-def question_placement(traces: dict[str, list], *, obs_window=32, p=TOP_P) -> pd.DataFrame:
-    """(c) {"front": traces, "back": traces} -> observation-window hit rates against all generated tokens."""
-    tables = [generation_consistency(t, obs_window=obs_window, gen_window=t.n_generated, n_gen_windows=1, p=p, sample=i)
-              .assign(placement=placement) for placement, ts in traces.items() for i, t in enumerate(ts)]
-    return pd.concat(tables, ignore_index=True)
+def select_mask(votes: torch.Tensor, p: float, selection: str, n_kv_heads: int) -> torch.Tensor:
+    """(heads, prefix) votes -> (heads, prefix) bool selection of one of SELECTIONS; a per-KV-head set is
+    repeated over the query heads that read it, so every selection is scored per query head."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {sorted(SELECTIONS)}, got {selection!r}")
+    options = dict(SELECTIONS[selection])
+    per_kv_head = options.pop("per_kv_head")
+    kept = select(votes, p, kv_heads=n_kv_heads if per_kv_head else None, **options)
+    mask = to_mask(kept, votes.shape[-1])
+    return mask.repeat_interleave(votes.shape[0] // mask.shape[0], dim=0)
 
 
-def question_dependence(traces: list, document: tuple[int, int], question_starts: list[int], *, p=TOP_P,
-                        sink_rule=SinkRule(first=0)) -> pd.DataFrame:
-    """(d) Traces of one document with different questions after it (same document positions).
+def generation_consistency(trace, *, obs_window=32, gen_window=128, n_gen_windows=4, p=TOP_P, selection="paper",
+                           sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
+    """(b) The observation window's top-p selection vs each window of `gen_window` generated tokens.
 
-    Each trace votes with the rows of its question and answer (question_starts[i] to the end) on the
-    document span, top-p per head; H(M_A, M_B) for every ordered pair. The sink variant drops document
-    positions that take `sink_rule.share` of attention in every voting row of either trace.
+    obs_window and selection may be lists (several sizes, several of SELECTIONS): every combination is scored
+    against the same generated rows and the same sinks; the table says which in `obs_window` and `selection`.
+    Each window votes on the positions before it (prefix = prompt - obs_window). "coarse" rows (a property
+    of the window's attention, not of a selection) repeat for each selection.
     """
-    start, end = document
+    obs_windows, selections = _as_list(obs_window), _as_list(selection)
+    _require(trace.prompt_len, max(obs_windows) + 1, "generation_consistency")
+    rows = [row for layer in trace.layers
+            for row in _consistency_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), obs_windows,
+                                         selections, gen_window, n_gen_windows, p)]
+    return _tidy(pd.DataFrame(rows).assign(sample=sample))
+
+
+def _as_list(value) -> list:
+    return [value] if isinstance(value, (int, str)) else list(value)
+
+
+def _consistency_rows(trace, layer, attn, sinks, obs_windows, selections, gen_window, n_gen_windows, p) -> list[dict]:
+    """(b) in one layer, from its generated rows' attention and sinks (`_generated_attention`)."""
+    windows = {i + 1: slice(i * gen_window, min((i + 1) * gen_window, trace.n_generated))
+               for i in range(n_gen_windows) if i * gen_window < trace.n_generated}  # rows of the generated block
     rows = []
-    for layer in traces[0].layers:
-        masks, sinks = [], []
-        for trace, q_start in zip(traces, question_starts):
-            voters = slice(q_start, trace.n_tokens)
-            votes = trace.column_sums(layer, queries=voters)[:, start:end]
-            masks.append(to_mask(select(votes, p, pooling=None), end - start))
-            sinks.append(sink_rule.mask(trace.attention(layer, queries=voters, keys=slice(start, end))))
-        for a, b in itertools.permutations(range(len(traces)), 2):
-            for label, eligible in (("kept", None), ("excluded", ~(sinks[a] | sinks[b]))):
-                rows += metric_rows(selection_overlap(masks[a], masks[b], eligible=eligible), layer=layer,
-                                    window=f"q{a}-q{b}", metric="overlap", sinks=label)
-    return pd.DataFrame(rows)
+    for size in obs_windows:
+        prefix_len = trace.prompt_len - size
+        observation = slice(prefix_len, trace.prompt_len)
+        votes = trace.column_sums(layer, queries=observation)[:, :prefix_len]
+        observed = trace.attention(layer, queries=observation, keys=slice(0, prefix_len))
+        chosen = {name: select_mask(votes, p, name, trace.n_kv_heads) for name in selections}
+        rows += selection_vs_generation(attn[..., :prefix_len], chosen, sinks=sinks[:, :prefix_len], observed=observed,
+                                        windows=windows, layer=layer, obs_window=size)
+    return rows
 
 
-# ---- running everything -----------------------------------------------------------------------
-def run_findings(model, tokenizer, *, data_dir="data", **options) -> dict[str, pd.DataFrame]:
-    """Capture the prompt sets and compute the four tables; writes data/findings_{a,b,c,d}.csv and a run log."""
-    from .prompts import chat_prompts, load_recipes, qa_prompts
+def question_placement(traces: dict, *, obs_window=32, p=TOP_P, sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
+    """(c) {"front": trace, "back": trace} of one question and document -> the observation window's selection
+    against all generated tokens, per placement."""
+    tables = [generation_consistency(trace, obs_window=obs_window, gen_window=max(1, trace.n_generated), n_gen_windows=1,
+                                     p=p, sink_rule=sink_rule, sample=sample).assign(placement=placement)
+              for placement, trace in traces.items()]
+    return pd.concat(tables, ignore_index=True).drop(columns=["obs_window", "selection"])
 
-    o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
-    if not o["modes"] or set(o["modes"]) - set(MODES):
-        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {o['modes']!r}")
-    data_dir = Path(data_dir)
-    recipes = load_recipes(data_dir / "prompt_recipes.json")
-    began = time.perf_counter()
-    chats = chat_prompts(tokenizer, recipes, split=o["split"], samples=o["samples"])
-    qa = {placement: qa_prompts(tokenizer, recipes, split=o["split"], questions=o["questions"], placement=placement)
-          for placement in ("front", "back")}
-    # Every prompt is checked before the first capture, not after an hour of them.
-    planned = [(p, o["gen_window"] * o["n_gen_windows"]) for p in chats]
-    planned += [(p, o["qa_new_tokens"]) for prompts in qa.values() for p in prompts]
-    for prompt, new_tokens in planned:
-        check_context_length(model, prompt.n_tokens + new_tokens, what=f"prompt {prompt.name} with {new_tokens} new tokens")
-    tables = {"a": [], "b": []}
-    runs = [(mode, i, prompt) for mode in o["modes"] for i, prompt in enumerate(chats)]
-    for mode, i, prompt in progress_bar(runs, desc="(a, b) chat prompts"):
-        forced = prompt.continuation if mode == "teacher-forced" else None
-        trace = capture(model, tokenizer, prompt.ids, max_new_tokens=o["gen_window"] * o["n_gen_windows"],
-                        continuation=forced, stop_at_eos=False)
-        tables["a"].append(prompt_windows(trace, window=o["prompt_window"], n_windows=o["n_windows"], sample=i).assign(mode=mode))
-        tables["b"].append(generation_consistency(trace, obs_window=o["obs_window"], gen_window=o["gen_window"],
-                                                  n_gen_windows=o["n_gen_windows"], sample=i).assign(mode=mode))
-        del trace
-    tables["c"], tables["d"] = [], []
-    answers = None
-    for mode in MODES:  # greedy first: its answers are the teacher-forced references
-        placed = _qa_traces(model, tokenizer, qa, o["qa_new_tokens"], answers)
-        answers = {placement: [t.token_ids[t.generated] for t in traces] for placement, traces in placed.items()}
-        if mode in o["modes"]:
-            tables["c"].append(question_placement(placed, obs_window=o["obs_window"]).assign(mode=mode))
-            tables["d"].append(question_dependence(placed["back"], qa["back"][0].spans["document"],
-                                                   [q.spans["question"][0] for q in qa["back"]]).assign(mode=mode))
-        del placed
-        if "teacher-forced" not in o["modes"]:
-            break
-    out = {k: pd.concat(v, ignore_index=True).assign(model=model.config.name_or_path, split=o["split"]) for k, v in tables.items()}
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for key, table in out.items():
-        table.to_csv(data_dir / f"findings_{key}.csv", index=False)
-    seconds = time.perf_counter() - began
-    (data_dir / "findings_run.json").write_text(pd.Series({**{k: str(v) for k, v in o.items()}, "seconds": round(seconds),
-                                                           "model": model.config.name_or_path}).to_json(indent=1))
+
+def document_selections(trace, document: tuple[int, int], voters_start: int, *, p=TOP_P,
+                        sink_rule=SinkRule()) -> dict[int, dict[str, torch.Tensor]]:
+    """Per layer, top-p selections over the document span voted by the rows from `voters_start` to the end
+    (question + answer): all of them, the even and the odd ones; and the document's sinks. Each (heads, doc)
+    bool. A small summary of a trace for (d), so that the trace itself can be dropped."""
+    start, end = document
+    voters = torch.arange(voters_start, trace.n_tokens)
+    out = {}
+    for layer in trace.layers:
+        entry = {}
+        for name, rows in (("all", voters), ("even", voters[0::2]), ("odd", voters[1::2])):
+            votes = trace.column_sums(layer, queries=rows)[:, start:end]
+            entry[name] = to_mask(select(votes, p, pooling=None), end - start)
+        entry["sinks"] = _generated_attention(trace, layer, sink_rule)[1][:, start:end]
+        out[layer] = entry
     return out
 
 
-def _qa_traces(model, tokenizer, qa: dict[str, list], new_tokens: int, answers: dict | None = None) -> dict[str, list]:
-    """Traces of the QA prompts {"front": [Prompt], "back": [Prompt]}: greedy, or teacher-forced on `answers`.
+def dependence_rows(selections: list[dict], *, sample=0, min_support=MIN_SUPPORT) -> pd.DataFrame:
+    """(d) from `document_selections` of one document under several questions (same document positions).
 
-    The essays come without reference answers, so the teacher-forced reference of a (question, placement)
-    is the model's own greedy answer to that question in the *other* placement (answers: {placement: [(n,)
-    ids]}): (c) then compares the placements on answers that neither prompt wrote itself, and (d) votes
-    with answers written under another prompt.
+    - different questions, all rows: H(M_A, M_B) for every ordered pair of questions (the paper's figure);
+    - different questions, alternate rows: A's even rows vs B's odd rows;
+    - same question, alternate rows: A's even rows vs A's odd rows, the control. Selections that did not
+      depend on the question would overlap as much across questions as within one.
+    The sink variant drops document positions that are sinks of either prompt.
     """
-    other = {"front": "back", "back": "front"}
-    mode = "greedy" if answers is None else "teacher-forced"
-    return {placement: [capture(model, tokenizer, q.ids, max_new_tokens=new_tokens,
-                                continuation=None if answers is None else answers[other[placement]][i])
-                        for i, q in enumerate(progress_bar(prompts, desc=f"(c, d) QA {mode}, question {placement}"))]
-            for placement, prompts in qa.items()}
+    pairs = [(a, b, "different questions", "all rows", "all", "all") for a, b in itertools.permutations(range(len(selections)), 2)]
+    pairs += [(a, b, "different questions", "alternate rows", "even", "odd") for a, b in itertools.permutations(range(len(selections)), 2)]
+    pairs += [(a, a, "same question", "alternate rows", "even", "odd") for a in range(len(selections))]
+    rows = []
+    for layer in selections[0]:
+        for a, b, comparison, voters, side_a, side_b in pairs:
+            first, second = selections[a][layer], selections[b][layer]
+            for label, eligible in (("kept", None), ("excluded", ~(first["sinks"] | second["sinks"]))):
+                parts = selection_overlap(first[side_a], second[side_b], eligible=eligible)
+                rows += metric_rows(parts, layer=layer, pair=f"q{a}-q{b}", comparison=comparison, voters=voters,
+                                    metric="overlap", sinks=label, min_support=min_support)
+    return _tidy(pd.DataFrame(rows).assign(sample=sample))
+
+
+def question_dependence(traces: list, document: tuple[int, int], question_starts: list[int], *, p=TOP_P,
+                        sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
+    """(d) Traces of one document with different questions after it (same document positions); see
+    `dependence_rows`. Each trace votes with the rows of its question and answer (question_starts[i] to the end)."""
+    return dependence_rows([document_selections(t, document, q, p=p, sink_rule=sink_rule)
+                            for t, q in zip(traces, question_starts)], sample=sample)
+
+
+# ---- cells: one sample each ---------------------------------------------------------------------
+def _sink_rule(config: dict) -> SinkRule:
+    return SinkRule(**config["sink_rule"])
+
+
+def _model_columns(model, config: dict) -> dict:
+    return dict(split=config["split"], model=model.config.name_or_path or type(model).__name__)
+
+
+def chat_cell(model, tokenizer, config: dict) -> pd.DataFrame:
+    """One chat prompt: (a) and (b) (every observation window and selection) per mode; column `table` says
+    which findings table a row belongs to ("a", or "b" for (b) rows of every variant)."""
+    from .prompts import chat_prompt
+
+    prompt = chat_prompt(tokenizer, config["recipes"], split=config["split"], index=config["index"])
+    new_tokens = config["gen_window"] * config["n_gen_windows"]
+    _require(prompt.n_tokens, max(config["prompt_window"] * config["n_windows"], *config["obs_windows"]) + 1, prompt.name)
+    tables = []
+    for mode in config["modes"]:
+        forced = encode(tokenizer, prompt.continuation)[:new_tokens] if mode == "teacher-forced" else None
+        trace = capture(model, tokenizer, prompt.ids, max_new_tokens=new_tokens, continuation=forced, stop_at_eos=False)
+        a, b = [], []
+        for layer in trace.layers:  # one pass of the generated rows' attention per layer serves (a) and (b)
+            attn, sinks = _generated_attention(trace, layer, _sink_rule(config))
+            a += _window_rows(trace, layer, attn, sinks, config["prompt_window"], config["n_windows"], config["p"])
+            b += _consistency_rows(trace, layer, attn, sinks, config["obs_windows"], list(SELECTIONS), config["gen_window"],
+                                   config["n_gen_windows"], config["p"])
+        tables += [_window_table(a, prompt.name).assign(table="a", mode=mode),
+                   _tidy(pd.DataFrame(b)).assign(sample=prompt.name, table="b", mode=mode)]
+        del trace
+    return pd.concat(tables, ignore_index=True).assign(**_model_columns(model, config))
+
+
+def _qa_traces(model, tokenizer, prompts: dict, modes, new_tokens: int) -> dict[str, dict]:
+    """{mode: {placement: trace}} of one question's prompts {placement: Prompt}: greedy, and teacher-forced.
+
+    The essays come without reference answers, so the teacher-forced reference of a placement is the model's
+    own greedy answer with the question at the *other* placement (with one placement, its own answer)."""
+    greedy = {placement: capture(model, tokenizer, q.ids, max_new_tokens=new_tokens) for placement, q in prompts.items()}
+    out = {"generated": greedy} if "generated" in modes else {}
+    if "teacher-forced" in modes:
+        other = {"front": "back", "back": "front"}
+        answer = {placement: t.token_ids[t.generated] for placement, t in greedy.items()}
+        out["teacher-forced"] = {placement: capture(model, tokenizer, q.ids, continuation=answer.get(other[placement], answer[placement]))
+                                 for placement, q in prompts.items()}
+    return out
+
+
+def placement_cell(model, tokenizer, config: dict) -> pd.DataFrame:
+    """One document: (c), its question before and after it, per mode."""
+    from .prompts import qa_prompt
+
+    prompts = {placement: qa_prompt(tokenizer, config["recipes"], config["essay"], config["question"], placement)
+               for placement in ("front", "back")}
+    traces = _qa_traces(model, tokenizer, prompts, config["modes"], config["new_tokens"])
+    tables = [question_placement(placed, obs_window=config["obs_window"], p=config["p"], sink_rule=_sink_rule(config),
+                                 sample=config["essay"]).assign(mode=mode, question=config["question"])
+              for mode, placed in traces.items()]
+    return pd.concat(tables, ignore_index=True).assign(**_model_columns(model, config))
+
+
+def dependence_cell(model, tokenizer, config: dict) -> pd.DataFrame:
+    """One document and its questions: (d) per mode. Front placements are captured only for teacher forcing."""
+    from .prompts import qa_prompt
+
+    placements = ("back", "front") if "teacher-forced" in config["modes"] else ("back",)
+    summaries: dict[str, list] = {mode: [] for mode in config["modes"]}
+    for question in config["questions"]:
+        prompts = {placement: qa_prompt(tokenizer, config["recipes"], config["essay"], question, placement)
+                   for placement in placements}
+        for mode, placed in _qa_traces(model, tokenizer, prompts, config["modes"], config["new_tokens"]).items():
+            back = prompts["back"]
+            summaries[mode].append(document_selections(placed["back"], back.spans["document"], back.spans["question"][0],
+                                                       p=config["p"], sink_rule=_sink_rule(config)))
+    tables = [dependence_rows(selections, sample=config["essay"]).assign(mode=mode) for mode, selections in summaries.items()]
+    return pd.concat(tables, ignore_index=True).assign(**_model_columns(model, config))
+
+
+# ---- running everything -----------------------------------------------------------------------
+def _options(options: dict) -> dict:
+    o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None and k in DEFAULTS}}
+    o["modes"], o["splits"], o["obs_windows"] = tuple(o["modes"]), tuple(o["splits"]), tuple(o["obs_windows"])
+    if not o["modes"] or set(o["modes"]) - set(MODES):
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {o['modes']!r}")
+    if not o["splits"] or set(o["splits"]) - set(SPLITS):
+        raise ValueError(f"splits must be a non-empty subset of {SPLITS}, got {o['splits']!r}")
+    if o["obs_window"] not in o["obs_windows"]:
+        o["obs_windows"] = tuple(sorted({*o["obs_windows"], o["obs_window"]}))
+    return o
+
+
+def findings_cells(options: dict, recipes: dict, model_name: str | None) -> dict[str, list]:
+    """The cells of a findings run: {"ab": chat prompts, "c": documents, "d": documents}, both splits."""
+    from .sweep import Cell
+
+    o = _options(options)
+    common = dict(model=model_name, modes=list(o["modes"]), p=o["p"], sink_rule=dict(first=SinkRule.first, share=SinkRule.share),
+                  theta=THETA, min_support=MIN_SUPPORT)
+    chat = dict(recipes={"seed": recipes["seed"], "chat": recipes["chat"]}, obs_windows=list(o["obs_windows"]),
+                prompt_window=o["prompt_window"], n_windows=o["n_windows"], gen_window=o["gen_window"],
+                n_gen_windows=o["n_gen_windows"], **common)
+    qa = dict(recipes={"seed": recipes["seed"], "qa": recipes["qa"]}, new_tokens=o["qa_new_tokens"], **common)
+    cells: dict[str, list] = {"ab": [], "c": [], "d": []}
+    n_questions = len(recipes["qa"]["questions"])
+    for split in o["splits"]:
+        essays = recipes["qa"][split]
+        for name, count in (("placement_documents", o["placement_documents"]), ("dependence_documents", o["dependence_documents"])):
+            if count > len(essays):
+                raise ValueError(f"{name}={count}, but the {split} split has {len(essays)} essays")
+        if o["questions"] > n_questions:
+            raise ValueError(f"questions={o['questions']}, but the recipes hold {n_questions}")
+        cells["ab"] += [Cell("findings-ab", dict(chat, split=split, index=i)) for i in range(o["samples"])]
+        # (c) rotates through the questions, one per document.
+        cells["c"] += [Cell("findings-c", dict(qa, split=split, essay=essay, question=i % n_questions, obs_window=o["obs_window"]))
+                       for i, essay in enumerate(essays[:o["placement_documents"]])]
+        cells["d"] += [Cell("findings-d", dict(qa, split=split, essay=essay, questions=list(range(o["questions"]))))
+                       for essay in essays[:o["dependence_documents"]]]
+    return cells
+
+
+WORK = {"ab": chat_cell, "c": placement_cell, "d": dependence_cell}
+
+
+def run_findings(model=None, tokenizer=None, *, data_dir="data", executor="local", ray_address=None,
+                 **options) -> dict[str, pd.DataFrame]:
+    """Run every findings cell not yet stored (<data_dir>/cells/findings/) and write data/findings_{a,b,
+    b_variants,c,d}.csv and data/findings_run.json.
+
+    model: a model name for `models.load_model` (None: the bundled SmolLM2), loaded only if a cell is left to
+    run; or a loaded model, with its `tokenizer`. options: see DEFAULTS (splits, samples, documents, window
+    sizes, new tokens, modes). executor / ray_address: see `sweep.run_cells`.
+    """
+    from .prompts import load_recipes
+    from .sweep import ResultStore, run_cells
+
+    o = _options(options)
+    data_dir = Path(data_dir)
+    recipes = load_recipes(data_dir / "prompt_recipes.json")
+    loaded = tokenizer is not None
+    name = (model.config.name_or_path or type(model).__name__) if loaded else model
+    cells = findings_cells(o, recipes, name)
+    if loaded:
+        _check_lengths(model, tokenizer, cells)
+    store = ResultStore(data_dir / "cells" / "findings")
+    manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), options={k: str(v) for k, v in o.items()},
+                    model=name, seeds=[recipes["seed"]])
+    began = time.perf_counter()
+    raw = {key: run_cells(cell_list, WORK[key], store, model=None if loaded else model, executor=executor,
+                          ray_address=ray_address, desc=f"findings ({key})", manifest=manifest,
+                          loader=(lambda _: (model, tokenizer)) if loaded else None)
+           for key, cell_list in cells.items()}
+    out = findings_tables(raw, o["obs_window"])
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for key, table in out.items():
+        table.to_csv(data_dir / f"findings_{key}.csv", index=False, float_format="%.7g")
+    counts = {key: {split: int(t.loc[t["split"] == split, "sample"].nunique()) for split in o["splits"]} for key, t in out.items()}
+    run = {**{k: list(v) if isinstance(v, tuple) else v for k, v in o.items()}, "seconds": round(time.perf_counter() - began),
+           "model": str(out["a"]["model"].iloc[0]), "samples_per_table": counts, "torch_threads": torch.get_num_threads()}
+    (data_dir / "findings_run.json").write_text(pd.Series(run).to_json(indent=1))
+    return out
+
+
+def _check_lengths(model, tokenizer, cells: dict) -> None:
+    """Every chat prompt fits the model with its new tokens, checked before the first capture."""
+    from .prompts import chat_prompt
+
+    for cell in cells["ab"]:
+        c = cell.config
+        prompt = chat_prompt(tokenizer, c["recipes"], split=c["split"], index=c["index"])
+        new = c["gen_window"] * c["n_gen_windows"]
+        check_context_length(model, prompt.n_tokens + new, what=f"prompt {prompt.name} with {new} new tokens")
+
+
+def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
+    """Sum numerator, chance numerator and support over heads (exact); value and chance recomputed, NaN
+    below MIN_SUPPORT. A cell's `n_heads` says how many heads it pools."""
+    keys = [c for c in table.columns if c not in (*PARTS, "value", "chance", "head")]
+    pooled = table.groupby(keys, dropna=False, sort=False)[PARTS].sum()
+    pooled["n_heads"] = table.groupby(keys, dropna=False, sort=False).size()
+    defined = pooled["support"] >= MIN_SUPPORT
+    pooled["value"] = (pooled["numerator"] / pooled["support"]).where(defined)
+    pooled["chance"] = (pooled["chance_numerator"] / pooled["support"]).where(defined)
+    return _tidy(pooled.reset_index())
+
+
+def findings_tables(raw: dict[str, pd.DataFrame], obs_window: int) -> dict[str, pd.DataFrame]:
+    """The cells' tables -> the committed ones: (a) and the (b) variants pooled over heads; (b) per head for the
+    paper's setting (observation window `obs_window`, "paper" selection); (c) per head; (d) pooled over heads."""
+    ab = raw["ab"]
+    a = ab[ab["table"] == "a"].drop(columns=["table", "obs_window", "selection"])
+    b_all = ab[ab["table"] == "b"].drop(columns=["table"])
+    b_all = b_all.astype({"window": int, "obs_window": int})
+    paper = (b_all["obs_window"] == obs_window) & (b_all["selection"] == "paper")
+    return {"a": pool_heads(a.astype({"window": int})),
+            "b": b_all[paper].drop(columns=["obs_window", "selection"]).reset_index(drop=True),
+            "b_variants": pool_heads(b_all[b_all["metric"] != "coarse"]),
+            "c": raw["c"].reset_index(drop=True),
+            "d": pool_heads(raw["d"])}
 
 
 def _recompute(options: dict) -> None:
-    from .models import load_model
-
-    model, tokenizer = load_model(options.get("model"))
-    run_findings(model, tokenizer, data_dir=options["data_dir"], samples=options.get("samples"),
-                 obs_window=options.get("obs_window"), prompt_window=options.get("prompt_window"),
-                 gen_window=options.get("gen_window"), split=options.get("split"))
-
-
-# ---- figures -------------------------------------------------------------------------------------
-EXPERIMENTS = {
-    "a": ("window", "(a) Prompt windows vote, generation attends: the last window agrees best?"),
-    "b": ("window", "(b) Observation window vs 4 windows of generated tokens"),
-    "c": ("placement", "(c) Question before vs after the document"),
-    "d": ("window", "(d) Different questions, same document: H between their selections"),
-}
-SHOWN_LAYERS = [0, 5, 10, 15, 20, 25, 29]
-
-
-def _summary(table: pd.DataFrame, key: str) -> pd.DataFrame:
-    hue = EXPERIMENTS[key][0]
-    if key == "d":
-        table = table.assign(window="all pairs")
-    return summarise(table, by=("mode", "layer", hue, "metric", "sinks"))
+    split = options.get("split")
+    run_findings(options.get("model"), data_dir=options["data_dir"], executor=options.get("executor") or "local",
+                 ray_address=options.get("ray_address"), samples=options.get("samples"), obs_window=options.get("obs_window"),
+                 prompt_window=options.get("prompt_window"), gen_window=options.get("gen_window"),
+                 splits=None if split in (None, "both") else (split,))
 
 
 def draw(data_dir, figures_dir) -> list[Path]:
-    """PNG (matplotlib) and HTML (plotly) per experiment and mode from data/findings_*.csv.
+    from .findings_figures import draw_findings
 
-    Generated mode is figures/findings_{key}.png/.html; teacher-forced is findings_{key}_teacher-forced.*.
-    """
-    written = []
-    for key, (_, title) in EXPERIMENTS.items():
-        path = Path(data_dir) / f"findings_{key}.csv"
-        if not path.exists():
-            continue
-        for mode, summary in _summary(pd.read_csv(path), key).groupby("mode"):
-            suffix = "" if mode == "generated" else f"_{mode}"
-            written += _draw_one(summary, key, f"{title}  [{mode}; dashed: chance]", Path(figures_dir) / f"findings_{key}{suffix}")
-    return written
-
-
-def _draw_one(summary: pd.DataFrame, key: str, title: str, stem: Path) -> list[Path]:
-    """One experiment in one mode: a PNG grid (rows: metrics, columns: sinks kept / excluded) and its HTML twin."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import plotly.express as px
-
-    hue = EXPERIMENTS[key][0]
-    metric_names = [m for m in ("hit_rate", "recall", "overlap") if m in set(summary["metric"])]
-    fig, axes = plt.subplots(len(metric_names), 2, figsize=(12, 3.6 * len(metric_names)), squeeze=False, sharex=True)
-    for r, metric in enumerate(metric_names):
-        for c, sinks in enumerate(("kept", "excluded")):
-            ax, part = axes[r][c], summary[(summary.metric == metric) & (summary.sinks == sinks)]
-            if key == "a":  # x = window, one line per shown layer, as in the paper
-                for layer in SHOWN_LAYERS:
-                    line = part[part.layer == layer].sort_values("window")
-                    ax.plot(line["window"], line["value"], marker=".", label=f"layer {layer}")
-                chance = part.groupby("window")["chance"].mean()
-                ax.set_xlabel("prompt window (-1 = observation window)")
-            else:
-                for value, line in part.groupby(hue):
-                    ax.plot(line["layer"], line["value"], marker=".", label=f"{hue} {value}")
-                chance = part.groupby("layer")["chance"].mean()
-                ax.set_xlabel("layer")
-            ax.plot(chance.index, chance.values, "k--", label="chance")
-            # NaN (undefined) cells leave gaps in the lines; name them so a gap is not read as missing data.
-            undefined = sorted(set(part.loc[~part["defined"], "layer"]))
-            if undefined:
-                ax.text(0.01, 0.02, f"undefined (support < {metrics.MIN_SUPPORT}): layers {undefined}",
-                        transform=ax.transAxes, fontsize=7)
-            ax.set_ylim(-0.02, 1.02)
-            ax.set_title(f"{metric}, sinks {sinks}", fontsize=10)
-            ax.grid(alpha=0.3)
-    axes[0][1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    png, html = stem.with_suffix(".png"), stem.with_suffix(".html")
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    x, color = ("window", "layer") if key == "a" else ("layer", hue)
-    shown = summary[summary.layer.isin(SHOWN_LAYERS)] if key == "a" else summary
-    chance = (shown.groupby(["metric", "sinks", x], as_index=False)["chance"].mean()
-              .assign(value=lambda t: t["chance"], **{color: "chance"}))
-    figure = px.line(pd.concat([shown.assign(**{color: shown[color].astype(str)}), chance]), x=x, y="value",
-                     color=color, facet_row="metric", facet_col="sinks", markers=True, title=title,
-                     hover_data=["chance", "support", "n_cells"])
-    figure.for_each_trace(lambda trace: trace.update(line=dict(dash="dash", color="black"), marker=dict(size=1))
-                          if trace.name == "chance" else None)
-    write_html(figure, html)
-    return [png, html]
+    return draw_findings(data_dir, figures_dir)
 
 
 register(FigureSet(name="findings", recompute=_recompute, draw=draw))

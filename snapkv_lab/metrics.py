@@ -17,33 +17,47 @@ prefix) bool mask of the selection):
   is above 0.005, on both sides; overlap = |gen & obs| / |gen|. support = |gen|.
 - "overlap": H(M_A, M_B) = |A & B| / |A| between two selections. support = |A|.
 
-Sinks: with sinks="excluded", the sink positions leave both the selection and the attention: the first
-`SinkRule.first` tokens, and any position taking at least `SinkRule.share` of the attention in every row
-of the reference rows (per head). A finding that only holds with sinks kept is about the sink.
+Sinks: with sinks="excluded", the sink positions leave both the selection and the attention. They are
+defined once per prompt (`SinkRule.mask` on the attention of *all* its generated rows over the whole
+prompt): the first `SinkRule.first` tokens, and any position taking at least `SinkRule.share` of the
+attention in every generated row (per head). Every window of that prompt uses the same set. A finding
+that only holds with sinks kept is about the sink.
+
+Intervals: `summarise(..., ci=0.95)` and `difference` bootstrap over samples (prompts or documents, the
+`sample` column): each of `RESAMPLES` replicates draws as many samples as there are, with replacement,
+and pools numerator and support over them; the interval is the percentile interval of the replicates.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 
 THETA = 0.05
 COARSE_THRESHOLD = 0.005
 MIN_SUPPORT = 5
+RESAMPLES = 2000  # bootstrap replicates: the percentile interval's ends move by about 0.005 between seeds
 COLUMNS = ["layer", "head", "window", "metric", "sinks", "numerator", "chance_numerator", "support", "value", "chance"]
+PARTS = ["numerator", "chance_numerator", "support"]
 
 
 @dataclass(frozen=True)
 class SinkRule:
-    """Which prefix positions count as attention sinks."""
+    """Which prompt positions count as attention sinks."""
 
     first: int = 4  # the first tokens (BOS, chat-template header): sinks in nearly every head
     share: float = 0.2  # or a position taking at least this share of attention in every reference row
 
     def mask(self, attn: torch.Tensor) -> torch.Tensor:
-        """attn (heads, rows, prefix) -> (heads, prefix) bool, True at sinks."""
+        """attn (heads, rows, positions) -> (heads, positions) bool, True at sinks.
+
+        Position 0 of `attn` must be prompt position 0 (the first tokens are counted from it). Pass the
+        attention of all of a prompt's generated rows, so that every window of the prompt shares one set.
+        """
         sinks = (attn >= self.share).all(dim=1)
         sinks[:, : self.first] = True
         return sinks
@@ -56,27 +70,41 @@ def _ratio(numerator, chance_numerator, support, min_support) -> tuple[torch.Ten
     return value, chance
 
 
+def _chance_rate(selected: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """(heads,) share of the eligible positions that the selection holds."""
+    return (selected & eligible).sum(-1).double() / eligible.sum(-1).clamp(min=1).double()
+
+
 def hit_rate(attn, selected, *, theta=THETA, eligible=None) -> dict[str, torch.Tensor]:
     """Paper hit rate parts per head: numerator, chance_numerator, support, each (heads,).
 
     attn (heads, rows, prefix); selected, eligible (heads, prefix) bool (eligible: positions that count).
+    Counts are exact integers (held in float64).
     """
+    return _hit_rate_parts((attn > theta).sum(dim=1, dtype=torch.float64), selected, eligible)
+
+
+def _hit_rate_parts(above: torch.Tensor, selected, eligible=None) -> dict[str, torch.Tensor]:
+    """hit_rate from above (heads, prefix): per position, the number of rows attending to it above theta."""
     eligible = torch.ones_like(selected) if eligible is None else eligible
-    above = (attn > theta) & eligible[:, None]
-    hits = (above & selected[:, None]).sum(dim=(1, 2)).float()
-    support = above.sum(dim=(1, 2)).float()
-    chance_rate = (selected & eligible).sum(-1).float() / eligible.sum(-1).clamp(min=1).float()
-    return dict(numerator=hits, chance_numerator=support * chance_rate, support=support)
+    above = above.double()
+    support = (above * eligible).sum(-1)
+    hits = (above * (selected & eligible)).sum(-1)
+    return dict(numerator=hits, chance_numerator=support * _chance_rate(selected, eligible), support=support)
 
 
 def attention_recall(attn, selected, *, eligible=None) -> dict[str, torch.Tensor]:
     """Share of each row's eligible prefix mass on the selection, summed over rows (support = rows)."""
     eligible = torch.ones_like(selected) if eligible is None else eligible
-    mass = (attn * eligible[:, None]).sum(-1)
-    on_selection = (attn * (selected & eligible)[:, None]).sum(-1)
-    share = on_selection / mass.clamp(min=1e-12)
-    chance_rate = (selected & eligible).sum(-1).float() / eligible.sum(-1).clamp(min=1).float()
-    rows = torch.full_like(chance_rate, attn.shape[1])
+    masks = torch.stack([eligible, selected & eligible], dim=-1).to(attn.dtype)  # (heads, prefix, 2)
+    mass, on_selection = torch.bmm(attn, masks).unbind(-1)  # (heads, rows) each
+    return _recall_parts(mass, on_selection, _chance_rate(selected, eligible))
+
+
+def _recall_parts(mass: torch.Tensor, on_selection: torch.Tensor, chance_rate: torch.Tensor) -> dict[str, torch.Tensor]:
+    """recall from each row's eligible mass and its mass on the selection, (heads, rows) each."""
+    share = on_selection.double() / mass.double().clamp(min=1e-12)
+    rows = torch.full_like(share[:, 0], share.shape[1])
     return dict(numerator=share.sum(-1), chance_numerator=rows * chance_rate, support=rows)
 
 
@@ -84,9 +112,8 @@ def selection_overlap(a, b, *, eligible=None) -> dict[str, torch.Tensor]:
     """H(M_A, M_B) = |A & B| / |A| per head; a, b (heads, prefix) bool. Chance: B random of the same size."""
     eligible = torch.ones_like(a) if eligible is None else eligible
     a, b = a & eligible, b & eligible
-    support = a.sum(-1).float()
-    chance_rate = b.sum(-1).float() / eligible.sum(-1).clamp(min=1).float()
-    return dict(numerator=(a & b).sum(-1).float(), chance_numerator=support * chance_rate, support=support)
+    support = a.sum(-1).double()
+    return dict(numerator=(a & b).sum(-1).double(), chance_numerator=support * _chance_rate(b, eligible), support=support)
 
 
 def coarse_overlap(attn_generated, attn_window, *, threshold=COARSE_THRESHOLD, eligible=None) -> dict[str, torch.Tensor]:
@@ -102,43 +129,156 @@ def to_mask(indices: torch.Tensor, prefix_len: int) -> torch.Tensor:
     return mask.scatter_(1, indices, True)
 
 
-def metric_rows(parts: dict[str, torch.Tensor], *, layer, window, metric, sinks, min_support=MIN_SUPPORT) -> list[dict]:
-    """One tidy row per head from a metric's parts."""
+def metric_rows(parts: dict[str, torch.Tensor], *, metric, sinks, min_support=MIN_SUPPORT, **columns) -> list[dict]:
+    """One tidy row per head from a metric's parts; `columns` (layer, window, ...) go first in every row."""
     value, chance = _ratio(parts["numerator"], parts["chance_numerator"], parts["support"], min_support)
-    return [dict(layer=layer, head=h, window=window, metric=metric, sinks=sinks,
-                 numerator=float(parts["numerator"][h]), chance_numerator=float(parts["chance_numerator"][h]),
-                 support=float(parts["support"][h]), value=float(value[h]), chance=float(chance[h]))
+    lists = {name: parts[name].tolist() for name in PARTS}
+    value, chance = value.tolist(), chance.tolist()
+    return [dict(columns, head=h, metric=metric, sinks=sinks,
+                 **{name: lists[name][h] for name in PARTS}, value=value[h], chance=chance[h])
             for h in range(len(value))]
 
 
-def selection_vs_generation(attn, selected, *, layer, window, observed=None, theta=THETA, sink_rule=SinkRule(),
-                            min_support=MIN_SUPPORT) -> list[dict]:
-    """hit_rate, recall (and coarse, given `observed`) of one selection, sinks kept and excluded.
+def selection_vs_generation(attn, selections: dict, *, sinks, windows: dict | None = None, observed=None, theta=THETA,
+                            min_support=MIN_SUPPORT, **columns) -> list[dict]:
+    """hit_rate, recall (and coarse, given `observed`) of selections against windows of generated rows, sinks kept
+    and excluded: one row per (window, selection, metric, sinks variant, head).
 
     attn: (heads, generated rows, prefix) attention of the generated rows over the prefix;
-    selected: (heads, prefix) bool; observed: (heads, window rows, prefix) attention of the voting window.
-    Sinks are found on `attn` with `sink_rule`.
+    selections: {label: (heads, prefix) bool}; windows: {label: slice of attn's rows} (default {None: all});
+    sinks: (heads, prefix) bool, the prompt's sinks (`SinkRule.mask` of all its generated rows, cut to the prefix);
+    observed: (heads, window rows, prefix) attention of the voting window, for "coarse" (one per selection: it
+    does not depend on the selection). Rows get window=<windows key>, selection=<selections key> and `columns`.
+    The attention is reduced once per call (counts above theta, row masses on every mask), so scoring many
+    selections costs little more than one.
     """
-    sinks = sink_rule.mask(attn)
+    windows = {None: slice(None)} if windows is None else windows
+    eligible = {"kept": torch.ones_like(sinks), "excluded": ~sinks}
+    labels = list(selections)
+    masks = [eligible[e] & selections[s] for e in eligible for s in labels] + list(eligible.values())
+    masses = torch.bmm(attn, torch.stack(masks, dim=-1).to(attn.dtype))  # (heads, rows, masks)
+    above = attn > theta
+    observed_above = None if observed is None else observed.mean(1) > COARSE_THRESHOLD
     rows = []
-    for label, eligible in (("kept", None), ("excluded", ~sinks)):
-        common = dict(layer=layer, window=window, sinks=label, min_support=min_support)
-        rows += metric_rows(hit_rate(attn, selected, theta=theta, eligible=eligible), metric="hit_rate", **common)
-        rows += metric_rows(attention_recall(attn, selected, eligible=eligible), metric="recall", **common)
-        if observed is not None:
-            rows += metric_rows(coarse_overlap(attn, observed, eligible=eligible), metric="coarse", **common)
+    for window, window_rows in windows.items():
+        counts = above[:, window_rows].sum(dim=1, dtype=torch.float64)  # (heads, prefix)
+        window_masses = masses[:, window_rows]
+        generated_above = None if observed is None else attn[:, window_rows].mean(1) > COARSE_THRESHOLD
+        for e, (variant, allowed) in enumerate(eligible.items()):
+            mass = window_masses[..., len(masks) - len(eligible) + e]
+            # coarse_overlap, with both means taken once per window
+            coarse = None if observed is None else selection_overlap(generated_above, observed_above, eligible=allowed)
+            for s, label in enumerate(labels):
+                selected = selections[label]
+                common = dict(columns, window=window, selection=label, sinks=variant, min_support=min_support)
+                rows += metric_rows(_hit_rate_parts(counts, selected, allowed), metric="hit_rate", **common)
+                rows += metric_rows(_recall_parts(mass, window_masses[..., e * len(labels) + s],
+                                                  _chance_rate(selected, allowed)), metric="recall", **common)
+                if coarse is not None:
+                    rows += metric_rows(coarse, metric="coarse", **common)
     return rows
 
 
-def summarise(table: pd.DataFrame, by=("layer", "window", "metric", "sinks"), min_support=MIN_SUPPORT) -> pd.DataFrame:
+# ---- pooling and intervals -------------------------------------------------------------------------
+def summarise(table: pd.DataFrame, by=("layer", "window", "metric", "sinks"), min_support=MIN_SUPPORT, *,
+              ci: float | None = None, resamples: int = RESAMPLES, seed: int = 0, unit: str = "sample") -> pd.DataFrame:
     """Pool a tidy metric table over the other columns (heads, samples): value = sum(num) / sum(support).
 
     Adds `defined` (support >= min_support) and `n_cells`; undefined values are NaN.
+    ci (e.g. 0.95) adds `ci_low`, `ci_high` and `n_samples`: the percentile interval of the pooled ratio
+    over `resamples` bootstrap replicates of the samples (distinct values of the `unit` column) in each
+    group, drawn with numpy's default_rng(seed). Replicates whose pooled support is below min_support are
+    left out of the quantiles; a group with none left gets NaN.
     """
-    grouped = table.groupby(list(by), dropna=False, sort=True)
-    out = grouped[["numerator", "chance_numerator", "support"]].sum()
+    by = list(by)
+    grouped = table.groupby(by, dropna=False, sort=True)
+    out = grouped[PARTS].sum()
     out["n_cells"] = grouped.size()
     out["defined"] = out["support"] >= min_support
     out["value"] = (out["numerator"] / out["support"]).where(out["defined"])
     out["chance"] = (out["chance_numerator"] / out["support"]).where(out["defined"])
+    if ci is not None:
+        replicates, n_samples = _bootstrap(table, by, unit, resamples=resamples, seed=seed, min_support=min_support)
+        out["n_samples"] = n_samples.reindex(out.index)
+        low, high = _percentiles(replicates.reindex(out.index).to_numpy(), ci)
+        out["ci_low"], out["ci_high"] = low, high
     return out.reset_index()
+
+
+def difference(table: pd.DataFrame, between: tuple[str, object, object], by=("layer", "metric", "sinks"),
+               min_support=MIN_SUPPORT, *, ci: float = 0.95, resamples: int = RESAMPLES, seed: int = 0,
+               unit: str = "sample") -> pd.DataFrame:
+    """value(a) - value(b) per group, with a paired bootstrap interval: between = (column, a, b).
+
+    Each replicate draws samples (the `unit` column) once and pools both sides over the same draw, so the
+    interval is that of the difference, not of two independent values. Only samples present on both sides
+    count. Returns the `by` columns, value_a, value_b, difference, ci_low, ci_high, n_samples.
+    """
+    column, a, b = between
+    by = [c for c in by if c != column]
+    sides = {}
+    for label, level in (("a", a), ("b", b)):
+        part = table[table[column] == level]
+        if part.empty:
+            raise ValueError(f"no rows with {column} == {level!r}; it holds {sorted(table[column].unique())}")
+        sides[label] = part
+    common = set(sides["a"][unit]) & set(sides["b"][unit])
+    sides = {label: part[part[unit].isin(common)] for label, part in sides.items()}
+    point = {label: summarise(part, by, min_support).set_index(by)["value"] for label, part in sides.items()}
+    replicates = {}
+    for label, part in sides.items():
+        replicates[label], n_samples = _bootstrap(part, by, unit, resamples=resamples, seed=seed, min_support=min_support)
+    index = point["a"].index.intersection(point["b"].index)
+    low, high = _percentiles(replicates["a"].reindex(index).to_numpy() - replicates["b"].reindex(index).to_numpy(), ci)
+    out = pd.DataFrame(dict(value_a=point["a"].reindex(index), value_b=point["b"].reindex(index)), index=index)
+    out["difference"] = out["value_a"] - out["value_b"]
+    out["ci_low"], out["ci_high"], out["n_samples"] = low, high, n_samples.reindex(index)
+    return out.reset_index()
+
+
+def _bootstrap(table: pd.DataFrame, by: list[str], unit: str, *, resamples: int, seed: int,
+               min_support: float) -> tuple[pd.DataFrame, pd.Series]:
+    """Bootstrap replicates of the pooled ratio: ((groups, resamples) DataFrame indexed by `by`, samples per group).
+
+    Groups holding the same samples share one draw, so a replicate is one resampling of the prompts applied
+    to every statistic, and two tables over the same samples (see `difference`) get the same draws.
+    """
+    if unit not in table:
+        raise ValueError(f"intervals bootstrap over the {unit!r} column, which this table lacks (columns: {list(table)})")
+    sums = table.groupby([*by, unit], dropna=False, sort=True)[["numerator", "support"]].sum()
+    numerator, support = sums["numerator"].unstack(unit), sums["support"].unstack(unit)
+    present = support.notna().to_numpy()
+    replicates = np.full((len(support), resamples), np.nan)
+    patterns: dict[bytes, list[int]] = {}
+    for row, pattern in enumerate(present):
+        patterns.setdefault(pattern.tobytes(), []).append(row)
+    for rows in patterns.values():
+        columns = np.flatnonzero(present[rows[0]])
+        counts = resample_counts(len(columns), resamples, seed)  # (resamples, samples)
+        pooled_numerator = numerator.to_numpy()[np.ix_(rows, columns)] @ counts.T
+        pooled_support = support.to_numpy()[np.ix_(rows, columns)] @ counts.T
+        with np.errstate(divide="ignore", invalid="ignore"):
+            replicates[rows] = np.where(pooled_support >= min_support, pooled_numerator / pooled_support, np.nan)
+    index = support.index
+    return pd.DataFrame(replicates, index=index), pd.Series(present.sum(1), index=index)
+
+
+def resample_counts(n_samples: int, resamples: int, seed: int) -> np.ndarray:
+    """(resamples, n_samples) how often each sample is drawn in each replicate: replicate r draws
+    default_rng(seed).integers(0, n_samples, (resamples, n_samples))[r], n_samples draws with replacement."""
+    draws = np.random.default_rng(seed).integers(0, n_samples, size=(resamples, n_samples))
+    counts = np.zeros((resamples, n_samples))
+    np.add.at(counts, (np.arange(resamples)[:, None], draws), 1)
+    return counts
+
+
+def _percentiles(replicates: np.ndarray, ci: float) -> tuple[np.ndarray, np.ndarray]:
+    """(groups, resamples) -> the (1 - ci) / 2 and (1 + ci) / 2 quantiles per group, NaN where none is defined."""
+    if not 0 < ci < 1:
+        raise ValueError(f"ci must lie in (0, 1), got {ci}")
+    if replicates.size == 0:
+        return np.array([]), np.array([])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN groups: undefined, reported as NaN
+        low, high = np.nanquantile(replicates, [(1 - ci) / 2, (1 + ci) / 2], axis=1)
+    return low, high

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,37 +86,54 @@ def _cut(tokenizer, text: str, n_tokens: int) -> list[int]:
     return encode(tokenizer, text)[:n_tokens]
 
 
-def chat_prompts(tokenizer, recipes: dict, *, split: str = "dev", samples: int = 2) -> list[Prompt]:
-    """Multi-turn chats (> 3k tokens with the default recipe) ending in a request for a long answer."""
+def _check_pydoc(recipe: dict) -> None:
+    if recipe.get("pydoc_checksum") not in (None, pydoc_topics_checksum()):
+        warnings.warn(f"this Python's pydoc topics (checksum {pydoc_topics_checksum()}) differ from the recipe's "
+                      f"({recipe['pydoc_checksum']}): the chat prompts, and so the findings, will differ from the "
+                      "committed tables", stacklevel=3)
+
+
+def chat_prompt(tokenizer, recipes: dict, *, split: str = "dev", index: int = 0) -> Prompt:
+    """Multi-turn chat number `index` of a split (> 3k tokens with the default recipe), ending in a request for a
+    long answer. Its topics are drawn by a generator seeded with (seed, split, index) alone, so any prompt is
+    rebuilt without the others."""
     recipe, topics = recipes["chat"], pydoc_topics()
-    names = recipe[split]
-    rng = random.Random(recipes["seed"] + 1)
-    prompts = []
-    for i in range(samples):
-        chosen = rng.sample(names, recipe["turns"] + 1)
-        history = []
-        for name in chosen[:-1]:
-            history += [{"role": "user", "content": f"Explain the Python topic '{name}'."},
-                        {"role": "assistant", "content": tokenizer.decode(_cut(tokenizer, topics[name], recipe["turn_tokens"]))}]
-        ids, spans = chat_ids(tokenizer, history, [("request", CHAT_REQUEST)])
-        reference = tokenizer.decode(_cut(tokenizer, topics[chosen[-1]], recipe["continuation_tokens"]))
-        prompts.append(Prompt(f"chat-{split}-{i}", ids, spans, continuation=reference))
-    return prompts
+    _check_pydoc(recipe)
+    rng = random.Random(f"{recipes['seed']}:chat:{split}:{index}")
+    chosen = rng.sample(recipe[split], recipe["turns"] + 1)
+    history = []
+    for name in chosen[:-1]:
+        history += [{"role": "user", "content": f"Explain the Python topic '{name}'."},
+                    {"role": "assistant", "content": tokenizer.decode(_cut(tokenizer, topics[name], recipe["turn_tokens"]))}]
+    ids, spans = chat_ids(tokenizer, history, [("request", CHAT_REQUEST)])
+    reference = tokenizer.decode(_cut(tokenizer, topics[chosen[-1]], recipe["continuation_tokens"]))
+    return Prompt(f"chat-{split}-{index}", ids, spans, continuation=reference)
+
+
+def chat_prompts(tokenizer, recipes: dict, *, split: str = "dev", samples: int = 2) -> list[Prompt]:
+    """The first `samples` chats of a split (see `chat_prompt`)."""
+    return [chat_prompt(tokenizer, recipes, split=split, index=i) for i in range(samples)]
+
+
+def qa_prompt(tokenizer, recipes: dict, essay: str, question: int, placement: str = "back") -> Prompt:
+    """An essay cut to the recipe's doc_tokens, with question number `question` before or after it."""
+    if placement not in ("front", "back"):
+        raise ValueError(f"placement must be 'front' or 'back', got {placement!r}")
+    recipe = recipes["qa"]
+    doc = _cut(tokenizer, paul_graham_essays()[essay], recipe["doc_tokens"])
+    text = recipe["questions"][question]
+    parts = [("document", doc), ("question", "\n\n" + text)]
+    if placement == "front":
+        parts = [("question", text + "\n\n"), ("document", doc)]
+    ids, spans = chat_ids(tokenizer, [], parts)
+    return Prompt(f"qa-{essay}-q{question}-{placement}", ids, spans)
 
 
 def qa_prompts(tokenizer, recipes: dict, *, split: str = "dev", documents: int = 1, questions: int = 3,
                placement: str = "back") -> list[Prompt]:
-    """Essay + question prompts: `documents` essays x `questions` questions, question before or after."""
+    """Essay + question prompts: the split's first `documents` essays x `questions` questions, question before
+    or after."""
     if placement not in ("front", "back"):
         raise ValueError(f"placement must be 'front' or 'back', got {placement!r}")
-    recipe, essays = recipes["qa"], paul_graham_essays()
-    prompts = []
-    for essay in recipe[split][:documents]:
-        doc = _cut(tokenizer, essays[essay], recipe["doc_tokens"])
-        for q, question in enumerate(recipe["questions"][:questions]):
-            parts = [("document", doc), ("question", "\n\n" + question)]
-            if placement == "front":
-                parts = [("question", question + "\n\n"), ("document", doc)]
-            ids, spans = chat_ids(tokenizer, [], parts)
-            prompts.append(Prompt(f"qa-{split}-{essay}-q{q}-{placement}", ids, spans))
-    return prompts
+    return [qa_prompt(tokenizer, recipes, essay, q, placement)
+            for essay in recipes["qa"][split][:documents] for q in range(questions)]
