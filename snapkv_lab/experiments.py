@@ -390,18 +390,23 @@ def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def findings_tables(raw: dict[str, pd.DataFrame], obs_window: int) -> dict[str, pd.DataFrame]:
-    """The cells' tables -> the committed ones: (a) and the (b) variants pooled over heads; (b) per head for the
-    paper's setting (observation window `obs_window`, "paper" selection); (c) per head; (d) pooled over heads."""
-    ab = raw["ab"]
-    a = ab[ab["table"] == "a"].drop(columns=["table", "obs_window", "selection"])
-    b_all = ab[ab["table"] == "b"].drop(columns=["table"])
-    b_all = b_all.astype({"window": int, "obs_window": int})
-    paper = (b_all["obs_window"] == obs_window) & (b_all["selection"] == "paper")
-    return {"a": pool_heads(a.astype({"window": int})),
-            "b": b_all[paper].drop(columns=["obs_window", "selection"]).reset_index(drop=True),
-            "b_variants": pool_heads(b_all[b_all["metric"] != "coarse"]),
-            "c": raw["c"].reset_index(drop=True),
-            "d": pool_heads(raw["d"])}
+    """The cells' tables {"ab", "c", "d"} (any of them) -> the committed ones: (a) and the (b) variants pooled over
+    heads; (b) per head in the paper's setting (observation window `obs_window`, "paper" selection); (c) per head;
+    (d) pooled over heads."""
+    out = {}
+    if "ab" in raw:
+        ab = raw["ab"]
+        a = ab[ab["table"] == "a"].drop(columns=["table", "obs_window", "selection"]).astype({"window": int})
+        b = ab[ab["table"] == "b"].drop(columns=["table"]).astype({"window": int, "obs_window": int})
+        paper = (b["obs_window"] == obs_window) & (b["selection"] == "paper")
+        out["a"] = pool_heads(a)
+        out["b"] = b[paper].drop(columns=["obs_window", "selection"]).reset_index(drop=True)
+        out["b_variants"] = pool_heads(b[b["metric"] != "coarse"])
+    if "c" in raw:
+        out["c"] = raw["c"].reset_index(drop=True)
+    if "d" in raw:
+        out["d"] = pool_heads(raw["d"])
+    return out
 
 
 def _recompute(options: dict) -> None:

@@ -18,7 +18,7 @@ from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 
 from snapkv_lab import AttentionTrace, capture, plots
 import snapkv_lab as sl
-from snapkv_lab.metrics import selection_vs_generation, to_mask
+from snapkv_lab.metrics import SinkRule, selection_vs_generation, to_mask
 from snapkv_lab.selection import select_from_trace
 
 ATOL = 1e-5  # fp32: CUDA vs CPU
@@ -132,8 +132,8 @@ def test_metrics_on_a_cuda_trace_equal_a_cpu_copy(cuda_trace):
         rows = []
         for layer in trace.layers:
             kept = to_mask(select_from_trace(trace, layer, window, 16), window.start)
-            rows += selection_vs_generation(trace.attention(layer, queries=trace.generated, keys=prefix), kept,
-                                            layer=layer, window=WINDOW,
+            attn = trace.attention(layer, queries=trace.generated, keys=prefix)
+            rows += selection_vs_generation(attn, {"snapkv": kept}, sinks=SinkRule().mask(attn), layer=layer,
                                             observed=trace.attention(layer, queries=window, keys=prefix))
         return pd.DataFrame(rows)
 

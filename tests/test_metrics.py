@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 from conftest import eager_twin, make_tiny_llama
 
 from snapkv_lab import capture
-from snapkv_lab.metrics import (SinkRule, attention_recall, coarse_overlap, hit_rate, metric_rows,
-                                selection_overlap, summarise, to_mask)
+from snapkv_lab.metrics import (SinkRule, attention_recall, coarse_overlap, difference, hit_rate, metric_rows,
+                                selection_overlap, selection_vs_generation, summarise, to_mask)
 from snapkv_lab.selection import pool_votes, select, select_from_trace, topk_count, votes_per_kv_head
 
 
@@ -72,6 +73,82 @@ def test_undefined_cells_are_nan_and_pooling_is_exact():
     assert summary["value"].tolist() == [3 / 8, 3 / 8] and summary["defined"].all()
     tiny = summarise(table[table["head"] == 1], min_support=5)
     assert tiny["value"].isna().all() and not tiny["defined"].any()
+
+
+def test_selection_vs_generation_equals_the_metrics_one_by_one():
+    """The batched scorer (many selections, windows, both sink variants) against hit_rate, attention_recall and
+    coarse_overlap called on each window's rows alone."""
+    generator = torch.Generator().manual_seed(1)
+    heads, rows, prefix = 3, 20, 60
+    attn = torch.distributions.Dirichlet(torch.full((prefix + 5,), 0.1)).sample((heads, rows))[..., :prefix]
+    observed = torch.distributions.Dirichlet(torch.full((prefix + 5,), 0.1)).sample((heads, 7))[..., :prefix]
+    selections = {name: torch.rand(heads, prefix, generator=generator) < 0.2 for name in ("x", "y")}
+    sinks = torch.rand(heads, prefix, generator=generator) < 0.1
+    windows = {1: slice(0, 8), 2: slice(8, 20)}
+    table = pd.DataFrame(selection_vs_generation(attn, selections, sinks=sinks, windows=windows, observed=observed, layer=3))
+    assert len(table) == 2 * 2 * 2 * 3 * heads and set(table["layer"]) == {3}
+    for (window, name, variant, metric), part in table.groupby(["window", "selection", "sinks", "metric"]):
+        block, eligible = attn[:, windows[window]], None if variant == "kept" else ~sinks
+        expected = {"hit_rate": lambda: hit_rate(block, selections[name], eligible=eligible),
+                    "recall": lambda: attention_recall(block, selections[name], eligible=eligible),
+                    "coarse": lambda: coarse_overlap(block, observed, eligible=eligible)}[metric]()
+        for column, values in expected.items():
+            assert part.sort_values("head")[column].tolist() == pytest.approx(values.tolist(), rel=1e-6), (window, name, metric)
+
+
+def plain_bootstrap(numerators, supports, resamples, seed, ci):
+    """Percentile interval of sum(num) / sum(support) over samples drawn with replacement, one replicate at a time.
+    numerators, supports: per sample, in sample-name order. Draws as the docs of metrics.resample_counts say."""
+    draws = np.random.default_rng(seed).integers(0, len(numerators), size=(resamples, len(numerators)))
+    ratios = [sum(numerators[i] for i in draw) / sum(supports[i] for i in draw) for draw in draws]
+    return np.quantile(ratios, [(1 - ci) / 2, (1 + ci) / 2])
+
+
+@pytest.fixture
+def sampled_table():
+    """Two layers x 3 heads x 6 samples of (numerator, support); layer 1 lacks sample s5 (another draw pattern)."""
+    generator = np.random.default_rng(7)
+    rows = [dict(layer=layer, head=h, sample=f"s{i}", metric="recall", numerator=float(generator.integers(0, 20)),
+                 chance_numerator=1.0, support=20.0)
+            for layer in (0, 1) for h in range(3) for i in range(6) if not (layer == 1 and i == 5)]
+    return pd.DataFrame(rows)
+
+
+def test_summarise_interval_equals_a_plain_bootstrap(sampled_table):
+    summary = summarise(sampled_table, by=("layer",), ci=0.9, resamples=400, seed=3).set_index("layer")
+    for layer, part in sampled_table.groupby("layer"):
+        per_sample = part.groupby("sample")[["numerator", "support"]].sum()
+        low, high = plain_bootstrap(per_sample["numerator"].tolist(), per_sample["support"].tolist(), 400, 3, 0.9)
+        assert (summary.loc[layer, "ci_low"], summary.loc[layer, "ci_high"]) == pytest.approx((low, high), rel=1e-12)
+        assert summary.loc[layer, "n_samples"] == len(per_sample)
+        assert summary.loc[layer, "ci_low"] <= summary.loc[layer, "value"] <= summary.loc[layer, "ci_high"]
+    assert summary.loc[0, "ci_low"] < summary.loc[0, "ci_high"]
+    # Without a ci the summary is unchanged; a table without samples cannot be bootstrapped.
+    assert "ci_low" not in summarise(sampled_table, by=("layer",))
+    with pytest.raises(ValueError, match="sample"):
+        summarise(sampled_table.drop(columns="sample"), by=("layer",), ci=0.95)
+
+
+def test_identical_samples_give_a_zero_width_interval(sampled_table):
+    same = sampled_table.assign(numerator=5.0)
+    summary = summarise(same, by=("layer",), ci=0.95, resamples=200)
+    assert (summary["ci_low"] == 0.25).all() and (summary["ci_high"] == 0.25).all()
+
+
+def test_difference_is_a_paired_bootstrap(sampled_table):
+    table = pd.concat([sampled_table.assign(side="a"),
+                       sampled_table.assign(side="b", numerator=sampled_table["numerator"] // 2)])
+    out = difference(table, ("side", "a", "b"), by=("layer",), ci=0.95, resamples=300, seed=5).set_index("layer")
+    for layer, part in sampled_table.groupby("layer"):
+        per_sample = part.groupby("sample")[["numerator", "support"]].sum()
+        half = (part["numerator"] // 2).groupby(part["sample"]).sum()
+        draws = np.random.default_rng(5).integers(0, len(per_sample), size=(300, len(per_sample)))
+        num, sup, halves = per_sample["numerator"].to_numpy(), per_sample["support"].to_numpy(), half.to_numpy()
+        diffs = [num[d].sum() / sup[d].sum() - halves[d].sum() / sup[d].sum() for d in draws]
+        assert (out.loc[layer, "ci_low"], out.loc[layer, "ci_high"]) == pytest.approx(tuple(np.quantile(diffs, [0.025, 0.975])), rel=1e-12)
+        assert out.loc[layer, "difference"] == pytest.approx(num.sum() / sup.sum() - halves.sum() / sup.sum())
+    with pytest.raises(ValueError, match="no rows with side == 'c'"):
+        difference(table, ("side", "a", "c"), by=("layer",))
 
 
 def test_random_selection_hit_rate_matches_chance():
