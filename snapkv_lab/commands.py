@@ -78,12 +78,13 @@ def _figures_arguments(p) -> None:
     _folders_and_model(p)
     p.add_argument("--recompute", action="store_true", help="rerun the model and rewrite the tables in data/ first")
     p.add_argument("--only", nargs="*", help="names of figure sets to draw (default all)")
-    p.add_argument("--samples", type=int, default=None, help="prompts per experiment (default: each set's own)")
+    p.add_argument("--samples", type=int, default=None, help="chat prompts per split for findings (a) and (b) (default 8)")
     p.add_argument("--obs-window", type=int, default=None, help="observation window in tokens (default 32)")
     p.add_argument("--prompt-window", type=int, default=None, help="prompt-window size for experiment (a) (default 128)")
-    p.add_argument("--gen-window", type=int, default=None, help="generation-window size for experiment (b) (default 128)")
-    p.add_argument("--split", choices=["dev", "heldout"], default=None,
-                   help="prompt split of data/prompt_recipes.json for the findings (default dev)")
+    p.add_argument("--gen-window", type=int, default=None,
+                   help="generation-window size for experiment (b), 4 windows (default 64; the paper's is 128)")
+    p.add_argument("--split", choices=["dev", "heldout", "both"], default=None,
+                   help="prompt split(s) of data/prompt_recipes.json for the findings (default both, reported apart)")
     _executor_arguments(p)
 
 

@@ -23,6 +23,8 @@ Every sample is one cell of `sweep.run_cells` (work functions `chat_cell`: one c
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import shlex
 import sys
 import time
@@ -48,7 +50,7 @@ OBS_WINDOWS = (16, 32, 64, 128)
 SELECTIONS = {"paper": dict(pooling=None, per_kv_head=False),
               "compressor": dict(pooling=SnapKV.pooling, kernel_size=SnapKV.kernel_size, per_kv_head=True)}
 DEFAULTS = dict(splits=SPLITS, samples=8, placement_documents=6, dependence_documents=4, questions=3,
-                obs_window=32, obs_windows=OBS_WINDOWS, prompt_window=128, n_windows=20, gen_window=128,
+                obs_window=32, obs_windows=OBS_WINDOWS, prompt_window=128, n_windows=20, gen_window=64,
                 n_gen_windows=4, qa_new_tokens=48, modes=("generated",), p=TOP_P)
 TABLES = ("a", "b", "b_variants", "c", "d")  # data/findings_<name>.csv
 
@@ -315,16 +317,22 @@ def findings_cells(options: dict, recipes: dict, model_name: str | None) -> dict
                 raise ValueError(f"{name}={count}, but the {split} split has {len(essays)} essays")
         if o["questions"] > n_questions:
             raise ValueError(f"questions={o['questions']}, but the recipes hold {n_questions}")
-        cells["ab"] += [Cell("findings-ab", dict(chat, split=split, index=i)) for i in range(o["samples"])]
+        cells["ab"] += [Cell("findings-ab", dict(chat, finding="ab", split=split, index=i)) for i in range(o["samples"])]
         # (c) rotates through the questions, one per document.
-        cells["c"] += [Cell("findings-c", dict(qa, split=split, essay=essay, question=i % n_questions, obs_window=o["obs_window"]))
+        cells["c"] += [Cell("findings-c", dict(qa, finding="c", split=split, essay=essay, question=i % n_questions,
+                                               obs_window=o["obs_window"]))
                        for i, essay in enumerate(essays[:o["placement_documents"]])]
-        cells["d"] += [Cell("findings-d", dict(qa, split=split, essay=essay, questions=list(range(o["questions"]))))
+        cells["d"] += [Cell("findings-d", dict(qa, finding="d", split=split, essay=essay, questions=list(range(o["questions"]))))
                        for essay in essays[:o["dependence_documents"]]]
     return cells
 
 
 WORK = {"ab": chat_cell, "c": placement_cell, "d": dependence_cell}
+
+
+def findings_cell(model, tokenizer, config: dict) -> pd.DataFrame:
+    """The work function of every findings cell: `config["finding"]` names which ("ab", "c" or "d", see WORK)."""
+    return WORK[config["finding"]](model, tokenizer, config)
 
 
 def run_findings(model=None, tokenizer=None, *, data_dir="data", executor="local", ray_address=None,
@@ -350,19 +358,22 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", executor="local
     store = ResultStore(data_dir / "cells" / "findings")
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), options={k: str(v) for k, v in o.items()},
                     model=name, seeds=[recipes["seed"]])
-    began = time.perf_counter()
-    raw = {key: run_cells(cell_list, WORK[key], store, model=None if loaded else model, executor=executor,
-                          ray_address=ray_address, desc=f"findings ({key})", manifest=manifest,
-                          loader=(lambda _: (model, tokenizer)) if loaded else None)
-           for key, cell_list in cells.items()}
-    out = findings_tables(raw, o["obs_window"])
+    everything = [cell for cell_list in cells.values() for cell in cell_list]
+    pending = sum(not store.done(cell) for cell in everything)
+    began, cpu = time.perf_counter(), time.process_time()
+    run_cells(everything, findings_cell, store, model=None if loaded else model, executor=executor, ray_address=ray_address,
+              desc="findings cells", manifest=manifest, loader=(lambda _: (model, tokenizer)) if loaded else None)
+    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+    out = findings_tables({key: store.table(cell_list) for key, cell_list in cells.items()}, o["obs_window"])
     data_dir.mkdir(parents=True, exist_ok=True)
     for key, table in out.items():
         table.to_csv(data_dir / f"findings_{key}.csv", index=False, float_format="%.7g")
     counts = {key: {split: int(t.loc[t["split"] == split, "sample"].nunique()) for split in o["splits"]} for key, t in out.items()}
-    run = {**{k: list(v) if isinstance(v, tuple) else v for k, v in o.items()}, "seconds": round(time.perf_counter() - began),
-           "model": str(out["a"]["model"].iloc[0]), "samples_per_table": counts, "torch_threads": torch.get_num_threads()}
-    (data_dir / "findings_run.json").write_text(pd.Series(run).to_json(indent=1))
+    run = {**{k: list(v) if isinstance(v, tuple) else v for k, v in o.items()}, "model": str(out["a"]["model"].iloc[0]),
+           "samples_per_table": counts, "cells": len(everything), "cells_run": pending, "seconds": round(seconds),
+           "cpu_seconds": round(cpu), "torch_threads": torch.get_num_threads(),
+           "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
+    (data_dir / "findings_run.json").write_text(json.dumps(run, indent=1) + "\n")
     return out
 
 
