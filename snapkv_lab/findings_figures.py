@@ -8,6 +8,7 @@ Nothing here assumes a model's layer count or a run's number of windows: both ar
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,9 +80,14 @@ def _panel_title(grid: Grid, split: str, sinks: str, metric: str) -> str:
     title = f"{SPLIT_NAMES.get(split, split)}, sinks {sinks}"
     undefined = sorted(set(part.loc[~part["defined"].astype(bool), grid.x])) if grid.x == "layer" else []
     if undefined:  # gaps in a line are cells with too little support, not missing data: say so
-        title += f"\nundefined (support < {metrics.MIN_SUPPORT}): layers {layer_ranges(undefined)}"
+        title += "\n" + _wrap(f"undefined (support < {metrics.MIN_SUPPORT}): layers {layer_ranges(undefined)}", 42)
     note = grid.notes.get((split, sinks))
-    return title + (f"\n{note}" if note else "")
+    return title + (f"\n{_wrap(note, 42)}" if note else "")
+
+
+def _wrap(text: str, width: int) -> str:
+    """Each line of `text` broken at `width` characters, so that titles and notes stay inside their panel."""
+    return "\n".join(part for line in text.split("\n") for part in textwrap.wrap(line, width))
 
 
 def draw_png(grid: Grid, path: Path) -> Path:
@@ -89,7 +95,7 @@ def draw_png(grid: Grid, path: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     metric_names, columns = _metrics(grid), _columns(grid)
-    figure = Figure(figsize=(3.6 * len(columns) + 2.2, 3.1 * len(metric_names) + 0.9), layout="constrained")
+    figure = Figure(figsize=(3.8 * len(columns) + 3.4, 3.1 * len(metric_names) + 1.1), layout="constrained")
     axes = figure.subplots(len(metric_names), len(columns), squeeze=False, sharex=True)
     hues = sorted(grid.summary[grid.hue].unique(), key=_natural)
     colours = {h: f"C{i % 10}" for i, h in enumerate(hues)}
@@ -116,7 +122,7 @@ def draw_png(grid: Grid, path: Path) -> Path:
     handles, labels = axes[0][0].get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     figure.legend(unique.values(), unique.keys(), loc="outside right center", fontsize=8)
-    figure.suptitle(grid.title, fontsize=10)
+    figure.suptitle(_wrap(grid.title, int(figure.get_figwidth() * 13)), fontsize=10)
     figure.savefig(path, dpi=100)
     return path
 
@@ -246,7 +252,7 @@ def figure_d(table: pd.DataFrame, mode: str, info: dict) -> Grid:
         same = len(kept) == len(excluded) and np.array_equal(kept[metrics.PARTS].to_numpy(), excluded[metrics.PARTS].to_numpy())
         columns.append((split, "kept"))
         if same:  # no document position is a sink: the second panel would repeat the first
-            notes[(split, "kept")] = "(= sinks excluded: no document position is a sink)"
+            notes[(split, "kept")] = "sinks excluded: the same (no document position is a sink)"
         else:
             columns.append((split, "excluded"))
     labels = {"different questions, all rows": "different questions (question + answer rows): the paper's H",
@@ -287,9 +293,9 @@ def head_figure(table: pd.DataFrame, mode: str, info: dict):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(SPLIT_NAMES.get(split, split), fontsize=9)
         ax.grid(alpha=0.3)
-    figure.colorbar(points, ax=list(axes), label="query head")
+    figure.colorbar(points, ax=list(axes), label="query head", ticks=range(n_heads))
     axes[0].legend(fontsize=8, loc="upper right")
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(_wrap(title, int(figure.get_figwidth() * 13)), fontsize=10)
     html = px.scatter(heads.assign(head=heads["head"].astype(str)), x="layer", y="value", color="head", facet_col="split",
                       hover_data=["chance", "support"], title=title.replace("\n", "<br>"),
                       labels={"value": "recall (attention mass share)"})

@@ -8,7 +8,8 @@
   on its own and the chat template is wrapped around them.
 
 Recipes live in data/prompt_recipes.json with a dev split (used while building the experiments) and a
-held-out split (kept apart; `snapkv-lab figures --split heldout` runs on it).
+held-out split (kept apart); `snapkv-lab figures --recompute` runs both and reports each on its own. Prompt i of a
+split is drawn by a generator seeded with (seed, split, i), so any prompt is rebuilt alone (a findings cell).
 """
 
 from __future__ import annotations
