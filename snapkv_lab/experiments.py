@@ -52,7 +52,6 @@ SELECTIONS = {"paper": dict(pooling=None, per_kv_head=False),
 DEFAULTS = dict(splits=SPLITS, samples=8, placement_documents=6, dependence_documents=4, questions=3,
                 obs_window=32, obs_windows=OBS_WINDOWS, prompt_window=128, n_windows=20, gen_window=64,
                 n_gen_windows=4, qa_new_tokens=48, modes=("generated",), p=TOP_P)
-TABLES = ("a", "b", "b_variants", "c", "d")  # data/findings_<name>.csv
 
 
 ORDER = ["layer", "head", "window", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks", *PARTS,
@@ -331,7 +330,13 @@ WORK = {"ab": chat_cell, "c": placement_cell, "d": dependence_cell}
 
 
 def findings_cell(model, tokenizer, config: dict) -> pd.DataFrame:
-    """The work function of every findings cell: `config["finding"]` names which ("ab", "c" or "d", see WORK)."""
+    """The work function of every findings cell: `config["finding"]` names which ("ab", "c" or "d", see WORK).
+
+    The config records the metrics' constants (theta, min_support), so that changing them keys new cells; a cell
+    made for other constants than this library's is refused rather than computed with the wrong ones."""
+    for name, value in (("theta", THETA), ("min_support", MIN_SUPPORT)):
+        if config[name] != value:
+            raise ValueError(f"this cell was configured for {name}={config[name]}, but snapkv_lab.metrics uses {value}")
     return WORK[config["finding"]](model, tokenizer, config)
 
 
