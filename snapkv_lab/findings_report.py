@@ -35,7 +35,9 @@ def _fmt(value, low, high) -> str:
 
 
 def _signed(value, low, high) -> str:
-    return f"{value:+.2f} [{low:+.2f}, {high:+.2f}]"
+    """A difference with its interval, to 3 decimals where 2 would print a real difference as 0.00."""
+    digits = 3 if max(abs(value), abs(low), abs(high)) < 0.01 else 2
+    return f"{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
 
 
 def _clears(row, chance) -> bool:
@@ -70,8 +72,8 @@ def _a(part: pd.DataFrame) -> tuple[str, float, str]:
         better = sorted(gaps.loc[gaps["ci_high"] < 0, "other"])
         verdict = f"does not hold: windows {better} agree better"
     else:
-        ties = sorted(gaps.loc[gaps["ci_low"] <= 0, "other"])
-        verdict = f"not shown: the last window is not clearly better than window(s) {ties}"
+        ties = len(gaps[gaps["ci_low"] <= 0])
+        verdict = f"not shown: the last window is not clearly better than {ties} of the {len(gaps)} other windows"
     return text, float(last["chance"]), verdict
 
 
@@ -95,12 +97,14 @@ def _b_windows(part: pd.DataFrame) -> tuple[str, float, str]:
     s = _pooled(part, ("obs_window",))
     reference = 32 if 32 in s.index else s.index[0]
     gaps = pd.concat([difference(part, ("obs_window", w, reference), by=("metric",)).assign(other=w)
-                      for w in s.index if w != reference])
+                      for w in s.index if w != reference], ignore_index=True)
     text = ", ".join(f"{w}: {_fmt(*s.loc[w, ['value', 'ci_low', 'ci_high']])}" for w in s.index)
     effect = gaps[(gaps["ci_low"] > 0) | (gaps["ci_high"] < 0)]
-    verdict = ("holds: no size differs from {} beyond its interval".format(reference) if effect.empty else
-               "does not hold: " + "; ".join(f"{int(r.other)} - {reference} = {_signed(r.difference, r.ci_low, r.ci_high)}"
-                                             for r in effect.itertuples()))
+    largest = gaps.loc[gaps["difference"].abs().idxmax()]
+    size = f"{int(largest.other)} - {reference} = {_signed(largest.difference, largest.ci_low, largest.ci_high)}"
+    verdict = (f"holds: no size differs from {reference} beyond its interval (largest: {size})" if effect.empty else
+               f"does not hold strictly: {len(effect)} of {len(gaps)} sizes differ from {reference}, by at most "
+               f"{gaps['difference'].abs().max():.3f} ({size})")
     return text, float(s["chance"].mean()), verdict
 
 
@@ -148,7 +152,7 @@ def _d(part: pd.DataFrame) -> tuple[str, float, str]:
             f"{gap['value_a']:.2f} vs different questions {gap['value_b']:.2f}, same - different "
             f"{_signed(gap['difference'], gap['ci_low'], gap['ci_high'])}")
     if gap["ci_low"] > 0:
-        verdict = "holds: selections depend on the question" + (" (weakly: most positions are shared)" if s["value"] > 0.5 else "")
+        verdict = f"holds: selections depend on the question, yet different questions share {s['value']:.0%} of their positions"
     else:
         verdict = "does not hold: different questions select as one question does"
     return text, float(s["chance"]), verdict
