@@ -19,7 +19,7 @@ NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
 LINES_SAMPLES = 1
 
 
-SUITES = ("needle", "lines", "ruler", "windows")
+SUITES = ("needle", "lines", "ruler", "windows", "ablations")
 WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budget of the 4000-token needles
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
@@ -54,6 +54,13 @@ def recompute(options: dict) -> None:
         contexts = [needle_context(tokenizer, 4000, d, s) for d in NEEDLE_DEPTHS for s in samples]
         save("pressure_windows.csv")(run_retrieval(model, tokenizer, contexts, policies=[SnapKV(window_size=w) for w in WINDOW_ABLATION],
                                                    capacities=(1024,), on_context=save("pressure_windows.csv")))
+    if "ablations" in suites:
+        from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, run_ablations
+
+        samples = range(first, first + (options.get("samples") or ABLATION_SAMPLES))
+        contexts = [needle_context(tokenizer, ABLATION_LENGTH, d, s) for s in samples for d in NEEDLE_DEPTHS]
+        save("pressure_ablations.csv")(run_ablations(model, tokenizer, contexts, capacity=ABLATION_CAPACITY,
+                                                     on_context=save("pressure_ablations.csv")))
     if "ruler" in suites:
         samples = range(first, first + (options.get("samples") or 1))
         contexts = [ruler_context(tokenizer, RULER_LENGTH, task, kind, sample=s) for task in TASKS for kind in VALUE_KINDS
