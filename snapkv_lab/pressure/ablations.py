@@ -112,3 +112,32 @@ def ablation_table(table: pd.DataFrame) -> pd.DataFrame:
                 rows.append(dict(axis=axis, setting=setting, mode=mode, **found,
                                  **{c: part[c].mean() for c in means if c in part}))
     return pd.DataFrame(rows)
+
+
+PREDICTORS = {
+    "coverage": "share of the answer's prompt attention on kept positions (sinks excluded)",
+    "coverage_of_oracle": "coverage / oracle: the share of the best same-size set's coverage reached",
+    "value_kept": "fraction of the needle value's tokens kept (mean over layers and KV heads)",
+    "value_served": "share of the answer's attention to the needle value that falls on kept value tokens",
+}
+
+
+def retrieval_predictors(table: pd.DataFrame, grade: str = "correct") -> pd.DataFrame:
+    """Does a run's coverage predict whether it retrieves the needle? Over the compressed runs of `table`, per
+    predictor of PREDICTORS: found and missed runs, each group's mean, and the AUC, the probability that a
+    found run scores higher than a missed one (ties count half; 0.5 is chance, 1 perfect separation)."""
+    runs = table[table["mode"] != "full"].assign(
+        coverage_of_oracle=lambda t: t.coverage / t.oracle if "oracle" in t else float("nan"),
+        value_served=lambda t: t.value_attention_kept / t.value_attention if "value_attention" in t else float("nan"))
+    found = runs[grade].astype(bool)
+    rows = []
+    for name in PREDICTORS:
+        values = runs[name].astype(float)
+        ok = values.notna()
+        ranks = values[ok].rank()  # average ranks for ties: the Mann-Whitney U with half credit
+        n_found, n_missed = int(found[ok].sum()), int((~found[ok]).sum())
+        u = ranks[found[ok]].sum() - n_found * (n_found + 1) / 2
+        auc = u / (n_found * n_missed) if n_found and n_missed else float("nan")
+        rows.append(dict(predictor=name, found=n_found, missed=n_missed, mean_found=values[ok & found].mean(),
+                         mean_missed=values[ok & ~found].mean(), auc=auc))
+    return pd.DataFrame(rows)
