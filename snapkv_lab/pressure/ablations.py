@@ -20,7 +20,7 @@ from ..compression.layers import held_positions
 from ..coverage import GenerationAttention, attention_coverage, sinks_rows, span_attention
 from ..policies import (H2O, KNorm, KVzip, AdaKV, ChunkKV, CriticalKV, ExpectedAttention, PyramidKV, RandomKeep, SnapKV,
                         StreamingLLM, TOVA)
-from .grid import accuracy_intervals
+from .intervals import accuracy_intervals
 from .runner import run_retrieval
 from .tasks import Context, Query
 
@@ -141,3 +141,72 @@ def retrieval_predictors(table: pd.DataFrame, grade: str = "correct") -> pd.Data
         rows.append(dict(predictor=name, found=n_found, missed=n_missed, mean_found=values[ok & found].mean(),
                          mean_missed=values[ok & ~found].mean(), auc=auc))
     return pd.DataFrame(rows)
+
+
+def draw(data_dir, figures_dir) -> list:
+    """figures/pressure_ablations.png (found / asked with Wilson intervals per axis and setting, both modes) and
+    figures/pressure_coverage_retrieval.{png,html} (each run's coverage against the needle attention it served,
+    found vs missed), from data/pressure_ablations.csv; nothing when the table is absent."""
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+    import plotly.express as px
+
+    from ..figures import write_html
+
+    path = Path(data_dir) / "pressure_ablations.csv"
+    if not path.exists():
+        return []
+    table = pd.read_csv(path)
+    summary = ablation_table(table)
+    figures_dir = Path(figures_dir)
+    modes = ("query-aware", "query-agnostic")
+    labels = summary[summary["mode"] == modes[0]][["axis", "setting"]].apply(lambda r: f"{r.axis}: {r.setting}", axis=1)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.24 * len(labels) + 1.6), sharey=True)
+    for ax, mode in zip(axes, modes):
+        part = summary[summary["mode"] == mode].reset_index(drop=True)
+        y = range(len(part))[::-1]
+        share = part.correct / part.asked
+        ax.errorbar(share, y, xerr=[share - part.correct_low, part.correct_high - share], fmt="o", ms=3,
+                    color="tab:blue", ecolor="0.6", capsize=2)
+        for row, first in enumerate(part.axis != part.axis.shift()):
+            if first and row:
+                ax.axhline(len(part) - row - 0.5, color="0.85", lw=0.8)
+        ax.set_xlim(-0.02, 1.02)
+        ax.set_xlabel(f"needles found ({mode}), 95% Wilson interval")
+        ax.set_yticks(list(y), labels if ax is axes[0] else [""] * len(labels), fontsize=7)
+        ax.set_title(f"{mode}: {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens, n = {int(part.asked.max())} per row",
+                     fontsize=9)
+    fig.tight_layout()
+    bars = figures_dir / "pressure_ablations.png"
+    fig.savefig(bars, dpi=110)
+    plt.close(fig)
+
+    runs = table[table["mode"] != "full"].assign(coverage_of_oracle=lambda t: t.coverage / t.oracle,
+                                                 value_served=lambda t: t.value_attention_kept / t.value_attention,
+                                                 outcome=lambda t: t.correct.map({True: "found", False: "missed"}))
+    auc = {mode: retrieval_predictors(table[table["mode"].isin(["full", mode])]).set_index("predictor").auc
+           for mode in modes}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True, sharey=True)
+    for ax, mode in zip(axes, modes):
+        part = runs[runs["mode"] == mode]
+        for outcome, marker, colour in (("missed", "x", "tab:orange"), ("found", "o", "tab:blue")):
+            sel = part[part.outcome == outcome]
+            ax.scatter(sel.coverage_of_oracle, sel.value_served, marker=marker, s=18, color=colour,
+                       label=f"{outcome} ({len(sel)})")
+        ax.set_xlabel("coverage / oracle (sinks excluded)")
+        ax.set_title(f"{mode}: AUC coverage {auc[mode]['coverage_of_oracle']:.2f}, "
+                     f"needle served {auc[mode]['value_served']:.2f}", fontsize=9)
+        ax.legend(fontsize=8, loc="upper left")
+    axes[0].set_ylabel("share of the answer's needle-value attention served")
+    fig.suptitle("Does coverage predict retrieval? Each point a compressed run of the ablations", fontsize=10)
+    fig.tight_layout()
+    scatter = figures_dir / "pressure_coverage_retrieval.png"
+    fig.savefig(scatter, dpi=110)
+    plt.close(fig)
+    interactive = px.scatter(runs, x="coverage_of_oracle", y="value_served", color="outcome", facet_col="mode",
+                             hover_data=["policy", "depth", "sample", "output"],
+                             labels=dict(coverage_of_oracle="coverage / oracle (sinks excluded)",
+                                         value_served="needle-value attention served"),
+                             title="Does coverage predict retrieval? (ablation runs)")
+    return [bars, scatter, write_html(interactive, figures_dir / "pressure_coverage_retrieval.html")]

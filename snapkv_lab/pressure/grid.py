@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pandas as pd
 
 from ..figures import FigureSet, register, write_html
 from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA
+from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, run_ablations
+from .ablations import draw as draw_ablations
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import MODES, run_retrieval
 from .tasks import lines_context, needle_context
@@ -55,8 +56,6 @@ def recompute(options: dict) -> None:
         save("pressure_windows.csv")(run_retrieval(model, tokenizer, contexts, policies=[SnapKV(window_size=w) for w in WINDOW_ABLATION],
                                                    capacities=(1024,), on_context=save("pressure_windows.csv")))
     if "ablations" in suites:
-        from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, run_ablations
-
         samples = range(first, first + (options.get("samples") or ABLATION_SAMPLES))
         contexts = [needle_context(tokenizer, ABLATION_LENGTH, d, s) for s in samples for d in NEEDLE_DEPTHS]
         save("pressure_ablations.csv")(run_ablations(model, tokenizer, contexts, capacity=ABLATION_CAPACITY,
@@ -67,30 +66,6 @@ def recompute(options: dict) -> None:
                     for s in samples]
         save("pressure_ruler.csv")(run_retrieval(model, tokenizer, contexts, policies=RULER_POLICIES,
                                                  capacities=(RULER_CAPACITY,), on_context=save("pressure_ruler.csv")))
-
-
-def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval (95% by default) of a proportion: (low, high); (nan, nan) without trials."""
-    if trials == 0:
-        return float("nan"), float("nan")
-    p = successes / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return centre - half, centre + half
-
-
-def accuracy_intervals(table: pd.DataFrame, by=("policy", "mode")) -> pd.DataFrame:
-    """Found / asked per group with its Wilson interval, for both grades (correct: RULER's, exact: strict)."""
-    rows = []
-    for key, part in table.groupby(list(by), sort=False):
-        row = dict(zip(by, key if isinstance(key, tuple) else (key,)), asked=len(part))
-        for grade in ("correct", "exact"):
-            if grade in part:
-                found = int(part[grade].sum())
-                row[grade] = found
-                row[f"{grade}_low"], row[f"{grade}_high"] = wilson(found, len(part))
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 def _run_label(table: pd.DataFrame) -> pd.Series:
@@ -170,6 +145,7 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
         png = figures_dir / "pressure_needle_budget.png"
         _budget_png(summary, full, png)
         written += [png, html]
+    written += draw_ablations(data_dir, figures_dir)
     ruler_path = data_dir / "pressure_ruler.csv"
     if ruler_path.exists():
         ruler = pd.read_csv(ruler_path)
