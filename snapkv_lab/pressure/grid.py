@@ -10,6 +10,7 @@ from ..figures import FigureSet, register, write_html
 from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA
 from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, run_ablations
 from .ablations import draw as draw_ablations
+from .facts import run_facts
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import MODES, run_retrieval
 from .tasks import lines_context, needle_context
@@ -20,7 +21,7 @@ NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
 LINES_SAMPLES = 1
 
 
-SUITES = ("needle", "lines", "ruler", "windows", "ablations")
+SUITES = ("needle", "lines", "ruler", "windows", "ablations", "facts")
 WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budget of the 4000-token needles
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
@@ -60,6 +61,8 @@ def recompute(options: dict) -> None:
         contexts = [needle_context(tokenizer, ABLATION_LENGTH, d, s) for s in samples for d in NEEDLE_DEPTHS]
         save("pressure_ablations.csv")(run_ablations(model, tokenizer, contexts, capacity=ABLATION_CAPACITY,
                                                      on_context=save("pressure_ablations.csv")))
+    if "facts" in suites:
+        save("pressure_facts.csv")(run_facts(model, tokenizer, on_context=save("pressure_facts.csv")))
     if "ruler" in suites:
         samples = range(first, first + (options.get("samples") or 1))
         contexts = [ruler_context(tokenizer, RULER_LENGTH, task, kind, sample=s) for task in TASKS for kind in VALUE_KINDS
