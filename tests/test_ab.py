@@ -206,14 +206,13 @@ def test_wilson_intervals():
 
 
 def test_extra_scoring_pass_is_shared_by_budgets_and_selection_settings(byte_tokenizer, monkeypatch):
-    """KVzip's reconstruction pass runs once per prefill, whatever the budgets and pooling of its variants (FactKV
-    is one: KVzip's scores, pooled)."""
+    """KVzip's reconstruction pass runs once per prefill, whatever the budgets and pooling of its variants."""
     from snapkv_lab.compression import SharedPrefill
 
     model = make_tiny_llama("sdpa")
     ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(3))
     policies = [sl.KVzip(capacity=24, window_size=4), sl.KVzip(capacity=40, window_size=4),
-                sl.KVzip(capacity=40, window_size=4, pooling="max", kernel_size=5), sl.FactKV(capacity=40, window_size=4)]
+                sl.KVzip(capacity=40, window_size=4, pooling="max", kernel_size=5)]
     calls = []
     original = sl.KVzip.prompt_scores
     monkeypatch.setattr(sl.KVzip, "prompt_scores", lambda self, *a: calls.append(self) or original(self, *a))

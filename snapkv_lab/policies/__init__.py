@@ -11,7 +11,6 @@ from .chunkkv import ChunkKV
 from .criticalkv import CriticalKV
 from .decoding import DecodingEviction
 from .expected_attention import ExpectedAttention
-from .factkv import FactKV
 from .h2o import H2O
 from .knorm import KNorm
 from .kvzip import KVzip
@@ -21,7 +20,7 @@ from .tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {cls.__name__: cls for cls in (
     FullCache, SnapKV, SnapKVNoPooling, H2O, StreamingLLM, RandomKeep, TOVA, KNorm, PyramidKV, AdaKV, ChunkKV,
-    CriticalKV, ExpectedAttention, KVzip, DecodingEviction, FactKV,
+    CriticalKV, ExpectedAttention, KVzip, DecodingEviction,
 )}
 
 __all__ = ["NO_POSITION", "POLICIES", "AttentionCall", "Policy", *POLICIES]

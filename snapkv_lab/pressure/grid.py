@@ -10,7 +10,6 @@ from ..figures import FigureSet, register, write_html
 from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA
 from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, run_ablations
 from .ablations import draw as draw_ablations
-from .facts import run_facts
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import MODES, run_retrieval
 from .tasks import lines_context, needle_context
@@ -21,7 +20,7 @@ NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
 LINES_SAMPLES = 1
 
 
-SUITES = ("needle", "lines", "ruler", "windows", "ablations", "facts")
+SUITES = ("needle", "lines", "ruler", "windows", "ablations")
 WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budget of the 4000-token needles
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
@@ -61,8 +60,6 @@ def recompute(options: dict) -> None:
         contexts = [needle_context(tokenizer, ABLATION_LENGTH, d, s) for s in samples for d in NEEDLE_DEPTHS]
         save("pressure_ablations.csv")(run_ablations(model, tokenizer, contexts, capacity=ABLATION_CAPACITY,
                                                      on_context=save("pressure_ablations.csv")))
-    if "facts" in suites:
-        save("pressure_facts.csv")(run_facts(model, tokenizer, on_context=save("pressure_facts.csv")))
     if "ruler" in suites:
         samples = range(first, first + (options.get("samples") or 1))
         contexts = [ruler_context(tokenizer, RULER_LENGTH, task, kind, sample=s) for task in TASKS for kind in VALUE_KINDS
