@@ -78,3 +78,21 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
                                      depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"],
                                      policies=None, capacities=None, modes=None, executor="local", ray_address=None)),
                      ("draw", ("data", "figures"), dict(only=["pressure"]))]
+
+
+def test_needle_refuses_bad_grid_options_before_any_model_runs(monkeypatch, capsys):
+    import snapkv_lab.pressure
+
+    monkeypatch.setattr(snapkv_lab.pressure, "recompute", lambda options: pytest.fail("the grid ran"))
+    assert main(["needle", "--policies", "SnapKV", "SnapKv"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'SnapKv'" in err and "SnapKV, SnapKVNoPooling, H2O" in err  # the names to choose from
+    assert main(["needle", "--policies", "FullCache"]) == 2
+    assert "baseline" in capsys.readouterr().err
+    assert main(["needle", "--capacities", "16"]) == 2  # below the 32-token observation window
+    assert "window_size (32) must be smaller than capacity (16)" in capsys.readouterr().err
+    assert main(["needle", "--suites", "needles"]) == 2
+    assert "needle, lines, windows, ruler" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    assert main(["needle", "--executor", "ray"]) == 2
+    assert "pip install 'snapkv_lab[ray]'" in capsys.readouterr().err
