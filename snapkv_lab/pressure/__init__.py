@@ -3,7 +3,7 @@
     tasks.py    the contexts and questions (chat-templated, with the token spans of each fact and value), grading
     ruler.py    RULER-style variants: multi-key, multi-value, multi-query; number, word and uuid values
     runner.py   run_retrieval: every question x policy x budget x mode from one prefill per context
-    grid.py     the suites (needle grid, lines ablation, window ablation, RULER) as one table, SUITES; each context
+    grid.py     the suites (needle grid, lines, window and method ablations, RULER) as one table, SUITES; each context
                 is a cell of a resumable grid (snapkv_lab.sweep); the `pressure` figure set (`snapkv-lab needle`)
 
 Query-aware: the question is part of the prompt, so SnapKV's window votes with the question.

@@ -14,6 +14,7 @@ import pandas as pd
 
 from ..figures import FigureSet, register, write_html
 from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA, policy_config, policy_from_config
+from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ablation_policies, coverage_describer
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import lines_context, needle_context
@@ -29,6 +30,8 @@ RULER_CAPACITY = 1024  # 25% of the RULER contexts
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
+# run_retrieval's describe hooks by name, each built per model: (model, tokenizer) -> describe(...) -> extra columns.
+DESCRIBERS = {"coverage": coverage_describer}
 
 
 def _samples(options: dict, default: int) -> range:
@@ -52,6 +55,11 @@ def window_specs(options: dict) -> list[dict]:
     return [dict(builder="needle", n_tokens=4000, depth=d, sample=s) for d in NEEDLE_DEPTHS for s in _samples(options, 1)]
 
 
+def ablation_specs(options: dict) -> list[dict]:
+    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s) for s in _samples(options, ABLATION_SAMPLES)
+            for d in NEEDLE_DEPTHS]
+
+
 def ruler_specs(options: dict) -> list[dict]:
     return [dict(builder="ruler", n_tokens=RULER_LENGTH, task=task, value_kind=kind, sample=s) for task in TASKS
             for kind in VALUE_KINDS for s in _samples(options, 1)]
@@ -61,13 +69,14 @@ def ruler_specs(options: dict) -> list[dict]:
 class Suite:
     """One table of the pressure set: its contexts (options -> context specs) and what runs on each. policies,
     capacities, modes: None takes the grid's options (--policies, --capacities, --modes), else the runner's
-    defaults; a suite that ablates one of them fixes it."""
+    defaults; a suite that ablates one of them fixes it. describe: a DESCRIBERS name, extra columns for every run."""
 
     table: str
     contexts: Callable[[dict], list[dict]]
     policies: tuple | None = None
     capacities: tuple | None = None
     modes: tuple | None = None
+    describe: str | None = None
 
 
 # One row per suite, run in this order by `snapkv-lab needle --suites ...` (default all).
@@ -75,18 +84,22 @@ SUITES = {
     "needle": Suite("pressure_needle.csv", needle_specs),
     "lines": Suite("pressure_lines.csv", lines_specs, (SnapKV(), SnapKVNoPooling()), (256, 512, 1024), ("query-aware",)),
     "windows": Suite("pressure_windows.csv", window_specs, tuple(SnapKV(window_size=w) for w in WINDOW_ABLATION), (1024,)),
+    "ablations": Suite("pressure_ablations.csv", ablation_specs, tuple(ablation_policies()), (ABLATION_CAPACITY,),
+                       describe="coverage"),
     "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
 }
 
 
 def run_context(model, tokenizer, config: dict) -> pd.DataFrame:
     """One cell of the grid: build the context, prefill it once and answer its questions with the full cache and
-    every policy x capacity x mode of `config` (runner.run_retrieval). Rows as run_retrieval's."""
+    every policy x capacity x mode of `config` (runner.run_retrieval), with its describe hook's columns if any.
+    Rows as run_retrieval's."""
     spec = dict(config["context"])
     context = CONTEXTS[spec.pop("builder")](tokenizer, **spec)
+    describe = DESCRIBERS[config["describe"]](model, tokenizer) if config["describe"] else None
     table = run_retrieval(model, tokenizer, [context], policies=[policy_from_config(p) for p in config["policies"]],
                           capacities=config["capacities"], modes=config["modes"], max_new_tokens=config["max_new_tokens"],
-                          progress=False)
+                          progress=False, describe=describe)
     # One type per column, so that the table reads back from the store as written: capacity is empty for the full
     # cache, and RULER's multivalue answers are lists, written as CSV writes them.
     return table.assign(capacity=table.capacity.astype("Int64"), expected=table.expected.map(str))
@@ -120,7 +133,7 @@ def grid_cells(options: dict) -> dict[str, list]:
             for capacity in capacities:
                 dataclasses.replace(policy, capacity=capacity)
         config = dict(model=options.get("model"), policies=[policy_config(p) for p in policies], capacities=capacities,
-                      modes=list(suite.modes or modes or MODES), max_new_tokens=MAX_NEW_TOKENS)
+                      modes=list(suite.modes or modes or MODES), max_new_tokens=MAX_NEW_TOKENS, describe=suite.describe)
         cells[name] = [Cell("pressure", dict(config, context=spec)) for spec in suite.contexts(options)]
     return cells
 
