@@ -60,6 +60,26 @@ def uninterrupted(tiny_chat_model, tmp_path_factory):
     return table
 
 
+def test_cells_are_keyed_by_every_option_and_ablations_keep_their_own():
+    from snapkv_lab.pressure import SUITES, grid_cells
+
+    base = dict(suites=["needle", "windows"], lengths=[200], depths=[0.5], samples=1)
+    cells = grid_cells(base)
+    assert [len(cells[name]) for name in ("needle", "windows")] == [1, 5]
+    needle = cells["needle"][0].config
+    assert needle["context"] == dict(builder="needle", n_tokens=200, depth=0.5, sample=0)
+    assert [p["name"] for p in needle["policies"]] == ["SnapKV", "SnapKVNoPooling", "H2O", "StreamingLLM", "RandomKeep"]
+    changed = grid_cells(dict(base, policies=["TOVA"], capacities=[96], modes=["query-agnostic"]))
+    assert changed["needle"][0].key != cells["needle"][0].key
+    assert changed["needle"][0].config["capacities"] == [96] and changed["needle"][0].config["modes"] == ["query-agnostic"]
+    # the window ablation fixes its policies and budget: only the mode it leaves open follows the options
+    assert [c.config["policies"] for c in changed["windows"]] == [c.config["policies"] for c in cells["windows"]]
+    assert changed["windows"][0].config["capacities"] == list(SUITES["windows"].capacities)
+    assert changed["windows"][0].config["modes"] == ["query-agnostic"]
+    assert grid_cells(dict(base, model="other"))["needle"][0].key != cells["needle"][0].key
+    assert "lines" not in grid_cells(dict(skip_lines=True))
+
+
 def needle_command(model: Path, data_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "snapkv_lab", "needle", "--model", str(model), *GRID, "--data-dir",
                              str(data_dir), "--figures-dir", str(data_dir / "figures"), *extra], cwd=ROOT,
