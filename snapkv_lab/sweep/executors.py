@@ -27,6 +27,8 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     """Run every cell not yet in `store` with `work(model, tokenizer, cell.config)` and write each finished table to
     the store at once; say how many cells were skipped; one progress bar (done / skipped / remaining).
 
+    work: a module-level function, or a dict kind -> function for a grid whose cells are of several kinds.
+
     model: the model name given to `loader` (default `models.load_model`: None is the bundled SmolLM2), loaded once
     here (local) or once per Ray actor, and only when a cell is left to run. loader must be module-level for Ray.
     executor: "local" or "ray"; ray_address: an existing cluster ("auto", "ray://head:10001", ...), else Ray
@@ -45,6 +47,10 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     if manifest is not None:
         store.write_manifest(**manifest)
     cells = list(cells)
+    if isinstance(work, dict):
+        missing = sorted({cell.kind for cell in cells} - set(work))
+        if missing:
+            raise ValueError(f"no work function for the cells of kind {missing}; work has {sorted(work)}")
     unique = list({cell.key: cell for cell in cells}.values())
     pending = [cell for cell in unique if not store.done(cell)]
     skipped = len(unique) - len(pending)
@@ -68,12 +74,16 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
             if executor == "local":
                 model_and_tokenizer = load(model)
                 for cell in pending:
-                    finished(cell, work(*model_and_tokenizer, cell.config))
+                    finished(cell, _work_of(work, cell)(*model_and_tokenizer, cell.config))
             else:
                 _run_ray(pending, work, model, load, ray_address, finished)
     finally:
         bar.close()
     return store.table(cells)
+
+
+def _work_of(work, cell: Cell):
+    return work[cell.kind] if isinstance(work, dict) else work
 
 
 def _load_model(name):
@@ -138,7 +148,7 @@ def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) ->
 
         def submit(actor) -> None:
             cell = queue.pop()
-            running[actor.run.remote(work, cell.config)] = (actor, cell)
+            running[actor.run.remote(_work_of(work, cell), cell.config)] = (actor, cell)
 
         for actor in actors[:len(queue)]:
             submit(actor)
