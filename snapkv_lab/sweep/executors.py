@@ -28,7 +28,6 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     the store at once; say how many cells were skipped; one progress bar (done / skipped / remaining).
 
     work: a module-level function, or a dict kind -> function for a grid whose cells are of several kinds.
-
     model: the model name given to `loader` (default `models.load_model`: None is the bundled SmolLM2), loaded once
     here (local) or once per Ray actor, and only when a cell is left to run. loader must be module-level for Ray.
     executor: "local" or "ray"; ray_address: an existing cluster ("auto", "ray://head:10001", ...), else Ray
@@ -44,13 +43,13 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
         raise ValueError("ray_address (--ray-address) is only used with executor='ray' (--executor ray)")
     if executor == "ray":
         import_ray()  # a missing Ray is said before any work, not after the local cells
-    if manifest is not None:
-        store.write_manifest(**manifest)
     cells = list(cells)
     if isinstance(work, dict):
         missing = sorted({cell.kind for cell in cells} - set(work))
         if missing:
             raise ValueError(f"no work function for the cells of kind {missing}; work has {sorted(work)}")
+    if manifest is not None:
+        store.write_manifest(**manifest)
     unique = list({cell.key: cell for cell in cells}.values())
     pending = [cell for cell in unique if not store.done(cell)]
     skipped = len(unique) - len(pending)
