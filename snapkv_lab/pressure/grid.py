@@ -90,12 +90,17 @@ SUITES = {
 }
 
 
+def build_context(tokenizer, spec: dict):
+    """The Context a spec describes: CONTEXTS[spec["builder"]](tokenizer, **the other entries)."""
+    arguments = dict(spec)
+    return CONTEXTS[arguments.pop("builder")](tokenizer, **arguments)
+
+
 def run_context(model, tokenizer, config: dict) -> pd.DataFrame:
     """One cell of the grid: build the context, prefill it once and answer its questions with the full cache and
     every policy x capacity x mode of `config` (runner.run_retrieval), with its describe hook's columns if any.
     Rows as run_retrieval's."""
-    spec = dict(config["context"])
-    context = CONTEXTS[spec.pop("builder")](tokenizer, **spec)
+    context = build_context(tokenizer, config["context"])
     describe = DESCRIBERS[config["describe"]](model, tokenizer) if config["describe"] else None
     table = run_retrieval(model, tokenizer, [context], policies=[policy_from_config(p) for p in config["policies"]],
                           capacities=config["capacities"], modes=config["modes"], max_new_tokens=config["max_new_tokens"],
@@ -138,19 +143,25 @@ def grid_cells(options: dict) -> dict[str, list]:
     return cells
 
 
-def _check_lengths(model_name, cells: list) -> None:
-    """Refuse contexts longer than the model handles before the first prefill (each builder's n_tokens holds its
-    questions). Skipped when the model's config cannot be read here (on a Ray head node without the model)."""
-    from transformers import AutoConfig
+def _check_before_running(model_name, by_suite: dict[str, list]) -> None:
+    """Refuse bad grids before the first prefill: the shortest context of each suite is built here (a tokenizer
+    without a chat template, or a length with no room for the haystack, fails now), and the longest must fit
+    the model with its new tokens (each builder's n_tokens holds its questions). Skipped when the model cannot
+    be read here (a Ray head node without it): the cells check the same things where they run."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from ..inputs import check_context_length
     from ..models import bundled_checkpoint
 
+    source = bundled_checkpoint() if model_name is None else model_name
     try:
-        config = AutoConfig.from_pretrained(bundled_checkpoint() if model_name is None else model_name)
+        config, tokenizer = AutoConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source)
     except OSError:
         return
-    longest = max(cell.config["context"]["n_tokens"] for cell in cells)
+    specs = [[cell.config["context"] for cell in cells] for cells in by_suite.values() if cells]
+    for suite_specs in specs:
+        build_context(tokenizer, min(suite_specs, key=lambda spec: spec["n_tokens"]))
+    longest = max(spec["n_tokens"] for suite_specs in specs for spec in suite_specs)
     check_context_length(config, longest + MAX_NEW_TOKENS, what=f"a {longest}-token context with {MAX_NEW_TOKENS} new tokens")
 
 
@@ -169,7 +180,7 @@ def recompute(options: dict) -> None:
     cells = [cell for suite_cells in by_suite.values() for cell in suite_cells]
     if not cells:
         return
-    _check_lengths(options.get("model"), cells)
+    _check_before_running(options.get("model"), by_suite)
     store = ResultStore(data_dir / "cells" / "pressure")
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=options.get("model"),
                     options=options,

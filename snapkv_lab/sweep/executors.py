@@ -129,6 +129,21 @@ def _start_actors(ray, model, loader, n_cells: int) -> list:
             .remote(model, loader, int(node["Resources"]["CPU"])) for node in nodes[:n_cells]]
 
 
+def _start_local_cluster(ray, attempts: int = 2) -> None:
+    """A Ray cluster on this machine with all of its CPUs. Ray gives its node 30 s (fixed) to register, which a
+    busy machine can miss: then it tries again, once."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+            return
+        except Exception as err:  # Ray raises a bare Exception for this timeout
+            if "timed out during startup" not in str(err) or attempt == attempts:
+                raise
+            ray.shutdown()
+            print(f"Ray's local cluster did not start in time ({err}); trying again", file=sys.stderr, flush=True)
+
+
 def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) -> None:
     """Keep every actor busy with one cell; store each table as it comes back (in completion order)."""
     ray = import_ray()
@@ -136,8 +151,7 @@ def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) ->
     if started and ray_address:
         ray.init(address=ray_address)
     elif started:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+        _start_local_cluster(ray)
     actors = []
     try:
         actors = _start_actors(ray, model, loader, len(pending))
