@@ -61,6 +61,11 @@ def ablation_specs(options: dict) -> list[dict]:
             for d in NEEDLE_DEPTHS]
 
 
+def fact_kernel_specs(options: dict) -> list[dict]:
+    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s) for s in _samples(options, NEEDLE_SAMPLES)
+            for d in NEEDLE_DEPTHS]
+
+
 def ruler_specs(options: dict) -> list[dict]:
     return [dict(builder="ruler", n_tokens=RULER_LENGTH, task=task, value_kind=kind, sample=s) for task in TASKS
             for kind in VALUE_KINDS for s in _samples(options, 1)]
@@ -89,6 +94,9 @@ SUITES = {
     "windows": Suite("pressure_windows.csv", window_specs, tuple(SnapKV(window_size=w) for w in WINDOW_ABLATION), (1024,)),
     "ablations": Suite("pressure_ablations.csv", ablation_specs, tuple(ablation_policies()), (ABLATION_CAPACITY,),
                        describe="coverage", max_new_tokens=ANSWER_TOKENS),
+    # The ablations' best query-aware setting (a kernel as long as a fact) on all 15 dev needles of the grid's 4000.
+    "fact-kernel": Suite("pressure_fact_kernel.csv", fact_kernel_specs, (SnapKV(kernel_size=31),), (ABLATION_CAPACITY,),
+                         ("query-aware",), max_new_tokens=ANSWER_TOKENS),
     "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
 }
 
