@@ -31,9 +31,11 @@ FIGURE_SETS: dict[str, FigureSet] = {}
 
 
 def write_html(figure, path: Path) -> Path:
-    """A plotly figure as a small HTML page (plotly.js from its CDN). The div id is the file's name, not a
-    random one, so that redrawing unchanged tables leaves the file unchanged."""
-    figure.write_html(path, include_plotlyjs="cdn", div_id=Path(path).stem)
+    """A plotly figure as a small HTML page that renders offline: plotly.js is written once beside it
+    (plotly.min.js in the same folder, loaded by a relative script tag; no CDN, which leaves a blank page
+    without network). The div id is the file's name, not a random one, so that redrawing unchanged tables
+    leaves the file unchanged."""
+    figure.write_html(path, include_plotlyjs="directory", div_id=Path(path).stem)
     return Path(path)
 
 
