@@ -213,10 +213,7 @@ def draw(data_dir, figures_dir) -> list[Path]:
 
 def _draw_one(summary: pd.DataFrame, key: str, title: str, stem: Path) -> list[Path]:
     """One experiment in one mode: a PNG grid (rows: metrics, columns: sinks kept / excluded) and its HTML twin."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # no matplotlib.use(): drawing must not switch a live notebook's backend
     import plotly.express as px
 
     hue = EXPERIMENTS[key][0]

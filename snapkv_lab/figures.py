@@ -13,8 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# Modules whose import registers figure sets (each calls `register`).
-FIGURE_MODULES = ["snapkv_lab.experiments", "snapkv_lab.pressure"]
+# The figure sets by name: the module whose import registers the set (it calls `register`) and what the set
+# draws. A plain table, so that `snapkv-lab figures --help` lists the names without importing torch.
+FIGURE_MODULES = {
+    "findings": ("snapkv_lab.experiments", "the paper's four observations (a)-(d), generated and teacher-forced"),
+    "pressure": ("snapkv_lab.pressure", "needle grid heatmaps, accuracy vs budget, RULER-style suite, lines ablation"),
+}
 
 
 @dataclass
@@ -45,7 +49,7 @@ def register(figure_set: FigureSet) -> FigureSet:
 
 
 def load_figure_sets() -> dict[str, FigureSet]:
-    for module in FIGURE_MODULES:
+    for module, _ in FIGURE_MODULES.values():
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:
