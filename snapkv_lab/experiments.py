@@ -73,8 +73,9 @@ def generation_consistency(trace, *, obs_window=32, gen_window=128, n_gen_window
 
 def question_placement(traces: dict[str, list], *, obs_window=32, p=TOP_P) -> pd.DataFrame:
     """(c) {"front": traces, "back": traces} -> observation-window hit rates against all generated tokens."""
+    runs = [(placement, i, t) for placement, ts in traces.items() for i, t in enumerate(ts)]
     tables = [generation_consistency(t, obs_window=obs_window, gen_window=t.n_generated, n_gen_windows=1, p=p, sample=i)
-              .assign(placement=placement) for placement, ts in traces.items() for i, t in enumerate(ts)]
+              .assign(placement=placement) for placement, i, t in progress_bar(runs, desc="(c) metrics per QA trace")]
     return pd.concat(tables, ignore_index=True)
 
 
@@ -88,7 +89,7 @@ def question_dependence(traces: list, document: tuple[int, int], question_starts
     """
     start, end = document
     rows = []
-    for layer in traces[0].layers:
+    for layer in progress_bar(traces[0].layers, desc="(d) metrics per layer"):
         masks, sinks = [], []
         for trace, q_start in zip(traces, question_starts):
             voters = slice(q_start, trace.n_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,5 +80,10 @@ def make_figures(data_dir="data", figures_dir="figures", *, recompute: bool = Fa
         elif recompute:
             print(f"{name}: redrawn from its tables in {data_dir}/ (its recompute is long: name it to rerun, "
                   f"--recompute --only {name})", file=sys.stderr)
-        written += figure_set.draw(data_dir, figures_dir)
+        # Drawing every set takes tens of seconds: say so, rather than go silent at the end of a long run.
+        print(f"{name}: drawing its figures into {figures_dir}/ ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        files = figure_set.draw(data_dir, figures_dir)
+        print(f"{name}: {len(files)} files in {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+        written += files
     return written
