@@ -37,13 +37,23 @@ def chromium_path() -> str | None:
     return None
 
 
+def missing(reason: str):
+    """Skip, or fail where a browser is required (.ci/run sets SNAPKV_LAB_REQUIRE_BROWSER=1: CI installs one)."""
+    if os.environ.get("SNAPKV_LAB_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{reason} (SNAPKV_LAB_REQUIRE_BROWSER=1)")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        missing("playwright is not installed: pip install -e '.[dev]'")
     executable = chromium_path()
     if executable is None:
-        pytest.skip("no Chromium found (/usr/bin/chromium): install it with `apt-get install chromium`, "
-                    "as scripts/install.sh does where apt-get is available")
+        missing("no Chromium found (/usr/bin/chromium): install it with `apt-get install chromium`, "
+                "as scripts/install.sh does where apt-get is available")
     with sync_api.sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         yield launched
