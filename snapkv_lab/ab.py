@@ -136,7 +136,8 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
         list too), "name" (optional row label)}.
     Each prompt is prefilled once with the full cache while every policy's scores are recorded; each policy
     then decodes on a compressed copy (the same cache `compress` would build), so an A/B of k policies costs
-    one prefill, their selections (plus any extra scoring pass, e.g. KVzip's) and k decodes.
+    one prefill, their selections (plus any extra scoring pass, e.g. KVzip's, paid once per prompt and in the
+    selection_s of the first policy that needs it: KVzip at four budgets reconstructs once) and k decodes.
     Columns: prompt, policy (its label: name, non-default settings, budget), mode, question, answer, expected,
     correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one), cache_length,
     prompt_tokens, prefill_s (the shared prefill), selection_s, decode_ms_per_token, new_tokens.

@@ -90,9 +90,9 @@ def _needle_arguments(p) -> None:
     p.add_argument("--depths", type=float, nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
     p.add_argument("--lines-lengths", type=int, nargs="*", default=None, help="lines-task record lengths (default 2000)")
     p.add_argument("--skip-lines", action="store_true", help="leave the lines task out")
-    p.add_argument("--suites", nargs="*", choices=("needle", "lines", "ruler", "windows"), default=None,
+    p.add_argument("--suites", nargs="*", choices=("needle", "lines", "ruler", "windows", "ablations"), default=None,
                    help="which pressure tests to run (default all: the needle grid, the lines task, the RULER-style suite, "
-                        "the SnapKV window ablation)")
+                        "the SnapKV window ablation, the ablations of SnapKV's settings and the other methods with coverage)")
 
 
 COMMANDS: dict[str, Command] = {

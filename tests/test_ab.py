@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
+import snapkv_lab as sl
 from snapkv_lab import FullCache, H2O, SnapKV, StreamingLLM, compare, generate
 from snapkv_lab.ab import kept_mask, kept_tokens_html
 from snapkv_lab.pressure import Context, Query, accuracy_table, run_retrieval
@@ -253,3 +254,23 @@ def test_wilson_intervals():
     intervals = accuracy_intervals(table).set_index("policy")
     assert intervals.loc["A", ["asked", "correct", "exact"]].tolist() == [4, 3, 2]
     assert intervals.loc["B", "correct_high"] == pytest.approx(wilson(0, 2)[1])
+
+
+def test_extra_scoring_pass_is_shared_by_budgets_and_selection_settings(byte_tokenizer, monkeypatch):
+    """KVzip's reconstruction pass runs once per prefill, whatever the budgets and pooling of its variants."""
+    from snapkv_lab.compression import SharedPrefill
+
+    model = make_tiny_llama("sdpa")
+    ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    policies = [sl.KVzip(capacity=24, window_size=4), sl.KVzip(capacity=40, window_size=4),
+                sl.KVzip(capacity=40, window_size=4, pooling="max", kernel_size=5)]
+    calls = []
+    original = sl.KVzip.prompt_scores
+    monkeypatch.setattr(sl.KVzip, "prompt_scores", lambda self, *a: calls.append(self) or original(self, *a))
+    shared = SharedPrefill.run(model, byte_tokenizer, ids, policies)
+    states = [shared.state(p) for p in policies]
+    assert len(calls) == 1
+    fresh = SharedPrefill.run(model, byte_tokenizer, ids, policies[2:])  # its own pass, nothing shared
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state(policies[2]).kept_indices.values(),
+                                                 states[2].kept_indices.values()))
+    assert not torch.equal(states[1].kept_indices[0], states[2].kept_indices[0])  # pooling changed the selection

@@ -16,7 +16,9 @@ import numpy as np
 import pandas as pd
 
 from ..figures import write_html
-from .grid import RULER_CAPACITY, RULER_LENGTH, _run_label, wilson
+from .ablations import draw as draw_ablations
+from .grid import RULER_CAPACITY, RULER_LENGTH, _run_label
+from .intervals import wilson
 from .runner import MODES
 
 HEATMAP_COLOURS = "viridis"
@@ -75,7 +77,7 @@ def _dodge(budgets: pd.Series, index: int, count: int) -> pd.Series:
 
 def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
     """Every pressure figure whose table exists in data_dir: needle heatmaps per mode, accuracy vs budget,
-    the RULER-style suite and the lines ablation."""
+    the ablations (`ablations.draw`), the RULER-style suite and the lines ablation."""
     data_dir, figures_dir = Path(data_dir), Path(figures_dir)
     written = []
     if (data_dir / "pressure_needle.csv").exists():
@@ -83,6 +85,7 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
         for mode in MODES:
             written += needle_heatmaps(table, mode, figures_dir / f"pressure_needle_{mode}")
         written += needle_budget(table, figures_dir / "pressure_needle_budget")
+    written += draw_ablations(data_dir, figures_dir)
     if (data_dir / "pressure_ruler.csv").exists():
         written += ruler_figure(pd.read_csv(data_dir / "pressure_ruler.csv"), figures_dir / "pressure_ruler")
     if (data_dir / "pressure_lines.csv").exists():

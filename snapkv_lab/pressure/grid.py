@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pandas as pd
 
 from ..figures import FigureSet, register
 from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA
+from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, run_ablations
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import MODES, run_retrieval
 from .tasks import lines_context, needle_context
@@ -19,7 +19,7 @@ NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
 LINES_SAMPLES = 1
 
 
-SUITES = ("needle", "lines", "ruler", "windows")
+SUITES = ("needle", "lines", "ruler", "windows", "ablations")
 WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budget of the 4000-token needles
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
@@ -54,36 +54,17 @@ def recompute(options: dict) -> None:
         contexts = [needle_context(tokenizer, 4000, d, s) for d in NEEDLE_DEPTHS for s in samples]
         save("pressure_windows.csv")(run_retrieval(model, tokenizer, contexts, policies=[SnapKV(window_size=w) for w in WINDOW_ABLATION],
                                                    capacities=(1024,), on_context=save("pressure_windows.csv")))
+    if "ablations" in suites:
+        samples = range(first, first + (options.get("samples") or ABLATION_SAMPLES))
+        contexts = [needle_context(tokenizer, ABLATION_LENGTH, d, s) for s in samples for d in NEEDLE_DEPTHS]
+        save("pressure_ablations.csv")(run_ablations(model, tokenizer, contexts, capacity=ABLATION_CAPACITY,
+                                                     on_context=save("pressure_ablations.csv")))
     if "ruler" in suites:
         samples = range(first, first + (options.get("samples") or 1))
         contexts = [ruler_context(tokenizer, RULER_LENGTH, task, kind, sample=s) for task in TASKS for kind in VALUE_KINDS
                     for s in samples]
         save("pressure_ruler.csv")(run_retrieval(model, tokenizer, contexts, policies=RULER_POLICIES,
                                                  capacities=(RULER_CAPACITY,), on_context=save("pressure_ruler.csv")))
-
-
-def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval (95% by default) of a proportion: (low, high); (nan, nan) without trials."""
-    if trials == 0:
-        return float("nan"), float("nan")
-    p = successes / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return centre - half, centre + half
-
-
-def accuracy_intervals(table: pd.DataFrame, by=("policy", "mode")) -> pd.DataFrame:
-    """Found / asked per group with its Wilson interval, for both grades (correct: RULER's, exact: strict)."""
-    rows = []
-    for key, part in table.groupby(list(by), sort=False):
-        row = dict(zip(by, key if isinstance(key, tuple) else (key,)), asked=len(part))
-        for grade in ("correct", "exact"):
-            if grade in part:
-                found = int(part[grade].sum())
-                row[grade] = found
-                row[f"{grade}_low"], row[f"{grade}_high"] = wilson(found, len(part))
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 def _run_label(table: pd.DataFrame) -> pd.Series:
