@@ -3,6 +3,7 @@
 - Notebook 01 (small settings) runs in JupyterLab on 127.0.0.1: no cell errors, the plotly heatmap is drawn,
   and picking another layer in the heatmap explorer redraws it (its title changes).
 - Every committed HTML figure renders from disk with the network blocked (plotly.js beside the pages).
+- The kept-token view, rendered, shows every digit of a highlighted needle, uncovered, inside one box.
 
 Playwright cannot download its own browsers here, so it launches the system Chromium (`executable_path`);
 scripts/install.sh installs it where apt-get is available. Without Chromium or Playwright the tests skip and
@@ -89,6 +90,34 @@ def test_html_figures_render_from_disk_offline(browser):
         assert drawn > 0, f"{path.name}: plotly drew no data"
     page.close()
     assert blocked == [] and errors == [], (blocked, errors)
+
+
+def test_kept_view_digits_are_drawn_uncovered(browser):
+    """Rendered, each digit of a highlighted needle is the topmost element at its own centre (nothing paints over
+    it) and lies inside the one highlight box."""
+    import torch
+
+    from conftest import ByteTokenizer
+    from snapkv_lab.ab import kept_tokens_html
+
+    text = "Some essay text before it. The special magic number is: 9935848. And the essay goes on after it." * 3
+    value = text.index("9935848")
+    kept = [torch.tensor([[[0, 1, value + 1, value + 2], [0, value, value + 5, 90]]])]  # some digits kept, some not
+    page = browser.new_page(viewport={"width": 500, "height": 800})  # narrow: the text wraps over several lines
+    page.set_content(kept_tokens_html(ByteTokenizer(), torch.tensor(list(text.encode())), kept,
+                                      highlight=(value, value + 7)))
+    report = page.evaluate("""() => {
+        const box = document.querySelector('.highlight').getBoundingClientRect();
+        return [...document.querySelectorAll('.highlight > span')].map(span => {
+            const r = span.getBoundingClientRect();
+            const top = document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2);
+            return {text: span.textContent, topmost: top === span || span.contains(top),
+                    inside: r.left >= box.left && r.right <= box.right && r.top >= box.top && r.bottom <= box.bottom};
+        });
+    }""")
+    page.close()
+    assert "".join(r["text"] for r in report) == "9935848"
+    assert all(r["topmost"] and r["inside"] for r in report), report
 
 
 def free_port() -> int:
