@@ -26,7 +26,8 @@ from ..attention import AttentionSettings
 from ..selection import GQA_REDUCTIONS, POOLINGS, select
 
 SELECTION = ("pooling", "kernel_size", "gqa", "per_query_head")  # applied to scores by `keep`, with the budget
-NO_POSITION = -1  # fills the kept positions of heads that keep fewer than the layer's widest head
+NO_POSITION = -1
+_ABSENT = object()  # a field the default being compared with lacks: always a difference  # fills the kept positions of heads that keep fewer than the layer's widest head
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Policy:
     def _differences(self, default: Policy, skip) -> list[str]:
         """`name=value` of every field outside `skip` whose value differs from `default`'s."""
         return [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                if f.name not in skip and getattr(self, f.name) != getattr(default, f.name)]
+                if f.name not in skip and getattr(self, f.name) != getattr(default, f.name, _ABSENT)]
 
     @property
     def scorer_label(self) -> str:
@@ -125,9 +126,11 @@ class Policy:
     @property
     def scoring_key(self) -> str:
         """The scorer alone: policies with equal keys score identically, since the budget, pooling, GQA reduction
-        and layout act after scoring (in `keep`). Lets extra scoring passes be shared between such variants."""
-        default = type(self)()
-        return dataclasses.replace(self, capacity=None, **{name: getattr(default, name) for name in SELECTION}).scorer_label
+        and layout act after scoring (in `keep`), and a subclass that only changes those defaults (FactKV of KVzip)
+        scores as the class that defines the scoring. Lets extra scoring passes be shared between such variants."""
+        scorer = next(c for c in type(self).__mro__ if "score" in vars(c) or "prompt_scores" in vars(c))
+        settings = ", ".join(self._differences(scorer(), skip=("capacity", *SELECTION)))
+        return f"{scorer.__name__}({settings})" if settings else scorer.__name__
 
     def budget(self, n_tokens: int) -> int | None:
         """Positions kept per head on average for an n-token prompt, or None when the prompt is left untouched."""

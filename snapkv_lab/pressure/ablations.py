@@ -18,8 +18,7 @@ import torch
 from ..capture import capture
 from ..compression.layers import held_positions
 from ..coverage import GenerationAttention, attention_coverage, sinks_rows, span_attention
-from ..policies import (KNorm, KVzip, AdaKV, ChunkKV, CriticalKV, ExpectedAttention, PyramidKV, SnapKV, StreamingLLM,
-                        TOVA)
+from ..policies import AdaKV, ChunkKV, CriticalKV, ExpectedAttention, KNorm, PyramidKV, SnapKV, StreamingLLM, TOVA
 from .intervals import accuracy_intervals
 from .runner import run_retrieval
 from .tasks import Context, Query
@@ -32,19 +31,17 @@ ABLATION_SAMPLES = 1  # haystacks per needle depth (the needle grid's first, a d
 ANSWER_TOKENS = 12
 
 # axis -> setting -> policy. SnapKV's defaults (window 32, max pooling with kernel 7, GQA mean, one selection per
-# KV head) appear once on every axis: the run is shared, the table repeats it per axis. KVzip's variants share its
-# reconstruction pass (SharedPrefill pays it once per prefill).
+# KV head) appear once on every axis: the run is shared, the table repeats it per axis.
 # The observation window's axis is the `windows` suite (data/pressure_windows.csv, the same needles and budget).
 AXES: dict[str, dict[str, object]] = {
     "kernel": {str(k): SnapKV(kernel_size=k) for k in (1, 3, 7, 15, 31)},
     "pooling": {"max": SnapKV(), "avg": SnapKV(pooling="avg")},
     "gqa": {"mean": SnapKV(), "max": SnapKV(gqa="max")},
     "layout": {"per KV head": SnapKV(), "per query head": SnapKV(per_query_head=True)},
-    "KVzip pooling": {"none": KVzip(), "max 7": KVzip(pooling="max", kernel_size=7),
-                      "max 31": KVzip(pooling="max", kernel_size=31)},
-    # H2O and random keep find no needle at 1024 of 4000 in the needle grid: left out here.
+    # H2O and random keep find no needle at 1024 of 4000 in the needle grid: left out here. So is KVzip: its
+    # reconstruction pass costs 5-8 prefills (two per context, both modes); notebook 04 runs it on one needle.
     "method": {p.name: p for p in (SnapKV(), PyramidKV(), AdaKV(), TOVA(), KNorm(), ChunkKV(), CriticalKV(),
-                                   ExpectedAttention(), KVzip(), StreamingLLM())},
+                                   ExpectedAttention(), StreamingLLM())},
 }
 
 
