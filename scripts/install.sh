@@ -11,7 +11,8 @@ pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then pip_install torch; else pip_install torch==2.13.0; fi
 fi
-pip_install -e ".[dev]"
+# ray: the optional executor of the grids (`--executor ray`), tested by CI (a ~80 MB wheel, ~15 s).
+pip_install -e ".[dev,ray]"
 # Debian's Chromium for the browser test (tests/test_browser.py drives it through Playwright, which cannot
 # download its own browsers offline). Only where it is missing and apt-get can install it (as root, e.g. CI);
 # elsewhere that test skips and says so.

@@ -7,6 +7,7 @@ when it runs, so `snapkv-lab --help` answers at once. Each command is a thin wra
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,12 +42,22 @@ def figures(args) -> int:
 
 def needle(args) -> int:
     from .figures import make_figures
-    from .pressure import recompute
+    from .pressure import grid_cells, recompute
+    from .sweep import import_ray
 
     start = time.perf_counter()
-    recompute(dict(data_dir=args.data_dir, model=args.model, samples=args.samples, first_sample=args.first_sample,
+    options = dict(data_dir=args.data_dir, model=args.model, samples=args.samples, first_sample=args.first_sample,
                    lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths,
-                   suites=args.suites))
+                   suites=args.suites, policies=args.policies, capacities=args.capacities, modes=args.modes,
+                   executor=args.executor, ray_address=args.ray_address)
+    try:  # bad names, budgets and modes, and a missing Ray, are said at once, before any model loads
+        grid_cells(options)
+        if args.executor == "ray":
+            import_ray()
+    except (ValueError, ModuleNotFoundError) as err:
+        print(f"snapkv-lab needle: error: {err}", file=sys.stderr)
+        return 2
+    recompute(options)
     for path in make_figures(args.data_dir, args.figures_dir, only=["pressure"]):
         print(path)
     print(f"done in {time.perf_counter() - start:.0f} s")
@@ -80,6 +91,16 @@ def _figures_arguments(p) -> None:
     p.add_argument("--gen-window", type=int, default=None, help="generation-window size for experiment (b) (default 128)")
     p.add_argument("--split", choices=["dev", "heldout"], default=None,
                    help="prompt split of data/prompt_recipes.json for the findings (default dev)")
+    _executor_arguments(p)
+
+
+def _executor_arguments(p) -> None:
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="where the grid's cells run: in this process (default), or on Ray (pip install 'snapkv_lab[ray]'). "
+                        "Finished cells are kept in <data-dir>/cells/: rerunning the same command skips them")
+    p.add_argument("--ray-address", default=None,
+                   help="address of a running Ray cluster (e.g. auto, or ray://head:10001) for --executor ray; "
+                        "default: a local Ray cluster started for this run")
 
 
 def _needle_arguments(p) -> None:
@@ -90,9 +111,19 @@ def _needle_arguments(p) -> None:
     p.add_argument("--depths", type=float, nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
     p.add_argument("--lines-lengths", type=int, nargs="*", default=None, help="lines-task record lengths (default 2000)")
     p.add_argument("--skip-lines", action="store_true", help="leave the lines task out")
-    p.add_argument("--suites", nargs="*", choices=("needle", "lines", "ruler", "windows", "ablations"), default=None,
-                   help="which pressure tests to run (default all: the needle grid, the lines task, the RULER-style suite, "
-                        "the SnapKV window ablation, the ablations of SnapKV's settings and the other methods with coverage)")
+    p.add_argument("--suites", nargs="*", default=None,
+                   help="which pressure tests to run, by name in snapkv_lab.pressure.SUITES (default all: needle, the "
+                        "needle grid; lines, the lines task; windows, the SnapKV window ablation; ablations, SnapKV's settings and "
+                        "the other methods with coverage; ruler, the RULER-style suite)")
+    p.add_argument("--policies", nargs="+", default=None, metavar="NAME",
+                   help="compression policies by name in snapkv_lab.POLICIES, e.g. SnapKV H2O TOVA (default SnapKV "
+                        "SnapKVNoPooling H2O StreamingLLM RandomKeep); suites that ablate a policy keep their own")
+    p.add_argument("--capacities", type=int, nargs="+", default=None, metavar="N",
+                   help="KV budgets in tokens per head (default 256 512 1024 2048); suites that fix a budget keep theirs")
+    p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"], default=None,
+                   help="query-aware (question in the prompt when compressing), query-agnostic (context compressed "
+                        "alone, question after) or both (default both)")
+    _executor_arguments(p)
 
 
 COMMANDS: dict[str, Command] = {

@@ -93,9 +93,29 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
                  "--data-dir", str(tmp_path)]) == 0
     assert calls.pop() == ("draw", (str(tmp_path), "figures"), dict(
         recompute=True, only=["findings"], options=dict(model=None, samples=1, obs_window=None, prompt_window=None,
-                                                        gen_window=None, split="heldout")))
+                                                        gen_window=None, split="heldout",
+                                                        executor="local", ray_address=None)))
     assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines",
                  "--suites", "needle", "ruler"]) == 0
     assert calls == [("needle", dict(data_dir="data", model="some/model", samples=None, first_sample=0, lengths=[1000],
-                                     depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"])),
+                                     depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"],
+                                     policies=None, capacities=None, modes=None, executor="local", ray_address=None)),
                      ("draw", ("data", "figures"), dict(only=["pressure"]))]
+
+
+def test_needle_refuses_bad_grid_options_before_any_model_runs(monkeypatch, capsys):
+    import snapkv_lab.pressure
+
+    monkeypatch.setattr(snapkv_lab.pressure, "recompute", lambda options: pytest.fail("the grid ran"))
+    assert main(["needle", "--policies", "SnapKV", "SnapKv"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'SnapKv'" in err and "SnapKV, SnapKVNoPooling, H2O" in err  # the names to choose from
+    assert main(["needle", "--policies", "FullCache"]) == 2
+    assert "baseline" in capsys.readouterr().err
+    assert main(["needle", "--capacities", "16"]) == 2  # below the 32-token observation window
+    assert "window_size (32) must be smaller than capacity (16)" in capsys.readouterr().err
+    assert main(["needle", "--suites", "needles"]) == 2
+    assert "needle, lines, windows, ablations, ruler" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    assert main(["needle", "--executor", "ray"]) == 2
+    assert "pip install 'snapkv_lab[ray]'" in capsys.readouterr().err

@@ -2,7 +2,10 @@
 
 POLICIES maps each shipped policy's plain name to its class; every one can be built from `capacity=` alone,
 and the tests parametrise over it, so a new method is tested the moment it is registered here.
+`policy_config` writes a policy as JSON-able values (a grid cell's key), `policy_from_config` builds it back.
 """
+
+import dataclasses
 
 from .base import NO_POSITION, AttentionCall, FullCache, Policy
 from .adakv import AdaKV
@@ -23,4 +26,26 @@ POLICIES: dict[str, type[Policy]] = {cls.__name__: cls for cls in (
     CriticalKV, ExpectedAttention, KVzip, DecodingEviction,
 )}
 
-__all__ = ["NO_POSITION", "POLICIES", "AttentionCall", "Policy", *POLICIES]
+
+
+def policy_config(policy: Policy) -> dict:
+    """Every field of the policy, defaults included, as JSON-able values: {"name": class name, field: value, ...};
+    a wrapped policy (AdaKV's, ChunkKV's, ...) as a nested config of its own."""
+    config = {"name": type(policy).__name__}
+    for field in dataclasses.fields(policy):
+        value = getattr(policy, field.name)
+        config[field.name] = policy_config(value) if isinstance(value, Policy) else value
+    return config
+
+
+def policy_from_config(config: dict) -> Policy:
+    """The policy `config` describes ({"name": "SnapKV"} alone gives the defaults); an unknown name is refused
+    with the list of registered names."""
+    fields = {k: policy_from_config(v) if isinstance(v, dict) else v for k, v in config.items() if k != "name"}
+    name = config.get("name")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; registered policies (snapkv_lab.POLICIES): {', '.join(POLICIES)}")
+    return POLICIES[name](**fields)
+
+
+__all__ = ["NO_POSITION", "POLICIES", "AttentionCall", "Policy", "policy_config", "policy_from_config", *POLICIES]

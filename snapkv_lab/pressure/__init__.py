@@ -5,7 +5,8 @@
     runner.py   run_retrieval: every question x policy x budget x mode from one prefill per context
     intervals.py  Wilson intervals of accuracies (both grades)
     ablations.py  SnapKV's settings and the other methods at 25%, each run explained by attention coverage
-    grid.py     the needle grid, lines ablation and RULER suite as the `pressure` figure set (`snapkv-lab needle`)
+    grid.py     the suites (needle grid, lines, window and method ablations, RULER) as one table, SUITES; each context
+                is a cell of a resumable grid (snapkv_lab.sweep); the `pressure` figure set (`snapkv-lab needle`)
 
 Query-aware: the question is part of the prompt, so SnapKV's window votes with the question.
 Query-agnostic (kvpress's protocol): the context alone is compressed, the question appended after.
@@ -14,11 +15,11 @@ The full cache is the same in both modes. The prefill logits are the full cache'
 Results are tidy tables (one row per question x policy x budget x mode) in data/pressure_*.csv.
 """
 
-from .grid import accuracy_table, draw, recompute, ruler_table
+from .grid import SUITES, Suite, accuracy_table, draw, grid_cells, recompute, ruler_table, run_context
 from .intervals import accuracy_intervals, wilson
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import Context, Query, found, found_exactly, lines_context, needle_context
 
-__all__ = ["CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
+__all__ = ["SUITES", "Suite", "grid_cells", "run_context", "CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
            "needle_context", "recompute", "ruler_table", "run_retrieval", "accuracy_intervals", "wilson"]

@@ -20,7 +20,6 @@ from ..compression.layers import held_positions
 from ..coverage import GenerationAttention, attention_coverage, sinks_rows, span_attention
 from ..policies import AdaKV, ChunkKV, CriticalKV, ExpectedAttention, KNorm, PyramidKV, SnapKV, StreamingLLM, TOVA
 from .intervals import accuracy_intervals
-from .runner import run_retrieval
 from .tasks import Context, Query
 
 ABLATION_LENGTH = 4000
@@ -87,14 +86,6 @@ def coverage_describer(model, tokenizer):
                     value_attention=on_value.span_share.mean(), value_attention_kept=on_value.span_kept_share.mean())
 
     return describe
-
-
-def run_ablations(model, tokenizer, contexts: list[Context], *, capacity: int = ABLATION_CAPACITY,
-                  on_context=None, progress: bool = True) -> pd.DataFrame:
-    """Every policy of AXES at `capacity`, both modes, each run with its coverage columns: run_retrieval's table."""
-    return run_retrieval(model, tokenizer, contexts, policies=ablation_policies(), capacities=(capacity,),
-                         max_new_tokens=ANSWER_TOKENS, on_context=on_context, progress=progress,
-                         describe=coverage_describer(model, tokenizer))
 
 
 def ablation_table(table: pd.DataFrame) -> pd.DataFrame:

@@ -82,7 +82,7 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
     written = []
     if (data_dir / "pressure_needle.csv").exists():
         table = pd.read_csv(data_dir / "pressure_needle.csv")
-        for mode in MODES:
+        for mode in [m for m in MODES if m in set(table["mode"])]:  # a grid run with --modes has one
             written += needle_heatmaps(table, mode, figures_dir / f"pressure_needle_{mode}")
         written += needle_budget(table, figures_dir / "pressure_needle_budget")
     written += draw_ablations(data_dir, figures_dir)

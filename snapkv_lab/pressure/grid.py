@@ -2,69 +2,196 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from ..figures import FigureSet, register
-from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA
-from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, run_ablations
+from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA, policy_config, policy_from_config
+from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
+                        coverage_describer)
 from .ruler import TASKS, VALUE_KINDS, ruler_context
-from .runner import MODES, run_retrieval
+from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import lines_context, needle_context
 
 NEEDLE_LENGTHS = (2000, 4000, 7500)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 NEEDLE_SAMPLES = 3  # haystacks per (length, depth): the committed grid
 LINES_SAMPLES = 1
-
-
-SUITES = ("needle", "lines", "ruler", "windows", "ablations")
 WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budget of the 4000-token needles
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
 RULER_CAPACITY = 1024  # 25% of the RULER contexts
+MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
+# A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
+CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
+# run_retrieval's describe hooks by name, each built per model: (model, tokenizer) -> describe(...) -> extra columns.
+DESCRIBERS = {"coverage": coverage_describer}
+
+
+def _samples(options: dict, default: int) -> range:
+    """Sample indices (each seeds a context's needles and haystack start); first_sample runs a grid in pieces."""
+    first = options.get("first_sample") or 0
+    return range(first, first + (options.get("samples") or default))
+
+
+def needle_specs(options: dict) -> list[dict]:
+    return [dict(builder="needle", n_tokens=int(n), depth=float(d), sample=s) for n in options.get("lengths") or NEEDLE_LENGTHS
+            for d in options.get("depths") or NEEDLE_DEPTHS for s in _samples(options, NEEDLE_SAMPLES)]
+
+
+def lines_specs(options: dict) -> list[dict]:
+    first = options.get("first_sample") or 0
+    return [dict(builder="lines", n_tokens=int(n), n_queries=options.get("line_queries") or 8, sample=s)
+            for n in options.get("lines_lengths") or (2000,) for s in range(first, first + LINES_SAMPLES)]
+
+
+def window_specs(options: dict) -> list[dict]:
+    return [dict(builder="needle", n_tokens=4000, depth=d, sample=s) for d in NEEDLE_DEPTHS for s in _samples(options, 1)]
+
+
+def ablation_specs(options: dict) -> list[dict]:
+    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s) for s in _samples(options, ABLATION_SAMPLES)
+            for d in NEEDLE_DEPTHS]
+
+
+def ruler_specs(options: dict) -> list[dict]:
+    return [dict(builder="ruler", n_tokens=RULER_LENGTH, task=task, value_kind=kind, sample=s) for task in TASKS
+            for kind in VALUE_KINDS for s in _samples(options, 1)]
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One table of the pressure set: its contexts (options -> context specs) and what runs on each. policies,
+    capacities, modes: None takes the grid's options (--policies, --capacities, --modes), else the runner's
+    defaults; a suite that ablates one of them fixes it. describe: a DESCRIBERS name, extra columns for every run.
+    max_new_tokens: per answer."""
+
+    table: str
+    contexts: Callable[[dict], list[dict]]
+    policies: tuple | None = None
+    capacities: tuple | None = None
+    modes: tuple | None = None
+    describe: str | None = None
+    max_new_tokens: int = MAX_NEW_TOKENS
+
+
+# One row per suite, run in this order by `snapkv-lab needle --suites ...` (default all).
+SUITES = {
+    "needle": Suite("pressure_needle.csv", needle_specs),
+    "lines": Suite("pressure_lines.csv", lines_specs, (SnapKV(), SnapKVNoPooling()), (256, 512, 1024), ("query-aware",)),
+    "windows": Suite("pressure_windows.csv", window_specs, tuple(SnapKV(window_size=w) for w in WINDOW_ABLATION), (1024,)),
+    "ablations": Suite("pressure_ablations.csv", ablation_specs, tuple(ablation_policies()), (ABLATION_CAPACITY,),
+                       describe="coverage", max_new_tokens=ANSWER_TOKENS),
+    "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
+}
+
+
+def build_context(tokenizer, spec: dict):
+    """The Context a spec describes: CONTEXTS[spec["builder"]](tokenizer, **the other entries)."""
+    arguments = dict(spec)
+    return CONTEXTS[arguments.pop("builder")](tokenizer, **arguments)
+
+
+def run_context(model, tokenizer, config: dict) -> pd.DataFrame:
+    """One cell of the grid: build the context, prefill it once and answer its questions with the full cache and
+    every policy x capacity x mode of `config` (runner.run_retrieval), with its describe hook's columns if any.
+    Rows as run_retrieval's."""
+    context = build_context(tokenizer, config["context"])
+    describe = DESCRIBERS[config["describe"]](model, tokenizer) if config["describe"] else None
+    table = run_retrieval(model, tokenizer, [context], policies=[policy_from_config(p) for p in config["policies"]],
+                          capacities=config["capacities"], modes=config["modes"], max_new_tokens=config["max_new_tokens"],
+                          progress=False, describe=describe)
+    # One type per column, so that the table reads back from the store as written: capacity is empty for the full
+    # cache, and RULER's multivalue answers are lists, written as CSV writes them.
+    return table.assign(capacity=table.capacity.astype("Int64"), expected=table.expected.map(str))
+
+
+def grid_cells(options: dict) -> dict[str, list]:
+    """The cells of each suite in options["suites"] (default all, less "lines" with skip_lines), in run order.
+
+    A cell is one context with all its policies, capacities and modes, keyed by the model, the context's spec,
+    every policy field, the capacities, modes and max_new_tokens. Bad options are refused here, before any run.
+    """
+    from ..sweep import Cell
+
+    names = list(options.get("suites") or SUITES)
+    unknown = [name for name in names if name not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suites {unknown}; the pressure suites are {', '.join(SUITES)}")
+    names = [name for name in names if not (name == "lines" and options.get("skip_lines"))]
+    named = [policy_from_config({"name": name}) for name in options.get("policies") or ()]
+    if any(policy.capacity is None for policy in named):
+        raise ValueError("--policies takes compression policies: the full cache runs in every grid as the baseline")
+    modes = tuple(options.get("modes") or ())
+    if set(modes) - set(MODES):
+        raise ValueError(f"modes must be among {MODES}, got {list(modes)}")
+    cells = {}
+    for name in names:
+        suite = SUITES[name]
+        policies = suite.policies or tuple(named) or DEFAULT_POLICIES
+        capacities = [int(c) for c in suite.capacities or options.get("capacities") or CAPACITIES]
+        for policy in policies:  # a window at or above a budget fails here, not an hour into the grid
+            for capacity in capacities:
+                dataclasses.replace(policy, capacity=capacity)
+        config = dict(model=options.get("model"), policies=[policy_config(p) for p in policies], capacities=capacities,
+                      modes=list(suite.modes or modes or MODES), max_new_tokens=suite.max_new_tokens,
+                      describe=suite.describe)
+        cells[name] = [Cell("pressure", dict(config, context=spec)) for spec in suite.contexts(options)]
+    return cells
+
+
+def _check_before_running(model_name, by_suite: dict[str, list]) -> None:
+    """Refuse bad grids before the first prefill: the shortest context of each suite is built here (a tokenizer
+    without a chat template, or a length with no room for the haystack, fails now), and the longest must fit
+    the model with its new tokens (each builder's n_tokens holds its questions). Skipped when the model cannot
+    be read here (a Ray head node without it): the cells check the same things where they run."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..inputs import check_context_length
+    from ..models import bundled_checkpoint
+
+    source = bundled_checkpoint() if model_name is None else model_name
+    try:
+        config, tokenizer = AutoConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+    except OSError:
+        return
+    specs = [[cell.config["context"] for cell in cells] for cells in by_suite.values() if cells]
+    for suite_specs in specs:
+        build_context(tokenizer, min(suite_specs, key=lambda spec: spec["n_tokens"]))
+    longest = max(spec["n_tokens"] for suite_specs in specs for spec in suite_specs)
+    check_context_length(config, longest + MAX_NEW_TOKENS, what=f"a {longest}-token context with {MAX_NEW_TOKENS} new tokens")
 
 
 def recompute(options: dict) -> None:
-    """Run the suites in options["suites"] (default all): the needle grid, the lines ablation and the RULER-style
-    variants, writing data/pressure_needle.csv, data/pressure_lines.csv and data/pressure_ruler.csv."""
-    from ..models import load_model
+    """Run the suites in options["suites"] (default all: see SUITES) as cells stored in <data_dir>/cells/pressure/,
+    skipping the cells already there, then write each suite's table (data/pressure_needle.csv, ...).
+
+    options: data_dir, model, suites, skip_lines, lengths, depths, samples, first_sample, lines_lengths,
+    line_queries, policies (names from snapkv_lab.POLICIES), capacities, modes, executor ("local" or "ray") and
+    ray_address (see sweep.run_cells).
+    """
+    from ..sweep import ResultStore, run_cells
 
     data_dir = Path(options.get("data_dir", "data"))
-    data_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(options.get("model"))
-    suites = set(options.get("suites") or SUITES) - ({"lines"} if options.get("skip_lines") else set())
-    # Samples differ in needles (keys, values) and haystack start; first_sample lets a long grid run in pieces.
-    first = options.get("first_sample") or 0
-    save = lambda name: (lambda table: table.to_csv(data_dir / name, index=False))  # noqa: E731
-    if "needle" in suites:
-        samples = range(first, first + (options.get("samples") or NEEDLE_SAMPLES))
-        contexts = [needle_context(tokenizer, n, d, s) for n in options.get("lengths") or NEEDLE_LENGTHS
-                    for d in options.get("depths") or NEEDLE_DEPTHS for s in samples]
-        save("pressure_needle.csv")(run_retrieval(model, tokenizer, contexts, on_context=save("pressure_needle.csv")))
-    if "lines" in suites:
-        lines = [lines_context(tokenizer, n, n_queries=options.get("line_queries") or 8, sample=s)
-                 for n in options.get("lines_lengths") or (2000,) for s in range(first, first + LINES_SAMPLES)]
-        table = run_retrieval(model, tokenizer, lines, policies=(SnapKV(), SnapKVNoPooling()),
-                              capacities=(256, 512, 1024), modes=("query-aware",), on_context=save("pressure_lines.csv"))
-        save("pressure_lines.csv")(table)
-    if "windows" in suites:
-        samples = range(first, first + (options.get("samples") or 1))
-        contexts = [needle_context(tokenizer, 4000, d, s) for d in NEEDLE_DEPTHS for s in samples]
-        save("pressure_windows.csv")(run_retrieval(model, tokenizer, contexts, policies=[SnapKV(window_size=w) for w in WINDOW_ABLATION],
-                                                   capacities=(1024,), on_context=save("pressure_windows.csv")))
-    if "ablations" in suites:
-        samples = range(first, first + (options.get("samples") or ABLATION_SAMPLES))
-        contexts = [needle_context(tokenizer, ABLATION_LENGTH, d, s) for s in samples for d in NEEDLE_DEPTHS]
-        save("pressure_ablations.csv")(run_ablations(model, tokenizer, contexts, capacity=ABLATION_CAPACITY,
-                                                     on_context=save("pressure_ablations.csv")))
-    if "ruler" in suites:
-        samples = range(first, first + (options.get("samples") or 1))
-        contexts = [ruler_context(tokenizer, RULER_LENGTH, task, kind, sample=s) for task in TASKS for kind in VALUE_KINDS
-                    for s in samples]
-        save("pressure_ruler.csv")(run_retrieval(model, tokenizer, contexts, policies=RULER_POLICIES,
-                                                 capacities=(RULER_CAPACITY,), on_context=save("pressure_ruler.csv")))
+    by_suite = grid_cells(options)
+    cells = [cell for suite_cells in by_suite.values() for cell in suite_cells]
+    if not cells:
+        return
+    _check_before_running(options.get("model"), by_suite)
+    store = ResultStore(data_dir / "cells" / "pressure")
+    manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=options.get("model"),
+                    options=options,
+                    seeds=sorted({cell.config["context"]["sample"] for cell in cells}))
+    run_cells(cells, run_context, store, model=options.get("model"), executor=options.get("executor") or "local",
+              ray_address=options.get("ray_address"), desc="pressure cells", manifest=manifest)
+    for name, suite_cells in by_suite.items():
+        store.table(suite_cells).to_csv(data_dir / SUITES[name].table, index=False)
 
 
 def _run_label(table: pd.DataFrame) -> pd.Series:

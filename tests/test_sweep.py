@@ -1,0 +1,148 @@
+"""The sweep package: cell keys, the parquet store and its manifest, and the local executor's skip-and-resume."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pandas as pd
+import pytest
+
+from snapkv_lab.sweep import Cell, ResultStore, run_cells
+
+CALLS: list[int] = []  # the x of every cell the work functions below ran, in order
+
+
+def no_model(name):
+    return None, None
+
+
+def square(model, tokenizer, config) -> pd.DataFrame:
+    CALLS.append(config["x"])
+    return pd.DataFrame({"x": [config["x"]] * 2, "square": [config["x"] ** 2] * 2, "part": ["a", "b"]})
+
+
+def square_until_three(model, tokenizer, config) -> pd.DataFrame:
+    if config["x"] == 3:
+        raise RuntimeError("killed at x=3")
+    return square(model, tokenizer, config)
+
+
+@pytest.fixture(autouse=True)
+def fresh_calls():
+    CALLS.clear()
+
+
+def cells(xs, **extra):
+    return [Cell("square", dict(x=x, **extra)) for x in xs]
+
+
+def test_keys_follow_the_whole_config_not_its_spelling():
+    assert Cell("k", dict(a=1, b=[1, 2])).key == Cell("k", dict(b=(1, 2), a=1)).key
+    assert Cell("k", dict(a=1)).key != Cell("k", dict(a=2)).key
+    assert Cell("k", dict(a=1)).key != Cell("other", dict(a=1)).key
+    assert Cell("k", dict(a=1, model=None)).key != Cell("k", dict(a=1, model="some/model")).key
+    assert len({Cell("k", dict(a=1)), Cell("k", dict(a=1))}) == 1
+    with pytest.raises(TypeError, match="JSON-able"):
+        Cell("k", dict(policy=object()))
+    with pytest.raises(TypeError, match="JSON-able"):
+        Cell("k", dict(budget=float("nan")))
+
+
+def test_store_round_trips_a_table_and_refuses_one_it_would_change(tmp_path):
+    store = ResultStore(tmp_path / "cells")
+    cell = Cell("k", dict(a=1))
+    assert not store.done(cell)
+    table = pd.DataFrame({"capacity": pd.array([None, 256], dtype="Int64"), "share": [0.1 + 0.2, 1 / 3],
+                          "text": ["9935848.", ""], "correct": [True, False]})
+    store.put(cell, table)
+    assert store.done(cell)
+    assert store.get(cell).to_csv(index=False) == table.to_csv(index=False)
+    assert [p.name for p in (tmp_path / "cells").iterdir()] == [f"{cell.key}.parquet"]  # no temporary file left
+
+    mixed = pd.DataFrame({"capacity": [pd.NA, 256]}, dtype=object)  # would come back as floats: "256.0"
+    with pytest.raises(TypeError, match=r"\['capacity'\]"):
+        store.put(Cell("k", dict(a=2)), mixed)
+    with pytest.raises(TypeError, match="parquet"):
+        store.put(Cell("k", dict(a=3)), pd.DataFrame({"expected": ["1", ["2", "3"]]}))
+    assert sorted(p.name for p in (tmp_path / "cells").iterdir()) == [f"{cell.key}.parquet"]
+    with pytest.raises(KeyError, match="not in"):
+        store.get(Cell("k", dict(a=4)))
+
+
+def test_manifest_appends_each_run_with_versions(tmp_path):
+    store = ResultStore(tmp_path)
+    store.write_manifest("snapkv-lab needle --lengths 200", dict(lengths=[200]), model=None, seeds=[0, 1])
+    path = store.write_manifest("snapkv-lab needle --lengths 200", dict(lengths=[200]), model="tiny", seeds=[0])
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["model"] for r in runs] == [None, "tiny"]
+    assert runs[0]["options"] == dict(lengths=[200]) and runs[0]["seeds"] == [0, 1]
+    assert set(runs[0]["versions"]) >= {"python", "torch", "transformers", "snapkv_lab"}
+    assert runs[0]["versions"]["torch"] is not None
+    assert runs[0]["git"] is None or len(runs[0]["git"]["commit"]) == 40
+
+
+def test_local_run_skips_finished_cells_and_returns_the_same_table(tmp_path, capsys):
+    store = ResultStore(tmp_path)
+    first = run_cells(cells([1, 2]), square, store, loader=no_model)
+    assert CALLS == [1, 2]
+    assert first.x.tolist() == [1, 1, 2, 2] and first.square.tolist() == [1, 1, 4, 4]
+    assert "0 already in" in capsys.readouterr().err
+
+    CALLS.clear()
+    again = run_cells(cells([3, 1, 2]), square, store, loader=no_model)
+    assert CALLS == [3]  # 1 and 2 came from the store
+    assert "3 cells, 2 already in" in capsys.readouterr().err
+    assert again.x.tolist() == [3, 3, 1, 1, 2, 2]  # the order of the cells, not of the work
+    pd.testing.assert_frame_equal(again.iloc[2:].reset_index(drop=True), first)
+
+    CALLS.clear()
+    other = run_cells(cells([1], scale=2), square, store, loader=no_model)  # a changed option: a new cell
+    assert CALLS == [1] and len(other) == 2
+
+
+def test_a_failed_run_keeps_its_finished_cells_and_resumes(tmp_path):
+    store = ResultStore(tmp_path)
+    with pytest.raises(RuntimeError, match="x=3"):
+        run_cells(cells([1, 2, 3, 4]), square_until_three, store, loader=no_model)
+    assert CALLS == [1, 2]
+    CALLS.clear()
+    resumed = run_cells(cells([1, 2, 3, 4]), square, store, loader=no_model)
+    assert CALLS == [3, 4]
+    CALLS.clear()
+    uninterrupted = run_cells(cells([1, 2, 3, 4]), square, ResultStore(tmp_path / "fresh"), loader=no_model)
+    pd.testing.assert_frame_equal(resumed, uninterrupted)
+
+
+def negate(model, tokenizer, config) -> pd.DataFrame:
+    CALLS.append(-config["x"])
+    return pd.DataFrame({"x": [config["x"]], "square": [-config["x"]], "part": ["n"]})
+
+
+def test_cells_of_several_kinds_run_with_their_own_work_function(tmp_path):
+    mixed = [Cell("square", dict(x=2)), Cell("negate", dict(x=2)), Cell("square", dict(x=3))]
+    table = run_cells(mixed, dict(square=square, negate=negate), ResultStore(tmp_path), loader=no_model)
+    assert CALLS == [2, -2, 3]
+    assert table.square.tolist() == [4, 4, -2, 9, 9]
+    with pytest.raises(ValueError, match=r"kind \['negate'\]"):
+        run_cells(mixed, dict(square=square), ResultStore(tmp_path / "other"), loader=no_model)
+
+
+def test_the_model_is_loaded_only_when_a_cell_is_left(tmp_path):
+    loaded = []
+    store = ResultStore(tmp_path)
+    run_cells(cells([1]), square, store, loader=lambda name: loaded.append(name) or (None, None), model="m")
+    run_cells(cells([1]), square, store, loader=lambda name: loaded.append(name) or (None, None), model="m")
+    assert loaded == ["m"]
+
+
+def test_bad_executor_options_are_refused(tmp_path, monkeypatch):
+    store = ResultStore(tmp_path)
+    with pytest.raises(ValueError, match="one of"):
+        run_cells(cells([1]), square, store, executor="dask", loader=no_model)
+    with pytest.raises(ValueError, match="--executor ray"):
+        run_cells(cells([1]), square, store, ray_address="auto", loader=no_model)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'snapkv_lab\[ray\]'"):
+        run_cells(cells([1]), square, store, executor="ray", loader=no_model)
+    assert CALLS == []
