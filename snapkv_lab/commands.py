@@ -76,8 +76,15 @@ def _folders_and_model(p) -> None:
 
 def _figures_arguments(p) -> None:
     _folders_and_model(p)
-    p.add_argument("--recompute", action="store_true", help="rerun the model and rewrite the tables in data/ first")
-    p.add_argument("--only", nargs="*", help="names of figure sets to draw (default all)")
+    from .figures import FIGURE_MODULES
+
+    p.add_argument("--recompute", action="store_true",
+                   help="rerun the model and rewrite the tables in data/ first (the findings: about 5 minutes on 2 CPU "
+                        "cores). The needle grid is not rerun but redrawn from its tables, as its run is far longer: "
+                        "rerun it with --recompute --only pressure, or with `snapkv-lab needle`")
+    p.add_argument("--only", nargs="*", choices=list(FIGURE_MODULES), metavar="SET",
+                   help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
+                                                                            in FIGURE_MODULES.items()))
     p.add_argument("--samples", type=int, default=None, help="prompts per experiment (default: each set's own)")
     p.add_argument("--obs-window", type=int, default=None, help="observation window in tokens (default 32)")
     p.add_argument("--prompt-window", type=int, default=None, help="prompt-window size for experiment (a) (default 128)")

@@ -73,8 +73,9 @@ def generation_consistency(trace, *, obs_window=32, gen_window=128, n_gen_window
 
 def question_placement(traces: dict[str, list], *, obs_window=32, p=TOP_P) -> pd.DataFrame:
     """(c) {"front": traces, "back": traces} -> observation-window hit rates against all generated tokens."""
+    runs = [(placement, i, t) for placement, ts in traces.items() for i, t in enumerate(ts)]
     tables = [generation_consistency(t, obs_window=obs_window, gen_window=t.n_generated, n_gen_windows=1, p=p, sample=i)
-              .assign(placement=placement) for placement, ts in traces.items() for i, t in enumerate(ts)]
+              .assign(placement=placement) for placement, i, t in progress_bar(runs, desc="(c) metrics per QA trace")]
     return pd.concat(tables, ignore_index=True)
 
 
@@ -88,7 +89,7 @@ def question_dependence(traces: list, document: tuple[int, int], question_starts
     """
     start, end = document
     rows = []
-    for layer in traces[0].layers:
+    for layer in progress_bar(traces[0].layers, desc="(d) metrics per layer"):
         masks, sinks = [], []
         for trace, q_start in zip(traces, question_starts):
             voters = slice(q_start, trace.n_tokens)
@@ -213,10 +214,7 @@ def draw(data_dir, figures_dir) -> list[Path]:
 
 def _draw_one(summary: pd.DataFrame, key: str, title: str, stem: Path) -> list[Path]:
     """One experiment in one mode: a PNG grid (rows: metrics, columns: sinks kept / excluded) and its HTML twin."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # no matplotlib.use(): drawing must not switch a live notebook's backend
     import plotly.express as px
 
     hue = EXPERIMENTS[key][0]

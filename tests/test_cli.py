@@ -52,6 +52,29 @@ def test_help_imports_neither_torch_nor_transformers():
     assert result.stdout.count("usage: snapkv-lab") == 1 + len(NAMES)
 
 
+def test_version_and_what_the_tool_does(capsys):
+    from snapkv_lab import __version__
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"snapkv-lab {__version__}"
+    text = build_parser().format_help()
+    assert "attention" in text and "SnapKV" in text and "--version" in text
+
+
+def test_figures_help_lists_the_figure_sets_and_what_recompute_skips():
+    from snapkv_lab.figures import FIGURE_MODULES, load_figure_sets
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = {a.dest: a for a in subparsers.choices["figures"]._actions}
+    assert list(options["only"].choices) == list(FIGURE_MODULES)
+    assert set(FIGURE_MODULES) == set(load_figure_sets())  # the table names every registered set
+    assert all(name in options["only"].help for name in FIGURE_MODULES)
+    assert "needle grid" in options["recompute"].help and "--only pressure" in options["recompute"].help
+    with pytest.raises(SystemExit):
+        main(["figures", "--only", "nope"])
+
+
 def test_every_option_has_a_help_string():
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, parser in subparsers.choices.items():

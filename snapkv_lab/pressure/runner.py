@@ -41,8 +41,9 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
     Returns a tidy table: one row per (context, query, policy, capacity, mode), with the answer text,
     correctness as RULER grades it (`correct`: the expected value appears in the answer) and strictly
     (`exact`: it appears as a whole token, not inside a longer number), the fraction of the fact's and of the value's
-    tokens kept (mean over layers and KV heads), the cache length and the decode time. `policy` is the
-    policy's scorer_label: its name, with any non-default setting, so two configurations never share rows.
+    tokens kept (mean over layers and KV heads), the cache length and the decode time; `model` names the model (the
+    figures' titles). `policy` is the policy's scorer_label: its name, with any non-default setting, so two
+    configurations never share rows.
     on_context(rows_so_far) is called after each context (to save partial results).
     describe(context, query, state, n_compressed) -> dict adds columns to a run's row, computed from its
     compression state before decoding; n_compressed is the prompt length the state compressed (the context alone
@@ -77,6 +78,7 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
                     tokens, seconds = greedy_decode(model, state.cache, first_logits, n, max_new_tokens, eos)
                 text = decode_text(tokenizer, tokens, eos)[0]
                 rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
+                                 model=model.config.name_or_path,
                                  policy=policy.scorer_label, capacity=pd.NA if mode == "full" else policy.capacity,
                                  mode=mode, expected=query.answer, output=text, correct=found(query.answer, text),
                                  exact=found_exactly(query.answer, text),
