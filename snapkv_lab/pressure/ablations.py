@@ -141,8 +141,8 @@ def draw(data_dir, figures_dir) -> list:
     found vs missed), from data/pressure_ablations.csv; nothing when the table is absent."""
     from pathlib import Path
 
-    import matplotlib.pyplot as plt
     import plotly.express as px
+    from matplotlib.figure import Figure
 
     from ..figures import write_html
 
@@ -154,7 +154,8 @@ def draw(data_dir, figures_dir) -> list:
     figures_dir = Path(figures_dir)
     modes = ("query-aware", "query-agnostic")
     labels = summary[summary["mode"] == modes[0]][["axis", "setting"]].apply(lambda r: f"{r.axis}: {r.setting}", axis=1)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 0.24 * len(labels) + 1.6), sharey=True)
+    fig = Figure(figsize=(10, 0.24 * len(labels) + 1.6))
+    axes = fig.subplots(1, 2, sharey=True)
     for ax, mode in zip(axes, modes):
         part = summary[summary["mode"] == mode].reset_index(drop=True)
         y = range(len(part))[::-1]
@@ -166,20 +167,21 @@ def draw(data_dir, figures_dir) -> list:
                 ax.axhline(len(part) - row - 0.5, color="0.85", lw=0.8)
         ax.set_xlim(-0.02, 1.02)
         ax.set_xlabel(f"needles found ({mode}), 95% Wilson interval")
-        ax.set_yticks(list(y), labels if ax is axes[0] else [""] * len(labels), fontsize=7)
+        ax.set_yticks(list(y))
         ax.set_title(f"{mode}: {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens, n = {int(part.asked.max())} per row",
                      fontsize=9)
+    axes[0].set_yticklabels(labels, fontsize=7)  # shared y: label the left panel only
     fig.tight_layout()
     bars = figures_dir / "pressure_ablations.png"
     fig.savefig(bars, dpi=110)
-    plt.close(fig)
 
     runs = table[table["mode"] != "full"].assign(coverage_of_oracle=lambda t: t.coverage / t.oracle,
                                                  value_served=lambda t: t.value_attention_kept / t.value_attention,
                                                  outcome=lambda t: t.correct.map({True: "found", False: "missed"}))
     auc = {mode: retrieval_predictors(table[table["mode"].isin(["full", mode])]).set_index("predictor").auc
            for mode in modes}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True, sharey=True)
+    fig = Figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2, sharex=True, sharey=True)
     for ax, mode in zip(axes, modes):
         part = runs[runs["mode"] == mode]
         for outcome, marker, colour in (("missed", "x", "tab:orange"), ("found", "o", "tab:blue")):
@@ -195,7 +197,6 @@ def draw(data_dir, figures_dir) -> list:
     fig.tight_layout()
     scatter = figures_dir / "pressure_coverage_retrieval.png"
     fig.savefig(scatter, dpi=110)
-    plt.close(fig)
     interactive = px.scatter(runs, x="coverage_of_oracle", y="value_served", color="outcome", facet_col="mode",
                              hover_data=["policy", "depth", "sample", "output"],
                              labels=dict(coverage_of_oracle="coverage / oracle (sinks excluded)",
