@@ -33,7 +33,11 @@ def figures(args) -> int:
     start = time.perf_counter()
     # The remaining options go to every figure set's recompute (model, samples, window sizes, split).
     options = {k: v for k, v in vars(args).items() if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
-    written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
+    try:
+        written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
+    except ValueError as err:  # options a figure set refuses, said before it loads a model
+        print(f"snapkv-lab figures: error: {err}", file=sys.stderr)
+        return 2
     for path in written:
         print(path)
     print(f"{len(written)} files written in {time.perf_counter() - start:.0f} s")

@@ -173,6 +173,10 @@ def _qa_traces(model, tokenizer, qa: dict[str, list], new_tokens: int, answers: 
 def _recompute(options: dict) -> None:
     from .models import load_model
 
+    if (options.get("executor") or "local") != "local":
+        raise ValueError("the findings run in this process (--executor local): only the pressure grid runs as cells "
+                         "on Ray so far (snapkv-lab needle --executor ray)")
+
     model, tokenizer = load_model(options.get("model"))
     run_findings(model, tokenizer, data_dir=options["data_dir"], samples=options.get("samples"),
                  obs_window=options.get("obs_window"), prompt_window=options.get("prompt_window"),

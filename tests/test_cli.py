@@ -119,3 +119,8 @@ def test_needle_refuses_bad_grid_options_before_any_model_runs(monkeypatch, caps
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     assert main(["needle", "--executor", "ray"]) == 2
     assert "pip install 'snapkv_lab[ray]'" in capsys.readouterr().err
+
+
+def test_figures_refuses_ray_for_the_findings_before_any_model_runs(capsys):
+    assert main(["figures", "--recompute", "--only", "findings", "--executor", "ray", "--data-dir", "nowhere"]) == 2
+    assert "only the pressure grid runs as cells on Ray" in capsys.readouterr().err
