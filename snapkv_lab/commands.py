@@ -33,7 +33,11 @@ def figures(args) -> int:
     start = time.perf_counter()
     # The remaining options go to every figure set's recompute (model, samples, window sizes, split).
     options = {k: v for k, v in vars(args).items() if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
-    written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
+    try:
+        written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
+    except (ValueError, ModuleNotFoundError) as err:  # options a figure set refuses, or a missing Ray
+        print(f"snapkv-lab figures: error: {err}", file=sys.stderr)
+        return 2
     for path in written:
         print(path)
     print(f"{len(written)} files written in {time.perf_counter() - start:.0f} s")
@@ -76,8 +80,15 @@ def _folders_and_model(p) -> None:
 
 def _figures_arguments(p) -> None:
     _folders_and_model(p)
-    p.add_argument("--recompute", action="store_true", help="rerun the model and rewrite the tables in data/ first")
-    p.add_argument("--only", nargs="*", help="names of figure sets to draw (default all)")
+    from .figures import FIGURE_MODULES
+
+    p.add_argument("--recompute", action="store_true",
+                   help="rerun the model and rewrite the tables in data/ first (the findings: about 5 minutes on 2 CPU "
+                        "cores). The needle grid is not rerun but redrawn from its tables, as its run is far longer: "
+                        "rerun it with --recompute --only pressure, or with `snapkv-lab needle`")
+    p.add_argument("--only", nargs="*", choices=list(FIGURE_MODULES), metavar="SET",
+                   help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
+                                                                            in FIGURE_MODULES.items()))
     p.add_argument("--samples", type=int, default=None, help="chat prompts per split for findings (a) and (b) (default 8)")
     p.add_argument("--obs-window", type=int, default=None, help="observation window in tokens (default 32)")
     p.add_argument("--prompt-window", type=int, default=None, help="prompt-window size for experiment (a) (default 128)")
@@ -107,7 +118,9 @@ def _needle_arguments(p) -> None:
     p.add_argument("--skip-lines", action="store_true", help="leave the lines task out")
     p.add_argument("--suites", nargs="*", default=None,
                    help="which pressure tests to run, by name in snapkv_lab.pressure.SUITES (default all: needle, the "
-                        "needle grid; lines, the lines task; windows, the SnapKV window ablation; ruler, the RULER-style suite)")
+                        "needle grid; lines, the lines task; windows, the SnapKV window ablation; ablations, SnapKV's settings and "
+                        "the other methods with coverage; fact-kernel, SnapKV with a fact-long pooling kernel on the 15 dev needles; "
+                        "ruler, the RULER-style suite)")
     p.add_argument("--policies", nargs="+", default=None, metavar="NAME",
                    help="compression policies by name in snapkv_lab.POLICIES, e.g. SnapKV H2O TOVA (default SnapKV "
                         "SnapKVNoPooling H2O StreamingLLM RandomKeep); suites that ablate a policy keep their own")

@@ -30,10 +30,11 @@ from .trace import AttentionTrace
 COLUMNS = ["layer", "head", "kv_head", "sinks", "kept", "eligible", "coverage", "oracle", "chance"]
 
 
-def attention_coverage(trace: AttentionTrace, kept, *, sinks: SinkRule = SinkRule()) -> pd.DataFrame:
+def attention_coverage(trace, kept, *, sinks: SinkRule = SinkRule()) -> pd.DataFrame:
     """Coverage of the generation's prompt attention by a policy's kept positions, against oracle and chance.
 
-    trace: a full-cache AttentionTrace of a prompt and its generation (`capture`), with >= 1 generated row.
+    trace: a full-cache AttentionTrace of a prompt and its generation (`capture`), with >= 1 generated row,
+        or its GenerationAttention (reduced once, for many policies' kept positions against one trace).
     kept: a GenerationResult of the same prompt (`generate(..., policy=...)`), or its `kept_indices`: one
         (batch, kv_heads or heads, k) long tensor per layer of `trace.layers`, in that order. Batch row 0
         is used. Rows of head-wise budgets are padded with -1 and positions >= trace.prompt_len (generated
@@ -42,49 +43,86 @@ def attention_coverage(trace: AttentionTrace, kept, *, sinks: SinkRule = SinkRul
         A GenerationResult's prompt must equal the trace's; plain kept_indices cannot be checked, so kept
         positions of a longer prompt that fall at or past trace.prompt_len would be silently dropped
         (in query-agnostic mode the kept positions are the context's: the question's count as not kept).
-    sinks: the SinkRule of the "excluded" rows.
+    sinks: the SinkRule of the "excluded" rows (that of the GenerationAttention when one is passed).
     Returns a DataFrame with COLUMNS, rows ordered by layer, head, sinks ("kept", then "excluded"). A head
     whose generated rows see no eligible prompt position (a sliding-window layer) gets NaN coverage and
     oracle; no eligible position at all, NaN chance.
     Memory: per layer the (heads, generated, prompt) attention block, recomputed blockwise by the trace.
     """
-    _require_generated(trace)
-    selected_all = _kept_masks(trace, kept)  # (layers, rows, prompt) bool, batch row 0
-    heads = trace.n_heads
-    kv_head = torch.arange(heads) // (heads // trace.n_kv_heads)
+    attention = GenerationAttention.of(trace, sinks)
+    selected_all = _kept_masks(attention.trace, kept)  # (layers, rows, prompt) bool, batch row 0
+    heads = attention.trace.n_heads
+    kv_head = torch.arange(heads) // (heads // attention.trace.n_kv_heads)
     out = []
-    for entry, layer in enumerate(trace.layers):
+    for entry, layer in enumerate(attention.trace.layers):
         selected = _per_query_head(selected_all[entry], heads)
-        # (heads, generated, prompt): the rows are normalised over all keys they see, prompt and generated.
-        attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt).cpu()
-        sink = sinks.mask(attn)  # (heads, prompt)
-        for label, eligible in (("kept", torch.ones_like(sink)), ("excluded", ~sink)):
-            parts = _coverage(attn, selected & eligible, eligible)
+        for label, reduced in attention.layers[entry].items():
+            parts = reduced.coverage(selected)
             for h in range(heads):
                 out.append(dict(layer=layer, head=h, kv_head=int(kv_head[h]), sinks=label,
                                 **{name: value[h].item() for name, value in parts.items()}))
     return pd.DataFrame(out, columns=COLUMNS)
 
 
-def _coverage(attn: torch.Tensor, selected: torch.Tensor, eligible: torch.Tensor) -> dict[str, torch.Tensor]:
-    """attn (heads, rows, prompt); selected, eligible (heads, prompt) bool, selected within eligible.
-    Returns kept, eligible, coverage, oracle, chance, each (heads,)."""
-    share = _renormalised(attn, eligible)  # (heads, rows, prompt), rows sum to 1 or 0
-    # Rows that see no eligible prompt position do not vote (sliding windows).
-    n_rows = (share.sum(-1) > 0).sum(-1).float()  # (heads,)
-    defined = n_rows > 0
-    k = selected.sum(-1)  # (heads,)
-    n_eligible = eligible.sum(-1)
-    coverage = (share * selected[:, None]).sum(dim=(1, 2)) / n_rows
-    # The oracle ranks eligible positions by their summed share; its coverage is the sum of the top k.
-    column = share.sum(1).masked_fill(~eligible, float("-inf"))  # (heads, prompt)
-    best = column.sort(dim=-1, descending=True).values.clamp(min=0).cumsum(-1)  # -inf -> 0: never past k anyway
-    best = torch.cat([torch.zeros_like(best[:, :1]), best], dim=-1)  # best[:, k]: the top k's sum, k = 0 included
-    oracle = best.gather(-1, k[:, None]).squeeze(-1) / n_rows
-    nan = torch.tensor(float("nan"))
-    return dict(kept=k, eligible=n_eligible,
-                coverage=torch.where(defined, coverage, nan), oracle=torch.where(defined, oracle, nan),
-                chance=torch.where(n_eligible > 0, k / n_eligible.clamp(min=1), nan))
+class ReducedAttention:
+    """One layer's generated rows' attention over the prompt, for one eligible set, reduced to what coverage
+    needs. Coverage is linear in the rows, so the sum over rows of the renormalised shares is enough:
+
+    column (heads, prompt): the eligible positions' renormalised share summed over the generated rows;
+    n_rows (heads,): rows that see an eligible position (sliding windows may not) and so vote;
+    best (heads, prompt + 1): best[:, k] the sum of the k largest columns, the oracle's numerator.
+    """
+
+    def __init__(self, attn: torch.Tensor, eligible: torch.Tensor):
+        """attn (heads, rows, prompt) as the trace gives it; eligible (heads, prompt) bool."""
+        share = _renormalised(attn, eligible)  # (heads, rows, prompt), rows sum to 1 or 0
+        self.eligible = eligible
+        self.n_rows = (share.sum(-1) > 0).sum(-1).float()
+        self.column = share.sum(1)
+        ranked = self.column.masked_fill(~eligible, float("-inf")).sort(dim=-1, descending=True).values
+        best = ranked.clamp(min=0).cumsum(-1)  # -inf -> 0: never past k anyway
+        self.best = torch.cat([torch.zeros_like(best[:, :1]), best], dim=-1)
+
+    def coverage(self, selected: torch.Tensor) -> dict[str, torch.Tensor]:
+        """selected (heads, prompt) bool kept positions -> kept, eligible, coverage, oracle, chance, each (heads,)."""
+        selected = selected & self.eligible
+        defined = self.n_rows > 0
+        k = selected.sum(-1)
+        n_eligible = self.eligible.sum(-1)
+        nan = torch.tensor(float("nan"))
+        return dict(kept=k, eligible=n_eligible,
+                    coverage=torch.where(defined, (self.column * selected).sum(-1) / self.n_rows, nan),
+                    oracle=torch.where(defined, self.best.gather(-1, k[:, None]).squeeze(-1) / self.n_rows, nan),
+                    chance=torch.where(n_eligible > 0, k / n_eligible.clamp(min=1), nan))
+
+    def share_on(self, positions: torch.Tensor) -> torch.Tensor:
+        """(heads, prompt) bool -> (heads,): mean over generated rows of the share on those positions."""
+        return (self.column * (positions & self.eligible)).sum(-1) / self.n_rows.clamp(min=1)
+
+
+class GenerationAttention:
+    """A trace's generated rows' attention over the prompt, reduced once per layer for the sinks-kept and the
+    sinks-excluded eligible sets (`layers[i]["kept" | "excluded"]`: ReducedAttention), so that the coverage of
+    many kept sets against one trace costs no attention recomputation."""
+
+    def __init__(self, trace: AttentionTrace, sinks: SinkRule = SinkRule()):
+        _require_generated(trace)
+        self.trace, self.sinks, self.layers = trace, sinks, []
+        for layer in trace.layers:
+            # (heads, generated, prompt): the rows are normalised over all keys they see, prompt and generated.
+            attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt).cpu()
+            sink = sinks.mask(attn)  # (heads, prompt)
+            self.layers.append({"kept": ReducedAttention(attn, torch.ones_like(sink)),
+                                "excluded": ReducedAttention(attn, ~sink)})
+
+    @classmethod
+    def of(cls, trace, sinks: SinkRule) -> GenerationAttention:
+        """`trace` itself when already reduced (its own sink rule must be `sinks`), else its reduction."""
+        if isinstance(trace, GenerationAttention):
+            if trace.sinks != sinks:
+                raise ValueError(f"the GenerationAttention was reduced with {trace.sinks}, not {sinks}")
+            return trace
+        return cls(trace, sinks)
 
 
 def _require_generated(trace: AttentionTrace) -> None:
@@ -143,11 +181,12 @@ def _kept_indices(trace: AttentionTrace, kept) -> tuple[list[torch.Tensor], int]
     return kept_indices, batch_rows
 
 
-def span_attention(trace: AttentionTrace, span: tuple[int, int], kept=None, *,
+def span_attention(trace, span: tuple[int, int], kept=None, *,
                    sinks: SinkRule = SinkRule()) -> pd.DataFrame:
     """How much of the generation's prompt attention lands on a span of the prompt (e.g. the needle's value),
     and, given a policy's kept positions, how much of that the kept ones hold.
 
+    trace: an AttentionTrace or its GenerationAttention (as in attention_coverage).
     span: [start, end) prompt positions. kept: None, a GenerationResult of the same prompt or its kept_indices
     (as in attention_coverage). Attention is renormalised per generated row over the eligible prompt positions
     (sinks of `sinks` excluded, as attention_coverage's "excluded" rows).
@@ -155,25 +194,23 @@ def span_attention(trace: AttentionTrace, span: tuple[int, int], kept=None, *,
     span's share), and with kept: span_kept_share (the share on kept span positions, <= span_share) and
     span_kept (the fraction of the span's positions the head kept).
     """
+    attention = GenerationAttention.of(trace, sinks)
+    trace = attention.trace
     start, end = span
     if not 0 <= start < end <= trace.prompt_len:
         raise ValueError(f"span {span} is not a non-empty range of the {trace.prompt_len}-token prompt")
-    _require_generated(trace)
     selected_all = None if kept is None else _kept_masks(trace, kept)
     heads = trace.n_heads
     kv_head = torch.arange(heads) // (heads // trace.n_kv_heads)
+    in_span = torch.zeros(heads, trace.prompt_len, dtype=torch.bool)
+    in_span[:, start:end] = True
     out = []
     for entry, layer in enumerate(trace.layers):
-        attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt).cpu()
-        eligible = ~sinks.mask(attn)  # (heads, prompt)
-        share = _renormalised(attn, eligible)
-        in_span = torch.zeros(trace.prompt_len, dtype=torch.bool)
-        in_span[start:end] = True
-        span_share = share[..., in_span].sum(-1).mean(-1)  # (heads,)
-        columns = dict(span_share=span_share)
+        reduced = attention.layers[entry]["excluded"]
+        columns = dict(span_share=reduced.share_on(in_span))
         if selected_all is not None:
             selected = _per_query_head(selected_all[entry], heads)  # (heads, prompt)
-            columns["span_kept_share"] = (share * (selected & in_span)[:, None]).sum(-1).mean(-1)
+            columns["span_kept_share"] = reduced.share_on(selected & in_span)
             columns["span_kept"] = selected[:, start:end].float().mean(-1)
         for h in range(heads):
             out.append(dict(layer=layer, head=h, kv_head=int(kv_head[h]),

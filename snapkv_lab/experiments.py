@@ -34,10 +34,12 @@ import pandas as pd
 import torch
 
 from .capture import capture
+from .chat import require_chat_template
 from .figures import FigureSet, register
 from .inputs import check_context_length
 from .metrics import (MIN_SUPPORT, PARTS, THETA, SinkRule, metric_rows, selection_overlap, selection_vs_generation,
                       to_mask)
+from .models import load_tokenizer
 from .policies.snapkv import SnapKV
 from .selection import select, select_from_trace
 from .tokens import encode
@@ -360,6 +362,8 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", executor="local
     cells = findings_cells(o, recipes, name)
     if loaded:
         _check_lengths(model, tokenizer, cells)
+    else:  # a model unfit for chat prompts is refused before any model loads or any cell is stored
+        require_chat_template(load_tokenizer(model))
     store = ResultStore(data_dir / "cells" / "findings")
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), options={k: str(v) for k, v in o.items()},
                     model=name, seeds=[recipes["seed"]])
@@ -426,6 +430,10 @@ def findings_tables(raw: dict[str, pd.DataFrame], obs_window: int) -> dict[str, 
 
 
 def _recompute(options: dict) -> None:
+    from .sweep import import_ray
+
+    if options.get("executor") == "ray":
+        import_ray()  # a missing Ray is said before any model loads
     split = options.get("split")
     run_findings(options.get("model"), data_dir=options["data_dir"], executor=options.get("executor") or "local",
                  ray_address=options.get("ray_address"), samples=options.get("samples"), obs_window=options.get("obs_window"),

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# Modules whose import registers figure sets (each calls `register`).
-FIGURE_MODULES = ["snapkv_lab.experiments", "snapkv_lab.pressure"]
+# The figure sets by name: the module whose import registers the set (it calls `register`) and what the set
+# draws. A plain table, so that `snapkv-lab figures --help` lists the names without importing torch.
+FIGURE_MODULES = {
+    "findings": ("snapkv_lab.experiments", "the paper's four observations (a)-(d), generated and teacher-forced"),
+    "pressure": ("snapkv_lab.pressure", "needle grid heatmaps, accuracy vs budget, RULER-style suite, lines ablation"),
+}
 
 
 @dataclass
@@ -31,9 +36,11 @@ FIGURE_SETS: dict[str, FigureSet] = {}
 
 
 def write_html(figure, path: Path) -> Path:
-    """A plotly figure as a small HTML page (plotly.js from its CDN). The div id is the file's name, not a
-    random one, so that redrawing unchanged tables leaves the file unchanged."""
-    figure.write_html(path, include_plotlyjs="cdn", div_id=Path(path).stem)
+    """A plotly figure as a small HTML page that renders offline: plotly.js is written once beside it
+    (plotly.min.js in the same folder, loaded by a relative script tag; no CDN, which leaves a blank page
+    without network). The div id is the file's name, not a random one, so that redrawing unchanged tables
+    leaves the file unchanged."""
+    figure.write_html(path, include_plotlyjs="directory", div_id=Path(path).stem)
     return Path(path)
 
 
@@ -43,7 +50,7 @@ def register(figure_set: FigureSet) -> FigureSet:
 
 
 def load_figure_sets() -> dict[str, FigureSet]:
-    for module in FIGURE_MODULES:
+    for module, _ in FIGURE_MODULES.values():
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:
@@ -73,5 +80,10 @@ def make_figures(data_dir="data", figures_dir="figures", *, recompute: bool = Fa
         elif recompute:
             print(f"{name}: redrawn from its tables in {data_dir}/ (its recompute is long: name it to rerun, "
                   f"--recompute --only {name})", file=sys.stderr)
-        written += figure_set.draw(data_dir, figures_dir)
+        # Drawing every set takes tens of seconds: say so, rather than go silent at the end of a long run.
+        print(f"{name}: drawing its figures into {figures_dir}/ ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        files = figure_set.draw(data_dir, figures_dir)
+        print(f"{name}: {len(files)} files in {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+        written += files
     return written

@@ -100,6 +100,29 @@ def _check_attn_implementation(attn_implementation: str | None, device: str) -> 
             )
 
 
+def _source(name: str | None):
+    return bundled_checkpoint() if name is None else name
+
+
+def _load_error(source, err: OSError) -> OSError:
+    return OSError(
+        f"Could not load model {source!r}: not a local folder with a config.json, and not in the Hugging "
+        f"Face cache (this machine may be offline). Pass a local path, pre-download the model, or use "
+        f"load_model() for the bundled {BUNDLED_NAME}. Original error: {err}"
+    )
+
+
+def load_tokenizer(name: str | None = None):
+    """The tokenizer alone of the model `load_model(name)` loads: cheap, for checks made before a long run."""
+    from transformers import AutoTokenizer
+
+    source = _source(name)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as err:
+        raise _load_error(source, err) from err
+
+
 def load_model(name: str | None = None, *, device: str | None = None, dtype=None, attn_implementation: str | None = None):
     """Load a causal LM and its tokenizer, ready for `capture` and `generate`.
 
@@ -109,7 +132,7 @@ def load_model(name: str | None = None, *, device: str | None = None, dtype=None
     attn_implementation: "eager", "sdpa" (default) or "flash_attention_2" (CUDA and flash-attn only).
     Returns (model, tokenizer), model in eval mode.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -118,16 +141,12 @@ def load_model(name: str | None = None, *, device: str | None = None, dtype=None
     attn_implementation = attn_implementation or "sdpa"
     _check_attn_implementation(attn_implementation, device)
 
-    source = bundled_checkpoint() if name is None else name
+    source = _source(name)
+    tokenizer = load_tokenizer(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as err:
-        raise OSError(
-            f"Could not load model {source!r}: not a local folder with a config.json, and not in the Hugging "
-            f"Face cache (this machine may be offline). Pass a local path, pre-download the model, or use "
-            f"load_model() for the bundled {BUNDLED_NAME}. Original error: {err}"
-        ) from err
+        raise _load_error(source, err) from err
     if name is None:  # name traces and tables after the model, not after a cache folder of this machine
         model.config.name_or_path = BUNDLED_NAME
     return model.to(device).eval(), tokenizer

@@ -48,28 +48,34 @@ def attention_heatmap(trace, layer: int, head: int, *, queries=None, keys=None, 
     return figure
 
 
-def heatmap_explorer(trace, **heatmap_options):
+def heatmap_explorer(trace, layer: int | None = None, head: int = 0, **heatmap_options):
     """Layer and head pickers (ipywidgets) over `attention_heatmap`, redrawn in place in a plotly FigureWidget.
 
+    Starts at `layer` (default: the first captured layer) and `head`, e.g. the ones the notebook is looking at.
     Needs a live kernel to react. A FigureWidget rather than an ipywidgets Output: headless runners
     (nbclient) answer an Output widget's large display with a message that can stall the cell (nbclient #312).
     """
     import ipywidgets as widgets
 
-    layer = widgets.Dropdown(options=trace.layers, value=trace.layers[0], description="layer")
-    head = widgets.Dropdown(options=list(range(trace.n_heads)), value=0, description="head")
-    figure = go.FigureWidget(attention_heatmap(trace, layer.value, head.value, **heatmap_options))
+    layer = trace.layers[0] if layer is None else layer
+    if layer not in trace.layers:
+        raise ValueError(f"layer {layer} was not captured; the trace holds layers {trace.layers}")
+    if not 0 <= head < trace.n_heads:
+        raise ValueError(f"head {head} is out of range: the model has {trace.n_heads} query heads")
+    layer_picker = widgets.Dropdown(options=trace.layers, value=layer, description="layer")
+    head_picker = widgets.Dropdown(options=list(range(trace.n_heads)), value=head, description="head")
+    figure = go.FigureWidget(attention_heatmap(trace, layer, head, **heatmap_options))
 
     def redraw(_=None):
-        new = attention_heatmap(trace, layer.value, head.value, **heatmap_options)
+        new = attention_heatmap(trace, layer_picker.value, head_picker.value, **heatmap_options)
         heatmap = new.data[0]
         with figure.batch_update():
             figure.data[0].update(z=heatmap.z, x=heatmap.x, y=heatmap.y, zmax=heatmap.zmax)
             figure.layout.title = new.layout.title
 
-    layer.observe(redraw, names="value")
-    head.observe(redraw, names="value")
-    return widgets.VBox([widgets.HBox([layer, head]), figure])
+    layer_picker.observe(redraw, names="value")
+    head_picker.observe(redraw, names="value")
+    return widgets.VBox([widgets.HBox([layer_picker, head_picker]), figure])
 
 
 def token_attention(trace, query: int, *, layers=None, heads=None, keys=None) -> torch.Tensor:
@@ -80,33 +86,52 @@ def token_attention(trace, query: int, *, layers=None, heads=None, keys=None) ->
     return torch.stack(rows).mean(0).cpu()
 
 
-def spotlight(trace, query: int, *, layers=None, heads=None, skip_first: int = 1, top: int = 20):
-    """Which prompt tokens token `query` attends to: the prompt as coloured text plus its top tokens.
+def spotlight(trace, query: int, *, layers=None, heads=None, skip_first: int = 1, top: int = 20, context: int | None = 8):
+    """Which prompt tokens token `query` attends to: its top tokens in their context, bars, and the whole prompt.
 
     Averages over the given layers and heads. The first `skip_first` positions (the attention sink)
     are greyed out and left out of the colour scale, or they would take all the colour.
+    context: tokens shown on each side of each of the `top` strongest tokens. The prompt opens as these
+    excerpts (prompt order, gaps marked "…"), so the strongest tokens are in view however long the prompt is;
+    the whole prompt follows, folded. context=None opens the whole prompt instead.
     Returns an IPython HTML object.
     """
     from IPython.display import HTML
 
     weights = token_attention(trace, query, layers=layers, heads=heads)
     scale = float(weights[skip_first:].max()) or 1.0
-    spans = []
-    for i, (token, w) in enumerate(zip(trace.tokens[: trace.prompt_len], weights.tolist())):
-        alpha = 0.0 if i < skip_first else min(1.0, w / scale)
-        style = "color:#999" if i < skip_first else f"background:rgba(255,140,0,{alpha:.2f})"
-        spans.append(f'<span title="{i}: {w:.4f}" style="{style}">{html.escape(token)}</span>')
-    order = torch.argsort(weights[skip_first:], descending=True)[:top] + skip_first
+    order = (torch.argsort(weights[skip_first:], descending=True)[:top] + skip_first).tolist()
+    rank = {position: r + 1 for r, position in enumerate(order)}
+
+    def token(i: int) -> str:
+        w = float(weights[i])
+        style = "color:#999" if i < skip_first else f"background:rgba(255,140,0,{min(1.0, w / scale):.2f})"
+        if i in rank:
+            style += ";font-weight:bold"
+        title = f"{i}: {w:.4f}" + (f" (top {rank[i]})" if i in rank else "")
+        return f'<span title="{title}" style="{style}">{html.escape(trace.tokens[i])}</span>'
+
+    box = '<div style="max-height:300px;overflow:auto;border:1px solid #ddd;padding:4px;white-space:pre-wrap">{}</div>'
+    whole = box.format("".join(token(i) for i in range(trace.prompt_len)))
+    if context is None:
+        prompt = whole
+    else:
+        shown = sorted({j for i in order for j in range(max(0, i - context), min(trace.prompt_len, i + context + 1))})
+        gap = '<span style="color:#888"> … </span>'
+        pieces = [(gap if k and i != shown[k - 1] + 1 else "") + token(i) for k, i in enumerate(shown)]
+        pieces = ([gap] if shown and shown[0] > 0 else []) + pieces + ([gap] if shown and shown[-1] < trace.prompt_len - 1 else [])
+        prompt = (f"<div>the top {len(order)} tokens (bold) with {context} tokens of context each:</div>"
+                  + box.format("".join(pieces))
+                  + f"<details><summary>the whole prompt ({trace.prompt_len} tokens)</summary>{whole}</details>")
     bars = "".join(
-        f'<div style="font-family:monospace;white-space:pre">{int(i):>6} '
+        f'<div style="font-family:monospace;white-space:pre">{i:>6} '
         f'<span style="display:inline-block;background:darkorange;width:{300 * float(weights[i]) / scale:.0f}px">&nbsp;</span>'
         f' {float(weights[i]):.4f} {html.escape(repr(trace.tokens[i]))}</div>' for i in order)
     label = html.escape(repr(trace.tokens[query]))
     return HTML(
         f"<div><b>token {query} {label}</b> over the prompt (mean of {len(trace.layers) if layers is None else len(np.atleast_1d(layers))} "
         f"layers, {'all' if heads is None else len(np.atleast_1d(heads))} heads; first {skip_first} grey)</div>"
-        f'<div style="max-height:300px;overflow:auto;border:1px solid #ddd;padding:4px;white-space:pre-wrap">{"".join(spans)}</div>'
-        f"<div><b>top {top}</b></div>{bars}")
+        f"{prompt}<div><b>top {top}</b></div>{bars}")
 
 
 def window_attention(trace, window: int = 32, *, layers=None) -> torch.Tensor:

@@ -30,7 +30,7 @@ def top_with_window(scores, k, n):
     return torch.cat([top, torch.arange(scores.shape[-1], n).expand(*top.shape[:-1], -1)], dim=-1)
 
 
-def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_head=False):
+def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_head=False, gqa="mean"):
     """SnapKV written plainly from transformers' eager attention maps: (layers, batch, heads, capacity)
     kept positions, plus the scores they were chosen from (to tell ties apart)."""
     n = ids.shape[1]
@@ -40,8 +40,11 @@ def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_h
         votes = attn[:, :, -window:, :prefix].sum(dim=2)  # (batch, heads, prefix)
         if pooling == "max":
             votes = F.max_pool1d(votes, kernel, stride=1, padding=kernel // 2)
-        if not per_query_head:  # mean over the query heads of each KV head's group
-            votes = votes.reshape(votes.shape[0], kv_heads(model.config), -1, prefix).mean(dim=2)
+        if pooling == "avg":
+            votes = F.avg_pool1d(votes, kernel, stride=1, padding=kernel // 2)
+        if not per_query_head:  # mean (or max) over the query heads of each KV head's group
+            grouped = votes.reshape(votes.shape[0], kv_heads(model.config), -1, prefix)
+            votes = grouped.mean(dim=2) if gqa == "mean" else grouped.amax(dim=2)
         kept.append(top_with_window(votes, capacity - window, n))
         scores.append(votes)
     return kept, scores

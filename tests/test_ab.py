@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from html.parser import HTMLParser
+
 import pandas as pd
 import pytest
 import torch
 
 from conftest import make_tiny_llama
+import snapkv_lab as sl
 from snapkv_lab import FullCache, H2O, SnapKV, StreamingLLM, compare, generate
 from snapkv_lab.ab import kept_mask, kept_tokens_html
 from snapkv_lab.pressure import Context, Query, accuracy_table, run_retrieval
@@ -30,6 +34,8 @@ def test_compare_table_and_display(byte_tokenizer):
     assert (first.kv_ratio.iloc[1:] > 1).all() and first.kv_ratio.iloc[0] == 1
     page = table._repr_html_()
     assert "SnapKV(window_size=8)@40" in page and "MiB KV" in page
+    assert page.count("[right]") + page.count("[wrong]") == 3  # the prompt with an answer: plain-text verdicts
+    assert not re.search("[\u2600-\u27bf\U0001f000-\U0001faff]", page)  # no emoji (they need an emoji font)
     sliced = table[table.policy != "FullCache"]
     assert isinstance(sliced.results, dict)
     view = sliced.kept_view("agnostic", "SnapKV(window_size=8)@40", layer=1, around=(0, 20)).data
@@ -41,10 +47,56 @@ def test_kept_tokens_html_shades_by_fraction(byte_tokenizer):
     mask = kept_mask(kept, 4)
     assert mask.float().mean(dim=(0, 1)).tolist() == [0.75, 0.25, 0.75, 0.25]
     page = kept_tokens_html(byte_tokenizer, torch.tensor([97, 98, 99, 100]), kept, highlight=(1, 2))
-    assert "kept by 75%" in page and page.count("outline:2px") == 1
+    assert "kept by 75%" in page and page.count("class='highlight'") == 1
     assert "kept by 0%" in kept_tokens_html(byte_tokenizer, torch.tensor([97, 98, 99, 100]), kept, layer=0, head=0)
     ragged = [torch.tensor([[[0, 2, -1], [1, 3, 5]]])]  # head 0 keeps 2 (padded with -1), head 1 a generated position 5
     assert kept_mask(ragged, 4)[0].tolist() == [[True, False, True, False], [False, True, False, True]]
+
+
+class _VisibleText(HTMLParser):
+    """Text of an HTML fragment with, for each character, the styles of the elements around it (innermost last)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.chars = [], []  # stack: (tag, attrs) of the open elements; chars: (char, stack copy)
+
+    def handle_starttag(self, tag, attrs):
+        if tag != "br":
+            self.stack.append((tag, dict(attrs)))
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack[-1][0] == tag, f"unbalanced </{tag}>"
+        self.stack.pop()
+
+    def handle_data(self, data):
+        self.chars += [(c, list(self.stack)) for c in data]
+
+
+HIDING = re.compile(r"outline|display:\s*none|visibility:\s*hidden|font-size:\s*0|opacity:\s*0|color:\s*transparent"
+                    r"|position:\s*absolute")
+
+
+@pytest.mark.parametrize("around", [None, (10, 33), (32, 50)])  # the span whole, cut at its end, cut at its start
+def test_kept_view_shows_every_digit_of_a_highlighted_needle(byte_tokenizer, around):
+    """Each digit of the needle is visible text inside one highlight box, and nothing on or inside that box paints
+    over characters (an outline per token once covered single digits)."""
+    text = "The special magic number is: 9935848. Then the essay goes on."
+    value = text.index("9935848")
+    ids = torch.tensor(list(text.encode()))
+    kept = [torch.tensor([[[0, 1, 2, 30, 31], [0, 5, 29, 33, 34]]])]  # one layer, 2 heads: some digits kept, some not
+    page = kept_tokens_html(byte_tokenizer, ids, kept, highlight=(value, value + 7), around=around)
+    parser = _VisibleText()
+    parser.feed(page)
+    assert parser.stack == []  # every element closed
+    start, end = around or (0, len(ids))
+    shown = range(max(start, value), min(end, value + 7))
+    boxed = [(c, stack) for c, stack in parser.chars if any(a.get("class") == "highlight" for _, a in stack)]
+    assert "".join(c for c, _ in boxed) == text[shown.start:shown.stop]  # all shown digits, in order, nothing else
+    assert all(c.isdigit() for c, _ in boxed) and len(boxed) == len(shown)
+    assert page.count("class='highlight'") == 1  # one box around the whole span
+    for _, stack in boxed:
+        for _, attrs in stack:
+            assert not HIDING.search(attrs.get("style", "")), attrs
 
 
 def test_retrieval_runner_reuse_equals_generate(byte_tokenizer):
@@ -202,3 +254,23 @@ def test_wilson_intervals():
     intervals = accuracy_intervals(table).set_index("policy")
     assert intervals.loc["A", ["asked", "correct", "exact"]].tolist() == [4, 3, 2]
     assert intervals.loc["B", "correct_high"] == pytest.approx(wilson(0, 2)[1])
+
+
+def test_extra_scoring_pass_is_shared_by_budgets_and_selection_settings(byte_tokenizer, monkeypatch):
+    """KVzip's reconstruction pass runs once per prefill, whatever the budgets and pooling of its variants."""
+    from snapkv_lab.compression import SharedPrefill
+
+    model = make_tiny_llama("sdpa")
+    ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    policies = [sl.KVzip(capacity=24, window_size=4), sl.KVzip(capacity=40, window_size=4),
+                sl.KVzip(capacity=40, window_size=4, pooling="max", kernel_size=5)]
+    calls = []
+    original = sl.KVzip.prompt_scores
+    monkeypatch.setattr(sl.KVzip, "prompt_scores", lambda self, *a: calls.append(self) or original(self, *a))
+    shared = SharedPrefill.run(model, byte_tokenizer, ids, policies)
+    states = [shared.state(p) for p in policies]
+    assert len(calls) == 1
+    fresh = SharedPrefill.run(model, byte_tokenizer, ids, policies[2:])  # its own pass, nothing shared
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state(policies[2]).kept_indices.values(),
+                                                 states[2].kept_indices.values()))
+    assert not torch.equal(states[1].kept_indices[0], states[2].kept_indices[0])  # pooling changed the selection

@@ -52,6 +52,29 @@ def test_help_imports_neither_torch_nor_transformers():
     assert result.stdout.count("usage: snapkv-lab") == 1 + len(NAMES)
 
 
+def test_version_and_what_the_tool_does(capsys):
+    from snapkv_lab import __version__
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"snapkv-lab {__version__}"
+    text = build_parser().format_help()
+    assert "attention" in text and "SnapKV" in text and "--version" in text
+
+
+def test_figures_help_lists_the_figure_sets_and_what_recompute_skips():
+    from snapkv_lab.figures import FIGURE_MODULES, load_figure_sets
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = {a.dest: a for a in subparsers.choices["figures"]._actions}
+    assert list(options["only"].choices) == list(FIGURE_MODULES)
+    assert set(FIGURE_MODULES) == set(load_figure_sets())  # the table names every registered set
+    assert all(name in options["only"].help for name in FIGURE_MODULES)
+    assert "needle grid" in options["recompute"].help and "--only pressure" in options["recompute"].help
+    with pytest.raises(SystemExit):
+        main(["figures", "--only", "nope"])
+
+
 def test_every_option_has_a_help_string():
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, parser in subparsers.choices.items():
@@ -78,3 +101,27 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
                                      depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"],
                                      policies=None, capacities=None, modes=None, executor="local", ray_address=None)),
                      ("draw", ("data", "figures"), dict(only=["pressure"]))]
+
+
+def test_needle_refuses_bad_grid_options_before_any_model_runs(monkeypatch, capsys):
+    import snapkv_lab.pressure
+
+    monkeypatch.setattr(snapkv_lab.pressure, "recompute", lambda options: pytest.fail("the grid ran"))
+    assert main(["needle", "--policies", "SnapKV", "SnapKv"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'SnapKv'" in err and "SnapKV, SnapKVNoPooling, H2O" in err  # the names to choose from
+    assert main(["needle", "--policies", "FullCache"]) == 2
+    assert "baseline" in capsys.readouterr().err
+    assert main(["needle", "--capacities", "16"]) == 2  # below the 32-token observation window
+    assert "window_size (32) must be smaller than capacity (16)" in capsys.readouterr().err
+    assert main(["needle", "--suites", "needles"]) == 2
+    assert ", ".join(snapkv_lab.pressure.SUITES) in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    assert main(["needle", "--executor", "ray"]) == 2
+    assert "pip install 'snapkv_lab[ray]'" in capsys.readouterr().err
+
+
+def test_figures_without_ray_says_how_to_install_it_before_any_model_runs(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    assert main(["figures", "--recompute", "--only", "findings", "--executor", "ray", "--data-dir", "nowhere"]) == 2
+    assert "pip install 'snapkv_lab[ray]'" in capsys.readouterr().err

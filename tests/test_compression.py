@@ -19,15 +19,17 @@ def tiny(attn="sdpa"):
     return make_tiny_llama(attn, initializer_range=0.3)
 
 
-@pytest.mark.parametrize("pooling,kernel,per_query_head", [("max", 7, False), (None, 1, False), ("max", 5, True)])
-def test_kept_indices_match_eager_reference(pooling, kernel, per_query_head, byte_tokenizer):
+@pytest.mark.parametrize("pooling,kernel,per_query_head,gqa", [("max", 7, False, "mean"), (None, 1, False, "mean"),
+                                                              ("max", 5, True, "mean"), ("max", 7, False, "max"),
+                                                              ("avg", 15, False, "mean")])
+def test_kept_indices_match_eager_reference(pooling, kernel, per_query_head, gqa, byte_tokenizer):
     model = tiny()
     ids = torch.randint(2, 256, (2, 96), generator=torch.Generator().manual_seed(1))
     policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW, pooling=pooling, kernel_size=kernel,
-                      per_query_head=per_query_head)
+                      per_query_head=per_query_head, gqa=gqa)
     result = sl.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     ref_kept, ref_scores = reference_kept(model, ids, WINDOW, CAPACITY, pooling=pooling, kernel=kernel,
-                                          per_query_head=per_query_head)
+                                          per_query_head=per_query_head, gqa=gqa)
     assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
 
 
@@ -166,6 +168,7 @@ def test_query_agnostic_mode(byte_tokenizer):
     (dict(capacity=-3), "capacity must be a positive int"),
     (dict(window_size=0), "window_size must be a positive int"),
     (dict(pooling="median"), "pooling must be one of"),
+    (dict(gqa="sum"), "gqa must be one of"),
 ])
 def test_bad_parameters_get_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

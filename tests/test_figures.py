@@ -46,3 +46,19 @@ def test_html_figures_are_reproducible(tmp_path):
     first = figures.write_html(figure, tmp_path / "a.html").read_bytes()
     assert figures.write_html(figure, tmp_path / "a.html").read_bytes() == first  # no random div id
     assert b'id="a"' in first
+
+
+def test_html_figures_load_plotly_from_beside_them(tmp_path):
+    """No CDN (a blank page offline): one plotly.min.js beside the pages, loaded by a relative script tag without
+    integrity/crossorigin attributes (those block a local script under file://)."""
+    import re
+
+    import plotly.express as px
+
+    for name in ("a", "b"):
+        figures.write_html(px.line(x=[1, 2], y=[3, 4]), tmp_path / f"{name}.html")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.html", "b.html", "plotly.min.js"]
+    page = (tmp_path / "a.html").read_text()
+    assert re.findall(r"<script[^>]*src=[^>]*>", page) == ['<script charset="utf-8" src="plotly.min.js">']
+    assert "cdn" not in page.lower() and "https://" not in page and len(page) < 100_000
+    assert (tmp_path / "plotly.min.js").read_text().startswith("/**")  # the library itself

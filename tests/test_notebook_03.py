@@ -14,5 +14,7 @@ def test_snapkv_ab_notebook():
     text = printed(outputs)
     assert text.count("answer:") >= 3 and "positions per head in every layer" in text
     pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
-    assert "MiB KV" in pages and "red outline" in pages  # side-by-side answers and the kept-token view
+    assert "MiB KV" in pages and "red box" in pages  # side-by-side answers and the kept-token view
+    assert "misses on prompts the full cache answered right" in text  # paired on the same sample
+    assert "the model fails the task itself" in text  # the all-zero pooling table explained from the data
     assert count_plotly(outputs) >= 2

@@ -15,5 +15,5 @@ def test_why_compression_fails_notebook():
     assert text.count("answer:") >= 4 and "needle value kept" in text  # the full cache and three policies
     assert "The full cache answered" in text and "oracle" in text and "Across the 3 policies" in text
     pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
-    assert "red outline" in pages and "coverage_of_oracle" in pages  # kept-token views, the summary table
+    assert "red box" in pages and "coverage_of_oracle" in pages  # kept-token views, the summary table
     assert count_plotly(outputs) >= 1

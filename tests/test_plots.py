@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import ByteTokenizer, make_tiny_llama
@@ -55,3 +57,27 @@ def test_spotlight_lists_the_most_attended_tokens(trace):
     top = int(torch.argmax(weights[1:])) + 1
     page = plots.spotlight(trace, query, top=3).data
     assert f"{top:>6} " in page and page.count("darkorange") == 3
+
+
+def test_spotlight_opens_on_its_top_tokens(trace):
+    """The first box holds the top tokens with their context only, so they are in view; the whole prompt follows."""
+    query = trace.prompt_len
+    weights = plots.token_attention(trace, query)
+    top = (torch.argsort(weights[1:], descending=True)[:3] + 1).tolist()
+    page = plots.spotlight(trace, query, top=3, context=2).data
+    excerpts, whole = page.split("<details>")
+    shown = [int(i) for i in re.findall(r'<span title="(\d+): ', excerpts)]
+    assert set(top) <= set(shown) and len(shown) <= 3 * 5 and shown == sorted(shown)
+    assert all(any(abs(i - t) <= 2 for t in top) for i in shown)  # nothing but the context of the top tokens
+    assert [int(i) for i in re.findall(r'<span title="(\d+): ', whole)] == list(range(trace.prompt_len))
+    assert "<details>" not in plots.spotlight(trace, query, top=3, context=None).data
+
+
+def test_explorer_starts_where_asked(trace):
+    box = plots.heatmap_explorer(trace, layer=1, head=2)
+    assert [picker.value for picker in box.children[0].children] == [1, 2]
+    assert box.children[1].layout.title.text == plots.attention_heatmap(trace, 1, 2).layout.title.text
+    with pytest.raises(ValueError, match="not captured"):
+        plots.heatmap_explorer(trace, layer=7)
+    with pytest.raises(ValueError, match="out of range"):
+        plots.heatmap_explorer(trace, head=4)

@@ -84,3 +84,26 @@ def test_generate_compress_and_compare_agree(name, model, byte_tokenizer):
 def test_registry_names_are_class_names_and_exported():
     for name, cls in snapkv_lab.POLICIES.items():
         assert cls.__name__ == name and getattr(snapkv_lab, name) is cls
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_policy_config_survives_json_and_builds_the_same_policy(name):
+    import json
+
+    from snapkv_lab.policies import policy_config, policy_from_config
+
+    policy = build(name, capacity=256)
+    config = json.loads(json.dumps(policy_config(policy)))
+    assert config["name"] == name and policy_from_config(config) == policy
+    assert policy_from_config({"name": name}) == snapkv_lab.POLICIES[name]()
+
+
+def test_a_policy_config_keeps_a_wrapped_policys_settings_and_refuses_unknown_names():
+    from snapkv_lab.policies import policy_config, policy_from_config
+
+    wrapped = snapkv_lab.AdaKV(capacity=512, policy=snapkv_lab.SnapKV(kernel_size=15, gqa="max"))
+    config = policy_config(wrapped)
+    assert config["policy"]["kernel_size"] == 15 and config["policy"]["gqa"] == "max"
+    assert policy_from_config(config) == wrapped
+    with pytest.raises(ValueError, match="unknown policy 'Snapkv'.*SnapKV, SnapKVNoPooling"):
+        policy_from_config({"name": "Snapkv"})

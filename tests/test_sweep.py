@@ -114,6 +114,20 @@ def test_a_failed_run_keeps_its_finished_cells_and_resumes(tmp_path):
     pd.testing.assert_frame_equal(resumed, uninterrupted)
 
 
+def negate(model, tokenizer, config) -> pd.DataFrame:
+    CALLS.append(-config["x"])
+    return pd.DataFrame({"x": [config["x"]], "square": [-config["x"]], "part": ["n"]})
+
+
+def test_cells_of_several_kinds_run_with_their_own_work_function(tmp_path):
+    mixed = [Cell("square", dict(x=2)), Cell("negate", dict(x=2)), Cell("square", dict(x=3))]
+    table = run_cells(mixed, dict(square=square, negate=negate), ResultStore(tmp_path), loader=no_model)
+    assert CALLS == [2, -2, 3]
+    assert table.square.tolist() == [4, 4, -2, 9, 9]
+    with pytest.raises(ValueError, match=r"kind \['negate'\]"):
+        run_cells(mixed, dict(square=square), ResultStore(tmp_path / "other"), loader=no_model)
+
+
 def test_the_model_is_loaded_only_when_a_cell_is_left(tmp_path):
     loaded = []
     store = ResultStore(tmp_path)

@@ -7,12 +7,12 @@
 
 The prefill's attention runs on the full keys under compression too, so a state built here equals the
 one `compress` builds layer by layer (tested). Policies with extra scoring passes (KVzip) pay only for
-those passes, over a fork of the full cache.
+those passes, over a fork of the full cache, once per prefill for all budgets and selection settings.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -36,6 +36,8 @@ class SharedPrefill:
     logits: torch.Tensor
     recorder: ScoreRecorder
     seconds: float  # the forward that fed the last chunk
+    # Extra-pass scores by Policy.scoring_key: paid once per prefill, by the first state that needs them.
+    extra_scores: dict = field(default_factory=dict)
 
     @classmethod
     @torch.inference_mode()
@@ -62,6 +64,12 @@ class SharedPrefill:
     def n_tokens(self) -> int:
         return self.ids.shape[1]
 
+    def _extra_scores(self, policy: Policy) -> dict:
+        key = policy.scoring_key
+        if key not in self.extra_scores:
+            self.extra_scores[key] = policy.prompt_scores(self.model, self.tokenizer, self.ids, self.cache)
+        return self.extra_scores[key]
+
     @torch.inference_mode()
     def state(self, policy: Policy) -> CompressionState:
         """The compressor's state after prefill under `policy`: a compressed copy of the full cache (or a fork
@@ -73,8 +81,7 @@ class SharedPrefill:
             if policy.budget(n) is None:
                 kept = {}
             else:
-                scores = (policy.prompt_scores(self.model, self.tokenizer, self.ids, self.cache) if policy.extra_passes
-                          else self.recorder.scores[policy.scorer_label])
+                scores = self._extra_scores(policy) if policy.extra_passes else self.recorder.scores[policy.scorer_label]
                 kept = kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers)
             cache = compressed_copy(self.cache, kept)
         state = CompressionState(policy, cache, n_layers, kept_indices={**held, **kept}, timer=timer)

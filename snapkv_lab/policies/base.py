@@ -23,9 +23,11 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionSettings
-from ..selection import POOLINGS, select
+from ..selection import GQA_REDUCTIONS, POOLINGS, select
 
-NO_POSITION = -1  # fills the kept positions of heads that keep fewer than the layer's widest head
+SELECTION = ("pooling", "kernel_size", "gqa", "per_query_head")  # applied to scores by `keep`, with the budget
+NO_POSITION = -1
+_ABSENT = object()  # a field the default being compared with lacks: always a difference  # fills the kept positions of heads that keep fewer than the layer's widest head
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Policy:
     per_query_head: bool = False
     pooling: str | None = None  # selection.pool_votes over positions, before the GQA reduction
     kernel_size: int = 1
+    gqa: str = "mean"  # how a KV head's query heads' pooled scores combine into its one selection: "mean" or "max"
     # True: scores of successive prompt chunks add up (accumulated attention); False: the last chunk's stand.
     accumulates: ClassVar[bool] = False
     # Extra forward passes over the prompt that scoring needs (0: the prefill's own attention calls suffice).
@@ -80,6 +83,8 @@ class Policy:
             raise ValueError(f"window_size must be a positive int, got {self.window_size!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.gqa not in GQA_REDUCTIONS:
+            raise ValueError(f"gqa must be one of {GQA_REDUCTIONS}, got {self.gqa!r}")
         if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int (pooling keeps positions centred), got {self.kernel_size!r}")
         if isinstance(self.capacity, float):
@@ -105,7 +110,7 @@ class Policy:
     def _differences(self, default: Policy, skip) -> list[str]:
         """`name=value` of every field outside `skip` whose value differs from `default`'s."""
         return [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                if f.name not in skip and getattr(self, f.name) != getattr(default, f.name)]
+                if f.name not in skip and getattr(self, f.name) != getattr(default, f.name, _ABSENT)]
 
     @property
     def scorer_label(self) -> str:
@@ -117,6 +122,15 @@ class Policy:
     def label(self) -> str:
         """Identity for tables: name, every non-default parameter, budget. Two configurations never share one."""
         return self.scorer_label if self.capacity is None else f"{self.scorer_label}@{self.capacity}"
+
+    @property
+    def scoring_key(self) -> str:
+        """The scorer alone: policies with equal keys score identically, since the budget, pooling, GQA reduction
+        and layout act after scoring (in `keep`), and a subclass that only changes those defaults (FactKV of KVzip)
+        scores as the class that defines the scoring. Lets extra scoring passes be shared between such variants."""
+        scorer = next(c for c in type(self).__mro__ if "score" in vars(c) or "prompt_scores" in vars(c))
+        settings = ", ".join(self._differences(scorer(), skip=("capacity", *SELECTION)))
+        return f"{scorer.__name__}({settings})" if settings else scorer.__name__
 
     def budget(self, n_tokens: int) -> int | None:
         """Positions kept per head on average for an n-token prompt, or None when the prompt is left untouched."""
@@ -146,7 +160,7 @@ class Policy:
         budget = self.layer_budget(n_tokens, layer, n_layers)
         prefix_len = n_tokens - self.window_size
         picked = select(scores[:, :prefix_len], budget - self.window_size, pooling=self.pooling,
-                        kernel_size=self.kernel_size, kv_heads=self._reduce_to(scores, kv_heads))
+                        kernel_size=self.kernel_size, kv_heads=self._reduce_to(scores, kv_heads), gqa=self.gqa)
         return with_window(picked, prefix_len, n_tokens)
 
     def _reduce_to(self, scores: torch.Tensor, kv_heads: int) -> int | None:

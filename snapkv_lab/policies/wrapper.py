@@ -2,7 +2,7 @@
 
 The wrapper's budget is the one that counts: its capacity, window_size and per_query_head are copied onto
 the inner policy (SnapKV's observation window is then the kept window, as in SnapKV alone). The inner
-policy's pooling and kernel_size stay its own: `ranked` applies them as the inner `keep` would.
+policy's pooling, kernel_size and gqa stay its own: `ranked` applies them as the inner `keep` would.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ class Wrapper(Policy):
             raise TypeError(f"{self.name} wraps a scoring policy (SnapKV, H2O, TOVA, ...), got {self.policy!r}")
         if self.policy.extra_passes:
             raise ValueError(f"{self.name} cannot wrap {self.policy.name}, which scores with extra forward passes")
-        if self.pooling is not None or self.kernel_size != 1:
-            raise ValueError(f"{self.name} ranks positions by its inner policy's pooling: set pooling on the inner "
-                             f"policy ({self.policy.name}(pooling=...)), not on {self.name}")
+        if self.pooling is not None or self.kernel_size != 1 or self.gqa != "mean":
+            raise ValueError(f"{self.name} ranks positions by its inner policy's pooling and GQA reduction: set them on "
+                             f"the inner policy ({self.policy.name}(pooling=..., gqa=...)), not on {self.name}")
         self.policy = dataclasses.replace(self.policy, **{name: getattr(self, name) for name in SHARED})
 
     @property
@@ -61,7 +61,7 @@ class Wrapper(Policy):
 
     def ranked(self, scores: torch.Tensor, prefix_len: int, kv_heads: int) -> torch.Tensor:
         """The inner policy's scores (heads or kv_heads, n) of the prefix as its `keep` ranks them: pooled along
-        positions, then averaged over each KV head's query heads unless per_query_head: (rows, prefix_len)."""
+        positions, then combined over each KV head's query heads (its `gqa`) unless per_query_head: (rows, prefix_len)."""
         pooled = pool_votes(scores[:, :prefix_len], self.policy.pooling, self.policy.kernel_size)
         rows = self.policy._reduce_to(pooled, kv_heads)
-        return pooled if rows is None else votes_per_kv_head(pooled, rows)
+        return pooled if rows is None else votes_per_kv_head(pooled, rows, self.policy.gqa)

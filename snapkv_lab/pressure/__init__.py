@@ -3,7 +3,9 @@
     tasks.py    the contexts and questions (chat-templated, with the token spans of each fact and value), grading
     ruler.py    RULER-style variants: multi-key, multi-value, multi-query; number, word and uuid values
     runner.py   run_retrieval: every question x policy x budget x mode from one prefill per context
-    grid.py     the suites (needle grid, lines ablation, window ablation, RULER) as one table, SUITES; each context
+    intervals.py  Wilson intervals of accuracies (both grades)
+    ablations.py  SnapKV's settings and the other methods at 25%, each run explained by attention coverage
+    grid.py     the suites (needle grid, lines, window and method ablations, RULER) as one table, SUITES; each context
                 is a cell of a resumable grid (snapkv_lab.sweep); the `pressure` figure set (`snapkv-lab needle`)
 
 Query-aware: the question is part of the prompt, so SnapKV's window votes with the question.
@@ -13,7 +15,8 @@ The full cache is the same in both modes. The prefill logits are the full cache'
 Results are tidy tables (one row per question x policy x budget x mode) in data/pressure_*.csv.
 """
 
-from .grid import SUITES, Suite, accuracy_intervals, accuracy_table, draw, grid_cells, recompute, ruler_table, run_context, wilson
+from .grid import SUITES, Suite, accuracy_table, draw, grid_cells, recompute, ruler_table, run_context
+from .intervals import accuracy_intervals, wilson
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import Context, Query, found, found_exactly, lines_context, needle_context

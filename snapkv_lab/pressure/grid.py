@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import shlex
 import sys
 from collections.abc import Callable
@@ -12,8 +11,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..figures import FigureSet, register, write_html
+from ..figures import FigureSet, register
 from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA, policy_config, policy_from_config
+from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
+                        coverage_describer)
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import lines_context, needle_context
@@ -29,6 +30,8 @@ RULER_CAPACITY = 1024  # 25% of the RULER contexts
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
+# run_retrieval's describe hooks by name, each built per model: (model, tokenizer) -> describe(...) -> extra columns.
+DESCRIBERS = {"coverage": coverage_describer}
 
 
 def _samples(options: dict, default: int) -> range:
@@ -52,6 +55,16 @@ def window_specs(options: dict) -> list[dict]:
     return [dict(builder="needle", n_tokens=4000, depth=d, sample=s) for d in NEEDLE_DEPTHS for s in _samples(options, 1)]
 
 
+def ablation_specs(options: dict) -> list[dict]:
+    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s) for s in _samples(options, ABLATION_SAMPLES)
+            for d in NEEDLE_DEPTHS]
+
+
+def fact_kernel_specs(options: dict) -> list[dict]:
+    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s) for s in _samples(options, NEEDLE_SAMPLES)
+            for d in NEEDLE_DEPTHS]
+
+
 def ruler_specs(options: dict) -> list[dict]:
     return [dict(builder="ruler", n_tokens=RULER_LENGTH, task=task, value_kind=kind, sample=s) for task in TASKS
             for kind in VALUE_KINDS for s in _samples(options, 1)]
@@ -61,13 +74,16 @@ def ruler_specs(options: dict) -> list[dict]:
 class Suite:
     """One table of the pressure set: its contexts (options -> context specs) and what runs on each. policies,
     capacities, modes: None takes the grid's options (--policies, --capacities, --modes), else the runner's
-    defaults; a suite that ablates one of them fixes it."""
+    defaults; a suite that ablates one of them fixes it. describe: a DESCRIBERS name, extra columns for every run.
+    max_new_tokens: per answer."""
 
     table: str
     contexts: Callable[[dict], list[dict]]
     policies: tuple | None = None
     capacities: tuple | None = None
     modes: tuple | None = None
+    describe: str | None = None
+    max_new_tokens: int = MAX_NEW_TOKENS
 
 
 # One row per suite, run in this order by `snapkv-lab needle --suites ...` (default all).
@@ -75,18 +91,30 @@ SUITES = {
     "needle": Suite("pressure_needle.csv", needle_specs),
     "lines": Suite("pressure_lines.csv", lines_specs, (SnapKV(), SnapKVNoPooling()), (256, 512, 1024), ("query-aware",)),
     "windows": Suite("pressure_windows.csv", window_specs, tuple(SnapKV(window_size=w) for w in WINDOW_ABLATION), (1024,)),
+    "ablations": Suite("pressure_ablations.csv", ablation_specs, tuple(ablation_policies()), (ABLATION_CAPACITY,),
+                       describe="coverage", max_new_tokens=ANSWER_TOKENS),
+    # The ablations' best query-aware setting (a kernel as long as a fact) on all 15 dev needles of the grid's 4000.
+    "fact-kernel": Suite("pressure_fact_kernel.csv", fact_kernel_specs, (SnapKV(kernel_size=31),), (ABLATION_CAPACITY,),
+                         ("query-aware",), max_new_tokens=ANSWER_TOKENS),
     "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
 }
 
 
+def build_context(tokenizer, spec: dict):
+    """The Context a spec describes: CONTEXTS[spec["builder"]](tokenizer, **the other entries)."""
+    arguments = dict(spec)
+    return CONTEXTS[arguments.pop("builder")](tokenizer, **arguments)
+
+
 def run_context(model, tokenizer, config: dict) -> pd.DataFrame:
     """One cell of the grid: build the context, prefill it once and answer its questions with the full cache and
-    every policy x capacity x mode of `config` (runner.run_retrieval). Rows as run_retrieval's."""
-    spec = dict(config["context"])
-    context = CONTEXTS[spec.pop("builder")](tokenizer, **spec)
+    every policy x capacity x mode of `config` (runner.run_retrieval), with its describe hook's columns if any.
+    Rows as run_retrieval's."""
+    context = build_context(tokenizer, config["context"])
+    describe = DESCRIBERS[config["describe"]](model, tokenizer) if config["describe"] else None
     table = run_retrieval(model, tokenizer, [context], policies=[policy_from_config(p) for p in config["policies"]],
                           capacities=config["capacities"], modes=config["modes"], max_new_tokens=config["max_new_tokens"],
-                          progress=False)
+                          progress=False, describe=describe)
     # One type per column, so that the table reads back from the store as written: capacity is empty for the full
     # cache, and RULER's multivalue answers are lists, written as CSV writes them.
     return table.assign(capacity=table.capacity.astype("Int64"), expected=table.expected.map(str))
@@ -120,24 +148,31 @@ def grid_cells(options: dict) -> dict[str, list]:
             for capacity in capacities:
                 dataclasses.replace(policy, capacity=capacity)
         config = dict(model=options.get("model"), policies=[policy_config(p) for p in policies], capacities=capacities,
-                      modes=list(suite.modes or modes or MODES), max_new_tokens=MAX_NEW_TOKENS)
+                      modes=list(suite.modes or modes or MODES), max_new_tokens=suite.max_new_tokens,
+                      describe=suite.describe)
         cells[name] = [Cell("pressure", dict(config, context=spec)) for spec in suite.contexts(options)]
     return cells
 
 
-def _check_lengths(model_name, cells: list) -> None:
-    """Refuse contexts longer than the model handles before the first prefill (each builder's n_tokens holds its
-    questions). Skipped when the model's config cannot be read here (on a Ray head node without the model)."""
-    from transformers import AutoConfig
+def _check_before_running(model_name, by_suite: dict[str, list]) -> None:
+    """Refuse bad grids before the first prefill: the shortest context of each suite is built here (a tokenizer
+    without a chat template, or a length with no room for the haystack, fails now), and the longest must fit
+    the model with its new tokens (each builder's n_tokens holds its questions). Skipped when the model cannot
+    be read here (a Ray head node without it): the cells check the same things where they run."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from ..inputs import check_context_length
     from ..models import bundled_checkpoint
 
+    source = bundled_checkpoint() if model_name is None else model_name
     try:
-        config = AutoConfig.from_pretrained(bundled_checkpoint() if model_name is None else model_name)
+        config, tokenizer = AutoConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source)
     except OSError:
         return
-    longest = max(cell.config["context"]["n_tokens"] for cell in cells)
+    specs = [[cell.config["context"] for cell in cells] for cells in by_suite.values() if cells]
+    for suite_specs in specs:
+        build_context(tokenizer, min(suite_specs, key=lambda spec: spec["n_tokens"]))
+    longest = max(spec["n_tokens"] for suite_specs in specs for spec in suite_specs)
     check_context_length(config, longest + MAX_NEW_TOKENS, what=f"a {longest}-token context with {MAX_NEW_TOKENS} new tokens")
 
 
@@ -156,7 +191,7 @@ def recompute(options: dict) -> None:
     cells = [cell for suite_cells in by_suite.values() for cell in suite_cells]
     if not cells:
         return
-    _check_lengths(options.get("model"), cells)
+    _check_before_running(options.get("model"), by_suite)
     store = ResultStore(data_dir / "cells" / "pressure")
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=options.get("model"),
                     options=options,
@@ -165,30 +200,6 @@ def recompute(options: dict) -> None:
               ray_address=options.get("ray_address"), desc="pressure cells", manifest=manifest)
     for name, suite_cells in by_suite.items():
         store.table(suite_cells).to_csv(data_dir / SUITES[name].table, index=False)
-
-
-def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval (95% by default) of a proportion: (low, high); (nan, nan) without trials."""
-    if trials == 0:
-        return float("nan"), float("nan")
-    p = successes / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return centre - half, centre + half
-
-
-def accuracy_intervals(table: pd.DataFrame, by=("policy", "mode")) -> pd.DataFrame:
-    """Found / asked per group with its Wilson interval, for both grades (correct: RULER's, exact: strict)."""
-    rows = []
-    for key, part in table.groupby(list(by), sort=False):
-        row = dict(zip(by, key if isinstance(key, tuple) else (key,)), asked=len(part))
-        for grade in ("correct", "exact"):
-            if grade in part:
-                found = int(part[grade].sum())
-                row[grade] = found
-                row[f"{grade}_low"], row[f"{grade}_high"] = wilson(found, len(part))
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 def _run_label(table: pd.DataFrame) -> pd.Series:
@@ -206,137 +217,30 @@ def ruler_table(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def accuracy_table(table: pd.DataFrame) -> pd.DataFrame:
-    """Accuracy by mode, policy and capacity (rows) and prompt length (columns), the full cache on top."""
+    """Accuracy by mode, policy and budget (rows; budgets in numeric order, "full" first) and prompt length
+    (columns, numeric order), the full cache expanded into every mode."""
     table = table.copy()
     full = table[table.policy == "FullCache"]
-    expanded = pd.concat([full.assign(mode=m) for m in MODES if m in set(table["mode"])] + [table[table.policy != "FullCache"]])
-    expanded["budget"] = expanded.capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
-    return expanded.pivot_table(index=["mode", "policy", "budget"], columns="length", values="correct", aggfunc="mean")
+    expanded = pd.concat([full.assign(mode=m) for m in MODES if m in set(table["mode"])] + [table[table.policy != "FullCache"]],
+                         ignore_index=True)
+    expanded["budget"] = budget_labels(expanded.capacity)
+    return expanded.pivot_table(index=["mode", "policy", "budget"], columns="length", values="correct", aggfunc="mean",
+                                observed=True)
+
+
+def budget_labels(capacity: pd.Series) -> pd.Series:
+    """Capacities as labels ("full" where there is none) that sort in numeric order, full first: an ordered
+    categorical, so that tables and figures never order budgets as text (1024 before 256)."""
+    budgets = sorted(int(c) for c in capacity.dropna().unique())
+    labels = capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
+    return pd.Series(pd.Categorical(labels, categories=["full", *map(str, budgets)], ordered=True), index=capacity.index)
 
 
 def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
-    """Heatmaps (depth x length) per policy and budget for each mode, accuracy-vs-budget lines, lines ablation."""
-    import matplotlib
+    """Every pressure figure whose table exists in data_dir (`pressure.figures`, imported when drawing)."""
+    from .figures import draw as draw_figures
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import plotly.express as px
-
-    data_dir, figures_dir = Path(data_dir), Path(figures_dir)
-    written = []
-    needle_path = data_dir / "pressure_needle.csv"
-    if needle_path.exists():
-        table = pd.read_csv(needle_path)
-        table["budget"] = table.capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
-        modes = [m for m in MODES if m in set(table["mode"])]  # a grid run with --modes has one
-        for mode in modes:
-            part = pd.concat([table[table.policy == "FullCache"], table[table["mode"] == mode]])
-            policies = [p for p in part.policy.unique() if p != "FullCache"]
-            budgets = [b for b in part.budget.unique() if b != "full"]
-            cells = part.groupby(["policy", "budget", "depth", "length"], as_index=False).correct.mean()
-            fig, axes = plt.subplots(len(policies) + 1, len(budgets), figsize=(2.6 * len(budgets), 2.2 * (len(policies) + 1)),
-                                     squeeze=False, sharex=True, sharey=True)
-            for r, policy in enumerate(["FullCache", *policies]):
-                for c, budget in enumerate(budgets):
-                    ax = axes[r, c]
-                    sel = cells[(cells.policy == policy) & (cells.budget == ("full" if policy == "FullCache" else budget))]
-                    grid = sel.pivot(index="depth", columns="length", values="correct")
-                    ax.imshow(grid.values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-                    ax.set_xticks(range(len(grid.columns)), [str(x) for x in grid.columns])
-                    ax.set_yticks(range(len(grid.index)), [f"{d:.0%}" for d in grid.index])
-                    ax.set_title(f"{policy} ({'full' if policy == 'FullCache' else budget})", fontsize=8)
-            fig.supxlabel("prompt length (tokens)")
-            fig.supylabel("needle depth")
-            fig.suptitle(f"Needle retrieval, SmolLM2-135M, {mode} (green = found)")
-            fig.tight_layout()
-            png = figures_dir / f"pressure_needle_{mode}.png"
-            fig.savefig(png, dpi=110)
-            plt.close(fig)
-            interactive = px.density_heatmap(cells[cells.policy != "FullCache"], x="length", y="depth", z="correct",
-                                             facet_row="policy", facet_col="budget", histfunc="avg", range_color=(0, 1),
-                                             color_continuous_scale="RdYlGn", title=f"Needle retrieval, {mode}",
-                                             category_orders={"budget": budgets})
-            written += [png, write_html(interactive, figures_dir / f"pressure_needle_{mode}.html")]
-        summary = accuracy_table(table).stack().rename("accuracy").reset_index()
-        summary = summary[summary.policy != "FullCache"].assign(budget=lambda d: d.budget.astype(int))
-        full = table[table.policy == "FullCache"].groupby("length").correct.mean()
-        fig = px.line(summary, x="budget", y="accuracy", color="policy", facet_col="length", facet_row="mode", markers=True,
-                      log_x=True, title="Needle accuracy vs KV budget (dotted: full cache)")
-        for i, length in enumerate(sorted(full.index)):
-            for row in range(1, len(modes) + 1):
-                fig.add_hline(y=full[length], line_dash="dot", row=row, col=i + 1)
-        html = write_html(fig, figures_dir / "pressure_needle_budget.html")
-        png = figures_dir / "pressure_needle_budget.png"
-        _budget_png(summary, full, png)
-        written += [png, html]
-    ruler_path = data_dir / "pressure_ruler.csv"
-    if ruler_path.exists():
-        ruler = pd.read_csv(ruler_path)
-        ruler["run"] = _run_label(ruler)
-        grades = ruler.melt(id_vars=["task", "value_kind", "run"], value_vars=["correct", "exact"], var_name="grade",
-                            value_name="accuracy").groupby(["task", "value_kind", "run", "grade"], as_index=False).accuracy.mean()
-        fig = px.bar(grades, x="run", y="accuracy", color="grade", barmode="group", facet_row="task", facet_col="value_kind",
-                     title=f"RULER-style needles, {RULER_LENGTH} tokens, budget {RULER_CAPACITY} (correct: RULER's substring "
-                           "grade; exact: the value as a whole token)", height=900)
-        written += [write_html(fig, figures_dir / "pressure_ruler.html")]
-        png = figures_dir / "pressure_ruler.png"
-        cells = grades[grades.grade == "correct"].pivot_table(index=["task", "value_kind"], columns="run", values="accuracy")
-        fig, ax = plt.subplots(figsize=(1.1 * len(cells.columns) + 3, 0.45 * len(cells) + 1.5))
-        ax.imshow(cells.values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(cells.columns)), cells.columns, rotation=45, ha="right", fontsize=8)
-        ax.set_yticks(range(len(cells.index)), [f"{t} / {k}" for t, k in cells.index], fontsize=8)
-        ax.set_title("RULER-style needles: accuracy (green = found)", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
-        written.append(png)
-    lines_path = data_dir / "pressure_lines.csv"
-    if lines_path.exists():
-        lines = pd.read_csv(lines_path)
-        lines["budget"] = lines.capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
-        acc = lines.groupby(["policy", "budget"], as_index=False).agg(accuracy=("correct", "mean"), value_kept=("value_kept", "mean"))
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        for policy, part in acc[acc.policy != "FullCache"].groupby("policy"):
-            part = part.assign(b=part.budget.astype(int)).sort_values("b")
-            ax.plot(part.b, part.accuracy, marker="o", label=policy)
-        ax.axhline(acc[acc.policy == "FullCache"].accuracy.mean(), ls=":", color="k", label="FullCache")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV budget (tokens)")
-        ax.set_ylabel("accuracy")
-        ax.set_title("LongEval-Lines-style retrieval: pooling ablation")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        png = figures_dir / "pressure_lines.png"
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
-        bars = px.bar(acc, x="budget", y="accuracy", color="policy", barmode="group", hover_data=["value_kept"],
-                      title="Lines retrieval: SnapKV with and without pooling")
-        written += [png, write_html(bars, figures_dir / "pressure_lines.html")]
-    return written
-
-
-def _budget_png(summary: pd.DataFrame, full: pd.Series, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    modes, lengths = sorted(summary["mode"].unique()), sorted(summary.length.unique())
-    fig, axes = plt.subplots(len(modes), len(lengths), figsize=(3.4 * len(lengths), 2.8 * len(modes)), squeeze=False,
-                             sharex=True, sharey=True)
-    for r, mode in enumerate(modes):
-        for c, length in enumerate(lengths):
-            ax = axes[r, c]
-            part = summary[(summary["mode"] == mode) & (summary.length == length)]
-            for policy, line in part.groupby("policy"):
-                line = line.sort_values("budget")
-                ax.plot(line.budget, line.accuracy, marker="o", label=policy)
-            ax.axhline(full[length], ls=":", color="k", label="FullCache")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{mode}, {length} tokens", fontsize=9)
-    axes[0, -1].legend(fontsize=7)
-    fig.supxlabel("KV budget (tokens per head)")
-    fig.supylabel("needle accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return draw_figures(data_dir, figures_dir)
 
 
 register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))

@@ -34,15 +34,20 @@ def kept_fraction(state: CompressionState, span: tuple[int, int]) -> float:
 
 @torch.inference_mode()
 def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_POLICIES, capacities=CAPACITIES,
-                  modes=MODES, max_new_tokens: int = 24, progress: bool = True, on_context=None) -> pd.DataFrame:
+                  modes=MODES, max_new_tokens: int = 24, progress: bool = True, on_context=None,
+                  describe=None) -> pd.DataFrame:
     """Answer every query of every context with the full cache and each policy x capacity x mode.
 
     Returns a tidy table: one row per (context, query, policy, capacity, mode), with the answer text,
     correctness as RULER grades it (`correct`: the expected value appears in the answer) and strictly
     (`exact`: it appears as a whole token, not inside a longer number), the fraction of the fact's and of the value's
-    tokens kept (mean over layers and KV heads), the cache length and the decode time. `policy` is the
-    policy's scorer_label: its name, with any non-default setting, so two configurations never share rows.
+    tokens kept (mean over layers and KV heads), the cache length and the decode time; `model` names the model (the
+    figures' titles). `policy` is the policy's scorer_label: its name, with any non-default setting, so two
+    configurations never share rows.
     on_context(rows_so_far) is called after each context (to save partial results).
+    describe(context, query, state, n_compressed) -> dict adds columns to a run's row, computed from its
+    compression state before decoding; n_compressed is the prompt length the state compressed (the context alone
+    query-agnostic), so positions from there to the end of the prompt are held in full.
     """
     for context in contexts:  # all of them before the first prefill, not an hour into the grid
         longest = max(len(q.question_ids) for q in context.queries)
@@ -65,19 +70,22 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
                 compressed = bool(set(state.kept_indices) - set(state.sliding_layers)) and policy.budget(
                     shared.n_tokens if mode == "query-agnostic" else n) is not None
                 length = max(cache_lengths(state.cache))
+                extra = {} if describe is None else describe(context, query, state,
+                                                             shared.n_tokens if mode == "query-agnostic" else n)
                 with applied(model, state):
                     if first_logits is None:
                         first_logits = forward(model, question, state.cache, shared.n_tokens)
                     tokens, seconds = greedy_decode(model, state.cache, first_logits, n, max_new_tokens, eos)
                 text = decode_text(tokenizer, tokens, eos)[0]
                 rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
+                                 model=model.config.name_or_path,
                                  policy=policy.scorer_label, capacity=pd.NA if mode == "full" else policy.capacity,
                                  mode=mode, expected=query.answer, output=text, correct=found(query.answer, text),
                                  exact=found_exactly(query.answer, text),
                                  fact_kept=kept_fraction(state, query.span) if compressed else 1.0,
                                  value_kept=kept_fraction(state, query.value_span) if compressed else 1.0,
                                  cache_length=length, prompt_tokens=n, prefill_s=shared.seconds,
-                                 decode_ms_per_token=1000 * sum(seconds) / max(1, len(seconds))))
+                                 decode_ms_per_token=1000 * sum(seconds) / max(1, len(seconds)), **extra))
                 bar.update()
 
             answer(FullCache(), "full", aware.state(FullCache()), aware.logits)

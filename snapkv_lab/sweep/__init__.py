@@ -8,6 +8,7 @@ A grid is a list of cells and a module-level work function `work(model, tokenize
     cells = [Cell("needle", dict(model=None, context=..., policies=..., capacities=...)) for ...]
     table = run_cells(cells, work, ResultStore("data/cells/needle"), executor="local")
 
+`work` may also be a dict kind -> function, for a grid whose cells are of several kinds (one run, one bar).
 Rerunning skips the cells already stored and returns the same table. Ray is optional: pip install 'snapkv_lab[ray]'.
 """
 

@@ -27,6 +27,7 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     """Run every cell not yet in `store` with `work(model, tokenizer, cell.config)` and write each finished table to
     the store at once; say how many cells were skipped; one progress bar (done / skipped / remaining).
 
+    work: a module-level function, or a dict kind -> function for a grid whose cells are of several kinds.
     model: the model name given to `loader` (default `models.load_model`: None is the bundled SmolLM2), loaded once
     here (local) or once per Ray actor, and only when a cell is left to run. loader must be module-level for Ray.
     executor: "local" or "ray"; ray_address: an existing cluster ("auto", "ray://head:10001", ...), else Ray
@@ -42,9 +43,13 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
         raise ValueError("ray_address (--ray-address) is only used with executor='ray' (--executor ray)")
     if executor == "ray":
         import_ray()  # a missing Ray is said before any work, not after the local cells
+    cells = list(cells)
+    if isinstance(work, dict):
+        missing = sorted({cell.kind for cell in cells} - set(work))
+        if missing:
+            raise ValueError(f"no work function for the cells of kind {missing}; work has {sorted(work)}")
     if manifest is not None:
         store.write_manifest(**manifest)
-    cells = list(cells)
     unique = list({cell.key: cell for cell in cells}.values())
     pending = [cell for cell in unique if not store.done(cell)]
     skipped = len(unique) - len(pending)
@@ -68,12 +73,16 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
             if executor == "local":
                 model_and_tokenizer = load(model)
                 for cell in pending:
-                    finished(cell, work(*model_and_tokenizer, cell.config))
+                    finished(cell, _work_of(work, cell)(*model_and_tokenizer, cell.config))
             else:
                 _run_ray(pending, work, model, load, ray_address, finished)
     finally:
         bar.close()
     return store.table(cells)
+
+
+def _work_of(work, cell: Cell):
+    return work[cell.kind] if isinstance(work, dict) else work
 
 
 def _load_model(name):
@@ -120,6 +129,21 @@ def _start_actors(ray, model, loader, n_cells: int) -> list:
             .remote(model, loader, int(node["Resources"]["CPU"])) for node in nodes[:n_cells]]
 
 
+def _start_local_cluster(ray, attempts: int = 2) -> None:
+    """A Ray cluster on this machine with all of its CPUs. Ray gives its node 30 s (fixed) to register, which a
+    busy machine can miss: then it tries again, once."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+            return
+        except Exception as err:  # Ray raises a bare Exception for this timeout
+            if "timed out during startup" not in str(err) or attempt == attempts:
+                raise
+            ray.shutdown()
+            print(f"Ray's local cluster did not start in time ({err}); trying again", file=sys.stderr, flush=True)
+
+
 def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) -> None:
     """Keep every actor busy with one cell; store each table as it comes back (in completion order)."""
     ray = import_ray()
@@ -127,8 +151,7 @@ def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) ->
     if started and ray_address:
         ray.init(address=ray_address)
     elif started:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+        _start_local_cluster(ray)
     actors = []
     try:
         actors = _start_actors(ray, model, loader, len(pending))
@@ -138,7 +161,7 @@ def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) ->
 
         def submit(actor) -> None:
             cell = queue.pop()
-            running[actor.run.remote(work, cell.config)] = (actor, cell)
+            running[actor.run.remote(_work_of(work, cell), cell.config)] = (actor, cell)
 
         for actor in actors[:len(queue)]:
             submit(actor)

@@ -3,8 +3,8 @@
     <root>/<key>.parquet   a finished cell's table; the cell's kind and config ride in the file's metadata
     <root>/manifest.json   one entry per run of the grid: command, options, model, seeds, versions, git commit
 
-A cell's file is written to a temporary name and renamed, so a killed process leaves whole files only: at
-most the cell in flight is lost. The key hashes the kind and the canonical JSON of the config, so a changed
+A cell's file is written to a hidden temporary name (`.<key>.<pid>.partial`, never read) and renamed, so a killed
+process leaves whole cell files only: at most the cell in flight is lost. The key hashes the kind and the canonical JSON of the config, so a changed
 option (model, budgets, max_new_tokens, ...) lands in a new file and never reuses a stale one.
 """
 

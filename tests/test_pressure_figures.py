@@ -1,0 +1,130 @@
+"""The pressure figures as a reader gets them: numeric order, counts and intervals, colour scales, the model's name,
+offline HTML; and the committed figures themselves."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import pytest
+
+from snapkv_lab.pressure import accuracy_table, wilson
+from snapkv_lab.pressure.figures import draw
+from snapkv_lab.pressure.grid import budget_labels
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGETS = (1024, 256, 2048, 512)  # written out of order on purpose: text order would put 1024 first
+LENGTHS = (4000, 2000)
+
+
+def _decoded(value):
+    """Plotly's JSON with its base64 arrays ({"dtype", "bdata", "shape"}) turned back into lists."""
+    if isinstance(value, dict) and "bdata" in value:
+        array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"])
+        return array.reshape([int(n) for n in str(value.get("shape", len(array))).split(",")]).tolist()
+    if isinstance(value, dict):
+        return {k: _decoded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decoded(v) for v in value]
+    return value
+
+
+def plotly_data(page: Path) -> tuple[list, dict]:
+    """The traces and layout of the figure in a page written by figures.write_html."""
+    text = page.read_text()
+    start = text.index("[", text.index("Plotly.newPlot("))
+    decoder = json.JSONDecoder()
+    traces, end = decoder.raw_decode(text, start)
+    layout, _ = decoder.raw_decode(text, text.index("{", end))
+    return _decoded(traces), layout
+
+
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pressure")
+    rows = []
+    for length in LENGTHS:
+        for depth in (1.0, 0.0, 0.5):
+            for sample in range(3):
+                rows.append(dict(task="needle", length=length, depth=depth, sample=sample, policy="FullCache", capacity=None,
+                                 mode="full", correct=sample < 2, value_kept=1.0, fact_kept=1.0, model="org/Tiny-1B"))
+                for policy in ("SnapKV", "H2O"):
+                    for budget in BUDGETS:
+                        for mode in ("query-aware", "query-agnostic"):
+                            rows.append(dict(task="needle", length=length, depth=depth, sample=sample, policy=policy,
+                                             capacity=budget, mode=mode, correct=sample * 1000 < budget,
+                                             value_kept=budget / 4096, fact_kept=budget / 4096, model="org/Tiny-1B"))
+    table = pd.DataFrame(rows)
+    table.to_csv(folder / "pressure_needle.csv", index=False)
+    table[table["mode"] != "query-agnostic"].assign(task="lines").to_csv(folder / "pressure_lines.csv", index=False)
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")  # a backend drawing must not switch (a notebook's inline backend, say)
+    try:
+        written = draw(folder, folder)
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(backend)
+    return folder, table, written
+
+
+def test_budgets_sort_as_numbers():
+    labels = budget_labels(pd.Series([1024, None, 256, 2048, 512]))
+    assert list(labels.cat.categories) == ["full", "256", "512", "1024", "2048"]
+    table = pd.DataFrame(dict(policy=["FullCache"] + ["SnapKV"] * 4, capacity=[None, *BUDGETS], length=[4000] * 5,
+                              correct=[1, 0, 1, 0, 1], mode=["full"] + ["query-aware"] * 4))
+    assert [b for _, _, b in accuracy_table(table).index] == ["full", "256", "512", "1024", "2048"]
+
+
+def test_every_figure_is_written_with_plotly_beside_it(drawn):
+    folder, _, written = drawn
+    names = {p.name for p in written}
+    assert names == {f"pressure_{n}.{e}" for n in ("needle_query-aware", "needle_query-agnostic", "needle_budget", "lines")
+                     for e in ("png", "html")}
+    assert (folder / "plotly.min.js").exists()
+    for page in folder.glob("*.html"):
+        assert "cdn" not in page.read_text().lower()
+
+
+def test_budget_figure_in_numeric_order_with_wilson_intervals(drawn):
+    folder, table, _ = drawn
+    traces, layout = plotly_data(folder / "pressure_needle_budget.html")
+    assert "org/Tiny-1B" in layout["title"]["text"] and "n = 9" in layout["title"]["text"]
+    for trace in traces:
+        assert trace["x"] == sorted(BUDGETS)  # numeric order: no zig-zag
+    snap = next(t for t in traces if t["name"] == "SnapKV" and "mode=query-aware" in t["hovertemplate"]
+                and "length=2000" in t["hovertemplate"])
+    found = [int(sum(s * 1000 < b for s in range(3))) * 3 for b in sorted(BUDGETS)]  # 3 depths x the samples under b
+    low, high = zip(*(wilson(f, 9) for f in found))
+    assert snap["y"] == pytest.approx([f / 9 for f in found])
+    assert snap["error_y"]["array"] == pytest.approx([h - f / 9 for h, f in zip(high, found)])
+    assert snap["error_y"]["arrayminus"] == pytest.approx([f / 9 - lo for lo, f in zip(low, found)])
+    ticks = [layout[k]["ticktext"] for k in layout if k.startswith("xaxis")]
+    assert all(t == ["256", "512", "1024", "2048"] for t in ticks)
+
+
+def test_needle_heatmaps_viridis_with_counts_and_one_full_cache_panel(drawn):
+    folder, _, _ = drawn
+    traces, layout = plotly_data(folder / "pressure_needle_query-aware.html")
+    assert len(traces) == 1 + 2 * len(BUDGETS)  # the full cache once, not once per budget
+    assert layout["coloraxis"]["colorbar"]["title"]["text"] and layout["coloraxis"]["cmin"] == 0
+    assert layout["coloraxis"]["colorscale"][0][1].lower() == "#440154"  # viridis, not red-green
+    full = traces[0]
+    assert full["x"] == ["2000", "4000"] and full["y"] == ["0%", "50%", "100%"]
+    assert full["text"] == [["2/3", "2/3"]] * 3
+    titles = [a["text"] for a in layout["annotations"] if a["text"].startswith(("SnapKV", "H2O", "FullCache"))]
+    assert titles[:1] == ["FullCache, full cache"] and [t for t in titles if t.startswith("SnapKV")] == [
+        f"SnapKV, budget {b}" for b in sorted(BUDGETS)]
+
+
+def test_committed_html_figures_work_offline():
+    pages = sorted((ROOT / "figures").glob("*.html"))
+    assert pages and (ROOT / "figures" / "plotly.min.js").exists()
+    for page in pages:
+        text = page.read_text()
+        assert "cdn" not in text.lower() and 'src="plotly.min.js"' in text, page.name
+        assert not re.search(r"<script[^>]*(integrity|crossorigin)", text), page.name
