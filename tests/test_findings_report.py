@@ -1,0 +1,63 @@
+"""Verdicts: a finding holds only where its interval clears chance and the paper's comparison holds; the
+committed tables hold both splits with the issue's prompt counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from snapkv_lab.findings_report import markdown, read_tables, report, verdicts
+
+
+def _rows(values: dict, key: str, n_samples=8, chance=0.05, support=1000.0, noise=0.02, seed=0) -> pd.DataFrame:
+    """A (metric=recall, sinks=excluded) table: for each `key` value its value per sample, with a per-sample jitter
+    shared by every key (prompts differ in difficulty; the paired differences are exactly the values' ones)."""
+    jitter = np.random.default_rng(seed).normal(0, noise, n_samples)
+    rows = [dict(**{key: k}, layer=0, metric="recall", sinks="excluded", numerator=support * (v + jitter[i]),
+                 chance_numerator=support * chance, support=support, sample=f"s{i}", split="dev", mode="generated")
+            for k, v in values.items() for i in range(n_samples)]
+    return pd.DataFrame(rows)
+
+
+def _verdict(table: pd.DataFrame, key: str) -> str:
+    return verdicts({key: table}).set_index("measure").loc["recall, sinks excluded", "verdict"]
+
+
+@pytest.mark.parametrize("front,back,expected", [(0.5, 0.5, "holds"), (0.4, 0.8, "partly"), (0.04, 0.5, "does not hold")])
+def test_question_placement_verdicts(front, back, expected):
+    assert _verdict(_rows({"front": front, "back": back}, "placement"), "c").startswith(expected)
+
+
+@pytest.mark.parametrize("values,expected", [({-1: 0.6, -2: 0.4, -3: 0.3}, "holds"),
+                                             ({-1: 0.4, -2: 0.6, -3: 0.3}, "does not hold: windows [-2] agree better"),
+                                             ({-1: 0.5, -2: 0.5, -3: 0.3}, "not shown"),
+                                             ({-1: 0.03, -2: 0.02, -3: 0.01}, "does not hold: the last window is not above chance")])
+def test_last_prompt_window_verdicts(values, expected):
+    assert _verdict(_rows(values, "window"), "a").startswith(expected)
+
+
+@pytest.mark.parametrize("values,expected", [({1: 0.5, 2: 0.5, 3: 0.5}, "holds"), ({1: 0.6, 2: 0.5, 3: 0.4}, "holds (above chance in every window, but it decays"),
+                                             ({1: 0.5, 2: 0.04, 3: 0.5}, "does not hold: window(s) [2]")])
+def test_generation_consistency_verdicts(values, expected):
+    verdict = _verdict(_rows(values, "window", noise=0.005), "b")
+    assert verdict.startswith(expected) and (expected != "holds" or verdict == "holds")
+
+
+def test_too_little_support_is_undefined_not_a_verdict():
+    table = _rows({"front": 0.5, "back": 0.5}, "placement", support=0.5)  # 8 samples pool to 4 < MIN_SUPPORT
+    assert _verdict(table, "c") == "undefined: too little support"
+
+
+def test_committed_tables_hold_both_splits_with_the_prompt_counts():
+    tables = read_tables("data")
+    minimum = {"a": 8, "b": 8, "b_variants": 8, "c": 6, "d": 4}
+    for key, table in tables.items():
+        counts = table.groupby("split")["sample"].nunique()
+        assert set(counts.index) == {"dev", "heldout"}, key
+        assert (counts >= minimum[key]).all(), (key, counts.to_dict())
+    table = report("data")
+    assert set(table["finding"]) == {"a", "b", "b_windows", "b_selection", "c", "d"}
+    assert set(table["split"]) == {"dev", "heldout"} and not table["verdict"].str.startswith("undefined").any()
+    text = markdown(table)
+    assert text.count("\n") == 1 + table.groupby(["finding", "measure", "mode"]).ngroups and "[" in text
