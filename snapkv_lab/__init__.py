@@ -9,7 +9,7 @@ import types
 _EXPORTS = {  # public name -> its module
     "AttentionTrace": "trace", "capture": "capture", "intercept_attention": "hooks", "load_model": "models",
     "POLICIES": "policies", "Policy": "policies", "FullCache": "policies", "H2O": "policies", "RandomKeep": "policies",
-    "SnapKV": "policies", "SnapKVNoPooling": "policies", "StreamingLLM": "policies",
+    "SnapKV": "policies", "SnapKVNoPooling": "policies", "SnapKVFactKernel": "policies", "StreamingLLM": "policies",
     "KVzip": "policies", "DecodingEviction": "policies",
     "PyramidKV": "policies", "AdaKV": "policies", "ExpectedAttention": "policies",
     "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies",

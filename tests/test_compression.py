@@ -33,6 +33,18 @@ def test_kept_indices_match_eager_reference(pooling, kernel, per_query_head, gqa
     assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
 
 
+def test_fact_kernel_policy_is_snapkv_pooled_over_a_fact(byte_tokenizer):
+    """The registered small-budget policy keeps what the eager reference keeps with a 31-token max-pool kernel."""
+    model = tiny()
+    ids = torch.randint(2, 256, (1, 96), generator=torch.Generator().manual_seed(2))
+    result = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKVFactKernel(capacity=CAPACITY, window_size=WINDOW),
+                         max_new_tokens=2)
+    ref_kept, ref_scores = reference_kept(model, ids, WINDOW, CAPACITY, pooling="max", kernel=31)
+    assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
+    narrow, _ = reference_kept(model, ids, WINDOW, CAPACITY, pooling="max", kernel=7)
+    assert any(not torch.equal(a, b) for a, b in zip(ref_kept, narrow))  # the kernel changes what is kept here
+
+
 @pytest.mark.slow
 def test_kept_indices_match_eager_reference_smollm(smollm):
     from snapkv_lab.corpus import haystack_ids

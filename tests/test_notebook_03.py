@@ -12,9 +12,10 @@ from test_notebooks import count_plotly, printed, run_notebook
 def test_snapkv_ab_notebook():
     outputs = run_notebook("03_snapkv_ab.ipynb")
     text = printed(outputs)
-    assert text.count("answer:") >= 3 and "positions per head in every layer" in text
+    assert text.count("answer:") >= 4 and "positions per head in every layer" in text  # full, SnapKV, fact kernel, stream
     pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "MiB KV" in pages and "red box" in pages  # side-by-side answers and the kept-token view
+    assert "SnapKVFactKernel@" in pages  # the small-budget setting in the A/B and its kept-token view
     assert "misses on prompts the full cache answered right" in text  # paired on the same sample
     assert "the model fails the task itself" in text  # the all-zero pooling table explained from the data
     assert count_plotly(outputs) >= 2

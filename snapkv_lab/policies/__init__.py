@@ -18,11 +18,11 @@ from .h2o import H2O
 from .knorm import KNorm
 from .kvzip import KVzip
 from .pyramidkv import PyramidKV
-from .snapkv import SnapKV, SnapKVNoPooling
+from .snapkv import SnapKV, SnapKVFactKernel, SnapKVNoPooling
 from .tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {cls.__name__: cls for cls in (
-    FullCache, SnapKV, SnapKVNoPooling, H2O, StreamingLLM, RandomKeep, TOVA, KNorm, PyramidKV, AdaKV, ChunkKV,
+    FullCache, SnapKV, SnapKVNoPooling, SnapKVFactKernel, H2O, StreamingLLM, RandomKeep, TOVA, KNorm, PyramidKV, AdaKV, ChunkKV,
     CriticalKV, ExpectedAttention, KVzip, DecodingEviction,
 )}
 
