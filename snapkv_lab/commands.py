@@ -83,8 +83,8 @@ def _figures_arguments(p) -> None:
     from .figures import FIGURE_MODULES
 
     p.add_argument("--recompute", action="store_true",
-                   help="rerun the model and rewrite the tables in data/ first (the findings: about 5 minutes on 2 CPU "
-                        "cores). The needle grid is not rerun but redrawn from its tables, as its run is far longer: "
+                   help="rerun the model and rewrite the tables in data/ first (the findings: about 23 minutes on 2 CPU "
+                        "cores, resumable). The needle grid is not rerun but redrawn from its tables, as its run is far longer: "
                         "rerun it with --recompute --only pressure, or with `snapkv-lab needle`")
     p.add_argument("--only", nargs="*", choices=list(FIGURE_MODULES), metavar="SET",
                    help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
