@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 
 from ..figures import FigureSet, register
-from ..policies import AdaKV, PyramidKV, SnapKV, SnapKVNoPooling, StreamingLLM, TOVA, policy_config, policy_from_config
+from ..policies import (AdaKV, KVzip, PyramidKV, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, TOVA, policy_config,
+                        policy_from_config)
 from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
                         coverage_describer)
 from .ruler import TASKS, VALUE_KINDS, ruler_context
@@ -27,6 +28,8 @@ WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budge
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
 RULER_CAPACITY = 1024  # 25% of the RULER contexts
+QUESTION_FREE_POLICIES = (KVzip(), KVzip(pooling="max", kernel_size=3), KVzip(pooling="max", kernel_size=31),
+                          KVzip(per_query_head=True), SnapKVFactKernel())
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
@@ -96,6 +99,10 @@ SUITES = {
     # The ablations' best query-aware setting (a kernel as long as a fact) on all 15 dev needles of the grid's 4000.
     "fact-kernel": Suite("pressure_fact_kernel.csv", fact_kernel_specs, (SnapKV(kernel_size=31),), (ABLATION_CAPACITY,),
                          ("query-aware",), max_new_tokens=ANSWER_TOKENS),
+    # Without the question SnapKV's window does not look at the needle: scorers that need no question (KVzip's
+    # reconstruction, per KV head, pooled, per query head) and the fact kernel, on the same 15 needles.
+    "question-free": Suite("pressure_question_free.csv", fact_kernel_specs, QUESTION_FREE_POLICIES, (ABLATION_CAPACITY,),
+                           ("query-agnostic",), max_new_tokens=ANSWER_TOKENS),
     "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
 }
 
