@@ -10,7 +10,7 @@ _EXPORTS = {  # public name -> its module
     "AttentionTrace": "trace", "capture": "capture", "intercept_attention": "hooks", "load_model": "models",
     "POLICIES": "policies", "Policy": "policies", "FullCache": "policies", "H2O": "policies", "RandomKeep": "policies",
     "SnapKV": "policies", "SnapKVNoPooling": "policies", "SnapKVFactKernel": "policies", "StreamingLLM": "policies",
-    "KVzip": "policies", "DecodingEviction": "policies",
+    "KVzip": "policies", "Surprisal": "policies", "DecodingEviction": "policies",
     "PyramidKV": "policies", "AdaKV": "policies", "ExpectedAttention": "policies",
     "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies",
     "compress": "compression", "generate": "compression", "compare": "ab",

@@ -19,11 +19,12 @@ from .knorm import KNorm
 from .kvzip import KVzip
 from .pyramidkv import PyramidKV
 from .snapkv import SnapKV, SnapKVFactKernel, SnapKVNoPooling
+from .surprisal import Surprisal
 from .tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {cls.__name__: cls for cls in (
     FullCache, SnapKV, SnapKVNoPooling, SnapKVFactKernel, H2O, StreamingLLM, RandomKeep, TOVA, KNorm, PyramidKV, AdaKV, ChunkKV,
-    CriticalKV, ExpectedAttention, KVzip, DecodingEviction,
+    CriticalKV, ExpectedAttention, KVzip, Surprisal, DecodingEviction,
 )}
 
 

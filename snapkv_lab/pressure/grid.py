@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 
 from ..figures import FigureSet, register
-from ..policies import (AdaKV, KVzip, PyramidKV, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, TOVA, policy_config,
-                        policy_from_config)
+from ..policies import (AdaKV, KVzip, PyramidKV, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, Surprisal, TOVA,
+                        policy_config, policy_from_config)
 from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
                         coverage_describer)
 from .ruler import TASKS, VALUE_KINDS, ruler_context
@@ -103,6 +103,9 @@ SUITES = {
     # reconstruction, per KV head, pooled, per query head) and the fact kernel, on the same 15 needles.
     "question-free": Suite("pressure_question_free.csv", fact_kernel_specs, QUESTION_FREE_POLICIES, (ABLATION_CAPACITY,),
                            ("query-agnostic",), max_new_tokens=ANSWER_TOKENS),
+    # The model's own surprisal, pooled over a fact: a question-free scorer that is not attention (policies.surprisal).
+    "surprisal": Suite("pressure_surprisal.csv", fact_kernel_specs, (Surprisal(),), (ABLATION_CAPACITY,),
+                       max_new_tokens=ANSWER_TOKENS),
     "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
 }
 
