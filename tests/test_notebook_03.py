@@ -15,7 +15,7 @@ def test_snapkv_ab_notebook():
     assert text.count("answer:") >= 4 and "positions per head in every layer" in text  # full, SnapKV, fact kernel, stream
     pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "MiB KV" in pages and "red box" in pages  # side-by-side answers and the kept-token view
-    assert "SnapKVFactKernel@" in pages  # the small-budget setting in the A/B and its kept-token view
+    assert "SnapKVFactKernel@" in pages and "Surprisal@" in pages  # the small-budget policies in the A/B, kept views
     assert "misses on prompts the full cache answered right" in text  # paired on the same sample
     assert "the model fails the task itself" in text  # the all-zero pooling table explained from the data
     assert count_plotly(outputs) >= 2
