@@ -122,6 +122,7 @@ def _needle_arguments(p) -> None:
                         "the other methods with coverage; fact-kernel, SnapKV with a fact-long pooling kernel on the 15 dev needles; "
                         "question-free, KVzip's variants and the fact kernel on them, query-agnostic; "
                         "surprisal, the Surprisal policy on them, both modes; "
+                        "surprisal-ruler, Surprisal on the RULER-style suite; "
                         "ruler, the RULER-style suite)")
     p.add_argument("--policies", nargs="+", default=None, metavar="NAME",
                    help="compression policies by name in snapkv_lab.POLICIES, e.g. SnapKV H2O TOVA (default SnapKV "

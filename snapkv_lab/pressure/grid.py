@@ -107,6 +107,8 @@ SUITES = {
     "surprisal": Suite("pressure_surprisal.csv", fact_kernel_specs, (Surprisal(),), (ABLATION_CAPACITY,),
                        max_new_tokens=ANSWER_TOKENS),
     "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
+    # Surprisal where values are words and codes, with distractor keys: facts less out of place than a magic number.
+    "surprisal-ruler": Suite("pressure_surprisal_ruler.csv", ruler_specs, (Surprisal(),), (RULER_CAPACITY,)),
 }
 
 
