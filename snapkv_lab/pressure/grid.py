@@ -58,14 +58,19 @@ def window_specs(options: dict) -> list[dict]:
     return [dict(builder="needle", n_tokens=4000, depth=d, sample=s) for d in NEEDLE_DEPTHS for s in _samples(options, 1)]
 
 
+def _budget_needles(options: dict, samples: int) -> list[dict]:
+    """The needles of the 25%-budget suites: ABLATION_LENGTH tokens, every depth, `samples` haystacks by default."""
+    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s) for s in _samples(options, samples)
+            for d in NEEDLE_DEPTHS]
+
+
 def ablation_specs(options: dict) -> list[dict]:
-    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s) for s in _samples(options, ABLATION_SAMPLES)
-            for d in NEEDLE_DEPTHS]
+    return _budget_needles(options, ABLATION_SAMPLES)
 
 
-def fact_kernel_specs(options: dict) -> list[dict]:
-    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s) for s in _samples(options, NEEDLE_SAMPLES)
-            for d in NEEDLE_DEPTHS]
+def dev_needle_specs(options: dict) -> list[dict]:
+    """All 15 dev needles of the grid at ABLATION_LENGTH (NEEDLE_SAMPLES haystacks x 5 depths)."""
+    return _budget_needles(options, NEEDLE_SAMPLES)
 
 
 def ruler_specs(options: dict) -> list[dict]:
@@ -97,14 +102,14 @@ SUITES = {
     "ablations": Suite("pressure_ablations.csv", ablation_specs, tuple(ablation_policies()), (ABLATION_CAPACITY,),
                        describe="coverage", max_new_tokens=ANSWER_TOKENS),
     # The ablations' best query-aware setting (a kernel as long as a fact) on all 15 dev needles of the grid's 4000.
-    "fact-kernel": Suite("pressure_fact_kernel.csv", fact_kernel_specs, (SnapKV(kernel_size=31),), (ABLATION_CAPACITY,),
+    "fact-kernel": Suite("pressure_fact_kernel.csv", dev_needle_specs, (SnapKV(kernel_size=31),), (ABLATION_CAPACITY,),
                          ("query-aware",), max_new_tokens=ANSWER_TOKENS),
     # Without the question SnapKV's window does not look at the needle: scorers that need no question (KVzip's
     # reconstruction, per KV head, pooled, per query head) and the fact kernel, on the same 15 needles.
-    "question-free": Suite("pressure_question_free.csv", fact_kernel_specs, QUESTION_FREE_POLICIES, (ABLATION_CAPACITY,),
+    "question-free": Suite("pressure_question_free.csv", dev_needle_specs, QUESTION_FREE_POLICIES, (ABLATION_CAPACITY,),
                            ("query-agnostic",), max_new_tokens=ANSWER_TOKENS),
     # The model's own surprisal, pooled over a fact: a question-free scorer that is not attention (policies.surprisal).
-    "surprisal": Suite("pressure_surprisal.csv", fact_kernel_specs, (Surprisal(),), (ABLATION_CAPACITY,),
+    "surprisal": Suite("pressure_surprisal.csv", dev_needle_specs, (Surprisal(),), (ABLATION_CAPACITY,),
                        max_new_tokens=ANSWER_TOKENS),
     "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
     # Surprisal where values are words and codes, with distractor keys: facts less out of place than a magic number.
