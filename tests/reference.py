@@ -56,9 +56,10 @@ def assert_same_selection(kept, ref_kept, ref_scores, window, layers=None):
     layers = range(len(kept)) if layers is None else layers
     for layer, mine, ref, score in zip(layers, kept, ref_kept, ref_scores, strict=True):
         assert mine.shape == ref.shape, layer
-        assert torch.equal(mine[..., -window:], ref[..., -window:])
-        mine_scores = score.gather(-1, mine[..., :-window]).sort(dim=-1).values
-        ref_top = score.gather(-1, ref[..., :-window]).sort(dim=-1).values
+        picked = mine.shape[-1] - window  # the positions chosen by score, before the window
+        assert torch.equal(mine[..., picked:], ref[..., picked:])
+        mine_scores = score.gather(-1, mine[..., :picked]).sort(dim=-1).values
+        ref_top = score.gather(-1, ref[..., :picked]).sort(dim=-1).values
         torch.testing.assert_close(mine_scores, ref_top, atol=1e-5, rtol=0)
         agree = (mine == ref).float().mean()
         assert agree > 0.95, f"layer {layer}: only {agree:.0%} of kept positions agree"

@@ -47,19 +47,36 @@ def snapkv_votes(model, ids, window, kernel=7):
 
 
 def pyramid_budgets(capacity, window, n_layers, n, beta=20):
-    """PyramidKV's per-layer budgets (paper's code / kvpress): a line from 2(B-W) - (B-W)/beta at the bottom
-    to (B-W)/beta at the top, plus the window."""
-    b_min = (capacity - window) / beta
-    b_max = 2 * (capacity - window) - b_min
-    if b_max > n - window:
-        b_max, b_min = n - window, 2 * (capacity - window) - (n - window)
-    return [window + round(b_max - layer * (b_max - b_min) / (n_layers - 1)) for layer in range(n_layers)]
+    """PyramidKV's per-layer budgets (window included) as its official code computes them: Zefan-Cai/KVCache-Factory
+    @c97f9d7, pyramidkv/pyramidkv_utils.py, PyramidKVCluster.update_kv, lines 360-375 (integer floor divisions; the
+    flat SnapKV budget when the prompt is shorter than twice the prefix budget)."""
+    min_num = (capacity - window) // beta
+    max_num = (capacity - window) * 2 - min_num
+    if max_num >= n - window:
+        max_num = n - window
+        min_num = (capacity - window) * 2 - max_num
+    steps = (max_num - min_num) // (n_layers - 1)
+    if n < (capacity - window) * 2:
+        return [capacity] * n_layers
+    return [window + max_num - layer * steps for layer in range(n_layers)]
 
 
 def adakv_reference(scores, share, alpha=0.2):
-    """AdaKV for one layer and batch row. scores: (kv_heads, prefix); share: uniform prefix budget per head.
-    Returns per head the set of kept prefix positions: each head's own top floor(alpha * share), then the
-    best of the rest over all heads together until kv_heads * share are kept."""
+    """AdaKV for one layer and batch row as its official code allocates: FFY0/AdaKV @efe4e2e,
+    adaptive_snapkv/monkeypatch/snapkv_utils.py, lines 303-305 and 445-460. scores: (kv_heads, prefix); share: the
+    uniform prefix budget per head b. One top kv_heads * b over all heads' scores counts each head's c_h; head h keeps
+    its own top round(c_h (1 - alpha) + int(b alpha)) positions. Returns per head the sorted kept prefix positions."""
+    heads, prefix = scores.shape
+    ranked = sorted(((float(scores[h, p]), h, p) for h in range(heads) for p in range(prefix)), reverse=True)
+    counts = [sum(1 for _, h2, _ in ranked[: heads * share] if h2 == h) for h in range(heads)]
+    budgets = torch.round(torch.tensor(counts) * (1 - alpha) + int(share * alpha)).int().tolist()
+    return [sorted(scores[h].topk(budgets[h]).indices.tolist()) for h in range(heads)]
+
+
+def adakv_safeguard_reference(scores, share, alpha=0.2):
+    """kvpress's rule (kvpress 0.5.5, presses/adakv_press.py, AdaKVPress.compress, lines 54-81), with the window
+    outside the safeguard: each head's own top floor(alpha * share) first, then the best of the rest over all heads
+    together until kv_heads * share are kept. Returns per head the sorted kept prefix positions."""
     heads, prefix = scores.shape
     safe = {(h, int(p)) for h in range(heads) for p in scores[h].topk(int(alpha * share)).indices}
     rest = sorted(((float(scores[h, p]), h, p) for h in range(heads) for p in range(prefix) if (h, p) not in safe),
@@ -137,16 +154,23 @@ def assert_same_pairs(kept, ref, scores, rtol=1e-4):
 
 # ----- PyramidKV ----------------------------------------------------------------------------------------
 
-def test_pyramid_budgets_decrease_linearly_and_average_to_capacity():
-    policy = C.PyramidKV(capacity=0.25)
+def test_pyramid_budgets_follow_the_official_code():
+    policy = C.PyramidKV(capacity=0.25)  # window 8, as the official LongBench script
     budgets = [policy.layer_budget(1000, layer, 30) for layer in range(30)]
-    assert budgets == pyramid_budgets(250, 32, 30, 1000)
-    assert budgets[0] == 32 + 2 * 218 - round(218 / 20) and budgets[-1] == 32 + round(218 / 20)
-    assert all(a >= b for a, b in zip(budgets, budgets[1:]))
-    assert abs(sum(budgets) / 30 - 250) <= 0.5
+    assert budgets == pyramid_budgets(250, 8, 30, 1000)
+    assert budgets[0] == 8 + 2 * 242 - 242 // 20 and budgets[1] - budgets[0] == -((2 * 242 - 2 * (242 // 20)) // 29)
+    assert all(a > b for a, b in zip(budgets, budgets[1:]))
+    assert 0 <= sum(budgets) / 30 - 250 <= 29 / 2  # the floored step keeps a little more than the capacity on average
     # The bottom layer cannot keep more than the prompt: capped, the slope is then gentler.
-    capped = [C.PyramidKV(capacity=40, window_size=8).layer_budget(60, layer, 2) for layer in range(2)]
-    assert capped == [60, 20]
+    capped = [C.PyramidKV(capacity=40, window_size=8).layer_budget(64, layer, 2) for layer in range(2)]
+    assert capped == pyramid_budgets(40, 8, 2, 64) == [64, 16]
+    # A prompt shorter than twice the prefix budget: SnapKV's flat budget in every layer (the official rule); kvpress
+    # falls back only when its smallest layer would drop below the window.
+    assert [C.PyramidKV(capacity=40, window_size=8).layer_budget(60, layer, 2) for layer in range(2)] == [40, 40]
+    kvpress = C.PyramidKV(capacity=40, window_size=8, schedule="kvpress")
+    assert [kvpress.layer_budget(60, layer, 2) for layer in range(2)] == [52, 28]
+    assert [C.PyramidKV(capacity=250, window_size=64, schedule="kvpress").layer_budget(1000, layer, 30)
+            for layer in (0, 29)] == [250, 250]  # 250 / 20 < 64: flat, as kvpress's get_layer_budget
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -156,7 +180,7 @@ def test_pyramidkv_kept_matches_reference(attn, byte_tokenizer):
     result = C.generate(model, byte_tokenizer, ids, policy=C.PyramidKV(capacity=CAPACITY, window_size=WINDOW),
                         max_new_tokens=2)
     budgets = pyramid_budgets(CAPACITY, WINDOW, 2, 96)
-    assert result.cache_lengths == budgets == [70, 10]
+    assert result.cache_lengths == budgets == [71, 9]  # 96 >= 2 (40 - 8): a pyramid, steps floored
     for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
         ref = top_with_window(votes, budgets[layer] - WINDOW, 96)
         assert_same_rows(result.kept_indices[layer], ref.tolist(), votes)
@@ -224,24 +248,42 @@ def test_adakv_kept_matches_reference(byte_tokenizer):
     counts = []
     for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
         kept = result.kept_indices[layer]  # (batch, kv_heads, widest), NO_POSITION-padded
-        ref = [[sorted(rows) + list(range(88, 96)) for rows in adakv_reference(votes[b], CAPACITY - WINDOW)]
+        ref = [[rows + list(range(88, 96)) for rows in adakv_reference(votes[b], CAPACITY - WINDOW)]
                for b in range(2)]
         assert_same_pairs(kept, ref, F.pad(votes, (0, WINDOW), value=math.inf))
+        budgets = [[len(rows) for rows in adakv_reference(votes[b], CAPACITY - WINDOW)] for b in range(2)]
+        assert ((kept >= 0).sum(-1) - WINDOW).tolist() == budgets  # each head's official blend, exactly
         for row in kept.reshape(-1, kept.shape[-1]):  # each row: its positions ascending, then the padding
             valid = row[row >= 0]
             assert torch.equal(valid, valid.sort().values) and bool((row[len(valid):] == -1).all())
         counts.append((kept >= 0).sum(-1))
     counts = torch.stack(counts)  # (layers, batch, kv_heads)
-    assert bool((counts.sum(-1) == 2 * CAPACITY).all())  # the layer's total budget, shared out
-    assert bool((counts >= WINDOW + int(0.2 * (CAPACITY - WINDOW))).all())  # the safeguard
+    assert bool(((counts.sum(-1) - 2 * CAPACITY).abs() <= 1).all())  # the layer's total budget, shared out (rounded)
+    assert bool((counts >= WINDOW + int(0.2 * (CAPACITY - WINDOW))).all())  # the floor
     assert bool((counts != CAPACITY).any())  # budgets really differ between heads (else the test is vacuous)
     assert bool((result.kept_indices[0] == -1).any())
+
+
+def test_adakv_safeguard_allocation_matches_kvpress_rule(byte_tokenizer):
+    model = tiny()
+    ids = prompt(96, batch=2, seed=3)
+    policy = C.AdaKV(capacity=CAPACITY, window_size=WINDOW, allocation="safeguard")
+    assert policy.label == "AdaKV(window_size=8, allocation='safeguard')@40"
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
+    paper = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+    for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
+        ref = [[rows + list(range(88, 96)) for rows in adakv_safeguard_reference(votes[b], CAPACITY - WINDOW)]
+               for b in range(2)]
+        assert_same_pairs(result.kept_indices[layer], ref, F.pad(votes, (0, WINDOW), value=math.inf))
+        assert ((result.kept_indices[layer] >= 0).sum(-1).sum(-1) == 2 * CAPACITY).all()  # the total, exactly
+    assert any((a >= 0).sum(-1).tolist() != (b >= 0).sum(-1).tolist()
+               for a, b in zip(result.kept_indices, paper.kept_indices))  # the two allocations differ here
 
 
 def test_adakv_stores_only_kept_positions(byte_tokenizer):
     model = tiny()
     ids = prompt(96, batch=2, seed=3)
-    policy = C.AdaKV(capacity=CAPACITY, window_size=WINDOW)
+    policy = C.AdaKV(capacity=CAPACITY, window_size=WINDOW, allocation="safeguard")  # its totals are exact
     with C.compress(model, policy) as state, torch.no_grad():
         model(ids, past_key_values=state.cache, use_cache=True)
     n_kept = sum(int((kept >= 0).sum()) for kept in state.kept_indices.values())
@@ -313,18 +355,19 @@ def test_expected_attention_depends_on_the_statistics(byte_tokenizer):
 def test_budget_methods_match_references_smollm(smollm):
     model, tokenizer = smollm
     ids = smollm_prompt(tokenizer, 600)
-    n, capacity, window = ids.shape[1], 200, 32
-    votes = snapkv_votes(model, ids, window)
+    n, capacity = ids.shape[1], 200
     pyramid = C.generate(model, tokenizer, ids, policy=C.PyramidKV(capacity=capacity), max_new_tokens=1)
-    budgets = pyramid_budgets(capacity, window, 30, n)
+    budgets = pyramid_budgets(capacity, 8, 30, n)  # PyramidKV's window: 8, as its official script
     assert pyramid.cache_lengths == budgets
-    ada = C.generate(model, tokenizer, ids, policy=C.AdaKV(capacity=capacity), max_new_tokens=1)
-    for layer in range(30):
-        ref = top_with_window(votes[layer], budgets[layer] - window, n)
-        assert_same_rows(pyramid.kept_indices[layer], ref.tolist(), votes[layer])
-        ada_ref = [[sorted(rows) + list(range(n - window, n)) for rows in adakv_reference(votes[layer][0], capacity - window)]]
-        assert_same_pairs(ada.kept_indices[layer], ada_ref, F.pad(votes[layer], (0, window), value=math.inf))
-    assert ada.kv_bytes == pyramid.kv_bytes == 30 * 2 * 3 * capacity * 64 * 4  # same total, fp32
+    ada = C.generate(model, tokenizer, ids, policy=C.AdaKV(capacity=capacity), max_new_tokens=1)  # SnapKV's window, 32
+    for layer, (votes8, votes32) in enumerate(zip(snapkv_votes(model, ids, 8), snapkv_votes(model, ids, 32), strict=True)):
+        ref = top_with_window(votes8, budgets[layer] - 8, n)
+        assert_same_rows(pyramid.kept_indices[layer], ref.tolist(), votes8)
+        ada_ref = [[rows + list(range(n - 32, n)) for rows in adakv_reference(votes32[0], capacity - 32)]]
+        assert_same_pairs(ada.kept_indices[layer], ada_ref, F.pad(votes32, (0, 32), value=math.inf))
+    assert pyramid.kv_bytes == sum(budgets) * 2 * 3 * 64 * 4  # fp32, the official floors: a little over 200 per layer
+    assert ada.kv_bytes == sum(int((k >= 0).sum()) for k in ada.kept_indices) * 2 * 64 * 4
+    assert abs(ada.kv_bytes / (30 * 2 * 3 * capacity * 64 * 4) - 1) < 0.01  # the blend's rounding only
 
 
 @pytest.mark.slow

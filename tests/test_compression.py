@@ -59,7 +59,7 @@ def test_kept_indices_match_eager_reference_smollm(smollm):
 
 
 @pytest.mark.parametrize("policy", [sl.SnapKV(capacity=CAPACITY, window_size=WINDOW), sl.SnapKVNoPooling(capacity=CAPACITY, window_size=WINDOW),
-                                    sl.H2O(capacity=CAPACITY, window_size=WINDOW), sl.StreamingLLM(capacity=CAPACITY, window_size=WINDOW),
+                                    sl.H2O(capacity=CAPACITY, window_size=WINDOW, interval=None), sl.StreamingLLM(capacity=CAPACITY, window_size=WINDOW),
                                     sl.RandomKeep(capacity=CAPACITY, window_size=WINDOW), sl.SnapKV(capacity=0.5, window_size=WINDOW)],
                          ids=lambda p: p.label)
 def test_cache_length_after_prefill_equals_capacity(policy, byte_tokenizer):
@@ -178,7 +178,8 @@ def test_query_agnostic_mode(byte_tokenizer):
     (dict(kernel_size=0), "kernel_size must be a positive odd int"),
     (dict(capacity=1.5), "ratio must lie in"),
     (dict(capacity=-3), "capacity must be a positive int"),
-    (dict(window_size=0), "window_size must be a positive int"),
+    (dict(window_size=0), "window_size must be at least 1"),
+    (dict(window_size=-1), "window_size must be a non-negative int"),
     (dict(pooling="median"), "pooling must be one of"),
     (dict(gqa="sum"), "gqa must be one of"),
 ])
@@ -188,7 +189,7 @@ def test_bad_parameters_get_clear_errors(kwargs, message):
 
 
 def test_ratio_too_small_for_window_is_refused(byte_tokenizer):
-    with pytest.raises(ValueError, match="no more than window_size"):
+    with pytest.raises(ValueError, match="no more than the window \\(32\\)"):
         sl.generate(tiny(), byte_tokenizer, torch.randint(2, 256, (1, 100)), policy=sl.SnapKV(capacity=0.2, window_size=32))
 
 

@@ -23,24 +23,33 @@ def kept_at(scores: torch.Tensor, n: int, budget: int) -> list[int]:
     return top_with_window(scores[: n - WINDOW], budget - WINDOW, n).tolist()
 
 
-def h2o_reference(model, prompt: torch.Tensor) -> tuple[list[int], list[int]]:
-    """H2O with eviction, on a one-layer model with one KV head, so a (1, 1, 1, n) mask can hide what was evicted.
-
-    Prefill: accumulated attention of the prompt's queries (mean over heads), keep CAPACITY. Then, per decode step,
-    the full cache with evicted positions masked: accumulate each held position's attention from zero; every
-    INTERVAL steps cut back to CAPACITY (heavy hitters + the last WINDOW held). Returns (tokens, held positions).
-    """
+def h2o_reference(model, prompt: torch.Tensor, capacity: int) -> tuple[list[int], list[int]]:
+    """H2O as its official code evicts (FMInference/H2O @ac75c2a, h2o_hf/utils_real_drop/modify_llama.py,
+    H2OKVCache_LayerWise): hh_size = recent_size = capacity / 2 (the scripts' heavy_ratio = recent_ratio); every
+    attention call adds the attention each cached position received (summed over the call's queries) to its running
+    score, the prompt's at prefill included (_update_hh_score, lines 317-326); then, while the cache holds more than
+    the budget, it keeps the hh_size best scores among all but the last recent_size positions, and those last ones
+    (__call__, lines 258-287). The official code is MHA (one score row per head); here one KV head serves 4 query
+    heads, whose rows are averaged. A one-layer model, so that a (1, 1, 1, n) mask can hide what was evicted.
+    Returns (tokens, positions held after the last step)."""
+    heavy, recent = capacity // 2, capacity - capacity // 2
     eager = eager_twin(model)
     with torch.no_grad():
         out = eager(prompt, output_attentions=True, use_cache=True)
-    held = kept_at(out.attentions[0][0].sum(1).mean(0), N, CAPACITY)  # (heads, n, n) -> (n,)
+    n = prompt.shape[1]
+    score = dict(enumerate(out.attentions[0][0].sum(1).mean(0).tolist()))  # position -> running score
+
+    def evict(held):
+        older, last = held[:-recent], held[-recent:]
+        return sorted(sorted(older, key=lambda p: -score[p])[:heavy]) + last
+
+    held = evict(list(range(n)))
     cache, token, tokens = out.past_key_values, out.logits[0, -1].argmax(), []
-    accumulated, steps = {}, 0
     for step in range(NEW):
         tokens.append(int(token))
         if step == NEW - 1:
             break
-        position = N + step
+        position = n + step
         held.append(position)
         mask = torch.full((1, 1, 1, position + 1), float("-inf"))
         mask[..., held] = 0
@@ -49,37 +58,62 @@ def h2o_reference(model, prompt: torch.Tensor) -> tuple[list[int], list[int]]:
                         output_attentions=True, use_cache=True)
         probs = out.attentions[0][0, :, 0].mean(0)  # (position + 1,)
         for p in held:
-            accumulated[p] = accumulated.get(p, 0.0) + float(probs[p])
-        steps += 1
-        if steps >= INTERVAL and len(held) > CAPACITY:
-            steps = 0
-            candidates = held[:-WINDOW]
-            ranked = sorted(candidates, key=lambda p: -accumulated[p])[: CAPACITY - WINDOW]
-            held = sorted(ranked) + held[-WINDOW:]
+            score[p] = score.get(p, 0.0) + float(probs[p])
+        held = evict(held)  # every step: the cache holds capacity + 1 during the call, capacity after it
         token = out.logits[0, -1].argmax()
     return tokens, held
 
 
-def test_h2o_eviction_while_decoding_matches_reference(byte_tokenizer):
+def test_h2o_matches_its_official_eviction(byte_tokenizer):
     model = make_tiny_llama(initializer_range=0.3, num_hidden_layers=1, num_key_value_heads=1)
     prompt = ids(3)
-    policy = snapkv_lab.DecodingEviction(capacity=CAPACITY, window_size=WINDOW, interval=INTERVAL)
-    ref_tokens, ref_held = h2o_reference(model, prompt)
+    policy = snapkv_lab.H2O(capacity=CAPACITY)  # the paper's defaults: half heavy hitters, half recent, every step
+    ref_tokens, ref_held = h2o_reference(model, prompt, CAPACITY)
     run = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=NEW)
     assert run.token_ids[0].tolist() == ref_tokens
-    # kept_indices: the positions held right after the last eviction; ref_held also lists those appended since.
-    kept = run.kept_indices[0][0, 0].tolist()
-    assert kept == ref_held[: len(kept)] and len(kept) == CAPACITY
-    assert max(kept) >= N  # generated tokens were kept, prompt tokens evicted: eviction really happened
-    plain = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=snapkv_lab.H2O(capacity=CAPACITY, window_size=WINDOW),
-                                max_new_tokens=NEW)
-    assert plain.kept_indices[0].max() < N
+    assert run.kept_indices[0][0, 0].tolist() == ref_held and len(ref_held) == CAPACITY
+    assert max(ref_held) >= N  # generated tokens were kept, prompt tokens evicted: eviction really happened
+    once = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=snapkv_lab.H2O(capacity=CAPACITY, interval=None),
+                               max_new_tokens=NEW)
+    assert once.kept_indices[0].max() < N and once.kept_indices[0].shape[-1] == CAPACITY  # compressed once
+    with snapkv_lab.compress(model, policy) as state:  # model.generate under compress evicts the same way
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=state.cache, max_new_tokens=NEW,
+                       do_sample=False, eos_token_id=None)
+    assert state.kept_indices[0][0, 0].tolist() == ref_held
+
+
+def test_decoding_eviction_scores_at_token_positions(byte_tokenizer):
+    """A scorer inside DecodingEviction sees its voters at their token positions, not at their cache slots:
+    ExpectedAttention un-rotates each query by the position RoPE gave it. Checked by recording what it is handed."""
+    model = make_tiny_llama(initializer_range=0.3)
+    prompt = ids(8)
+    seen = []
+    original = snapkv_lab.ExpectedAttention.score
+
+    def spy(self, call):
+        seen.append((call.slots.tolist(), call.positions.tolist(), call.n_keys))
+        return original(self, call)
+
+    policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.ExpectedAttention(), capacity=CAPACITY, window_size=WINDOW,
+                                         interval=8)
+    snapkv_lab.ExpectedAttention.score = spy
+    try:
+        snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=26)
+    finally:
+        snapkv_lab.ExpectedAttention.score = original
+    decode = [s for s in seen if s[2] < N]  # the evictions (the prefill scores all N keys)
+    assert decode, "no eviction happened"
+    for slots, positions, n_keys in decode:
+        assert slots == list(range(n_keys - len(slots), n_keys))  # the newest cache slots
+        assert positions[-1] > n_keys and positions == list(range(positions[0], positions[0] + len(positions)))
+    assert decode[0][1] == list(range(N, N + 8))  # the 8 tokens fed since prefill (the first at position N)
 
 
 def test_eviction_bounds_the_cache_under_model_generate(byte_tokenizer):
     model = make_tiny_llama(initializer_range=0.3)
     prompt = ids(4, batch=2)
     policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.SnapKV(), capacity=CAPACITY, window_size=WINDOW, interval=8)
+    assert policy.label == "DecodingEviction(window_size=4, interval=8)@20"
     with snapkv_lab.compress(model, policy) as state:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=state.cache, max_new_tokens=40,
                        do_sample=False, eos_token_id=None)

@@ -14,6 +14,7 @@ from reference import assert_same_selection
 import snapkv_lab as C
 from snapkv_lab.attention import AttentionSettings
 from snapkv_lab.compression.shared import SharedPrefill
+from snapkv_lab.hooks import intercept_attention
 from snapkv_lab.policies.base import AttentionCall
 
 WINDOW, CAPACITY, N = 8, 40, 96
@@ -56,14 +57,15 @@ def top_plus_window(scores, k, n):
 
 
 def ref_tova(run, capacity, kv_heads):
-    """TOVA: the last query's softmax row over the prefix, averaged per KV head; window of 1."""
+    """TOVA as its official code (schwartz-lab-NLP/TOVA, src/tova_cache.py, TOVACache.reduce, lines 41-43): the last
+    query's attention row averaged over ALL heads, `torch.mean(attn_weights[:, :, -1, :], dim=1)`, and the top
+    `cache_size` keys of that one row, the last key competing like any other; every KV head keeps the same set."""
     kept, scores = [], []
     for attn in run["attentions"]:
-        n = attn.shape[-1]
-        last_row = attn[:, :, -1, : n - 1]  # (batch, heads, prefix)
-        score = group_mean(last_row, kv_heads)
-        kept.append(top_plus_window(score, capacity - 1, n))
-        scores.append(score)
+        score = attn[:, :, -1, :].mean(dim=1)  # (batch, n): one row per layer
+        top = score.topk(capacity, dim=-1).indices.sort(dim=-1).values
+        kept.append(top[:, None].expand(-1, kv_heads, -1))
+        scores.append(score[:, None].expand(-1, kv_heads, -1))
     return kept, scores
 
 
@@ -136,9 +138,46 @@ def tiny_run():
 
 def test_tova_matches_last_query_attention(tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
-    result = C.generate(model, byte_tokenizer, ids, policy=C.TOVA(capacity=CAPACITY), max_new_tokens=2)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.TOVA(capacity=CAPACITY), max_new_tokens=1)
     ref_kept, ref_scores = ref_tova(run, CAPACITY, 2)
-    assert_same_selection(result.kept_indices, ref_kept, ref_scores, 1)
+    assert_same_selection(result.kept_indices, ref_kept, ref_scores, 0)
+    grouped = C.generate(model, byte_tokenizer, ids, policy=C.TOVA(capacity=CAPACITY, per_layer=False), max_new_tokens=1)
+    assert any(not torch.equal(k[:, 0], k[:, 1]) for k in grouped.kept_indices)  # the variant: one set per KV head
+
+
+def test_tova_evicts_at_every_step_as_its_code(tiny_run, byte_tokenizer):
+    """Decoding: TOVACache.reduce runs after every forward (src/tova_cache.py): the cache holds `cache_size` after each
+    step, chosen by the newest query's head-averaged attention over what is cached. Reference: the eager twin over the
+    full cache with everything not held masked out, one token at a time."""
+    model, ids, _ = tiny_run
+    ids = ids[:1]
+    steps = 6
+    result = C.generate(model, byte_tokenizer, ids, policy=C.TOVA(capacity=CAPACITY), max_new_tokens=steps)
+    twin = eager_twin(model)
+    with torch.no_grad():
+        out = twin(ids, output_attentions=True, use_cache=True)
+    held = [attn[0, :, -1].mean(0).topk(CAPACITY).indices.sort().values.tolist() for attn in out.attentions]
+    cache, logits, tokens = out.past_key_values, out.logits[0, -1], []
+    for step in range(steps):
+        token = logits.argmax()
+        tokens.append(int(token))
+        if step == steps - 1:
+            break
+        position = N + step
+        mask = torch.full((1, len(held), 1, position + 1), float("-inf"))
+        for layer, positions in enumerate(held):
+            mask[0, layer, 0, positions + [position]] = 0
+        masks = {layer: mask[:, layer:layer + 1] for layer in range(len(held))}
+        with torch.no_grad(), intercept_attention(twin, None, attend=lambda f, m, q, k, v, a, **kw: f(m, q, k, v, masks[m.layer_idx], **kw)):
+            out = twin(token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[position]]), output_attentions=True)
+        for layer, attn in enumerate(out.attentions):  # (1, heads, 1, position + 1): the new query over the held keys
+            row = attn[0, :, 0].mean(0)
+            candidates = held[layer] + [position]
+            held[layer] = sorted(sorted(candidates, key=lambda p: -float(row[p]))[:CAPACITY])
+        logits = out.logits[0, -1]
+    assert result.token_ids[0].tolist() == tokens
+    for layer, positions in enumerate(held):
+        assert result.kept_indices[layer][0, 0].tolist() == positions, layer
 
 
 def test_knorm_matches_key_norms(tiny_run, byte_tokenizer):
@@ -189,7 +228,7 @@ def test_cache_length_equals_budget(policy, byte_tokenizer):
         assert kept.shape == (1, rows, budget)
         assert all(row.unique().numel() == budget for row in kept.reshape(-1, budget))  # sorted, no position twice
         assert torch.equal(kept, kept.sort(dim=-1).values)
-        assert torch.equal(kept[0, 0, -policy.window_size:], torch.arange(90 - policy.window_size, 90))
+        assert torch.equal(kept[0, 0, budget - policy.window_size:], torch.arange(90 - policy.window_size, 90))
 
 
 @pytest.mark.parametrize("policy", VARIANTS[:-1], ids=lambda p: p.label)
@@ -211,19 +250,27 @@ def test_wrappers_propagate_budget_and_name_settings():
     assert C.CriticalKV(policy=C.SnapKV(kernel_size=5), capacity=64).label == "CriticalKV(policy=SnapKV(kernel_size=5))@64"
     assert C.CriticalKV(policy=C.H2O()).scorer_label != C.CriticalKV().scorer_label
     assert C.ChunkKV(capacity=64).scorer_label == C.ChunkKV(capacity=128).scorer_label  # budgets share scores
-    assert C.TOVA(capacity=2).window_size == 1
+    assert C.TOVA(capacity=2).window_size == 0 and C.KNorm(capacity=2).window_size == 0  # as their papers: no window
     with pytest.raises(ValueError, match="inner policy"):
         C.ChunkKV(pooling="max")
     with pytest.raises(ValueError, match="chunk_size"):
         C.ChunkKV(chunk_size=0)
     with pytest.raises(TypeError, match="wraps"):
-        C.CriticalKV(policy=C.ChunkKV())
+        C.CriticalKV(policy=C.FullCache())
+    # Wrappers compose, and the label spells the composition; window_size=None takes the inner policy's window.
+    critical_ada = C.CriticalKV(policy=C.AdaKV(policy=C.SnapKV(pooling="avg")), capacity=64)
+    assert critical_ada.label == "CriticalKV(policy=AdaKV(policy=SnapKV(pooling='avg')))@64"
+    assert critical_ada.policy.policy.capacity == 64 and critical_ada.window_size == 32
+    ada_knorm = C.AdaKV(policy=C.KNorm())
+    assert (ada_knorm.label, ada_knorm.window_size) == ("AdaKV(policy=KNorm)@1024", 0)
+    assert C.AdaKV(policy=C.KNorm(), window_size=4).label == "AdaKV(policy=KNorm, window_size=4)@1024"
+    assert C.AdaKV(window_size=8).label == "AdaKV(window_size=8)@1024"
 
 
 def test_criticalkv_refuses_attention_without_o_proj():
     g = torch.Generator().manual_seed(0)
     call = AttentionCall(query=torch.randn(4, 8, 16, generator=g), key=torch.randn(2, 8, 16, generator=g),
-                         value=torch.randn(2, 8, 16, generator=g), positions=torch.arange(8),
+                         value=torch.randn(2, 8, 16, generator=g), slots=torch.arange(8),
                          attention=AttentionSettings(scaling=0.25), module=torch.nn.Module(), layer=0, n_layers=1)
     with pytest.raises(TypeError, match="o_proj"):
         C.CriticalKV(capacity=6, window_size=2).score(call)

@@ -24,11 +24,12 @@ def reference_surprisal(model, ids):
 
 
 def reference_kept(scores, n, window, capacity, kernel, sinks):
-    """(k + window,) positions: the prefix's top scores after a plain max over each position's neighbours."""
-    scores = scores.clone()
-    scores[:sinks] = torch.finfo(scores.dtype).max
+    """(k + window,) positions: exactly the `sinks` first positions, then the prefix's top scores after a plain max over
+    each position's neighbours among the other positions (a sink lends its place, not its score), then the window.
+    Also the pooled scores, the sinks at +inf."""
     prefix = n - window
-    pooled = torch.tensor([scores[max(0, i - kernel // 2):min(prefix, i + kernel // 2 + 1)].max() for i in range(prefix)])
+    pooled = torch.tensor([max((float(scores[j]) for j in range(max(sinks, i - kernel // 2), min(prefix, i + kernel // 2 + 1))),
+                               default=0.0) if i >= sinks else float("inf") for i in range(prefix)])
     top = pooled.topk(capacity - window).indices.sort().values
     return torch.cat([top, torch.arange(prefix, n)]), pooled
 
@@ -53,12 +54,34 @@ def test_kept_positions_match_the_plain_rule(kernel, byte_tokenizer):
     assert all(torch.equal(kept[0, 0], kept[0, h]) for kept in result.kept_indices for h in range(kv_heads))  # one set
     assert set(range(policy.sinks)) <= set(result.kept_indices[0][0, 0].tolist())
     layers = len(result.kept_indices)
-    assert_same_selection([k[0, :1] for k in result.kept_indices], [ref[None]] * layers,
-                          [torch.cat([pooled, torch.zeros(WINDOW)])[None]] * layers, WINDOW)
+    finite = torch.cat([pooled.nan_to_num(posinf=1e9), torch.zeros(WINDOW)])[None]  # ties are compared on scores
+    assert_same_selection([k[0, :1] for k in result.kept_indices], [ref[None]] * layers, [finite] * layers, WINDOW)
+
+
+def test_keeps_exactly_its_sinks_however_wide_the_pooling(byte_tokenizer):
+    """The sinks are kept, and pooling does not spread their forced top score to their neighbours: with a 31-token
+    kernel and every score zero but one token's, the rest of the budget goes to that token's neighbourhood."""
+    model = make_tiny_llama(initializer_range=0.3)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
+    policy = sl.Surprisal(capacity=CAPACITY, window_size=WINDOW)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    flat = torch.zeros(1, N)
+    flat[:, 50] = 1.0  # one surprising token: its 31 neighbours rank next, the sinks' neighbours do not
+    original = surprisal.token_surprisal
+    try:
+        surprisal.token_surprisal = lambda model, ids: flat.clone()
+        scores = policy.prompt_scores(model, byte_tokenizer, ids, out.past_key_values)
+    finally:
+        surprisal.token_surprisal = original
+    kept = policy.keep(scores[0][0], N, model.config.num_key_value_heads, 0, 2)[0].tolist()
+    assert kept[:policy.sinks] == list(range(policy.sinks)) and kept[-WINDOW:] == list(range(N - WINDOW, N))
+    picked = kept[policy.sinks:-WINDOW]  # the budget left after sinks and window: 28 of the 31 tied positions
+    assert len(picked) == CAPACITY - WINDOW - policy.sinks and set(picked) <= set(range(50 - 15, 50 + 16))
 
 
 def test_refuses_per_query_head_and_negative_sinks():
-    with pytest.raises(ValueError, match="one set serves every head"):
+    with pytest.raises(ValueError, match="scores KV heads \\(or positions\\), not query heads"):
         sl.Surprisal(per_query_head=True)
     with pytest.raises(ValueError, match="sinks must be a non-negative int"):
         sl.Surprisal(sinks=-1)

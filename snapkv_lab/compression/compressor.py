@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from ..attention import AttentionSettings
 from ..hooks import intercept_attention
 from ..policies.base import NO_POSITION, AttentionCall, FullCache, Policy
+from ..policies.decoding import prefill_seeds, seeded
 from ..timing import SectionTimer
 from .layers import CompressedLayer, HeadwiseLayer, compressed_layer, headwise_attention, held_positions, hidden_future
 
@@ -52,10 +53,27 @@ def refuse_padding(attention_mask) -> None:
         )
 
 
-def attention_calls(module, query, key, value, positions, settings, n_layers):
-    """One AttentionCall per batch row of an attention call's (batch, heads, rows, head_dim) tensors."""
-    return [AttentionCall(query[b], key[b], value[b], positions, settings, module, module.layer_idx, n_layers)
+def attention_calls(module, query, key, value, slots, settings, n_layers, positions=None):
+    """One AttentionCall per batch row of an attention call's (batch, heads, rows, head_dim) tensors; slots and
+    positions (rows,) as AttentionCall's (positions default to the slots, as at prefill)."""
+    return [AttentionCall(query[b], key[b], value[b], slots, settings, module, module.layer_idx, n_layers, positions)
             for b in range(query.shape[0])]
+
+
+def refuse_unseen_layers(cache: DynamicCache, seen, sliding, label: str, stacklevel: int = 3) -> None:
+    """Raise if a layer filled `cache` without its attention calls reaching our hook (`seen`: layer indices that did),
+    since the run would be uncompressed under a compressed label; warn if every seen layer is a sliding-window layer
+    (`sliding`), which the compressor leaves to its own bounded cache."""
+    missed = [i for i, layer in enumerate(cache.layers) if layer.is_initialized and i not in seen]
+    if missed:
+        raise RuntimeError(
+            f"layers {missed} filled the cache without calling an attention function from transformers' registry, "
+            f"so {label} could not compress them (this model's attention bypasses "
+            "ALL_ATTENTION_FUNCTIONS). The run would be uncompressed: refused."
+        )
+    if seen and set(seen) <= set(sliding):
+        warnings.warn(f"every layer of this model uses sliding-window attention, which the compressor leaves to its "
+                      f"own bounded cache: {label} compressed nothing", stacklevel=stacklevel)
 
 
 def stack_kept(kept: list[torch.Tensor]) -> torch.Tensor:
@@ -93,6 +111,8 @@ class CompressionState:
     the kept prompt positions, and with eviction while decoding, those held at the end (generated tokens
     included). Ragged (head-wise) layers pad each head's row with NO_POSITION (-1). Sliding-window layers are
     not compressed: they keep their own bounded cache (the model's last `sliding_window - 1` positions).
+    seeds[layer]: (batch, kv_heads, kept) the prefill scores of the held positions, for a policy that evicts while
+    decoding by accumulated scores (H2O): its running scores start there.
     """
 
     policy: Policy
@@ -101,6 +121,7 @@ class CompressionState:
     kept_indices: dict[int, torch.Tensor] = field(default_factory=dict)
     timer: SectionTimer | None = None  # scoring, selecting and gathering: the compressor's own overhead
     sliding_layers: list[int] = field(default_factory=list)  # left uncompressed although the prompt exceeds the budget
+    seeds: dict[int, torch.Tensor] = field(default_factory=dict)
     _groups: dict = field(default_factory=dict)  # attention module -> its original num_key_value_groups
     _trackers: dict = field(default_factory=dict)  # layer -> the policy's eviction tracker while decoding
     _checked: bool = False
@@ -125,17 +146,25 @@ class CompressionState:
             refuse_padding(attention_mask)
         kv_heads, n = key.shape[1], key.shape[2]
         settings = AttentionSettings.of_call(module, kwargs)
-        if settings.sliding_window is not None and self.policy.budget(n) is not None:
+        compresses = self.policy.budget(n) is not None
+        if settings.sliding_window is not None and compresses:
             self.sliding_layers.append(layer)
-        if settings.sliding_window is not None or self.policy.budget(n) is None:
+        seeds_needed = seeded(self.policy)
+        if settings.sliding_window is not None or not (compresses or seeds_needed):
             self.kept_indices[layer] = held_positions(self.cache.layers[layer], n)
             return
         self.timer = self.timer or SectionTimer(key.device)
         with self.timer.section():
             calls = attention_calls(module, query, key, value, torch.arange(n), settings, self.n_layers)
-            kept = stack_kept([self.policy.keep(self.policy.score(call), n, kv_heads, layer, self.n_layers) for call in calls])
+            scores = [self.policy.score(call) for call in calls]
+            if compresses:
+                kept = stack_kept([self.policy.keep(s, n, kv_heads, layer, self.n_layers) for s in scores])
+                self.cache.layers[layer] = compressed_layer(key, value, kept)
+            else:
+                kept = held_positions(self.cache.layers[layer], n)
             self.kept_indices[layer] = kept
-            self.cache.layers[layer] = compressed_layer(key, value, kept)
+            if seeds_needed:
+                self.seeds[layer] = prefill_seeds(scores, kept)
 
     def _decode_step(self, module, query, key, value, kwargs) -> None:
         """Let a policy that evicts while decoding see the call, and evict when it says so."""
@@ -150,13 +179,15 @@ class CompressionState:
             n = cache_layer.keys.shape[-2]
             cache_layer = self.cache.layers[layer] = CompressedLayer(cache_layer.keys, cache_layer.values,
                                                                      held_positions(cache_layer, n), n)
+        rows = query.shape[2]
         if layer not in self._trackers:  # the first call after prefill: the cache holds the prompt, then this call's
-            self._trackers[layer] = tracker_for(layer, self.n_layers, cache_layer.seen - query.shape[2])
+            self._trackers[layer] = tracker_for(layer, self.n_layers, cache_layer.seen - rows, self.seeds.get(layer))
         if self._trackers[layer] is None:
             return
         settings = AttentionSettings.of_call(module, kwargs)
         n = key.shape[2]
-        calls = attention_calls(module, query, key, value, torch.arange(n - query.shape[2], n), settings, self.n_layers)
+        calls = attention_calls(module, query, key, value, torch.arange(n - rows, n), settings, self.n_layers,
+                                positions=torch.arange(cache_layer.seen - rows, cache_layer.seen))
         slots = self._trackers[layer].step(calls)
         if slots is not None:
             cache_layer.evict(slots)
@@ -171,16 +202,7 @@ class CompressionState:
         if self._checked:
             return
         self._checked = bool(self.kept_indices)
-        missed = [i for i, layer in enumerate(self.cache.layers) if layer.is_initialized and i not in self.kept_indices]
-        if missed:
-            raise RuntimeError(
-                f"layers {missed} filled the cache without calling an attention function from transformers' registry, "
-                f"so {self.policy.label} could not compress them (this model's attention bypasses "
-                "ALL_ATTENTION_FUNCTIONS). The run would be uncompressed: refused."
-            )
-        if self.kept_indices and len(self.sliding_layers) == len(self.kept_indices):
-            warnings.warn(f"every layer of this model uses sliding-window attention, which the compressor leaves to its "
-                          f"own bounded cache: {self.policy.label} compressed nothing", stacklevel=3)
+        refuse_unseen_layers(self.cache, self.kept_indices, self.sliding_layers, self.policy.label, stacklevel=4)
 
     def restore(self) -> None:
         for module, groups in self._groups.items():

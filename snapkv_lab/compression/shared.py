@@ -20,7 +20,8 @@ from transformers import DynamicCache
 from ..hooks import intercept_attention
 from ..policies.base import Policy
 from ..timing import SectionTimer, stopwatch
-from .compressor import CompressionState
+from ..policies.decoding import prefill_seeds, seeded
+from .compressor import CompressionState, refuse_unseen_layers
 from .layers import compressed_copy, fork, held_positions
 from .recorder import ScoreRecorder, kept_from_scores
 
@@ -77,13 +78,18 @@ class SharedPrefill:
         n, n_layers = self.n_tokens, self.model.config.num_hidden_layers
         held = {i: held_positions(layer, n) for i, layer in enumerate(self.cache.layers)}
         timer = SectionTimer(self.model.device)
+        if policy.budget(n) is not None:
+            # A model whose attention bypasses the registry records nothing: the state would be the full cache.
+            refuse_unseen_layers(self.cache, self.recorder.seen_layers, self.recorder.sliding_layers, policy.label)
         with timer.section():
-            if policy.budget(n) is None:
-                kept = {}
-            else:
+            scores = {}
+            if policy.budget(n) is not None or seeded(policy):
                 scores = self._extra_scores(policy) if policy.extra_passes else self.recorder.scores[policy.scorer_label]
-                kept = kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers)
+            kept = {} if policy.budget(n) is None else \
+                kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers)
             cache = compressed_copy(self.cache, kept)
-        state = CompressionState(policy, cache, n_layers, kept_indices={**held, **kept}, timer=timer)
-        state.sliding_layers = [i for i in held if i not in kept] if kept else []
+            held.update(kept)
+            seeds = {layer: prefill_seeds(list(scores[layer]), held[layer]) for layer in scores} if seeded(policy) else {}
+        state = CompressionState(policy, cache, n_layers, kept_indices=held, timer=timer, seeds=seeds)
+        state.sliding_layers = sorted(self.recorder.sliding_layers) if kept else []
         return state

@@ -1,31 +1,38 @@
 """AdaKV (Feng et al. 2024, arXiv 2407.11550): head-wise adaptive budgets over any scorer.
 
-Heads differ in how concentrated their attention is: a few positions serve a focused head, a diffuse one
-needs many. AdaKV keeps a layer's total prefix budget kv_heads * (B - W) but lets the heads compete for it:
-one top-k over all heads' scores together. A safeguard first grants each head its own top
-floor(alpha * (B - W)) positions, so that no head is starved (alpha_safeguard = 0.2, as the paper's
-Ada-SnapKV and kvpress). Heads then keep different counts: rows are padded with NO_POSITION and the
-compressor stores the layer ragged (compression.layers.HeadwiseLayer), so the saving is real.
+Heads differ in how concentrated their attention is: a few positions serve a focused head, a diffuse one needs
+many. AdaKV keeps a layer's total prefix budget kv_heads * b (b = B - W, the window outside it) but lets the heads
+compete for it. The official code (FFY0/AdaKV, adaptive_snapkv/monkeypatch/snapkv_utils.py, lines 303-305 and
+445-460) takes one top-k of kv_heads * b over all heads' scores together, counts each head's share c_h, and blends
+it with a floor: head h keeps round((1 - alpha) c_h + floor(alpha b)) positions (alpha_safeguard = 0.2, its LongBench
+scripts' floor_alpha), so that no head is starved. Heads then keep different counts: rows are padded with
+NO_POSITION and the compressor stores the layer ragged (compression.layers.HeadwiseLayer), so the saving is real.
+
+allocation="safeguard" is kvpress's rule instead (AdaKVPress, adakv_press.py): each head's own top
+floor(alpha b) positions are taken first, then the heads compete for the rest of kv_heads * b; a wrapper around it
+(CriticalKV, as kvpress's CriticalAdaKV) keeps those safeguard positions first.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .base import NO_POSITION, with_window
 from .wrapper import Wrapper
+
+ALLOCATIONS = ("paper", "safeguard")
 
 
 @dataclass
 class AdaKV(Wrapper):
-    """Head-adaptive budgets over `policy`'s scores (SnapKV by default), ranked as the policy's own keep ranks
-    them (its pooling, the GQA mean). keep returns (kv_heads, widest) positions: each row the head's picked
-    prefix positions (ascending), the window, then NO_POSITION padding.
-    """
+    """Head-adaptive budgets over `policy`'s ranking (SnapKV by default): its pooling, its GQA reduction. keep
+    returns (kv_heads, widest) positions: each row the head's picked prefix positions (ascending), the window, then
+    NO_POSITION padding."""
 
     alpha_safeguard: float = 0.20
+    allocation: str = "paper"
 
     def __post_init__(self):
         super().__post_init__()
@@ -33,18 +40,30 @@ class AdaKV(Wrapper):
             raise ValueError("AdaKV allocates among KV heads: per_query_head=True is not supported")
         if not 0 <= self.alpha_safeguard <= 1:
             raise ValueError(f"alpha_safeguard must lie in [0, 1], got {self.alpha_safeguard!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
 
-    def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
-        prefix_len = n_tokens - self.window_size
-        per_head = self.layer_budget(n_tokens, layer, n_layers) - self.window_size  # the uniform share
-        pooled = self.ranked(scores, prefix_len, kv_heads)  # (kv_heads, prefix_len)
-        # Safeguard: every head's own top alpha * share are taken before the heads compete.
-        safe = pooled.topk(int(self.alpha_safeguard * per_head), dim=-1).indices
-        pooled = pooled.scatter(-1, safe, float("inf"))
-        chosen = pooled.flatten().topk(kv_heads * per_head).indices  # one top-k over all heads together
-        picked = torch.zeros(kv_heads * prefix_len, dtype=torch.bool, device=scores.device)
-        picked[chosen] = True
-        rows = [row.nonzero().flatten() for row in picked.view(kv_heads, prefix_len)]  # ascending per head
-        widest = max(len(row) for row in rows)
-        return torch.stack([torch.cat([with_window(row[None], prefix_len, n_tokens)[0],
-                                       row.new_full((widest - len(row),), NO_POSITION)]) for row in rows])
+    def _floor(self, scores, n_tokens, kv_heads, layer, n_layers) -> int:
+        """floor(alpha * b), b the inner policy's (uniform) prefix budget per head."""
+        return int(self.alpha_safeguard * min(self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers)))
+
+    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
+        """The inner ranking; under allocation="safeguard", each head's own top floor(alpha b) positions raised to +inf
+        (taken before the heads compete, and first by any wrapper around this one)."""
+        ranked = self.policy.ranked(scores, n_tokens, kv_heads, layer, n_layers)
+        if self.allocation == "paper":
+            return ranked
+        safe = ranked.topk(self._floor(scores, n_tokens, kv_heads, layer, n_layers), dim=-1).indices
+        return ranked.scatter(-1, safe, math.inf)
+
+    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
+        """Each head's prefix budget: its count c_h in one top-k of the layer's total over all heads' rankings, under
+        allocation="paper" blended as round((1 - alpha) c_h + floor(alpha b))."""
+        ranked = self.ranked(scores, n_tokens, kv_heads, layer, n_layers)  # (kv_heads, prefix)
+        total = sum(self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers))
+        chosen = ranked.flatten().topk(total).indices // ranked.shape[-1]
+        counts = torch.bincount(chosen, minlength=ranked.shape[0])
+        if self.allocation == "safeguard":
+            return counts.tolist()
+        floor = self._floor(scores, n_tokens, kv_heads, layer, n_layers)
+        return torch.round(counts * (1 - self.alpha_safeguard) + floor).long().tolist()

@@ -2,52 +2,72 @@
 kept positions.
 
 A policy scores the prompt's key positions once, at prefill, and keeps `capacity` of them per KV head:
-the top-scored prefix positions plus the last `window_size` prompt tokens (always kept). One method each:
+the top-ranked prefix positions plus the last `window_size` prompt tokens (always kept). The pipeline, each step a
+method that a policy may override:
 
     policy.score(call: AttentionCall) -> (heads or kv_heads, n_keys) float32, higher kept first; None: keep all
+    policy.ranked(scores, ...)        -> (kv_heads or heads, prefix) the scores of the prefix as ranked: pooled
+                                         along positions, combined over each KV head's query heads
+    policy.head_budgets(scores, ...)  -> (rows,) how many prefix positions each row keeps (uniform by default)
+    policy.keep(scores, ...)          -> (rows, kept) sorted positions: each row's top prefix positions, the window
+    policy.keep_layers({layer: scores}, ...) -> {layer: kept}: every layer at once (budgets shared across layers)
 
 `AttentionCall` holds what the attention call had (queries, keys, values, the module, the layer's own
-softmax settings): a scorer reads what it needs and ignores the rest. `Policy.keep` turns scores into
-kept positions with `selection.select` (pooling, GQA reduction, top-k), the very function the attention
-analysis uses. Policies with budgets that vary by layer override `layer_budget`; by head, `keep` (kept
-positions padded with -1, stored ragged: see compression.layers.HeadwiseLayer).
+softmax settings): a scorer reads what it needs and ignores the rest. A score of +inf marks a protected position
+(attention sinks): it is always kept and is left out of pooling, so it never spreads to its neighbours.
+Policies with budgets that vary by layer override `layer_budget`; by head, `head_budgets` (rows keeping fewer
+positions than the widest are padded with NO_POSITION, and the layer is stored ragged: see
+compression.layers.HeadwiseLayer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from ..attention import AttentionSettings
-from ..selection import GQA_REDUCTIONS, POOLINGS, select
+from ..selection import GQA_REDUCTIONS, POOLINGS, pool_votes, votes_per_kv_head
 
 SELECTION = ("pooling", "kernel_size", "gqa", "per_query_head")  # applied to scores by `keep`, with the budget
-NO_POSITION = -1
-_ABSENT = object()  # a field the default being compared with lacks: always a difference  # fills the kept positions of heads that keep fewer than the layer's widest head
+NO_POSITION = -1  # fills the kept positions of heads that keep fewer than the layer's widest head
+_ABSENT = object()  # a field the default being compared with lacks: always a difference
 
 
 @dataclass
 class AttentionCall:
-    """One batch row of one attention call at prefill, as a scorer sees it.
+    """One batch row of one attention call, as a scorer sees it.
 
-    query: (heads, rows, head_dim) post-RoPE queries of the call's new tokens, at `positions` (rows,) (CPU).
-    key, value: (kv_heads, n_keys, head_dim) the layer's whole cache so far (post-RoPE keys).
+    query: (heads, rows, head_dim) post-RoPE queries of the call's new tokens (or, while decoding, the recent
+        generated queries a scorer votes with).
+    key, value: (kv_heads, n_keys, head_dim) the layer's whole cache so far (post-RoPE keys), one key per cache slot.
+    slots: (rows,) the cache slot of each query row: row i sees the key slots 0..slots[i] (causal masks).
+    positions: (rows,) the token position of each query row (what RoPE rotated it by). Equal to `slots` at
+        prefill; larger once a compressed cache holds fewer slots than the tokens seen.
     attention: the layer's scaling, sliding window and soft-cap, so scores see the model's own softmax.
     module: the attention module (its projections, config, layer_idx); n_layers: layers in the model.
+    carry: state a scorer keeps across the successive calls of one prompt in this layer and batch row (prompt
+        chunks: a context, then a question), e.g. running query statistics. Fresh for every prompt; the
+        scorer replaces its entries, never mutates them in place (forks of a prefill share them).
     """
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
-    positions: torch.Tensor
+    slots: torch.Tensor
     attention: AttentionSettings
     module: object
     layer: int
     n_layers: int
+    positions: torch.Tensor | None = None
+    carry: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.positions is None:
+            self.positions = self.slots
 
     @property
     def n_keys(self) -> int:
@@ -60,11 +80,11 @@ class Policy:
 
     capacity: total positions kept per head (prefix picks + window), as tokens (int), or as a ratio of
         the prompt (float in (0, 1)); None keeps everything. Prompts at or below it are left untouched.
-    window_size: the last prompt tokens, always kept (and, for SnapKV, the voters).
+    window_size: the last prompt tokens, always kept (and, for SnapKV, the voters); 0 keeps none.
     per_query_head: False (default) pools the scores of each GQA group and keeps one selection per KV
         head, so a GQA cache really shrinks. True reproduces the official SnapKV code: the KV heads are
         repeated and each query head keeps its own selection, a cache of `heads / kv_heads` times more
-        bytes (3x on SmolLM2, 4x on Mistral-7B).
+        bytes (3x on SmolLM2, 4x on Mistral-7B). Refused by scorers that score KV heads, not query heads.
     """
 
     capacity: int | float | None = 1024
@@ -77,31 +97,46 @@ class Policy:
     accumulates: ClassVar[bool] = False
     # Extra forward passes over the prompt that scoring needs (0: the prefill's own attention calls suffice).
     extra_passes: ClassVar[int] = 0
+    # False: `score` gives one row per KV head (or one row shared by all heads), so per_query_head has no meaning.
+    scores_query_heads: ClassVar[bool] = True
 
     def __post_init__(self):
-        if not isinstance(self.window_size, int) or self.window_size < 1:
-            raise ValueError(f"window_size must be a positive int, got {self.window_size!r}")
+        if self.window_size is None:  # allowed where `window` derives the window from the budget (H2O)
+            if type(self).window is Policy.window:
+                raise ValueError(f"{self.name} needs an int window_size, got None")
+        elif not isinstance(self.window_size, int) or self.window_size < 0:
+            raise ValueError(f"window_size must be a non-negative int, got {self.window_size!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.gqa not in GQA_REDUCTIONS:
             raise ValueError(f"gqa must be one of {GQA_REDUCTIONS}, got {self.gqa!r}")
         if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int (pooling keeps positions centred), got {self.kernel_size!r}")
+        if self.per_query_head and not self.scores_query_heads:
+            raise ValueError(f"{self.name} scores KV heads (or positions), not query heads: per_query_head=True would "
+                             "only repeat one selection per query head")
         if isinstance(self.capacity, float):
             if not 0 < self.capacity < 1:
                 raise ValueError(f"a capacity ratio must lie in (0, 1), got {self.capacity}")
         elif self.capacity is not None:
             if not isinstance(self.capacity, int) or self.capacity < 1:
                 raise ValueError(f"capacity must be a positive int, a ratio in (0, 1) or None, got {self.capacity!r}")
-            if self.window_size >= self.capacity:
+            if isinstance(self.window_size, int) and self.window_size >= self.capacity:
                 raise ValueError(
                     f"window_size ({self.window_size}) must be smaller than capacity ({self.capacity}): the cache keeps "
-                    "the whole observation window plus at least one selected prefix position."
+                    "the whole window plus at least one selected prefix position."
                 )
 
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    @property
+    def voters(self) -> int:
+        """How many of the last queries `score` votes with (SnapKV: its window; TOVA: the last one); 0 when it
+        reads none of them, or all of a chunk's (accumulated attention). A prompt chunk shorter than this is
+        scored with the previous chunks' last queries in front (compression.recorder)."""
+        return 0
 
     def _settings(self) -> str:
         """Every parameter but the capacity that differs from the class default, as `k=v, ...`."""
@@ -139,33 +174,77 @@ class Policy:
         budget = math.floor(self.capacity * n_tokens) if isinstance(self.capacity, float) else self.capacity
         if n_tokens <= budget:
             return None
-        if budget <= self.window_size:
+        if budget <= self.window(budget):
             raise ValueError(
                 f"capacity ratio {self.capacity} of a {n_tokens}-token prompt keeps {budget} positions, no more than "
-                f"window_size ({self.window_size}); use a larger ratio or a token budget."
+                f"the window ({self.window(budget)}); use a larger ratio or a token budget."
             )
         return budget
+
+    def window(self, budget: int) -> int:
+        """The last prompt tokens always kept under a budget of `budget` positions (H2O: its recent half)."""
+        return self.window_size
 
     def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
         """Positions kept per head in `layer` (the same in every layer unless a policy says otherwise)."""
         return self.budget(n_tokens)
 
     def score(self, call: AttentionCall) -> torch.Tensor | None:
-        """(heads or kv_heads, n_keys) float32 scores of the key positions, higher kept first."""
+        """(heads or kv_heads, n_keys) float32 scores of the key positions, higher kept first; +inf: always kept."""
         raise NotImplementedError
 
-    def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
-        """Kept positions (kv_heads, or heads if per_query_head, budget) long, sorted ascending: the top prefix
-        positions by pooled scores, then the window. Call only when budget(n) is not None."""
+    def prefix_len(self, n_tokens: int, layer: int, n_layers: int) -> int:
+        """Positions before the kept window of `layer`, among which the budget is chosen."""
+        return n_tokens - self.window(self.layer_budget(n_tokens, layer, n_layers))
+
+    def ranked(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
+        """The prefix's scores as `keep` ranks them, (kv_heads, or heads if per_query_head, prefix_len) float32: pooled
+        along positions (protected +inf positions left out of the pooling, then restored), then combined over
+        each KV head's query heads with `gqa`."""
+        prefix = scores[:, : self.prefix_len(n_tokens, layer, n_layers)].float()
+        protected = prefix == math.inf
+        pooled = pool_votes(prefix.masked_fill(protected, 0.0), self.pooling, self.kernel_size).masked_fill(protected, math.inf)
+        rows = self._reduce_to(pooled, kv_heads)
+        return pooled if rows is None else votes_per_kv_head(pooled, rows, self.gqa)
+
+    def head_budgets(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> list[int]:
+        """How many prefix positions each row of `ranked` keeps (the same for every row unless a policy says
+        otherwise): a list of ints, one per row."""
+        rows = scores.shape[0] if self._reduce_to(scores, kv_heads) is None else kv_heads
         budget = self.layer_budget(n_tokens, layer, n_layers)
-        prefix_len = n_tokens - self.window_size
-        picked = select(scores[:, :prefix_len], budget - self.window_size, pooling=self.pooling,
-                        kernel_size=self.kernel_size, kv_heads=self._reduce_to(scores, kv_heads), gqa=self.gqa)
-        return with_window(picked, prefix_len, n_tokens)
+        return [budget - self.window(budget)] * rows
+
+    def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
+        """Kept positions (kv_heads, or heads if per_query_head, widest) long: each row its top `head_budgets`
+        prefix positions by `ranked` (ascending), then the window, then NO_POSITION padding when rows keep
+        different counts. Call only when budget(n) is not None."""
+        ranked = self.ranked(scores, n_tokens, kv_heads, layer, n_layers)
+        budgets = self.head_budgets(scores, n_tokens, kv_heads, layer, n_layers)
+        return top_positions(ranked, budgets, n_tokens)
+
+    def keep_layers(self, scores: dict[int, torch.Tensor], n_tokens: int, kv_heads: int, n_layers: int) -> dict[int, torch.Tensor]:
+        """{layer: kept} for every layer of `scores` ({layer: (rows, n_keys)}, one batch row), each by `keep`. A policy
+        whose budgets are shared across layers (KVzip) overrides this; the live compressor, which sees one layer at
+        a time, refuses such a policy."""
+        return {layer: self.keep(layer_scores, n_tokens, kv_heads, layer, n_layers) for layer, layer_scores in scores.items()}
 
     def _reduce_to(self, scores: torch.Tensor, kv_heads: int) -> int | None:
-        """The `kv_heads` argument of `select`: None keeps one selection per row of `scores`."""
+        """The KV heads to reduce `scores`' rows onto, or None to keep one selection per row."""
         return None if self.per_query_head or scores.shape[0] == kv_heads else kv_heads
+
+
+def top_positions(ranked: torch.Tensor, budgets: list[int], n_tokens: int) -> torch.Tensor:
+    """(rows, prefix) ranked scores and one prefix budget per row -> (rows, widest) long: each row's top budget
+    prefix positions ascending, then the window prefix..n_tokens-1, then NO_POSITION padding."""
+    prefix = ranked.shape[-1]
+    widest = max(budgets)
+    picked = ranked.topk(widest, dim=-1).indices if widest else ranked.new_zeros(ranked.shape[0], 0, dtype=torch.long)
+    window = torch.arange(prefix, n_tokens, device=ranked.device)
+    if all(b == widest for b in budgets):
+        return with_window(picked.sort(dim=-1).values, prefix, n_tokens)
+    rows = [torch.cat([picked[r, :b].sort().values, window, picked.new_full((widest - b,), NO_POSITION)])
+            for r, b in enumerate(budgets)]
+    return torch.stack(rows)
 
 
 def with_window(picked: torch.Tensor, prefix_len: int, n_tokens: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -12,9 +13,12 @@ from .base import AttentionCall, Policy
 
 @dataclass
 class StreamingLLM(Policy):
-    """StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): `sinks` first tokens plus the most recent ones."""
+    """StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): `sinks` first tokens plus the most recent ones (the
+    window and the most recent prefix positions together: the same set whatever window_size)."""
 
     sinks: int = 4
+
+    scores_query_heads: ClassVar[bool] = False
 
     def score(self, call: AttentionCall):
         recency = torch.arange(call.n_keys, dtype=torch.float32, device=call.key.device)
@@ -27,6 +31,8 @@ class RandomKeep(Policy):
     """Uniformly random prefix positions, a different draw per layer and KV head (reproducible by seed)."""
 
     seed: int = 0
+
+    scores_query_heads: ClassVar[bool] = False
 
     def score(self, call: AttentionCall):
         generator = torch.Generator().manual_seed(self.seed * 100_003 + call.layer)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import with_window
 from .wrapper import Wrapper
 
 
@@ -31,16 +30,17 @@ class ChunkKV(Wrapper):
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
 
-    def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
-        prefix_len = n_tokens - self.window_size
-        ranked = self.ranked(scores, prefix_len, kv_heads)  # (rows, prefix_len)
+    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
+        """(rows, prefix_len) float32, the negated order in which positions are kept: best chunk first (by the mean
+        of the inner ranking over its tokens), then the positions inside a chunk in order; so the top k are the
+        best whole chunks, the last one to fit cut to its first positions."""
+        ranked = self.policy.ranked(scores, n_tokens, kv_heads, layer, n_layers)  # (rows, prefix_len)
+        prefix_len = ranked.shape[-1]
         position = torch.arange(prefix_len, device=ranked.device)
         chunk = position // self.chunk_size  # (prefix_len,) the chunk of each position
+        # Protected positions (+inf) make their chunk's mean +inf: it comes first, whole.
         sums = ranked.new_zeros(ranked.shape[0], int(chunk[-1]) + 1).index_add_(1, chunk, ranked)
         means = sums / torch.bincount(chunk).to(sums)  # (rows, n_chunks)
         rank = means.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # 0: the best chunk of its row
-        # One integer per position, smaller first: its chunk's rank, then its place inside the chunk.
         order = rank[:, chunk] * self.chunk_size + position % self.chunk_size  # (rows, prefix_len), distinct per row
-        k = self.layer_budget(n_tokens, layer, n_layers) - self.window_size
-        picked = order.topk(k, dim=-1, largest=False).indices.sort(dim=-1).values
-        return with_window(picked, prefix_len, n_tokens)
+        return -order.float()

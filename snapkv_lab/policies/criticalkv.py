@@ -10,30 +10,35 @@ from dataclasses import dataclass
 import torch
 
 from ..selection import votes_per_kv_head
-from .base import AttentionCall, with_window
+from .base import AttentionCall
 from .wrapper import Wrapper
 
 
-def output_norms(call: AttentionCall) -> torch.Tensor:
+def output_norms(module, value: torch.Tensor, heads: int) -> torch.Tensor:
     """||v_j W_o^h||_1 for every query head h and key j: (heads, n_keys) float32, head h reading its KV head.
 
-    W_o^h (head_dim, hidden) is head h's slice of the output projection (Llama-style `module.o_proj`, whose
-    weight is (hidden, heads * head_dim)); its bias is the same for every token and left out.
+    value: (kv_heads, n_keys, head_dim). W_o^h (head_dim, hidden) is head h's slice of the output projection
+    (Llama-style `module.o_proj`, whose weight is (hidden, heads * head_dim)); its bias is the same for every token
+    and left out.
     """
-    o_proj = getattr(call.module, "o_proj", None)
+    o_proj = getattr(module, "o_proj", None)
     if o_proj is None or getattr(o_proj, "weight", None) is None:
         raise TypeError(f"CriticalKV weighs values by the output projection `o_proj`, which "
-                        f"{type(call.module).__name__} does not have (Llama-style attention modules only)")
-    heads, kv_heads, head_dim = call.query.shape[0], call.value.shape[0], call.value.shape[-1]
+                        f"{type(module).__name__} does not have (Llama-style attention modules only)")
+    kv_heads, head_dim = value.shape[0], value.shape[-1]
     weight = o_proj.weight  # (hidden, heads * head_dim)
     if weight.shape[1] != heads * head_dim:
-        raise TypeError(f"o_proj of {type(call.module).__name__} takes {weight.shape[1]} inputs, not heads x head_dim "
+        raise TypeError(f"o_proj of {type(module).__name__} takes {weight.shape[1]} inputs, not heads x head_dim "
                         f"= {heads} x {head_dim}")
     per_head = weight.T.reshape(heads, head_dim, -1)  # (heads, head_dim, hidden)
     group = heads // kv_heads
     # One head at a time: the projected values (n_keys, hidden) of all heads at once could outgrow the cache itself.
-    return torch.stack([(call.value[h // group].float() @ per_head[h].float()).abs().sum(dim=-1)
-                        for h in range(heads)])
+    return torch.stack([(value[h // group].float() @ per_head[h].float()).abs().sum(dim=-1) for h in range(heads)])
+
+
+def attention_modules(model) -> dict[int, object]:
+    """{layer index: attention module} of a transformers model (the modules whose calls the hooks see)."""
+    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
 
 
 @dataclass
@@ -57,26 +62,46 @@ class CriticalKV(Wrapper):
         if not 0 <= self.first_stage_ratio <= 1:
             raise ValueError(f"first_stage_ratio must lie in [0, 1], got {self.first_stage_ratio}")
 
+    @property
+    def scoring_key(self) -> str:
+        return f"CriticalKV[{self.policy.scoring_key}]"  # its scores carry the value norms too
+
     def score(self, call: AttentionCall):
         scores = self.policy.score(call)  # (rows, n_keys)
-        norms = output_norms(call)  # (heads, n_keys)
-        if norms.shape[0] != scores.shape[0]:  # the inner policy scores KV heads (KNorm): so do the norms
-            norms = votes_per_kv_head(norms, scores.shape[0])
+        norms = self._norms(call.module, call.value, call.query.shape[0], scores.shape[0])
         if self.accumulates:
             # The recorder adds up the scores of successive prompt chunks: give each key's norm only in the call
             # that brought the key in, so the sum holds it once.
-            norms[:, : int(call.positions[0])] = 0
+            norms[:, : int(call.slots[0])] = 0
         return torch.cat([scores, norms.to(scores)])
 
-    def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
+    def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
+        """The inner policy's extra-pass scores {layer: (batch, rows, n)}, each stacked on the value norms."""
+        scores = self.policy.prompt_scores(model, tokenizer, ids, cache)
+        modules, heads = attention_modules(model), model.config.num_attention_heads
+        return {layer: torch.stack([torch.cat([row, self._norms(modules[layer], value, heads, row.shape[0]).to(row)])
+                                    for row, value in zip(inner, cache.layers[layer].values, strict=True)])
+                for layer, inner in scores.items()}
+
+    @staticmethod
+    def _norms(module, value: torch.Tensor, heads: int, rows: int) -> torch.Tensor:
+        """(rows, n_keys) value norms: per query head, or averaged over each KV head's query heads."""
+        norms = output_norms(module, value, heads)
+        return norms if rows == heads else votes_per_kv_head(norms, rows)
+
+    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
+        """Stage-1 picks at +inf, the rest by (s + epsilon) * norm: (rows, prefix_len)."""
         inner, norms = scores.chunk(2)
-        prefix_len = n_tokens - self.window_size
-        first = self.ranked(inner, prefix_len, kv_heads)  # (rows, prefix_len)
-        norms = norms[:, :prefix_len]
+        first = self.policy.ranked(inner, n_tokens, kv_heads, layer, n_layers)  # (rows, prefix_len)
+        norms = norms[:, : first.shape[-1]].float()
         if norms.shape[0] != first.shape[0]:
             norms = votes_per_kv_head(norms, first.shape[0])
-        k = self.layer_budget(n_tokens, layer, n_layers) - self.window_size
-        stage1 = first.topk(math.floor(k * self.first_stage_ratio), dim=-1).indices
-        second = ((first + self.epsilon) * norms).scatter(-1, stage1, math.inf)  # stage-1 picks stay on top
-        picked = second.topk(k, dim=-1).indices.sort(dim=-1).values
-        return with_window(picked, prefix_len, n_tokens)
+        budgets = self.policy.head_budgets(inner, n_tokens, kv_heads, layer, n_layers)
+        second = (first + self.epsilon) * norms
+        for row, budget in enumerate(budgets):  # each head's own stage-1 share of its budget
+            stage1 = first[row].topk(math.floor(budget * self.first_stage_ratio)).indices
+            second[row, stage1] = math.inf
+        return second
+
+    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers):
+        return self.policy.head_budgets(scores.chunk(2)[0], n_tokens, kv_heads, layer, n_layers)

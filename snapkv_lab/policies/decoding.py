@@ -1,17 +1,18 @@
 """Compression while decoding: long generations (reasoning-style answers) outgrow any prefill budget.
 
-`DecodingEviction(policy, interval, target)` compresses the prompt with `policy` at prefill, then every
-`interval` decode steps cuts each full-attention layer back to `target` positions per KV head (default:
-the capacity), keeping the last `window_size` tokens and the rest by the policy's scores over the cache:
+Three policies cut each full-attention layer back to a target while decoding, every `interval` decode steps:
+H2O and TOVA as their papers define them (every step, the budget kept fixed), and `DecodingEviction(policy,
+interval, target)`, kvpress's DecodingPress, around any other scorer. At each eviction the layer keeps `target`
+positions per KV head, the last ones of its window and the rest by the scorer's scores over the cache:
 
-- accumulating policies (H2O) add up, step by step, the attention every generated token pays to each
-  cached position, as in H2O's paper (the accumulation starts at zero after prefill; the prompt
-  positions still held got there by their prefill scores);
-- the others score the cache with the last `window_size` generated queries as the voters (SnapKV's
-  observation window, moved to the end of the generation), so `interval` must be >= window_size.
+- accumulating scorers (H2O) add up, step by step, the attention every generated token pays to each cached
+  position, on top of what the prefill gave it (seeded from the prefill's scores, as H2O's code keeps one running
+  score per position from the prompt on);
+- the others score the cache with the queries generated since the last eviction as the voters (SnapKV takes its
+  last window of them, TOVA the last one, ExpectedAttention their statistics), each at its own token position.
 
-After eviction the cache holds prompt and generated positions; `kept_indices` lists the token positions
-held at the end of the run, `cache_lengths` still the lengths right after prefill.
+After eviction the cache holds prompt and generated positions; `kept_indices` lists the token positions held at
+the end of the run, `cache_lengths` still the lengths right after prefill.
 """
 
 from __future__ import annotations
@@ -23,47 +24,92 @@ import torch
 
 from ..selection import votes_per_kv_head
 from .base import AttentionCall, Policy
-from .h2o import H2O
+from .snapkv import SnapKV
 from .wrapper import Wrapper
 
 
-@dataclass
-class DecodingEviction(Wrapper):
-    """`policy` at prefill (H2O by default), then every `interval` decode steps each layer evicted down to `target`."""
+class EvictsWhileDecoding:
+    """What a policy that evicts while decoding tells the compressor (mixed into H2O, TOVA, DecodingEviction)."""
 
-    policy: Policy = field(default_factory=H2O)
-    interval: int = 16
+    interval: int | None  # decode steps between evictions; None: compress once, after prefill
+
+    def eviction_scorer(self) -> Policy:
+        """The policy whose scores rank the cache at each eviction."""
+        return self
+
+    def eviction_target(self, n_prompt: int) -> int | None:
+        """Positions per KV head after each eviction: the budget (a capacity ratio: of the prompt)."""
+        if self.capacity is None:
+            return None
+        return self.capacity if isinstance(self.capacity, int) else int(self.capacity * n_prompt)
+
+    def check_interval(self) -> None:
+        if self.interval is None:
+            return
+        if not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"interval must be a positive int or None, got {self.interval!r}")
+        scorer = self.eviction_scorer()
+        if self.interval < scorer.voters:
+            raise ValueError(f"{scorer.name} votes with the last {scorer.voters} generated queries: interval "
+                             f"({self.interval}) must be at least that")
+
+    def tracker(self, layer: int, n_layers: int, n_prompt: int, seeds: torch.Tensor | None) -> EvictionTracker | None:
+        """A fresh per-layer tracker for a run after an n_prompt-token prompt, or None when nothing is evicted.
+        seeds: (batch, kv_heads, slots) the accumulated prefill scores of the slots held (accumulating scorers)."""
+        target = self.eviction_target(n_prompt)
+        if self.interval is None or target is None:
+            return None
+        scorer = dataclasses.replace(self.eviction_scorer(), capacity=target)
+        return EvictionTracker(scorer, self.interval, layer, n_layers, scores=list(seeds) if seeds is not None else [])
+
+
+def seeded(policy: Policy) -> bool:
+    """Whether `policy` evicts while decoding by accumulated scores, which go on from the prefill's (H2O)."""
+    return isinstance(policy, EvictsWhileDecoding) and policy.interval is not None and policy.eviction_scorer().accumulates
+
+
+def prefill_seeds(scores: list[torch.Tensor], held: torch.Tensor) -> torch.Tensor:
+    """(batch, kv_heads, k) the prefill scores per KV head (the GQA mean) of the positions `held` (batch, kv_heads, k),
+    for a `seeded` policy. scores: per batch row (rows, n)."""
+    kv_heads = held.shape[1]
+    return torch.stack([(s if s.shape[0] == kv_heads else votes_per_kv_head(s, kv_heads)).gather(-1, k)
+                        for s, k in zip(scores, held, strict=True)])
+
+
+@dataclass
+class DecodingEviction(EvictsWhileDecoding, Wrapper):
+    """`policy` at prefill (SnapKV by default), then every `interval` decode steps each layer cut back to `target`
+    positions per KV head by `policy`'s scores over the cache (kvpress's DecodingPress)."""
+
+    policy: Policy = field(default_factory=SnapKV)
+    interval: int = 32
     target: int | None = None  # positions per KV head after each eviction; None: the capacity (a ratio: of the prompt)
 
     def __post_init__(self):
         super().__post_init__()
         if self.per_query_head:
             raise NotImplementedError("DecodingEviction keeps one selection per KV head: per_query_head is not supported")
-        if not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"interval must be a positive int, got {self.interval!r}")
-        if not self.policy.accumulates and self.interval < self.window_size:
-            raise ValueError(f"{self.policy.name} votes with the last window_size ({self.window_size}) generated queries: "
-                             f"interval ({self.interval}) must be at least that")
-        if self.target is not None and self.target <= self.window_size:
-            raise ValueError(f"target ({self.target}) must exceed window_size ({self.window_size})")
+        if isinstance(self.policy, EvictsWhileDecoding) and self.policy.interval is not None:
+            raise ValueError(f"{self.policy.name} evicts while decoding itself (interval={self.policy.interval}): set its "
+                             f"interval, or wrap {self.policy.name}(interval=None)")
+        if self.interval is None:
+            raise ValueError("DecodingEviction needs an interval (use the inner policy alone to compress once)")
+        self.check_interval()
+        budget = self.window(self.target) if self.target is not None else None
+        if self.target is not None and self.target <= budget:
+            raise ValueError(f"target ({self.target}) must exceed the window ({budget})")
 
-    def keep(self, scores, n_tokens, kv_heads, layer, n_layers):
-        return self.policy.keep(scores, n_tokens, kv_heads, layer, n_layers)
+    def eviction_scorer(self) -> Policy:
+        return self.policy
 
-    def tracker(self, layer: int, n_layers: int, n_prompt: int) -> EvictionTracker | None:
-        """A fresh per-layer tracker for a run after an n_prompt-token prompt (the compressor holds one per
-        layer), or None when nothing is to be evicted (no capacity and no target)."""
-        target = self.target
-        if target is None and self.capacity is not None:
-            target = self.capacity if isinstance(self.capacity, int) else max(self.window_size + 1, int(self.capacity * n_prompt))
-        if target is None:
-            return None
-        return EvictionTracker(dataclasses.replace(self.policy, capacity=target), self.interval, layer, n_layers)
+    def eviction_target(self, n_prompt: int) -> int | None:
+        return self.target if self.target is not None else super().eviction_target(n_prompt)
 
 
 @dataclass
 class EvictionTracker:
-    """One layer's decode-time state: the policy's running scores (or voters) and the steps since eviction."""
+    """One layer's decode-time state: the policy's running scores (or the recent queries that vote) and the steps
+    since the last eviction."""
 
     policy: Policy  # capacity = the target
     interval: int
@@ -71,7 +117,8 @@ class EvictionTracker:
     n_layers: int
     steps: int = 0
     scores: list = field(default_factory=list)  # per batch row: (kv_heads, slots) accumulated attention
-    voters: list = field(default_factory=list)  # per batch row: (heads, <= window_size, head_dim) recent queries
+    recent: list = field(default_factory=list)  # per batch row: (heads, rows, head_dim) queries since the last eviction
+    recent_positions: torch.Tensor | None = None  # (rows,) their token positions
 
     def step(self, calls: list[AttentionCall]) -> torch.Tensor | None:
         """See one decode call (one AttentionCall per batch row, keys = every cached slot, the new tokens last);
@@ -84,8 +131,12 @@ class EvictionTracker:
                 total = torch.nn.functional.pad(old, (0, new.shape[-1] - old.shape[-1])) + new
                 self.scores[b:b + 1] = [total]
         else:
-            self.voters = [torch.cat([self.voters[b], c.query], 1)[:, -self.policy.window_size:] if b < len(self.voters)
-                           else c.query[:, -self.policy.window_size:] for b, c in enumerate(calls)]
+            # The queries since the last eviction, at most `interval` of them (interval >= the policy's voters).
+            self.recent = [(torch.cat([self.recent[b], c.query], 1) if self.recent else c.query)[:, -self.interval:]
+                           for b, c in enumerate(calls)]
+            positions = calls[0].positions
+            positions = positions if self.recent_positions is None else torch.cat([self.recent_positions, positions])
+            self.recent_positions = positions[-self.interval:]
         n_slots = calls[0].n_keys
         if self.steps < self.interval or n_slots <= self.policy.capacity:
             return None
@@ -95,10 +146,13 @@ class EvictionTracker:
             if self.policy.accumulates:
                 scores = self.scores[b]
             else:
-                voters = self.voters[b]
-                scores = self.policy.score(dataclasses.replace(call, query=voters, positions=torch.arange(n_slots - voters.shape[1], n_slots)))
+                voters = self.recent[b]
+                rows = voters.shape[1]
+                scores = self.policy.score(dataclasses.replace(
+                    call, query=voters, slots=torch.arange(n_slots - rows, n_slots), positions=self.recent_positions, carry={}))
             kept.append(self.policy.keep(scores, n_slots, call.key.shape[0], self.layer, self.n_layers))
         if self.policy.accumulates:
             self.scores = [s.gather(-1, k) for s, k in zip(self.scores, kept, strict=True)]
+        else:
+            self.recent, self.recent_positions = [], None
         return torch.stack(kept)
-

@@ -4,6 +4,7 @@ Compression"): keys with a low L2 norm draw high attention, so they are the ones
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import AttentionCall, Policy
 
@@ -13,8 +14,13 @@ class KNorm(Policy):
     """Keep the keys of lowest L2 norm, per KV head. Reads no attention (works with any attention kernel).
 
     score: (kv_heads, n_keys) = -||k_j||_2 of the post-RoPE keys (RoPE rotates pairs of dimensions, so it
-    leaves the norm unchanged). The window is kept as for every policy; the paper keeps none.
+    leaves the norm unchanged). No window: as the paper and kvpress's KnormPress, every position competes, the last
+    ones included; window_size=w keeps the last w tokens besides (our variant, named in the label).
     """
+
+    window_size: int = 0
+
+    scores_query_heads: ClassVar[bool] = False
 
     def score(self, call: AttentionCall):
         return -call.key.float().norm(dim=-1)

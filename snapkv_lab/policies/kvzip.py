@@ -25,6 +25,7 @@ class KVzip(Policy):
     in selection_seconds; the reconstruction's keys double the cache while it runs."""
 
     extra_passes: ClassVar[int] = 1
+    scores_query_heads: ClassVar[bool] = False  # the largest attention over each KV head's query heads
 
     def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
         """{layer: (batch, kv_heads, n)} for ids (batch, n) already prefilled into `cache` (left unchanged)."""

@@ -1,14 +1,21 @@
 """PyramidKV (Cai et al. 2024, arXiv 2406.02069): SnapKV scoring, budgets shrinking from bottom to top layer.
 
 Lower layers spread their attention widely and higher ones focus on few tokens ("pyramidal information
-funnelling"), so the bottom layer keeps the most positions and the top one the fewest, on a straight line
-whose mean is the capacity. With B the average budget, W the window and beta the steepness:
+funnelling"), so the bottom layer keeps the most positions and the top one the fewest, on a straight line. With B
+the capacity (window included), W the window, n the prompt, L layers and beta the steepness, the official code
+(Zefan-Cai/KVCache-Factory, pyramidkv/pyramidkv_utils.py, PyramidKVCluster.update_kv) computes in integers:
 
-    smallest prefix budget  b_min = (B - W) / beta        (top layer)
-    largest                 b_max = 2 (B - W) - b_min     (bottom layer; b_min + b_max = 2 (B - W))
-    layer l of L            W + round(b_max - l (b_max - b_min) / (L - 1))
+    smallest prefix budget  b_min = (B - W) // beta                       (top layer)
+    largest                 b_max = 2 (B - W) - b_min                     (bottom layer)
+    capped at the prefix    if b_max >= n - W: b_max = n - W, b_min = 2 (B - W) - b_max
+    layer l                 W + b_max - l * ((b_max - b_min) // (L - 1))
+    flat fallback           n < 2 (B - W): every layer keeps B (SnapKV's budget)
 
-b_max is capped at the prefix length (then b_min = 2 (B - W) - b_max), as in the paper's code and kvpress.
+The floor of the step makes the layers keep on average a little more than B (up to (L - 1) / 2 positions more per
+layer); the sum is not held at exactly L * B. schedule="kvpress" is kvpress's PyramidKVPress.get_layer_budget
+instead: the same line over the whole budget in floats (b_min = B / beta, b_max = 2B - b_min, capped at n - W),
+each layer round(b_max - l * step) positions with the window inside them, and a flat budget B whenever not
+(n >= b_max >= b_min >= W).
 """
 
 from __future__ import annotations
@@ -17,26 +24,46 @@ from dataclasses import dataclass
 
 from .snapkv import SnapKV
 
+SCHEDULES = ("paper", "kvpress")
+
 
 @dataclass
 class PyramidKV(SnapKV):
-    """SnapKV votes (max-pooled), per-layer budgets decreasing linearly with depth, averaging `capacity`."""
+    """SnapKV votes (max-pooled, kernel 7), per-layer budgets decreasing linearly with depth; the observation window
+    of the paper's code (8 tokens, KVCache-Factory run_longbench.py)."""
 
+    window_size: int = 8
     beta: int = 20
+    schedule: str = "paper"
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.beta, int) or self.beta < 1:
             raise ValueError(f"beta must be an int >= 1, got {self.beta!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
     def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
         budget = self.budget(n_tokens)
-        prefix_budget, prefix_len = budget - self.window_size, n_tokens - self.window_size
-        smallest = prefix_budget / self.beta
-        largest = 2 * prefix_budget - smallest
-        if largest > prefix_len:  # the bottom layer cannot keep more than the whole prefix
-            largest, smallest = prefix_len, 2 * prefix_budget - prefix_len
-        if n_layers == 1 or smallest < 1:  # no room for a slope (kvpress also falls back to a uniform budget)
+        if n_layers == 1:
             return budget
-        step = (largest - smallest) / (n_layers - 1)
-        return self.window_size + round(largest - layer * step)
+        if self.schedule == "kvpress":
+            return self._kvpress_budget(budget, n_tokens, layer, n_layers)
+        prefix_budget, prefix_len = budget - self.window_size, n_tokens - self.window_size
+        if n_tokens < 2 * prefix_budget:
+            return budget
+        smallest = prefix_budget // self.beta
+        largest = 2 * prefix_budget - smallest
+        if largest >= prefix_len:
+            largest, smallest = prefix_len, 2 * prefix_budget - prefix_len
+        return self.window_size + largest - layer * ((largest - smallest) // (n_layers - 1))
+
+    def _kvpress_budget(self, budget: int, n_tokens: int, layer: int, n_layers: int) -> int:
+        smallest = budget / self.beta
+        largest = 2 * budget - smallest
+        if largest >= n_tokens - self.window_size:
+            largest = n_tokens - self.window_size
+            smallest = 2 * budget - largest
+        if not n_tokens >= largest >= smallest >= self.window_size:
+            return budget
+        return round(largest - layer * (largest - smallest) / (n_layers - 1))

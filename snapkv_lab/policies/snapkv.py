@@ -15,12 +15,21 @@ class SnapKV(Policy):
     pooling: str | None = "max"
     kernel_size: int = 7
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window_size < 1:
+            raise ValueError(f"{self.name} votes with its observation window: window_size must be at least 1")
+
+    @property
+    def voters(self) -> int:
+        return self.window_size
+
     def score(self, call: AttentionCall):
         if call.query.shape[1] < self.window_size:
             raise ValueError(f"the last prompt chunk ({call.query.shape[1]} tokens) must hold the whole observation "
                              f"window ({self.window_size} tokens)")
         return window_votes(call.query[:, -self.window_size:], call.key, call.attention.scaling,
-                            call.positions[-self.window_size:], call.n_keys, **call.attention.options())
+                            call.slots[-self.window_size:], call.n_keys, **call.attention.options())
 
 
 @dataclass

@@ -10,12 +10,14 @@ Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; R
 - Single surprising tokens are scattered everywhere; what a retrieval needs is the whole fact, so the scores are
   max-pooled over a fact's length (31 tokens, as SnapKVFactKernel's votes), so that a peak anywhere in the
   needle sentence keeps all of it, value included.
-- The first `sinks` positions are always kept: most heads park their attention there (the findings' sinks).
+- The first `sinks` positions are always kept, exactly those: most heads park their attention there (the findings'
+  sinks).
 One set of positions serves every layer and KV head. Cost: one extra forward over the context.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,18 +54,16 @@ class Surprisal(Policy):
     sinks: int = 4
 
     extra_passes: ClassVar[int] = 1
+    scores_query_heads: ClassVar[bool] = False  # one set of positions serves every head
 
     def __post_init__(self):
         super().__post_init__()
-        if self.per_query_head:
-            raise ValueError("Surprisal scores positions, not heads: one set serves every head (per_query_head=True "
-                             "would only repeat it)")
         if not isinstance(self.sinks, int) or self.sinks < 0:
             raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
 
     def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
         """{layer: (batch, kv_heads, n)} for every full-attention layer of `cache` (sliding ones keep their own)."""
         scores = token_surprisal(model, ids)
-        scores[:, :self.sinks] = torch.finfo(scores.dtype).max
+        scores[:, :self.sinks] = math.inf  # protected: kept, and never pooled into their neighbours (base.Policy.ranked)
         return {i: scores[:, None].expand(-1, layer.keys.shape[1], -1)
                 for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)}

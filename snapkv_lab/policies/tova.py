@@ -6,25 +6,38 @@ from dataclasses import dataclass
 
 from ..attention import attention_column_sums
 from .base import AttentionCall, Policy
+from .decoding import EvictsWhileDecoding
 
 
 @dataclass
-class TOVA(Policy):
-    """Token Omission Via Attention: scores are the softmax attention of the last prompt query alone.
+class TOVA(EvictsWhileDecoding, Policy):
+    """Token Omission Via Attention, as its paper and code define it (schwartz-lab-NLP/TOVA, src/tova_cache.py,
+    TOVACache.reduce): a position's score is the last query's softmax attention to it, averaged over all the layer's
+    query heads, so one selection serves every KV head of the layer; the top `capacity` positions are kept, the
+    last token competing like any other (no window), at prefill and again at every decode step (interval 1).
 
-    score: (heads, n_keys), the last query's probabilities over every key it sees (itself included, under the
-    layer's own scaling, sliding window and soft-cap); `keep` averages them over each KV head's query heads.
-
-    Differences from the paper and kvpress: TOVA evicts one token per decoding step and keeps no window;
-    here it scores once after prefill (as kvpress's TOVAPress does), and keeps `window_size` last tokens
-    (default 1: the last token, which kvpress also forces in). kvpress averages over *all* query heads and
-    keeps one selection per layer; here the heads are averaged per KV head group, one selection per KV
-    head (the paper's per-layer choice is the special case of one KV head).
+    score: (heads, n_keys), the last query's probabilities over every key it sees (itself included, under the layer's
+    own scaling, sliding window and soft-cap).
+    Variants, named in the label: per_layer=False averages per GQA group instead, one selection per KV head;
+    window_size=1 protects the last token (kvpress's TOVAPress); interval=None compresses once, after prefill
+    (kvpress's protocol).
     """
 
-    window_size: int = 1
+    window_size: int = 0
+    per_layer: bool = True
+    interval: int | None = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.per_layer and self.per_query_head:
+            raise ValueError("TOVA(per_layer=True) keeps one selection per layer: per_query_head=True contradicts it")
+        self.check_interval()
+
+    @property
+    def voters(self) -> int:
+        return 1
 
     def score(self, call: AttentionCall):
-        last = call.positions[-1:]  # (1,) the last prompt token's position: the only voter
-        return attention_column_sums(call.query[:, -1:], call.key, call.attention.scaling, last,
-                                     **call.attention.options())
+        scores = attention_column_sums(call.query[:, -1:], call.key, call.attention.scaling, call.slots[-1:],
+                                       **call.attention.options())
+        return scores.mean(0, keepdim=True).expand_as(scores) if self.per_layer else scores

@@ -1,8 +1,11 @@
-"""What policies that wrap another policy's scorer share (ChunkKV, CriticalKV, AdaKV, DecodingEviction).
+"""What policies that wrap another policy share (AdaKV, ChunkKV, CriticalKV, DecodingEviction).
 
-The wrapper's budget is the one that counts: its capacity, window_size and per_query_head are copied onto
-the inner policy (SnapKV's observation window is then the kept window, as in SnapKV alone). The inner
-policy's pooling, kernel_size and gqa stay its own: `ranked` applies them as the inner `keep` would.
+The wrapper's budget is the one that counts: its capacity, window_size and per_query_head are copied onto the
+inner policy (SnapKV's observation window is then the kept window, as in SnapKV alone; window_size left at None
+takes the inner policy's own). The inner policy's pooling, kernel_size and gqa stay its own. A wrapper changes one
+step of the inner policy's pipeline (see base): AdaKV the budgets per head, ChunkKV and CriticalKV the ranking;
+every other step, scoring included (extra forward passes too, e.g. KVzip's), is the inner policy's. So wrappers
+compose with any scorer and with each other: CriticalKV(policy=AdaKV(policy=SnapKV())) is kvpress's CriticalAdaKV.
 """
 
 from __future__ import annotations
@@ -12,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..selection import pool_votes, votes_per_kv_head
-from .base import AttentionCall, Policy
+from .base import AttentionCall, FullCache, Policy
 from .snapkv import SnapKV
 
 SHARED = ("capacity", "window_size", "per_query_head")  # set on the inner policy by the wrapper
@@ -24,44 +26,77 @@ class Wrapper(Policy):
     """Base of wrappers: `policy` scores, the subclass decides what is kept from its ranking."""
 
     policy: Policy = field(default_factory=SnapKV)
+    window_size: int | None = None  # None: the inner policy's own window
 
     def __post_init__(self):
+        if not isinstance(self.policy, Policy) or isinstance(self.policy, FullCache):
+            raise TypeError(f"{self.name} wraps a scoring policy (SnapKV, H2O, KVzip, AdaKV(...), ...), got {self.policy!r}")
+        if self.window_size is None:
+            self.window_size = self.policy.window_size
         super().__post_init__()
-        if not isinstance(self.policy, Policy) or isinstance(self.policy, Wrapper):
-            raise TypeError(f"{self.name} wraps a scoring policy (SnapKV, H2O, TOVA, ...), got {self.policy!r}")
-        if self.policy.extra_passes:
-            raise ValueError(f"{self.name} cannot wrap {self.policy.name}, which scores with extra forward passes")
         if self.pooling is not None or self.kernel_size != 1 or self.gqa != "mean":
             raise ValueError(f"{self.name} ranks positions by its inner policy's pooling and GQA reduction: set them on "
                              f"the inner policy ({self.policy.name}(pooling=..., gqa=...)), not on {self.name}")
         self.policy = dataclasses.replace(self.policy, **{name: getattr(self, name) for name in SHARED})
 
+    # Everything the inner policy decides about scoring is the wrapper's too.
     @property
-    def accumulates(self) -> bool:  # scores of prompt chunks add up exactly when the inner ones do
+    def accumulates(self) -> bool:
         return self.policy.accumulates
+
+    @property
+    def extra_passes(self) -> int:
+        return self.policy.extra_passes
+
+    @property
+    def scores_query_heads(self) -> bool:
+        return self.policy.scores_query_heads
+
+    @property
+    def voters(self) -> int:
+        return self.policy.voters
+
+    @property
+    def scoring_key(self) -> str:
+        return self.policy.scoring_key
 
     def score(self, call: AttentionCall):
         return self.policy.score(call)
 
+    def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
+        return self.policy.prompt_scores(model, tokenizer, ids, cache)
+
+    def window(self, budget: int) -> int:
+        return self.policy.window(budget)
+
     def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
         return self.policy.layer_budget(n_tokens, layer, n_layers)  # same capacity: a per-layer budget carries over
 
+    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers):
+        return self.policy.ranked(scores, n_tokens, kv_heads, layer, n_layers)
+
+    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers):
+        return self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers)
+
     def _inner_settings(self) -> str:
-        """The inner policy by the settings the wrapper does not set for it, e.g. `SnapKV(kernel_size=5)`."""
+        """The inner policy as written: its name and the settings the wrapper does not set for it, e.g.
+        `SnapKV(kernel_size=5)` or `AdaKV(policy=KNorm)`."""
         inner = self.policy
-        settings = ", ".join(inner._differences(type(inner)(**{name: getattr(inner, name) for name in SHARED}), SHARED))
+        defaults = type(inner)(**{name: getattr(inner, name) for name in SHARED})
+        settings = inner._settings_against(defaults) if isinstance(inner, Wrapper) else \
+            ", ".join(inner._differences(defaults, SHARED))
         return f"{inner.name}({settings})" if settings else inner.name
 
-    def _settings(self) -> str:
-        default = type(self)()
+    def _settings_against(self, default: Wrapper) -> str:
         parts = [f"policy={self._inner_settings()}"] if type(self.policy) is not type(default.policy) or \
             self._inner_settings() != default._inner_settings() else []
-        parts += self._differences(default, skip=("capacity", "policy"))
+        skip = ("capacity", "policy") + (("window_size",) if self.window_size == self.policy_default_window() else ())
+        parts += self._differences(default, skip=skip)
         return ", ".join(parts)
 
-    def ranked(self, scores: torch.Tensor, prefix_len: int, kv_heads: int) -> torch.Tensor:
-        """The inner policy's scores (heads or kv_heads, n) of the prefix as its `keep` ranks them: pooled along
-        positions, then combined over each KV head's query heads (its `gqa`) unless per_query_head: (rows, prefix_len)."""
-        pooled = pool_votes(scores[:, :prefix_len], self.policy.pooling, self.policy.kernel_size)
-        rows = self.policy._reduce_to(pooled, kv_heads)
-        return pooled if rows is None else votes_per_kv_head(pooled, rows, self.policy.gqa)
+    def policy_default_window(self) -> int | None:
+        """The window the inner policy's class keeps by default (what window_size=None resolves to)."""
+        return type(self.policy)().window_size
+
+    def _settings(self) -> str:
+        return self._settings_against(type(self)())

@@ -28,8 +28,8 @@ WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budge
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
 RULER_CAPACITY = 1024  # 25% of the RULER contexts
-QUESTION_FREE_POLICIES = (KVzip(), KVzip(pooling="max", kernel_size=3), KVzip(pooling="max", kernel_size=31),
-                          KVzip(per_query_head=True), SnapKVFactKernel())
+QUESTION_FREE_POLICIES = (KVzip(), AdaKV(policy=KVzip()), KVzip(pooling="max", kernel_size=3),
+                          KVzip(pooling="max", kernel_size=31), SnapKVFactKernel())
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
@@ -105,7 +105,7 @@ SUITES = {
     "fact-kernel": Suite("pressure_fact_kernel.csv", dev_needle_specs, (SnapKV(kernel_size=31),), (ABLATION_CAPACITY,),
                          ("query-aware",), max_new_tokens=ANSWER_TOKENS),
     # Without the question SnapKV's window does not look at the needle: scorers that need no question (KVzip's
-    # reconstruction, per KV head, pooled, per query head) and the fact kernel, on the same 15 needles.
+    # reconstruction, its budgets per layer and head by AdaKV, pooled) and the fact kernel, on the same 15 needles.
     "question-free": Suite("pressure_question_free.csv", dev_needle_specs, QUESTION_FREE_POLICIES, (ABLATION_CAPACITY,),
                            ("query-agnostic",), max_new_tokens=ANSWER_TOKENS),
     # The model's own surprisal, pooled over a fact: a question-free scorer that is not attention (policies.surprisal).
