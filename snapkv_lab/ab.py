@@ -112,12 +112,16 @@ class ABTable(pd.DataFrame):
                 boxes.append(
                     "<div style='flex:1;min-width:12em;border:1px solid #ccc;border-radius:4px;padding:4px'>"
                     f"<b>{html.escape(row['policy'])}</b>{mark}<br><span style='font-size:80%;color:#555'>"
-                    f"{row['kv_bytes'] / 2**20:.1f} MiB KV, {row['decode_ms_per_token']:.0f} ms/token</span>"
+                    f"{row['kv_bytes'] / 2**20:.1f} MiB KV, {_speed(row['decode_ms_per_token'])}</span>"
                     f"<div style='white-space:pre-wrap'>{html.escape(str(row['answer']))}</div></div>")
             cards.append(f"<div><b>prompt {html.escape(str(prompt))}</b> ({rows['prompt_tokens'].iloc[0]} tokens)"
                          f"<div style='display:flex;gap:6px'>{''.join(boxes)}</div></div>")
         metrics = pd.DataFrame(self).drop(columns=["answer"])._repr_html_()
         return "<div>" + "".join(cards) + "</div><br>" + metrics
+
+
+def _speed(ms_per_token: float) -> str:
+    return "no decode step" if pd.isna(ms_per_token) else f"{ms_per_token:.0f} ms/token"
 
 
 def _as_item(prompt, index: int) -> dict:

@@ -45,9 +45,25 @@ def encode_continuation(tokenizer, continuation) -> torch.Tensor:
     return ids.reshape(-1)
 
 
+PADDING_REFUSED = (
+    "padded batches are not supported by the compressor: pad tokens would vote and be kept, and the compressed cache "
+    "would no longer line up with the padding mask. Pass prompts of equal length, or one at a time."
+)
+
+
+def refuse_pad_tokens(tokenizer, ids: torch.Tensor) -> None:
+    """Raise if ids (batch, n) hold the tokenizer's pad token, by the rule model.generate infers a padding mask with
+    (transformers' _prepare_attention_mask_for_generation: a pad token that is not also the EOS token)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is not None and pad != getattr(tokenizer, "eos_token_id", None) and bool((ids == pad).any()):
+        raise NotImplementedError(f"the prompt ids hold the pad token ({pad}): {PADDING_REFUSED}")
+
+
 def encode_batch(tokenizer, prompt) -> torch.Tensor:
-    """One prompt (see encode_prompt), a (batch, n) tensor, or a list of prompts of equal length -> (batch, n)."""
+    """One prompt (see encode_prompt), a (batch, n) tensor, or a list of prompts of equal length -> (batch, n).
+    Ids holding the pad token (a padded batch) are refused, as model.generate under `compress` refuses them."""
     if isinstance(prompt, torch.Tensor) and prompt.ndim == 2:
+        refuse_pad_tokens(tokenizer, prompt)
         return prompt.long()
     is_batch = isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, torch.Tensor))
     if not is_batch:

@@ -43,6 +43,12 @@ def stopwatch(device):
     elapsed.seconds = time.perf_counter() - began
 
 
+def ms_per_token(step_seconds) -> float:
+    """Decode speed: the mean wall time of the decode steps in milliseconds, NaN when nothing was decoded (an answer of
+    one token comes from the prefill's logits: no step was timed, and 0 ms would read as infinitely fast)."""
+    return 1000 * sum(step_seconds) / len(step_seconds) if len(step_seconds) else float("nan")
+
+
 class SectionTimer:
     """Adds up the time of code sections on one device without synchronising inside them.
 

@@ -3,6 +3,8 @@ positions after compression, model.generate vs our own loop, batches and clear e
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -205,6 +207,46 @@ def test_padded_batches_are_refused(byte_tokenizer):
             model.generate(ids, attention_mask=mask, past_key_values=state.cache, max_new_tokens=2, do_sample=False)
 
 
+def test_padded_id_tensors_are_refused(byte_tokenizer):
+    """A (batch, n) tensor padded with the tokenizer's pad token is refused by generate and compare, by the rule
+    model.generate infers a padding mask with (a pad token that is not the EOS token), as compress refuses it there."""
+    model = tiny()
+
+    class PaddingTokenizer(type(byte_tokenizer)):
+        pad_token_id = 1
+
+    ids = torch.randint(2, 256, (2, 60), generator=torch.Generator().manual_seed(11))
+    padded = ids.clone()
+    padded[1, :10] = 1  # left padding
+    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+    for run in (lambda t: sl.generate(model, PaddingTokenizer(), t, policy=policy, max_new_tokens=2),
+                lambda t: sl.compare(model, PaddingTokenizer(), [t], policies=[policy], max_new_tokens=2, progress=False)):
+        with pytest.raises(NotImplementedError, match="hold the pad token \\(1\\): padded batches are not supported"):
+            run(padded)
+    assert sl.generate(model, PaddingTokenizer(), ids, policy=policy, max_new_tokens=2).token_ids.shape == (2, 2)
+
+
+def test_decode_speed_is_nan_when_nothing_was_decoded(byte_tokenizer):
+    """One definition of decode_ms_per_token: the mean decode step; an answer of one token has none (NaN, not 0)."""
+    from snapkv_lab.pressure import Context, Query, run_retrieval
+
+    model = tiny()
+    ids = torch.randint(2, 256, (1, 70), generator=torch.Generator().manual_seed(12))
+    one = sl.generate(model, byte_tokenizer, ids, max_new_tokens=1)
+    assert math.isnan(one.decode_ms_per_token)
+    table = sl.compare(model, byte_tokenizer, [ids], policies=[sl.FullCache()], max_new_tokens=1, progress=False)
+    assert table.decode_ms_per_token.isna().all() and "no decode step" in table._repr_html_()
+    context = Context(ids[0, :60].tolist(), [Query(ids[0, 60:].tolist(), "x", (0, 4), (0, 4), {})], {"task": "test"})
+    rows = run_retrieval(model, byte_tokenizer, [context], policies=[policy_snap()], capacities=(40,), max_new_tokens=1,
+                         progress=False)
+    assert rows.decode_ms_per_token.isna().all()
+    assert sl.generate(model, byte_tokenizer, ids, max_new_tokens=3).decode_ms_per_token > 0
+
+
+def policy_snap():
+    return sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+
+
 def test_model_called_without_the_compressor_cache_is_refused():
     model = tiny()
     with pytest.raises(RuntimeError, match="past_key_values=state.cache"):
@@ -265,3 +307,9 @@ def test_sliding_window_mask_is_not_taken_for_padding(byte_tokenizer):
         assert torch.equal(result.kept_indices[0][0, 0], torch.arange(45, 60))
         plain = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)[:, 60:]
         assert torch.equal(result.token_ids, plain)
+        # compare and the extra-pass path warn alike (one shared prefill, no compress() around it)
+        with pytest.warns(UserWarning, match="every layer of this model uses sliding-window attention"):
+            sl.compare(model, byte_tokenizer, [ids], policies=[sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)],
+                       max_new_tokens=2, progress=False)
+        with pytest.warns(UserWarning, match="every layer of this model uses sliding-window attention"):
+            sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)

@@ -174,7 +174,9 @@ def test_h2o_and_kvzip_match_references_smollm(smollm):
     h2o_scores = [a.sum(2).reshape(1, kv_heads, -1, n).mean(2) for a in eager_attentions(model, prompt)]
     kvzip_scores = [a[..., n:, :n].amax(2).reshape(1, kv_heads, -1, n).amax(2)
                     for a in eager_attentions(model, torch.cat([prompt, instruction, prompt], 1))]
-    for policy, scores in ((snapkv_lab.H2O(capacity=budget), h2o_scores), (snapkv_lab.KVzip(capacity=budget), kvzip_scores)):
+    recent = budget - budget // 2  # H2O's recent half (FMInference/H2O: heavy_ratio = recent_ratio)
+    for policy, scores, window in ((snapkv_lab.H2O(capacity=budget), h2o_scores, recent),
+                                   (snapkv_lab.KVzip(capacity=budget), kvzip_scores, window)):
         run = snapkv_lab.generate(model, tokenizer, prompt, policy=policy, max_new_tokens=1)
         reference = [top_with_window(s[..., : n - window], budget - window, n) for s in scores]
         assert_same_selection(run.kept_indices, reference, [s[..., : n - window] for s in scores], window)

@@ -113,5 +113,19 @@ def test_attention_outside_the_registry_is_refused(byte_tokenizer):
     model = make(GPT2Config, attn="eager", reorder_and_upcast_attn=True)
     with pytest.raises(RuntimeError, match="attention-function registry"):
         snapkv_lab.capture(model, byte_tokenizer, prompt()[0], max_new_tokens=1, progress=False)
-    with pytest.raises((RuntimeError, NotImplementedError)):
+    refused = "without calling an attention function from transformers' registry"
+    with pytest.raises(RuntimeError, match=refused):
         snapkv_lab.generate(model, byte_tokenizer, prompt(), policy=snapkv(), max_new_tokens=1)
+    # The one-prefill engines (compare, the pressure runner, a scorer with an extra pass) refuse it too, instead of
+    # the full cache labelled SnapKV@40 (cache_length 64 of 64, kv_ratio 1.0).
+    with pytest.raises(RuntimeError, match=refused):
+        snapkv_lab.compare(model, byte_tokenizer, [prompt()], policies=[snapkv()], max_new_tokens=1, progress=False)
+    for extra_pass in (snapkv_lab.KVzip(capacity=40), snapkv_lab.Surprisal(capacity=40, window_size=8)):
+        with pytest.raises(RuntimeError, match=refused):
+            snapkv_lab.generate(model, byte_tokenizer, prompt(), policy=extra_pass, max_new_tokens=1)
+    from snapkv_lab.pressure import Context, Query, run_retrieval
+
+    ids = prompt()[0].tolist()
+    context = Context(ids[:-8], [Query(ids[-8:], "x", (0, 4), (0, 4), {})], {"task": "test"})
+    with pytest.raises(RuntimeError, match=refused):
+        run_retrieval(model, byte_tokenizer, [context], policies=[snapkv()], capacities=(40,), progress=False)

@@ -107,3 +107,33 @@ def test_a_policy_config_keeps_a_wrapped_policys_settings_and_refuses_unknown_na
     assert policy_from_config(config) == wrapped
     with pytest.raises(ValueError, match="unknown policy 'Snapkv'.*SnapKV, SnapKVNoPooling"):
         policy_from_config({"name": "Snapkv"})
+
+
+WRAPPERS = ("AdaKV", "ChunkKV", "CriticalKV")
+INNER = [name for name in NAMES if name not in ("FullCache", "DecodingEviction")]
+
+
+@pytest.mark.parametrize("inner", INNER)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, byte_tokenizer):
+    """AdaKV, ChunkKV and CriticalKV wrap any registered scorer, those with an extra forward pass (KVzip, Surprisal)
+    and wrappers (CriticalKV(AdaKV(...)), kvpress's CriticalAdaKV) included: the composition runs, holds its budget
+    and gives the same kept positions live, from one shared prefill (compare) and under generate."""
+    if wrapper == inner == "CriticalKV":
+        with pytest.raises(TypeError, match="cannot wrap another CriticalKV"):
+            snapkv_lab.CriticalKV(policy=snapkv_lab.CriticalKV())
+        return
+    policy = snapkv_lab.POLICIES[wrapper](policy=build(inner), capacity=0.25)
+    assert policy.label.startswith(f"{wrapper}(policy={inner}") or (inner == "SnapKV" and policy.label == f"{wrapper}@0.25")
+    ids = prompt(seed=3)
+    run = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
+    full_bytes = 3 * 2 * 2 * N * 16 * 4  # layers x (K, V) x KV heads x tokens x head_dim x fp32
+    whole_chunks = wrapper == "ChunkKV"  # whole chunks: up to chunk_size - 1 positions under the budget
+    assert 0.25 - (0.06 if whole_chunks else 0.01) <= run.kv_bytes / full_bytes <= 0.25 + 0.01
+    table = snapkv_lab.compare(model, byte_tokenizer, [ids], policies=[policy], max_new_tokens=NEW, progress=False)
+    shared = table.results[0]
+    assert all(torch.equal(a, b) for a, b in zip(run.kept_indices, shared.kept_indices, strict=True))
+    assert torch.equal(run.token_ids, shared.token_ids)
+    for kept in run.kept_indices:
+        valid = kept[kept != NO_POSITION]
+        assert 0 <= int(valid.min()) and int(valid.max()) < N

@@ -70,7 +70,8 @@ def ref_tova(run, capacity, kv_heads):
 
 
 def ref_knorm(run, capacity, window):
-    """KNorm: minus the L2 norm of each post-RoPE key in the model's own cache, per KV head."""
+    """KNorm (the paper: keep the keys of lowest L2 norm; kvpress 0.5.5 presses/knorm_press.py line 46): minus the L2
+    norm of each post-RoPE key in the model's own cache, per KV head; `window` last positions kept besides."""
     kept, scores = [], []
     for keys in run["keys"]:  # (batch, kv_heads, n, d)
         n = keys.shape[2]
@@ -80,9 +81,31 @@ def ref_knorm(run, capacity, window):
     return kept, scores
 
 
+def ref_chunkkv_official(run, capacity, window, chunk, kv_heads):
+    """ChunkKV over SnapKV as kvpress's ChunkKVPress, contributed by the paper's first author (kvpress 0.5.5,
+    presses/chunkkv_press.py, compress, lines 77-125): the whole prompt cut into chunks from position 0, the inner
+    scores (SnapKV's, the window at max + 1: snapkv_press.py line 103) summed over the KV heads, a chunk's score the
+    mean over its tokens, the best max(1, int(n_chunks * capacity / n)) chunks kept whole, the same for every head."""
+    kept = []
+    for attn in run["attentions"]:
+        n = attn.shape[-1]
+        score = snapkv_scores(attn, window, kv_heads)  # (batch, kv_heads, prefix)
+        score = F.pad(score, (0, window), value=float(score.max()) + 1).sum(dim=1)  # (batch, n)
+        chunks = [list(range(start, min(start + chunk, n))) for start in range(0, n, chunk)]
+        n_kept = max(1, int(len(chunks) * (capacity / n)))
+        layer = []
+        for b in range(score.shape[0]):
+            means = torch.tensor([score[b, c].mean().item() for c in chunks])
+            chosen = sorted(p for i in means.topk(n_kept).indices.tolist() for p in chunks[i])
+            layer.append(torch.tensor(chosen).expand(kv_heads, -1))
+        kept.append(torch.stack(layer))
+    return kept
+
+
 def ref_chunkkv(run, capacity, window, chunk, kv_heads):
-    """ChunkKV over SnapKV: chunks [0, c), [c, 2c), ... of the prefix ranked by their mean SnapKV score; whole
-    chunks taken best first, the last one cut to what the budget has left."""
+    """ChunkKV(per_head=True, exact_budget=True), our variant, written plainly: chunks [0, c), [c, 2c), ... of the
+    prefix ranked by their mean SnapKV score per KV head; whole chunks taken best first, the last one cut to what the
+    budget has left, then the window."""
     kept = []
     for attn in run["attentions"]:
         n = attn.shape[-1]
@@ -101,22 +124,23 @@ def ref_chunkkv(run, capacity, window, chunk, kv_heads):
     return kept
 
 
-def ref_criticalkv(run, capacity, window, kv_heads, ratio=0.5, eps=1e-4):
-    """CriticalKV over SnapKV: stage 1 keeps the floor(ratio * k) best SnapKV positions; stage 2 the rest of k by
+def ref_criticalkv(run, capacity, window, kv_heads, ratio=0.5, eps=1e-4, kernel=7):
+    """CriticalKV over SnapKV as its authors' code (FFY0/AdaKV-in-NVIDIA-kvpress, branch criticalkv; the same in
+    kvpress 0.5.5, presses/criticalkv_press.py, CriticalKVPress.score, lines 75-98, over SnapKVPress.score, whose
+    window gets the maximum score + 1, snapkv_press.py line 103): over the whole prompt, stage 1 = the
+    int(ratio * capacity) best scores (the window among them), stage 2 = the rest of the capacity by
     (score + eps) * ||v W_o^h||_1, the L1 norm averaged over each KV head's query heads."""
     kept = []
     for attn, values, weight in zip(run["attentions"], run["values"], run["o_proj"]):
         n, heads, d = attn.shape[-1], attn.shape[1], values.shape[-1]
-        prefix, k = n - window, capacity - window
-        score = snapkv_scores(attn, window, kv_heads)  # (batch, kv_heads, prefix)
+        score = snapkv_scores(attn, window, kv_heads, kernel)  # (batch, kv_heads, prefix)
+        score = F.pad(score, (0, window), value=float(score.max()) + 1)  # the window: max + 1
         norms = torch.stack([  # (batch, heads, n): head h's value through its slice of W_o, (hidden, d)
             (values[:, h // (heads // kv_heads)] @ weight[:, h * d:(h + 1) * d].T).abs().sum(dim=-1)
             for h in range(heads)], dim=1)
-        weighted = (score + eps) * group_mean(norms, kv_heads)[..., :prefix]
-        first = score.topk(math.floor(k * ratio), dim=-1).indices  # stage 1
-        rest = weighted.scatter(-1, first, -math.inf).topk(k - first.shape[-1], dim=-1).indices  # stage 2
-        picked = torch.cat([first, rest], dim=-1).sort(dim=-1).values
-        kept.append(torch.cat([picked, torch.arange(prefix, n).expand(*picked.shape[:2], -1)], dim=-1))
+        first = score.topk(int(ratio * capacity), dim=-1).indices  # stage 1
+        weighted = ((score + eps) * group_mean(norms, kv_heads)).scatter(-1, first, torch.finfo(score.dtype).max)
+        kept.append(weighted.topk(capacity, dim=-1).indices.sort(dim=-1).values)  # stage 2
     return kept
 
 
@@ -187,10 +211,21 @@ def test_knorm_matches_key_norms(tiny_run, byte_tokenizer):
     assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
 
 
-@pytest.mark.parametrize("chunk", [10, 7])  # 88-token prefix: 8 chunks of 10 and one of 8; 12 of 7 and one of 4
-def test_chunkkv_matches_chunk_ranking(chunk, tiny_run, byte_tokenizer):
+@pytest.mark.parametrize("chunk", [10, 7])  # 96 tokens: 9 chunks of 10 and one of 6; 13 of 7 and one of 5
+def test_chunkkv_matches_its_official_code(chunk, tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
     policy = C.ChunkKV(capacity=CAPACITY, window_size=WINDOW, chunk_size=chunk)
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
+    assert_equal_kept(result.kept_indices, ref_chunkkv_official(run, CAPACITY, WINDOW, chunk, 2))
+    for kept in result.kept_indices:  # one set of whole chunks for every head, the window's among them
+        assert torch.equal(kept[:, 0], kept[:, 1]) and set(range(N - WINDOW, N)) <= set(kept[0, 0].tolist())
+        assert kept.shape[-1] <= CAPACITY
+
+
+@pytest.mark.parametrize("chunk", [10, 7])  # 88-token prefix: 8 chunks of 10 and one of 8; 12 of 7 and one of 4
+def test_chunkkv_exact_budget_matches_chunk_ranking(chunk, tiny_run, byte_tokenizer):
+    model, ids, run = tiny_run
+    policy = C.ChunkKV(capacity=CAPACITY, window_size=WINDOW, chunk_size=chunk, per_head=True, exact_budget=True)
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     assert_equal_kept(result.kept_indices, ref_chunkkv(run, CAPACITY, WINDOW, chunk, 2))
     for kept in result.kept_indices:  # whole chunks, but for at most one cut chunk per head
@@ -200,7 +235,7 @@ def test_chunkkv_matches_chunk_ranking(chunk, tiny_run, byte_tokenizer):
         assert (((counts > 0) & (counts < sizes)).sum(dim=-1) <= 1).all()
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.0])
+@pytest.mark.parametrize("ratio", [0.5, 0.25])  # stage 1 holds the window (8 of 40): see CriticalKV
 def test_criticalkv_matches_two_stage_selection(ratio, tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
     policy = C.CriticalKV(capacity=CAPACITY, window_size=WINDOW, first_stage_ratio=ratio)
@@ -211,10 +246,11 @@ def test_criticalkv_matches_two_stage_selection(ratio, tiny_run, byte_tokenizer)
 
 
 VARIANTS = [C.TOVA(capacity=CAPACITY), C.KNorm(capacity=CAPACITY, window_size=WINDOW),
-            C.ChunkKV(capacity=CAPACITY, window_size=WINDOW), C.ChunkKV(policy=C.H2O(), capacity=CAPACITY, window_size=WINDOW),
+            C.ChunkKV(capacity=CAPACITY, window_size=WINDOW, exact_budget=True),
+            C.ChunkKV(policy=C.H2O(), capacity=CAPACITY, window_size=WINDOW, exact_budget=True),
             C.CriticalKV(capacity=CAPACITY, window_size=WINDOW), C.CriticalKV(policy=C.H2O(), capacity=CAPACITY, window_size=WINDOW),
             C.CriticalKV(policy=C.KNorm(), capacity=CAPACITY, window_size=WINDOW),
-            C.CriticalKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True), C.ChunkKV(capacity=0.5, window_size=WINDOW)]
+            C.CriticalKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True), C.ChunkKV(capacity=0.5, window_size=WINDOW, exact_budget=True)]
 
 
 @pytest.mark.parametrize("policy", VARIANTS, ids=lambda p: p.label)
@@ -244,9 +280,9 @@ def test_context_then_question_scores_equal_one_prefill(policy, byte_tokenizer):
 
 
 def test_wrappers_propagate_budget_and_name_settings():
-    chunk = C.ChunkKV(capacity=40, window_size=8, chunk_size=5)
+    chunk = C.ChunkKV(capacity=40, window_size=8, chunk_size=5, per_head=True)
     assert (chunk.policy.capacity, chunk.policy.window_size) == (40, 8)
-    assert chunk.label == "ChunkKV(window_size=8, chunk_size=5)@40"
+    assert chunk.label == "ChunkKV(window_size=8, chunk_size=5, per_head=True)@40"
     assert C.CriticalKV(policy=C.SnapKV(kernel_size=5), capacity=64).label == "CriticalKV(policy=SnapKV(kernel_size=5))@64"
     assert C.CriticalKV(policy=C.H2O()).scorer_label != C.CriticalKV().scorer_label
     assert C.ChunkKV(capacity=64).scorer_label == C.ChunkKV(capacity=128).scorer_label  # budgets share scores
@@ -291,15 +327,18 @@ def smollm_run(smollm):
 @pytest.mark.parametrize("name", ["TOVA", "KNorm", "ChunkKV", "CriticalKV"])
 def test_kept_indices_match_reference_smollm(name, smollm_run):
     model, tokenizer, ids, run = smollm_run
-    kv_heads, capacity, window = model.config.num_key_value_heads, 256, 32
-    policy = C.POLICIES[name](capacity=capacity)  # the defaults: window 32 (TOVA: 1), chunks of 10, ratio 0.5
+    kv_heads, capacity = model.config.num_key_value_heads, 256
+    policy = C.POLICIES[name](capacity=capacity)  # the defaults: TOVA and KNorm no window; ChunkKV whole chunks of 10
+    if name == "CriticalKV":  # max pooling makes plateaus of equal scores where stage 1 ends on this prompt: any
+        policy = C.CriticalKV(policy=C.SnapKV(kernel_size=1), capacity=capacity)  # tie-break is right; test without
     result = C.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1)
-    assert result.cache_lengths == [capacity] * model.config.num_hidden_layers
     if name == "TOVA":
-        assert_same_selection(result.kept_indices, *ref_tova(run, capacity, kv_heads), 1)
+        assert_same_selection(result.kept_indices, *ref_tova(run, capacity, kv_heads), 0)
     elif name == "KNorm":
-        assert_same_selection(result.kept_indices, *ref_knorm(run, capacity, window), window)
+        assert_same_selection(result.kept_indices, *ref_knorm(run, capacity, 0), 0)
     elif name == "ChunkKV":
-        assert_equal_kept(result.kept_indices, ref_chunkkv(run, capacity, window, 10, kv_heads))
+        assert_equal_kept(result.kept_indices, ref_chunkkv_official(run, capacity, 32, 10, kv_heads))
     else:
-        assert_equal_kept(result.kept_indices, ref_criticalkv(run, capacity, window, kv_heads))
+        assert_equal_kept(result.kept_indices, ref_criticalkv(run, capacity, 32, kv_heads, kernel=1))
+    expected = 60 * capacity // 600 * 10 if name == "ChunkKV" else capacity  # whole chunks: 25 of 60
+    assert result.cache_lengths == [expected] * model.config.num_hidden_layers

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from ..attention import AttentionSettings
 from ..hooks import intercept_attention
+from ..inputs import PADDING_REFUSED
 from ..policies.base import NO_POSITION, AttentionCall, FullCache, Policy
 from ..policies.decoding import prefill_seeds, seeded
 from ..timing import SectionTimer
@@ -46,11 +47,7 @@ def refuse_padding(attention_mask) -> None:
     else:
         return
     if padded:
-        raise NotImplementedError(
-            "padded batches are not supported by the compressor: pad tokens would vote and be kept, and the "
-            "compressed cache would no longer line up with the padding mask. Pass prompts of equal length, or one "
-            "at a time."
-        )
+        raise NotImplementedError(PADDING_REFUSED)
 
 
 def attention_calls(module, query, key, value, slots, settings, n_layers, positions=None):

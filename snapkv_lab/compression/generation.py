@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from ..inputs import check_context_length, encode_batch, encode_continuation, eos_ids
 from ..policies.base import FullCache, Policy
-from ..timing import stopwatch
+from ..timing import ms_per_token, stopwatch
 from .compressor import CompressionState, applied, compress
 from .layers import cache_bytes, cache_lengths, fork
 from .shared import SharedPrefill
@@ -163,6 +163,6 @@ def answers(model, tokenizer, state: CompressionState, logits, ids, questions, e
             text=texts[0] if batch == 1 else texts, token_ids=token_ids.cpu(), prompt_ids=ids.cpu(),
             kept_indices=[asked.kept_indices[i].cpu() for i in sorted(asked.kept_indices)], cache_lengths=lengths,
             kv_bytes=kv_bytes, prefill_seconds=prefill_seconds + appended.seconds, selection_seconds=state.selection_seconds,
-            decode_ms_per_token=1000 * sum(seconds) / len(seconds) if seconds else float("nan"), policy=state.policy,
+            decode_ms_per_token=ms_per_token(seconds), policy=state.policy,
             question=text if isinstance(text, str) else None))
     return results

@@ -83,10 +83,13 @@ class ScoreRecorder:
 
 def kept_from_scores(policy, scores: dict[int, torch.Tensor], n: int, kv_heads: int, n_layers: int) -> dict[int, torch.Tensor] | None:
     """{layer: kept positions (batch, kv_heads, k)} for every scored layer ({layer: (batch, rows, n)}), by the
-    policy's `keep_layers` for each batch row; None if the prompt fits the budget."""
+    policy's `keep_layers` for each batch row (none when no layer was scored: all slide); None if the prompt fits the
+    budget."""
     if policy.budget(n) is None:
         return None
     layers = sorted(scores)
+    if not layers:
+        return {}
     rows = [policy.keep_layers({layer: scores[layer][b] for layer in layers}, n, kv_heads, n_layers)
             for b in range(scores[layers[0]].shape[0])]
     return {layer: stack_kept([row[layer] for row in rows]) for layer in layers}

@@ -28,12 +28,15 @@ class StreamingLLM(Policy):
 
 @dataclass
 class RandomKeep(Policy):
-    """Uniformly random prefix positions, a different draw per layer and KV head (reproducible by seed)."""
+    """Uniformly random prefix positions, a different draw per layer and KV head (reproducible by seed): the chance
+    level beside every method. layer_seeds=False draws every layer from `seed` alone, as kvpress's RandomPress
+    (random_press.py: a generator seeded with `seed` at each call), so every layer keeps the same positions."""
 
     seed: int = 0
+    layer_seeds: bool = True
 
     scores_query_heads: ClassVar[bool] = False
 
     def score(self, call: AttentionCall):
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + call.layer)
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + call.layer if self.layer_seeds else self.seed)
         return torch.rand(call.key.shape[0], call.n_keys, generator=generator).to(call.key.device)

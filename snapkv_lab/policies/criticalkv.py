@@ -43,15 +43,15 @@ def attention_modules(model) -> dict[int, object]:
 
 @dataclass
 class CriticalKV(Wrapper):
-    """Two-stage selection on an inner policy's scores s (pooled and GQA-reduced as the inner policy ranks):
-    stage 1 keeps the floor(first_stage_ratio * k) prefix positions of highest s; stage 2 fills the rest of
-    the k = budget - window_size by (s + epsilon) * ||W_o v||_1 (the norm averaged over each KV head's query
-    heads, as kvpress's CriticalKVPress does).
+    """Two-stage selection on an inner policy's scores s (pooled and GQA-reduced as the inner policy ranks), as the
+    authors' code (FFY0/AdaKV-in-NVIDIA-kvpress, branch criticalkv; identical in kvpress 0.5.5,
+    presses/criticalkv_press.py, CriticalKVPress.score, lines 75-98): of a head's budget B (the window included),
+    stage 1 keeps the int(first_stage_ratio * B) highest s, the window first (kvpress's inner scores give the window
+    the maximum); stage 2 fills the rest of B by (s + epsilon) * ||W_o v||_1 (the norm averaged over each KV head's
+    query heads). Over AdaKV (CriticalKV(policy=AdaKV(...)), kvpress's CriticalAdaKV) B is each head's own budget.
 
     score: (2 * rows, n_keys): the inner scores (rows = heads or kv_heads) stacked on the value norms of those
-    rows; `keep` needs both, and the split between stages depends on the budget, known only there.
-    Difference from kvpress: kvpress counts SnapKV's window in the stage-1 budget (its window scores are
-    forced to the maximum); here stage 1 takes its share of the prefix budget k, the window kept on top.
+    rows; `ranked` needs both, and the split between stages depends on the budget, known only there.
     """
 
     first_stage_ratio: float = 0.5
@@ -61,6 +61,11 @@ class CriticalKV(Wrapper):
         super().__post_init__()
         if not 0 <= self.first_stage_ratio <= 1:
             raise ValueError(f"first_stage_ratio must lie in [0, 1], got {self.first_stage_ratio}")
+        inner = self.policy
+        while isinstance(inner, Wrapper):
+            if isinstance(inner, CriticalKV):
+                raise TypeError("CriticalKV weighs the values once: it cannot wrap another CriticalKV")
+            inner = inner.policy
 
     @property
     def scoring_key(self) -> str:
@@ -96,10 +101,11 @@ class CriticalKV(Wrapper):
         norms = norms[:, : first.shape[-1]].float()
         if norms.shape[0] != first.shape[0]:
             norms = votes_per_kv_head(norms, first.shape[0])
-        budgets = self.policy.head_budgets(inner, n_tokens, kv_heads, layer, n_layers)
+        budgets = self.policy.head_budgets(inner, n_tokens, kv_heads, layer, n_layers)  # prefix budgets, window apart
+        window = n_tokens - first.shape[-1]
         second = (first + self.epsilon) * norms
-        for row, budget in enumerate(budgets):  # each head's own stage-1 share of its budget
-            stage1 = first[row].topk(math.floor(budget * self.first_stage_ratio)).indices
+        for row, budget in enumerate(budgets):  # each head's stage 1: a share of its whole budget, the window first
+            stage1 = first[row].topk(max(0, int(self.first_stage_ratio * (budget + window)) - window)).indices
             second[row, stage1] = math.inf
         return second
 

@@ -19,6 +19,7 @@ from ..inputs import check_context_length, eos_ids
 from ..policies import H2O, FullCache, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
 from .tasks import Context, found, found_exactly
 from ..progress import progress_bar
+from ..timing import ms_per_token
 
 DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKeep())
 CAPACITIES = (256, 512, 1024, 2048)
@@ -85,7 +86,7 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
                                  fact_kept=kept_fraction(state, query.span) if compressed else 1.0,
                                  value_kept=kept_fraction(state, query.value_span) if compressed else 1.0,
                                  cache_length=length, prompt_tokens=n, prefill_s=shared.seconds,
-                                 decode_ms_per_token=1000 * sum(seconds) / max(1, len(seconds)), **extra))
+                                 decode_ms_per_token=ms_per_token(seconds), **extra))
                 bar.update()
 
             answer(FullCache(), "full", aware.state(FullCache()), aware.logits)
