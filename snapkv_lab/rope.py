@@ -13,6 +13,7 @@ sin^2), and the mean of the rotations over positions is the rotation with the me
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,10 @@ class LayerRope:
         if rotary_cls is None or apply is None:
             raise NotImplementedError(f"{name}: its modeling module {family.__name__} has no RotaryEmbedding class and "
                                       "apply_rotary_pos_emb (not a RoPE model, or one whose RoPE is not supported)")
+        applied = _rope_functions_called(type(module))
+        if applied != {"apply_rotary_pos_emb"}:  # DeepSeek's interleaved MLA rotation, Gemma 4's multidimensional one
+            raise NotImplementedError(f"{name}: its forward applies RoPE through {sorted(applied)}, not "
+                                      "apply_rotary_pos_emb alone")
         if not getattr(module, "use_rope", True):  # SmolLM3's NoPE layers
             return cls(None, None, None, head_dim)
         config = module.config
@@ -72,7 +77,8 @@ class LayerRope:
         past rotary_dims pass unchanged. Returns x's dtype and shape."""
         rotary_dims = cos.shape[-1]
         cos, sin = cos.to(x.dtype)[None], sin.to(x.dtype)[None]  # (1, rows, rotary_dims): batch of 1
-        rotated = self.apply(x[None, ..., :rotary_dims], x[None, ..., :rotary_dims], cos, sin)[0][0].to(x.dtype)
+        part = x[None, ..., :rotary_dims]  # (1, heads, rows, rotary_dims); one head stands in for the unused keys
+        rotated = self.apply(part, part[:, :1], cos, sin)[0][0].to(x.dtype)
         return torch.cat([rotated, x[..., rotary_dims:]], dim=-1)
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -95,6 +101,15 @@ class LayerRope:
         # Row i of the rotated identity is R e_i, the i-th column of R.
         rows = self._rotate(eye[None], mean_cos.expand(self.head_dim, -1), mean_sin.expand(self.head_dim, -1))[0]
         return rows.T
+
+
+def _rope_functions_called(attention_cls) -> set[str]:
+    """The names of the apply_*rotary* / apply_*rope* functions that the attention class's forward calls."""
+    try:
+        source = inspect.getsource(attention_cls.forward)
+    except (OSError, TypeError):
+        return set()
+    return set(re.findall(r"\b(apply_\w*(?:rotary|rope)\w*)\s*\(", source))
 
 
 def _rotary_class(family, attention_name: str):

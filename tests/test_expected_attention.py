@@ -6,21 +6,24 @@ scores however the prompt is chunked; the voters' token positions while decoding
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 from conftest import ByteTokenizer, make_tiny_llama
-from families import FAMILIES, make, sliding_layers
+from families import FAMILIES, TINY, make, sliding_layers
 from reference import kv_heads, top_with_window
-from transformers import DynamicCache, SmolLM3Config
+from transformers import DeepseekV3Config, DynamicCache, LlamaConfig, SmolLM3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 import snapkv_lab as C
-from snapkv_lab.compression.compressor import attention_calls
+from snapkv_lab.attention import AttentionSettings
 from snapkv_lab.compression.recorder import kept_from_scores
 from snapkv_lab.compression.shared import SharedPrefill
-from snapkv_lab.attention import AttentionSettings
 from snapkv_lab.hooks import intercept_attention
 from snapkv_lab.policies.base import AttentionCall
+from snapkv_lab.rope import LayerRope
 
 N, CAPACITY = 96, 40
 N_FUTURE, N_SINK = 512, 4  # kvpress ExpectedAttentionPress defaults (expected_attention_press.py:56-57)
@@ -72,10 +75,10 @@ def expected_attention_reference(model, ids, layers, *, theta, rotary_dims=None,
     `scaling`. Returns {layer: (batch, kv_heads, n) float64} for `layers`."""
     hidden, cache = attention_inputs(model, ids)
     n, scores = ids.shape[1], {}
+    d = model.model.layers[0].self_attn.head_dim
+    R = mean_rope(range(n, n + N_FUTURE), d, theta, rotary_dims or d, pairing) if rope else torch.eye(d, dtype=torch.float64)
     for layer in layers:
         attn = model.model.layers[layer].self_attn
-        d = attn.head_dim
-        R = mean_rope(range(n, n + N_FUTURE), d, theta, rotary_dims or d, pairing) if rope else torch.eye(d, dtype=torch.float64)
         scores[layer] = reference_scores(prerope_queries(attn, hidden[layer][:, N_SINK:]), cache.layers[layer].keys,
                                          cache.layers[layer].values, R, 1 / math.sqrt(d) if scaling is None else scaling)
     return scores
@@ -127,7 +130,8 @@ def recorded_scores(model, ids, policy) -> dict[int, torch.Tensor]:
 
 def assert_matches_reference(model, ids, layers, rtol=1e-4, **reference):
     """Scores equal the reference's within rtol (float32 vs float64, un-rotated vs q_proj queries), and the compressor
-    keeps the reference's top CAPACITY (the sinks among them), but where scores tie within that tolerance."""
+    keeps the reference's top CAPACITY (the sinks among them), but where scores tie within that tolerance. Measured
+    over these tests: 1e-5 relative at most."""
     policy = C.ExpectedAttention(capacity=CAPACITY)
     mine = recorded_scores(model, ids, policy)
     kept = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1).kept_indices
@@ -186,10 +190,63 @@ def test_matches_reference_gemma3_full_layer():
 
 def test_matches_reference_smollm3_layers_without_rope():
     """SmolLM3 skips RoPE on the layers with no_rope_layers[i] = 0: their queries are used as they are, R = I."""
-    model = make(SmolLM3Config, no_rope_layers=[1, 0, 1], **{"num_key_value_heads": 2})
+    model = ROPE_MODELS["smollm3-nope"]()
     theta = model.config.rope_parameters["rope_theta"]
     assert_matches_reference(model, prompt(seed=5), [0, 2], theta=theta)
     assert_matches_reference(model, prompt(seed=5), [1], theta=theta, rope=False)
+
+
+# Besides tests/families.py: YaRN scales cos and sin by its attention_scaling (1 + 0.1 ln 4 here), which the
+# un-rotation must divide out; SmolLM3 leaves layer 1 unrotated.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+ROPE_MODELS = {**{name: make_family for name, make_family in FAMILIES.items() if not name.startswith("gpt2")},
+               "llama-yarn": lambda: make(LlamaConfig, rope_parameters=YARN, num_key_value_heads=2),
+               "smollm3-nope": lambda: make(SmolLM3Config, no_rope_layers=[1, 0, 1], num_key_value_heads=2)}
+
+
+@pytest.mark.parametrize("family", sorted(ROPE_MODELS))
+def test_unrotation_recovers_what_the_family_rotated(family):
+    """For every RoPE family of tests/families.py: un-rotating the post-RoPE queries the attention function receives
+    gives back what the family's apply_rotary_pos_emb was handed during the forward, to float32 rounding (its q: the rotated part
+    of a partial rotary), and the mean rotation equals the average of the family's rotation matrices position by
+    position (kvpress's average of R_t, :119-120), which `mean_rotation` forms from the mean cos and sin."""
+    model = ROPE_MODELS[family]()
+    modeling = sys.modules[type(model).__module__]
+    original, handed, seen = modeling.apply_rotary_pos_emb, [], {}
+
+    def recording(q, k, cos, sin, *args, **kwargs):
+        handed.append(q)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    def grab(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = (module, query[0])
+
+    modeling.apply_rotary_pos_emb = recording
+    try:
+        with torch.no_grad(), intercept_attention(model, grab):
+            model(prompt(64, seed=6), use_cache=False)
+    finally:
+        modeling.apply_rotary_pos_emb = original
+    rotated = [module for module, _ in seen.values() if getattr(module, "use_rope", True)]
+    assert len(handed) == len(rotated) and len(seen) == model.config.num_hidden_layers
+    handed = dict(zip(rotated, handed, strict=True))
+    for module, query in seen.values():
+        rope = LayerRope.of(module, query.shape[-1])
+        unrotated = rope.unrotate(query.double(), torch.arange(64))
+        before = handed.get(module, query[None])  # a layer without RoPE: its queries as they are
+        rotary_dims = before.shape[-1]
+        scale = float(before.abs().max())  # float32 rounding of the model's rotation: 1.3e-7 of it at most, measured
+        torch.testing.assert_close(unrotated[..., :rotary_dims], before[0].double(), rtol=0, atol=1e-6 * scale)
+        assert torch.equal(unrotated[..., rotary_dims:], query[..., rotary_dims:].double())  # never rotated
+        future = torch.arange(100, 612)
+        eye = torch.eye(query.shape[-1], dtype=torch.float64)
+        if module not in handed:
+            assert torch.equal(rope.mean_rotation(future), eye)
+            continue
+        cos, sin = rope.cos_sin(future)
+        explicit = torch.stack([rope._rotate(eye[None], c.expand(len(eye), -1), s_.expand(len(eye), -1))[0].T
+                                for c, s_ in zip(cos[:, None], sin[:, None])]).mean(0)
+        torch.testing.assert_close(rope.mean_rotation(future), explicit, rtol=0, atol=1e-12)
 
 
 def test_covariance_and_value_norms_change_the_selection():
@@ -210,6 +267,18 @@ def test_refuses_what_it_cannot_score():
     with pytest.raises(ValueError, match="keeps its n_sink = 4 sinks"):  # kvpress would evict some of them
         C.generate(make_tiny_llama(), ByteTokenizer(), prompt(8), policy=C.ExpectedAttention(capacity=4),
                    max_new_tokens=1)
+
+
+def test_refuses_ropes_it_cannot_reproduce():
+    """DeepSeek V3 rotates the tail of its MLA heads, interleaved or not; dynamic NTK RoPE changes its frequencies
+    with the lengths the model has seen: an un-rotation would silently be wrong."""
+    deepseek = DeepseekV3Config(**{**TINY, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16,
+                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    with pytest.raises(NotImplementedError, match="DeepseekV3Attention.*apply_rotary_pos_emb_interleave"):
+        LayerRope.of(DeepseekV3Attention(deepseek, layer_idx=0), 16)
+    dynamic = LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(NotImplementedError, match="LlamaAttention: dynamic NTK"):
+        LayerRope.of(LlamaAttention(dynamic, layer_idx=0), 16)
 
 
 @pytest.mark.slow
@@ -304,7 +373,8 @@ def test_decoding_eviction_takes_the_voters_at_their_token_positions():
     """Inside DecodingEviction, each eviction scores the cache with the queries generated since the last one: the
     reference from those tokens' input hidden states (q_proj: no rotation to undo, so a query un-rotated by its cache
     slot instead of its token position, which differ once the prompt was compressed, would not match) and R from the
-    token after the last one on."""
+    token after the last one on. (kvpress's DecodingPress would start R at its buffer's length and drop the buffer's
+    first n_sink rows; here, our documented choice, every voter counts, all lying past the sinks' positions.)"""
     model = make_tiny_llama(initializer_range=0.3)
     ids = prompt(48, seed=8)
     hidden, evictions = [], []

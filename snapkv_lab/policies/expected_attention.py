@@ -20,16 +20,23 @@ this differs from kvpress, by choice:
   queries instead, which we un-rotate through the family's own RoPE (snapkv_lab.rope: Cohere's interleaved pairs,
   partial rotary, Gemma 3's per-layer-type bases, SmolLM3's unrotated layers). The same vectors (tested against a
   q_proj reference), with whatever the family puts between q_proj and RoPE (biases, q_norm: OLMo 2's too, which
-  kvpress misses), and no projection re-run. The mean rotation R is likewise the family's own rotation, where
-  kvpress builds Llama's half-split rotation for every model.
+  kvpress misses), and no projection re-run; they exist while decoding too, where no hidden states reach a scorer.
+  The mean rotation R is likewise the family's own rotation (the identity on SmolLM3's layers without RoPE), where
+  kvpress builds Llama's half-split rotation for every model. A RoPE this cannot reproduce is refused
+  (snapkv_lab.rope.LayerRope.of: GPT-2 and other models without RoPE, DeepSeek's MLA, dynamic NTK scaling).
 - Scaling: the layer's own (AttentionCall.attention.scaling) where kvpress divides by sqrt(head_dim). Equal on
   Llama-style layers; on Gemma 2/3 (query_pre_attn_scalar ** -0.5) and Granite (attention_multiplier) the layer's
   is the attention the model computes, whose expectation the method models. Logit soft-capping (Gemma 2) has no
   closed form and is ignored, as in kvpress.
 - Precision: statistics accumulated in float64 and the scores in float32, where kvpress computes in the model dtype.
+  (In bf16 the model's rotation rounds its queries to bf16, as kvpress's q_proj does; un-rotating them with float32
+  cos and sin recovers them to that rounding.)
+- Budgets: one no larger than n_sink is refused, where kvpress would then evict some of its sinks.
 - Prompt chunks: the statistics are running sums (count, sum of queries, sum of their outer products) carried
   across the chunks of one prefill (AttentionCall.carry), so a prompt fed in chunks (a context, then a question)
-  scores exactly as one prefill of the whole, whatever else is recorded beside it. kvpress sees one prefill.
+  scores as one prefill of the whole, whatever else is recorded beside it: bit for bit when the chunks hand over
+  the same queries and keys (the model's chunked forward itself rounds them a little differently in deeper
+  layers). kvpress sees one prefill.
 - Future positions start at the token after the call's last query (positions[-1] + 1): kvpress's q_len at prefill.
   While decoding (DecodingEviction; kvpress DecodingPress) the statistics are those of the queries generated since
   the last eviction, rotated from the next token on; kvpress starts at its buffer's length and drops the buffer's
