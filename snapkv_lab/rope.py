@@ -5,8 +5,8 @@ and StableLM rotate only the first r = partial_rotary_factor * head_dim dims, Ge
 attention layers different bases, SmolLM3 leaves some layers unrotated (use_rope = 0), YaRN scales cos and sin.
 Rather than re-implement each, `LayerRope.of(module)` uses the family's own pieces: its RotaryEmbedding class built
 from the layer's config (called with the layer's type where it takes one) and its apply_rotary_pos_emb, applied to
-the first r dims. Every RoPE in transformers computes x * cos + rotate(x) * sin with rotate a fixed quarter turn of
-each pair, so it is linear in (cos, sin): the inverse at a position is the same function with (cos, -sin) / (cos^2 +
+the first r dims. Each such apply_rotary_pos_emb computes x * cos + rotate(x) * sin with rotate a fixed quarter turn
+of each pair, so it is linear in (cos, sin): the inverse at a position is the same function with (cos, -sin) / (cos^2 +
 sin^2), and the mean of the rotations over positions is the rotation with the mean cos and sin.
 """
 
@@ -35,8 +35,8 @@ class LayerRope:
     @classmethod
     def of(cls, module, head_dim: int) -> LayerRope:
         """The RoPE of attention `module` (whose heads have `head_dim` dims). NotImplementedError for a layer whose
-        RoPE this cannot reproduce (no RoPE classes in its modeling module, dynamic NTK scaling, a partial rotation
-        not over the leading dims)."""
+        RoPE this cannot reproduce (no RoPE classes in its modeling module, a forward that rotates through other
+        functions, dynamic NTK scaling, a partial rotation not over the leading dims)."""
         name = type(module).__name__
         family = sys.modules[type(module).__module__]
         rotary_cls = _rotary_class(family, name)
@@ -54,7 +54,8 @@ class LayerRope:
         takes_layer_type = "layer_type" in inspect.signature(rotary_cls.forward).parameters
         layer_type = config.layer_types[module.layer_idx] if takes_layer_type else None
         rotary = rotary_cls(config=config)
-        rope_type = rotary.rope_type[layer_type] if takes_layer_type else rotary.rope_type
+        rope_type = getattr(rotary, "rope_type", None)
+        rope_type = rope_type[layer_type] if isinstance(rope_type, dict) else rope_type
         if rope_type == "dynamic":
             raise NotImplementedError(f"{name}: dynamic NTK RoPE changes its frequencies with the model's history")
         rope = cls(rotary, apply, layer_type, head_dim)
