@@ -1,86 +1,115 @@
-"""Expected Attention (NVIDIA kvpress, ExpectedAttentionPress, 2025): query-agnostic scores from the
+"""Expected Attention (Devoto et al. 2025, arXiv 2510.00636; its code is its authors' NVIDIA kvpress,
+ExpectedAttentionPress, kvpress 0.5.5 presses/expected_attention_press.py): query-agnostic scores from the
 statistics of the prompt's queries, projected onto the positions where future queries will sit.
 
-Future queries are modelled as Gaussian, q ~ N(mu, Sigma) per head, fitted on the prompt's queries before
-RoPE (the first `n_sink` rows left out: attention-sink outliers). RoPE at a future position t is a rotation
-R_t, averaged over the next `n_future_positions` positions: R = mean_t R_t, so mu' = R mu and
-Sigma' = R Sigma R^T. For a Gaussian, E[exp(s q.k)] = exp(s mu'.k + s^2 k^T Sigma' k / 2), so the expected
-attention of key k is the softmax over keys of that exponent (s: the layer's scaling, 1/sqrt(d) in the
-paper). Scores are then weighted by the value norm (score + epsilon) * ||v||, as kvpress does, and the first
-`n_sink` positions are always kept.
+Future queries are modelled as Gaussian, q ~ N(mu, Sigma) per query head, fitted on the prompt's queries before
+RoPE, the first `n_sink` positions left out (attention-sink outliers; kvpress :69-80, Sigma biased, / count). RoPE
+at a future position t maps q to R_t q; R = mean of R_t over the `n_future_positions` positions after the prompt
+(kvpress :110-124), so mu' = R mu and Sigma' = R Sigma R^T. For a Gaussian, E[exp(s q.k)] = exp(s mu'.k + s^2
+k^T Sigma' k / 2), and a key's expected attention is the softmax over keys of that exponent (:149-152), over every
+key but the first `n_sink` (:136-139), which are always kept (+inf here; kvpress pads them with max + 1, :163).
+Scores are then (score + epsilon) * ||v|| (:159-160) and averaged over each KV head's query heads (:154-156; here in
+`keep`, the GQA mean of the base pipeline: the value norm is the same for a KV head's query heads, so the order of
+the mean and the product does not matter). No window is kept (kvpress has none): window_size = 0.
 
-kvpress projects the layer's input hidden states with q_proj; AttentionCall hands us the post-RoPE queries
-instead, so we un-rotate them with their known positions. Both give the same mu and Sigma for Llama-style
-layers; ours also covers a q_proj bias and query norms (Qwen3, Gemma 3) and never re-runs a projection.
+Defaults are kvpress's: n_future_positions 512, n_sink 4, use_covariance, use_vnorm, epsilon 0, no window. Where
+this differs from kvpress, by choice:
+
+- Pre-RoPE queries: kvpress re-projects the layer's input hidden states with q_proj (kvpress utils.py
+  get_prerope_query_states: q_proj, then q_norm for Qwen3 and Gemma 3 only). AttentionCall holds the post-RoPE
+  queries instead, which we un-rotate through the family's own RoPE (snapkv_lab.rope: Cohere's interleaved pairs,
+  partial rotary, Gemma 3's per-layer-type bases, SmolLM3's unrotated layers). The same vectors (tested against a
+  q_proj reference), with whatever the family puts between q_proj and RoPE (biases, q_norm: OLMo 2's too, which
+  kvpress misses), and no projection re-run; they exist while decoding too, where no hidden states reach a scorer.
+  The mean rotation R is likewise the family's own rotation (the identity on SmolLM3's layers without RoPE), where
+  kvpress builds Llama's half-split rotation for every model. A RoPE this cannot reproduce is refused
+  (snapkv_lab.rope.LayerRope.of: GPT-2 and other models without RoPE, DeepSeek's MLA, dynamic NTK scaling).
+- Scaling: the layer's own (AttentionCall.attention.scaling) where kvpress divides by sqrt(head_dim). Equal on
+  Llama-style layers; on Gemma 2/3 (query_pre_attn_scalar ** -0.5) and Granite (attention_multiplier) the layer's
+  is the attention the model computes, whose expectation the method models. Logit soft-capping (Gemma 2) has no
+  closed form and is ignored, as in kvpress.
+- Precision: statistics accumulated in float64 and the scores in float32, where kvpress computes in the model dtype.
+  (In bf16 the model's rotation rounds its queries to bf16, as kvpress's q_proj does; un-rotating them with float32
+  cos and sin recovers them to that rounding.)
+- Budgets: one no larger than n_sink is refused, where kvpress would then evict some of its sinks.
+- Prompt chunks: the statistics are running sums (count, sum of queries, sum of their outer products) carried
+  across the chunks of one prefill (AttentionCall.carry), so a prompt fed in chunks (a context, then a question)
+  scores as one prefill of the whole, whatever else is recorded beside it: bit for bit when the chunks hand over
+  the same queries and keys (the model's chunked forward itself rounds them a little differently in deeper
+  layers). kvpress sees one prefill.
+- Future positions start at the token after the call's last query (positions[-1] + 1): kvpress's q_len at prefill.
+  While decoding (DecodingEviction; kvpress DecodingPress) the statistics are those of the queries generated since
+  the last eviction, rotated from the next token on; kvpress starts at its buffer's length and drops the buffer's
+  first n_sink rows, whatever their positions: here only rows at token positions < n_sink are left out.
 """
 
 from __future__ import annotations
 
-import sys
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..rope import LayerRope
 from .base import AttentionCall, Policy
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(..., d) -> (..., d): [x1, x2] -> [-x2, x1], the pairing of transformers' RoPE."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def rope_cos_sin(module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (len(positions), head_dim) float32 of the module's model family: its RotaryEmbedding class
-    (in transformers 5 the rotary embedding lives on the model, not on the attention module), built from
-    module.config, so that scaled RoPE variants (llama3, yarn) are what the model uses."""
-    family = sys.modules[type(module).__module__]
-    rotary = next((getattr(family, name) for name in dir(family) if name.endswith("RotaryEmbedding")), None)
-    if rotary is None:
-        raise NotImplementedError(f"{type(module).__name__}: no RotaryEmbedding class found in its module")
-    cos, sin = rotary(config=module.config)(torch.zeros(1, dtype=torch.float32), positions[None].long())
-    return cos[0].float(), sin[0].float()
 
 
 @dataclass
 class ExpectedAttention(Policy):
-    """Expected attention of future queries (see module doc). score: (heads, n_keys) float32."""
+    """Expected attention of future queries (see module doc). score: (heads, n_keys) float32, +inf on the sinks."""
 
+    window_size: int = 0
     n_future_positions: int = 512
     n_sink: int = 4
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
 
-    def score(self, call: AttentionCall):
-        heads, rows, d = call.query.shape
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a non-negative int, got {self.n_sink!r}")
+        if not isinstance(self.n_future_positions, int) or self.n_future_positions < 1:
+            raise ValueError(f"n_future_positions must be a positive int, got {self.n_future_positions!r}")
+
+    def budget(self, n_tokens: int) -> int | None:
+        budget = super().budget(n_tokens)
+        if budget is not None and budget <= self.n_sink:
+            raise ValueError(f"ExpectedAttention always keeps its n_sink = {self.n_sink} sinks: a budget of {budget} "
+                             f"positions for a {n_tokens}-token prompt leaves none to choose")
+        return budget
+
+    def score(self, call: AttentionCall) -> torch.Tensor:
+        heads, _, d = call.query.shape
         kv_heads, n_keys = call.key.shape[:2]
-        if rows <= self.n_sink + 1:
-            raise ValueError(f"ExpectedAttention needs more than n_sink + 1 = {self.n_sink + 1} prompt queries")
-        cos, sin = rope_cos_sin(call.module, torch.cat([call.positions, torch.arange(n_keys, n_keys + self.n_future_positions)]))
-        if cos.shape[-1] != d:
-            raise NotImplementedError("ExpectedAttention needs RoPE over the whole head (no partial rotary)")
-        cos, sin = cos.to(call.query.device), sin.to(call.query.device)
-        # Un-rotate the queries: R(-theta) = (cos, -sin), divided by cos^2 + sin^2 (RoPE's attention_scaling^2).
-        c, s = cos[:rows], sin[:rows]
-        q = call.query.float()
-        q = (q * c - rotate_half(q) * s) / (c * c + s * s)  # (heads, rows, d) pre-RoPE
-        q = q[:, self.n_sink:]
-        mu = q.mean(dim=1)  # (heads, d)
-        # The mean rotation over the future positions: R v = v * cos + rotate_half(v) * sin, averaged.
-        eye = torch.eye(d, device=q.device)
-        rotation = (eye[None] * cos[rows:, None] + rotate_half(eye)[None] * sin[rows:, None]).mean(0).T  # (d, d)
-        mu = mu @ rotation.T  # R mu, (heads, d)
-        keys = call.key.float().repeat_interleave(heads // kv_heads, dim=0)  # (heads, n_keys, d)
-        logits = torch.einsum("hd,hnd->hn", mu, keys) * call.attention.scaling
+        rope = LayerRope.of(call.module, d)
+        count, total, outer = self._statistics(call, rope)
+        if n_keys <= self.n_sink:  # every key a sink (a prompt's first chunk): all kept
+            return call.query.new_full((heads, n_keys), math.inf, dtype=torch.float32)
+        if count == 0:
+            raise ValueError(f"ExpectedAttention needs a query at a token position >= n_sink = {self.n_sink}")
+        mu = total / count  # (heads, d)
+        future = torch.arange(self.n_future_positions, device=call.query.device) + int(call.positions[-1]) + 1
+        rotation = rope.mean_rotation(future).to(mu.device)  # (d, d)
+        keys = call.key[:, self.n_sink:].float()  # (kv_heads, n_keys - n_sink, d): the sinks stay out of the softmax
+        groups = (mu @ rotation.T).float().view(kv_heads, heads // kv_heads, d)  # R mu per query head
+        logits = torch.einsum("vnd,vgd->vgn", keys, groups) * call.attention.scaling
         if self.use_covariance:
-            centred = q - q.mean(dim=1, keepdim=True)
-            cov = centred.transpose(1, 2) @ centred / centred.shape[1]  # (heads, d, d), biased as kvpress
-            cov = rotation @ cov @ rotation.T  # R Sigma R^T
-            logits += torch.einsum("hnd,hde,hne->hn", keys, cov, keys) * call.attention.scaling ** 2 / 2
-        scores = torch.softmax(logits, dim=-1)  # (heads, n_keys)
+            cov = outer / count - mu[:, :, None] * mu[:, None, :]  # (heads, d, d), biased as kvpress's
+            cov = (rotation @ cov @ rotation.T).float().view(kv_heads, heads // kv_heads, d, d)
+            logits += torch.einsum("vnd,vgde,vne->vgn", keys, cov, keys) * (call.attention.scaling ** 2 / 2)
+        scores = torch.softmax(logits, dim=-1)  # (kv_heads, groups, n_keys - n_sink)
         if self.use_vnorm:
-            vnorm = call.value.float().norm(dim=-1).repeat_interleave(heads // kv_heads, dim=0)  # (heads, n_keys)
-            scores = (scores + self.epsilon) * vnorm
-        scores[:, : self.n_sink] = float("inf")  # attention sinks: always kept
-        return scores
+            scores = (scores + self.epsilon) * call.value[:, None, self.n_sink:].float().norm(dim=-1)
+        return torch.nn.functional.pad(scores.reshape(heads, -1), (self.n_sink, 0), value=math.inf)
+
+    def _statistics(self, call: AttentionCall, rope: LayerRope) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The running (count, sum (heads, d), sum of outer products (heads, d, d)) float64 of the pre-RoPE queries
+        of this prompt so far: the carried ones plus this call's rows at token positions >= n_sink (stored back)."""
+        fresh = call.positions >= self.n_sink
+        query = rope.unrotate(call.query[:, fresh.to(call.query.device)].double(), call.positions[fresh])  # (heads, rows, d)
+        count = call.carry.get("count", 0) + query.shape[1]
+        total = query.sum(1) + call.carry.get("sum", 0)
+        outer = query.transpose(1, 2) @ query + call.carry.get("outer", 0)
+        call.carry.update(count=count, sum=total, outer=outer)  # new tensors: forks of a prefill share the old ones
+        return count, total, outer
