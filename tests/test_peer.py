@@ -13,12 +13,15 @@ policies do not do yet is skipped as pending, with the reason and today's neares
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _kvpress_worker as worker  # noqa: E402 (imports torch alone: kvpress is imported where a press runs)
 import kvpress_peer as peer  # noqa: E402
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
@@ -43,7 +46,7 @@ def test_same_model(side_by_side):
     assert side_by_side.logit_gap < LOGIT_TOLERANCE
 
 
-@pytest.mark.parametrize("row", peer.ROWS, ids=[row.label for row in peer.ROWS])
+@pytest.mark.parametrize("row", peer.ROWS, ids=[re.sub(r"\W+", "-", row.label).strip("-") for row in peer.ROWS])
 def test_kept_positions_agree(side_by_side, row):
     agreement = side_by_side.rows[row.label]
     assert agreement.error is None, f"kvpress failed on {row.press}: {agreement.error}"
@@ -52,3 +55,38 @@ def test_kept_positions_agree(side_by_side, row):
         pytest.skip(f"pending: {agreement.pending} (today {agreement.policy_label}: mean Jaccard "
                     f"{agreement.jaccard_mean:.4f})")
     assert agreement.jaccard_mean >= JACCARD_FLOOR, f"{agreement.summary()}\nwhy they should agree: {row.why}"
+
+
+# The machinery, on made-up positions: no model, no venv.
+
+
+def test_jaccard_per_layer_and_head():
+    ours = [torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1]]), torch.tensor([[0, 1], [2, 3]])]
+    theirs = [torch.tensor([[0, 1, 2, 9], [4, 5, 6, -1]]), torch.tensor([[0, 1], [2, 3]])]
+    layers = peer.compare_layers(ours, theirs)
+    # layer 0: head 0 shares 3 of 5 positions, head 1 2 of 3 (-1 is padding, not a position)
+    assert layers[0]["jaccard"] == pytest.approx((3 / 5 + 2 / 3) / 2)
+    assert not layers[0]["identical"] and layers[0]["kept_ours"] == [4, 2] and layers[0]["kept_theirs"] == [4, 3]
+    assert layers[1] == dict(jaccard=1.0, identical=True, kept_ours=[2, 2], kept_theirs=[2, 2])
+
+
+def test_pruned_keys_read_back_as_positions():
+    generator = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 50, 8, generator=generator)
+    kept = torch.stack([torch.randperm(50, generator=generator)[:12] for _ in range(3)])
+    pruned = full.gather(1, kept[..., None].expand(-1, -1, 8))  # in kvpress's top-k order, not sorted
+    assert torch.equal(worker.rows_to_positions(full, pruned), kept.sort(dim=-1).values)
+    foreign = pruned.clone()
+    foreign[1, 3, 0] += 1.0
+    with pytest.raises(RuntimeError, match="not among the full keys"):
+        worker.rows_to_positions(full, foreign)
+    twins = full.clone()
+    twins[2, 7] = twins[2, 9]
+    with pytest.raises(RuntimeError, match="share a hash"):
+        worker.rows_to_positions(twins, pruned)
+
+
+def test_masked_pairs_read_back_as_kept_positions():
+    # kvpress's module.masked_key_indices: (batch, head, position) of the masked pairs; batch row 1 is ignored
+    masked = (torch.tensor([0, 0, 0, 1]), torch.tensor([0, 0, 1, 1]), torch.tensor([1, 3, 0, 2]))
+    assert torch.equal(worker.masked_to_positions(masked, kv_heads=2, n=4), torch.tensor([[0, 2, -1], [1, 2, 3]]))
