@@ -110,24 +110,22 @@ ROWS = [
         "the mean of the inner scores summed over KV heads (chunkkv_press.py:86-100), one choice for every head; "
         "max(1, int(n_chunks * (1 - ratio))) whole chunks kept (:103), the window's first: 12 of 50 = 240 "
         "positions. kvpress's chunk_length 20 where the paper's is 10: ours chunk_size=20.",
-        expect={"per_head": False, "exact_budget": False}, today=f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20)"),
+        expect={"per_head": False, "exact_budget": False}),
     Row("CriticalKV", f"CriticalKV(policy={SNAP}, window_size={WINDOW}, epsilon={EPSILON})", f"CriticalKVPress(press={SNAP_PRESS})",
         "Same two stages (kvpress's is the authors' code): stage 1 keeps int(first_stage_ratio * n_kept) = 125 "
         "highest scores, the window's 64 among them (criticalkv_press.py:83-88); stage 2 fills n_kept by "
         "(score + epsilon) * ||W_o v||_1 averaged over the GQA group (:59-76, 91-95). kvpress's SnapKV averages the "
         "window's votes (snapkv_press.py:95), ours sums them, 64 times larger: its epsilon 1e-4 weighs as ours "
-        f"epsilon={EPSILON}.",
-        pending="CriticalKV's stage 1 counting the window in its share of the budget"),
+        f"epsilon={EPSILON}."),
     Row("ExpectedAttention", "ExpectedAttention()", "ExpectedAttentionPress(compression_ratio={ratio})",
         "Same definition and defaults: Gaussian statistics of the pre-RoPE queries after the 4 sinks, RoPE averaged "
         "over the next 512 positions, a softmax over the keys after the sinks (expected_attention_press.py:"
         "136-152) averaged per GQA group, times ||v||; the sinks kept (:163), no window.",
         pending="ExpectedAttention's sinks left out of the softmax", expect={"window_size": 0}),
-    Row("RandomPress", "RandomKeep(seed=0, window_size=0, seeding='kvpress')",
-        "RandomPress(compression_ratio={ratio}, seed=0)",
-        "kvpress draws torch.rand(batch, kv_heads, n) from a generator seeded with `seed` in every layer "
-        "(random_press.py:43-46): the same draw in every layer, every position competing; ours seeding='kvpress', "
-        "window_size=0.", expect={"seeding": "kvpress"}, today="RandomKeep(seed=0, window_size=0)"),
+    Row("RandomPress", "RandomKeep(seed=0, window_size=0, layer_seeds=False)", "RandomPress(compression_ratio={ratio}, seed=0)",
+        "By design kvpress draws torch.rand(batch, kv_heads, n) from a generator seeded with `seed` in every layer "
+        "(random_press.py:43-46), the same draw in every layer: ours layer_seeds=False; and every position "
+        "competes: ours window_size=0.", expect={"layer_seeds": False}),
     Row("KVzip", "KVzip(sinks=4, chunk_size=2048)", "KVzipPress(compression_ratio={ratio})",
         "Same scores by design (ours sinks=4, chunk_size=2048; the official code protects the whole system prompt "
         "and reconstructs chunks of 2000): the context after the chat template's head is fed again after "
@@ -154,8 +152,7 @@ ROWS = [
         f"CriticalAdaKVPress(press={SNAP_PRESS})",
         "AdaKV's head budgets (as the AdaKV row, criticalkv_press.py:153-171), then CriticalKV's two stages inside "
         "each head's budget, the window in its stage 1 (:173-186); epsilon as in the CriticalKV row.",
-        pending="CriticalKV's stage 1 counting the window; AdaKV(allocation='safeguard') with kvpress's safeguard count "
-                "(see those rows)",
+        pending="AdaKV(allocation='safeguard') with kvpress's safeguard count (see the AdaKV row)",
         expect={"policy.allocation": "safeguard"}),
 ]
 
