@@ -1,7 +1,7 @@
 """snapkv_lab beside its peer, NVIDIA kvpress 0.5.5: the prompt positions each of our policies keeps next to
-those the matching kvpress press keeps, per layer and KV head, on the same token ids and the same weights
-(the bundled SmolLM2-135M-Instruct, fp32, sdpa: the worker loads the very checkpoint snapkv_lab loads). Shared by tests/test_peer.py (`pytest -m peer`) and
-benchmarks/kvpress_side_by_side.py.
+those the matching kvpress press keeps, per layer and KV head, on the same token ids and the same weights (the
+bundled SmolLM2-135M-Instruct, fp32, sdpa: the worker loads the very checkpoint snapkv_lab loads). Shared by
+tests/test_peer.py (`pytest -m peer`) and benchmarks/kvpress_side_by_side.py.
 
 Two environments. kvpress 0.5.5 pins transformers<5.3 and snapkv_lab runs transformers 5.23, so kvpress lives in
 its own venv (scripts/kvpress_venv.sh; default_venv() says where) and snapkv_lab never imports it. Our half runs
@@ -293,7 +293,8 @@ class Agreement:
 
 
 def compare_layers(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> list[dict]:
-    """Per layer: the Jaccard overlap |A & B| / |A | B| of the kept position sets, averaged over KV heads."""
+    """Per layer: the Jaccard overlap |A & B| / |A | B| of the kept position sets, averaged over KV heads.
+    ours, theirs: per layer (kv_heads, kept) long positions, -1 padding (ragged heads) ignored."""
     layers = []
     for layer, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         sa = [{int(p) for p in row if p >= 0} for row in a]
@@ -308,6 +309,8 @@ def compare_layers(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> list
 
 @dataclass
 class SideBySide:
+    """Both sides on one prompt: each row's Agreement, and what they ran on."""
+
     model: str
     n_tokens: int
     ratio: float
@@ -343,4 +346,5 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
             agreement.layers = compare_layers(ours[row.label], other["kept"])
         agreements[row.label] = agreement
     gap = float((logits - theirs["last_logits"]).abs().max())
-    return SideBySide(model.config.name_or_path, len(ids), ratio, capacity, gap, theirs["versions"], agreements, theirs["log"], seconds)
+    return SideBySide(model.config.name_or_path, len(ids), ratio, capacity, gap, theirs["versions"], agreements,
+                      theirs["log"], seconds)

@@ -7,7 +7,8 @@ prints as a table. One module fixture runs our side once (one shared prefill for
 (one worker process in the kvpress venv, one model load, every press). kvpress pins transformers<5.3, so it lives
 in its own venv (scripts/kvpress_venv.sh, which .ci/run runs): where the venv is missing these tests skip and say
 how to build it, unless SNAPKV_LAB_REQUIRE_PEER=1 (CI), which makes them fail. A row that relies on what our
-policies do not do yet is skipped as pending, with the reason and today's nearest agreement.
+policies do not do yet is skipped as pending, with the reason and today's nearest agreement. The last tests check
+the machinery itself (Jaccard, positions read back from kvpress's pruned keys or masks) on made-up data.
 """
 
 from __future__ import annotations
