@@ -121,7 +121,7 @@ ROWS = [
         "Same definition and defaults: Gaussian statistics of the pre-RoPE queries after the 4 sinks, RoPE averaged "
         "over the next 512 positions, a softmax over the keys after the sinks (expected_attention_press.py:"
         "136-152) averaged per GQA group, times ||v||; the sinks kept (:163), no window.",
-        pending="ExpectedAttention's sinks left out of the softmax", expect={"window_size": 0}),
+        expect={"window_size": 0}),
     Row("RandomPress", "RandomKeep(seed=0, window_size=0, layer_seeds=False)", "RandomPress(compression_ratio={ratio}, seed=0)",
         "By design kvpress draws torch.rand(batch, kv_heads, n) from a generator seeded with `seed` in every layer "
         "(random_press.py:43-46), the same draw in every layer: ours layer_seeds=False; and every position "
@@ -145,8 +145,8 @@ ROWS = [
     Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), window_size=0, allocation='safeguard')",
         "AdaKVPress(press=ExpectedAttentionPress(compression_ratio={ratio}))",
         "AdaKV's allocation (as the AdaKV row) over Expected Attention's scores (as its row), no window: kvpress's "
-        "safeguard int(0.2 * n_kept) = 50 per head (adakv_press.py:66), the 4 sinks among them.",
-        pending="ExpectedAttention's sinks left out of the softmax", expect={"allocation": "safeguard"}),
+        "safeguard int(0.2 * n_kept) = 50 per head (adakv_press.py:66), the 4 sinks among them, is ours "
+        "int(0.2 * (capacity - window)) = 50, as there is no window.", expect={"allocation": "safeguard"}),
     Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}, allocation='safeguard'), window_size={WINDOW}, "
         f"epsilon={EPSILON})",
         f"CriticalAdaKVPress(press={SNAP_PRESS})",
