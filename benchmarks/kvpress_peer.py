@@ -38,7 +38,6 @@ N_TOKENS, RATIO = 1000, 0.75
 WINDOW, KERNEL = 64, 5  # kvpress's SnapKVPress defaults (snapkv_press.py:38-39), given to both sides
 SNAP = f"SnapKV(pooling='avg', kernel_size={KERNEL})"  # inner scorer of wrappers: kvpress's SnapKVPress
 SNAP_PRESS = f"SnapKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})"
-EPSILON = 1e-4 * WINDOW  # kvpress's CriticalKV epsilon on SnapKV's averaged votes = ours on SnapKV's summed votes
 _ABSENT = object()
 
 
@@ -70,8 +69,8 @@ ROWS = [
         "Same definition: the last 64 queries' softmax over every key (causal inside the window), pooled along "
         "positions per query head, averaged over each GQA group; the window is kept, inside the budget "
         "(kvpress pads its scores with max+1, snapkv_press.py:103). By design kvpress pools with avg_pool1d "
-        "(snapkv_press.py:96) where the paper's code uses max: ours pooling='avg'. Ours sums the window's "
-        "votes where kvpress averages them (:95): the same order."),
+        "(snapkv_press.py:96) where the paper's code uses max: ours pooling='avg'. Both average the window's votes "
+        "(:95; the paper sums them, the same order)."),
     Row("StreamingLLM", "StreamingLLM()", "StreamingLLMPress(compression_ratio={ratio})",
         "Same definition and defaults: the n_sink = 4 first positions and the most recent n_kept - 4 "
         "(streaming_llm_press.py:50-52); ours splits the recent ones into prefix picks and the window, the same set."),
@@ -100,9 +99,7 @@ ROWS = [
         "kvpress's allocation by design (ours allocation='safeguard'): each head's top int(alpha * n_kept) scores "
         "first, then one top-k of kv_heads * n_kept over the layer's heads (adakv_press.py:64-80), the window "
         "winning through the inner press's max+1 pad. kvpress's safeguard counts the window: int(0.2 * 250) = 50 "
-        "positions, all inside the 64-token window, so it protects no prefix position.",
-        pending="AdaKV(allocation='safeguard') with kvpress's safeguard count, max(0, int(alpha * B) - W) prefix "
-                "positions (today int(alpha * (B - W)) = 37)",
+        "positions, all inside the 64-token window, so it protects no prefix position: ours max(0, int(alpha * B) - W).",
         expect={"allocation": "safeguard"}),
     Row("ChunkKV", f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20)",
         f"ChunkKVPress(press={SNAP_PRESS}, chunk_length=20)",
@@ -111,12 +108,11 @@ ROWS = [
         "max(1, int(n_chunks * (1 - ratio))) whole chunks kept (:103), the window's first: 12 of 50 = 240 "
         "positions. kvpress's chunk_length 20 where the paper's is 10: ours chunk_size=20.",
         expect={"per_head": False, "exact_budget": False}),
-    Row("CriticalKV", f"CriticalKV(policy={SNAP}, window_size={WINDOW}, epsilon={EPSILON})", f"CriticalKVPress(press={SNAP_PRESS})",
+    Row("CriticalKV", f"CriticalKV(policy={SNAP}, window_size={WINDOW})", f"CriticalKVPress(press={SNAP_PRESS})",
         "Same two stages (kvpress's is the authors' code): stage 1 keeps int(first_stage_ratio * n_kept) = 125 "
         "highest scores, the window's 64 among them (criticalkv_press.py:83-88); stage 2 fills n_kept by "
-        "(score + epsilon) * ||W_o v||_1 averaged over the GQA group (:59-76, 91-95). kvpress's SnapKV averages the "
-        "window's votes (snapkv_press.py:95), ours sums them, 64 times larger: its epsilon 1e-4 weighs as ours "
-        f"epsilon={EPSILON}."),
+        "(score + epsilon) * ||W_o v||_1 averaged over the GQA group (:59-76, 91-95), epsilon 1e-4 on SnapKV's "
+        "votes averaged over the window (snapkv_press.py:95), as ours."),
     Row("ExpectedAttention", "ExpectedAttention()", "ExpectedAttentionPress(compression_ratio={ratio})",
         "Same definition and defaults: Gaussian statistics of the pre-RoPE queries after the 4 sinks, RoPE averaged "
         "over the next 512 positions, a softmax over the keys after the sinks (expected_attention_press.py:"
@@ -147,12 +143,10 @@ ROWS = [
         "AdaKV's allocation (as the AdaKV row) over Expected Attention's scores (as its row), no window: kvpress's "
         "safeguard int(0.2 * n_kept) = 50 per head (adakv_press.py:66), the 4 sinks among them, is ours "
         "int(0.2 * (capacity - window)) = 50, as there is no window.", expect={"allocation": "safeguard"}),
-    Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}, allocation='safeguard'), window_size={WINDOW}, "
-        f"epsilon={EPSILON})",
+    Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}, allocation='safeguard'), window_size={WINDOW})",
         f"CriticalAdaKVPress(press={SNAP_PRESS})",
         "AdaKV's head budgets (as the AdaKV row, criticalkv_press.py:153-171), then CriticalKV's two stages inside "
         "each head's budget, the window in its stage 1 (:173-186); epsilon as in the CriticalKV row.",
-        pending="AdaKV(allocation='safeguard') with kvpress's safeguard count (see the AdaKV row)",
         expect={"policy.allocation": "safeguard"}),
 ]
 

@@ -73,16 +73,22 @@ def adakv_reference(scores, share, alpha=0.2):
     return [sorted(scores[h].topk(budgets[h]).indices.tolist()) for h in range(heads)]
 
 
-def adakv_safeguard_reference(scores, share, alpha=0.2):
-    """kvpress's rule (kvpress 0.5.5, presses/adakv_press.py, AdaKVPress.compress, lines 54-81), with the window
-    outside the safeguard: each head's own top floor(alpha * share) first, then the best of the rest over all heads
-    together until kv_heads * share are kept. Returns per head the sorted kept prefix positions."""
+def adakv_safeguard_reference(scores, budget, window, alpha=0.2):
+    """kvpress's rule (kvpress 0.5.5, presses/adakv_press.py, AdaKVPress.compress, lines 54-81) over SnapKV's scores,
+    whose window gets the maximum + 1 (snapkv_press.py line 103): each head's own top int(alpha * budget) scores set
+    to the largest float, then the lowest kv_heads * (n - budget) of all heads together dropped. scores:
+    (kv_heads, prefix). Returns per head the sorted kept prefix positions (the window is kept whole here)."""
     heads, prefix = scores.shape
-    safe = {(h, int(p)) for h in range(heads) for p in scores[h].topk(int(alpha * share)).indices}
-    rest = sorted(((float(scores[h, p]), h, p) for h in range(heads) for p in range(prefix) if (h, p) not in safe),
-                  reverse=True)
-    chosen = safe | {(h, p) for _, h, p in rest[: heads * share - len(safe)]}
-    return [sorted(p for h2, p in chosen if h2 == h) for h in range(heads)]
+    full = F.pad(scores, (0, window), value=float(scores.max()) + 1)
+    n = prefix + window
+    safe = full.topk(int(budget * alpha), dim=-1).indices
+    full = full.scatter(-1, safe, torch.finfo(full.dtype).max)
+    dropped = (-full).flatten().topk(heads * (n - budget)).indices
+    kept = torch.ones(heads * n, dtype=torch.bool)
+    kept[dropped] = False
+    kept = kept.view(heads, n)
+    assert bool(kept[:, prefix:].all())
+    return [kept[h, :prefix].nonzero().flatten().tolist() for h in range(heads)]
 
 
 def assert_same_rows(kept, ref, scores, rtol=1e-4):
@@ -232,7 +238,7 @@ def test_adakv_safeguard_allocation_matches_kvpress_rule(byte_tokenizer):
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     paper = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
     for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
-        ref = [[rows + list(range(88, 96)) for rows in adakv_safeguard_reference(votes[b], CAPACITY - WINDOW)]
+        ref = [[rows + list(range(88, 96)) for rows in adakv_safeguard_reference(votes[b], CAPACITY, WINDOW)]
                for b in range(2)]
         assert_same_pairs(result.kept_indices[layer], ref, F.pad(votes, (0, WINDOW), value=math.inf))
         assert ((result.kept_indices[layer] >= 0).sum(-1).sum(-1) == 2 * CAPACITY).all()  # the total, exactly

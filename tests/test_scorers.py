@@ -129,11 +129,12 @@ def ref_criticalkv(run, capacity, window, kv_heads, ratio=0.5, eps=1e-4, kernel=
     kvpress 0.5.5, presses/criticalkv_press.py, CriticalKVPress.score, lines 75-98, over SnapKVPress.score, whose
     window gets the maximum score + 1, snapkv_press.py line 103): over the whole prompt, stage 1 = the
     int(ratio * capacity) best scores (the window among them), stage 2 = the rest of the capacity by
-    (score + eps) * ||v W_o^h||_1, the L1 norm averaged over each KV head's query heads."""
+    (score + eps) * ||v W_o^h||_1, the L1 norm averaged over each KV head's query heads; SnapKV's votes averaged over
+    the window (snapkv_press.py line 95), the scale epsilon is set on."""
     kept = []
     for attn, values, weight in zip(run["attentions"], run["values"], run["o_proj"]):
         n, heads, d = attn.shape[-1], attn.shape[1], values.shape[-1]
-        score = snapkv_scores(attn, window, kv_heads, kernel)  # (batch, kv_heads, prefix)
+        score = snapkv_scores(attn, window, kv_heads, kernel) / window  # (batch, kv_heads, prefix)
         score = F.pad(score, (0, window), value=float(score.max()) + 1)  # the window: max + 1
         norms = torch.stack([  # (batch, heads, n): head h's value through its slice of W_o, (hidden, d)
             (values[:, h // (heads // kv_heads)] @ weight[:, h * d:(h + 1) * d].T).abs().sum(dim=-1)

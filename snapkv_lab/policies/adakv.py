@@ -8,9 +8,11 @@ it with a floor: head h keeps round((1 - alpha) c_h + floor(alpha b)) positions 
 scripts' floor_alpha), so that no head is starved. Heads then keep different counts: rows are padded with
 NO_POSITION and the compressor stores the layer ragged (compression.layers.HeadwiseLayer), so the saving is real.
 
-allocation="safeguard" is kvpress's rule instead (AdaKVPress, adakv_press.py): each head's own top
-floor(alpha b) positions are taken first, then the heads compete for the rest of kv_heads * b; a wrapper around it
-(CriticalKV, as kvpress's CriticalAdaKV) keeps those safeguard positions first.
+allocation="safeguard" is kvpress 0.5.5's rule instead (AdaKVPress.compress, adakv_press.py lines 64-80): each head's
+own top int(alpha B) scores are taken first, counted over the whole budget B, window included (kvpress's inner
+scores give the window the maximum, so the window takes the first W of them: max(0, int(alpha B) - W) prefix
+positions are protected), then the heads compete for the rest of kv_heads * b; a wrapper around it (CriticalKV, as
+kvpress's CriticalAdaKV) keeps those safeguard positions first.
 """
 
 from __future__ import annotations
@@ -44,8 +46,13 @@ class AdaKV(Wrapper):
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
 
     def _floor(self, scores, n_tokens, kv_heads, layer, n_layers) -> int:
-        """floor(alpha * b), b the inner policy's (uniform) prefix budget per head."""
-        return int(self.alpha_safeguard * min(self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers)))
+        """The prefix positions a head is guaranteed: int(alpha * b), b the inner policy's (uniform) prefix budget per
+        head (the official code); under allocation="safeguard", kvpress's int(alpha * B) less the window W."""
+        share = min(self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers))
+        if self.allocation == "paper":
+            return int(self.alpha_safeguard * share)
+        window = self.policy.window(self.policy.layer_budget(n_tokens, layer, n_layers))
+        return max(0, int(self.alpha_safeguard * (share + window)) - window)
 
     def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
         """The inner ranking; under allocation="safeguard", each head's own top floor(alpha b) positions raised to +inf

@@ -10,7 +10,11 @@ from .base import AttentionCall, Policy
 
 @dataclass
 class SnapKV(Policy):
-    """SnapKV: votes of the last `window_size` prompt queries over the prefix, max-pooled (kernel 7)."""
+    """SnapKV: votes of the last `window_size` prompt queries over the prefix, max-pooled (kernel 7).
+
+    score: (heads, n_keys) the window's attention averaged over its queries (the paper sums them: the same ranking;
+    the mean is the scale of kvpress's and the AdaKV/CriticalKV authors' SnapKV, on which CriticalKV's epsilon is
+    set)."""
 
     pooling: str | None = "max"
     kernel_size: int = 7
@@ -29,7 +33,7 @@ class SnapKV(Policy):
             raise ValueError(f"the last prompt chunk ({call.query.shape[1]} tokens) must hold the whole observation "
                              f"window ({self.window_size} tokens)")
         return window_votes(call.query[:, -self.window_size:], call.key, call.attention.scaling,
-                            call.slots[-self.window_size:], call.n_keys, **call.attention.options())
+                            call.slots[-self.window_size:], call.n_keys, **call.attention.options()) / self.window_size
 
 
 @dataclass
