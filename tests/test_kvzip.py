@@ -60,13 +60,14 @@ def official_feeds(tokenizer, context: list[int], suffix: list[int], chunk_size:
 
 
 def reference_scores(model, tokenizer, ids, *, sinks: int, start: int, protected: int, suffix: list[int],
-                     chunk_size: int) -> torch.Tensor:
+                     chunk_size: int, skip=()) -> torch.Tensor:
     """(layers, kv_heads, n) KVzip's scores of one prompt ids (1, n), written from attention/score.py:36-65: each
     chunk's feed runs over the full cache at the positions after the prompt (the cache is cut back after each,
     wrapper.py:133-146, so its length n is where the feed starts); q.k over [the first `sinks` keys, the chunk, the
     feed (causal)] only, softmax, the chunk's columns, max over the feed's queries and each KV head's query heads.
     The restricted softmax is eager's full softmax renormalised over those keys (the same ratios of exponentials).
-    The first `protected` positions score +inf; positions never reconstructed score 0 (kvpress, kvzip_press.py:239-248)."""
+    The first `protected` positions score +inf; positions never reconstructed score 0 (kvpress, kvzip_press.py:239-248).
+    Layers in `skip` (sliding ones, whose cache holds a window) are left at 0."""
     eager, n = eager_twin(model), ids.shape[1]
     kv_heads = model.config.num_key_value_heads
     with torch.no_grad():
@@ -80,6 +81,8 @@ def reference_scores(model, tokenizer, ids, *, sinks: int, start: int, protected
                                position_ids=torch.arange(n, n + m)[None]).attentions
         columns = [*range(sinks), *range(lo, hi), *range(n, n + m)]
         for layer, attention in enumerate(attentions):
+            if layer in skip:
+                continue
             probs = attention[0][..., columns]  # (heads, m, keys): the future feed keys are already 0 (causal)
             probs = probs / probs.sum(-1, keepdim=True)
             best = probs[..., sinks:sinks + hi - lo].amax(1)  # (heads, chunk): max over the feed's queries
@@ -132,6 +135,25 @@ def test_scores_match_the_official_reconstruction_over_several_chunks():
     torch.testing.assert_close(whole, reference_scores(model, tokenizer, ids, sinks=4, start=4, protected=4,
                                                        suffix=text_ids(tokenizer, "\n\nAnswer: "), chunk_size=2000),
                                atol=1e-5, rtol=1e-4)
+
+
+def test_scores_use_the_layers_own_softmax_and_skip_sliding_layers():
+    """Gemma 2: logits scaled by query_pre_attn_scalar ** -0.5 (not head_dim's) and soft-capped, as its attention
+    computes them (the official code divides by sqrt(head_dim), score.py:57); sliding layers are never compressed,
+    so not scored."""
+    from families import FAMILIES, sliding_layers
+
+    model, tokenizer = FAMILIES["gemma2-softcap"](), ByteTokenizer()
+    ids = random_ids(4)
+    with torch.no_grad():
+        scores = snapkv_lab.KVzip(chunk_size=24).prompt_scores(model, tokenizer, ids, prefilled(model, ids))
+    full = [layer for layer in range(3) if layer not in sliding_layers(model.config)]
+    assert sorted(scores) == full and full
+    reference = reference_scores(model, tokenizer, ids, sinks=4, start=4, protected=4,
+                                 suffix=text_ids(tokenizer, "\n\nAnswer: "), chunk_size=24,
+                                 skip=sliding_layers(model.config))
+    for layer in full:
+        torch.testing.assert_close(scores[layer][0], reference[layer], atol=1e-5, rtol=1e-4)
 
 
 def test_feeds_quote_the_previous_chunk():

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from einops import rearrange
 
-from ..attention import AttentionSettings, attention_column_max
+from ..attention import AttentionSettings
 from ..chat import chat_frame
 from ..hooks import intercept_attention
-from ..selection import votes_per_kv_head
 from ..tokens import encode
 from .base import Policy, top_positions
 
@@ -54,6 +54,8 @@ OVERLAP = 8  # last tokens of the previous chunk quoted in the next chunk's inst
 BASE_SUFFIX = "\n\nAnswer: "  # the official postfix of a model without a known template (model/template.py:29)
 FALLBACK_SINKS = 4  # first tokens standing in for a system prompt the prompt lacks (kvpress n_sink)
 ALLOCATIONS = ("global", "uniform")
+# Logits per block of feed rows: 2^20 float32 (4 MiB), in a core's cache across the passes over them.
+SCORE_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -108,13 +110,31 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, ch
     """(kv_heads, chunk length) float32: the largest attention any feed query pays each position of `chunk`, over
     the queries and each KV head's query heads, the softmax restricted to [sinks, chunk, feed] (score.py:44-63).
 
-    query: (heads, m, head_dim) the feed's; key: (kv_heads, n + m, head_dim) the cache, then the feed."""
-    m = query.shape[1]
-    keys = torch.cat([key[:, :sinks], key[:, chunk], key[:, -m:]], dim=1)
-    width = keys.shape[1] - m  # sinks and chunk: every feed query sees them; the feed's own keys causally
-    columns = attention_column_max(query, keys, settings.scaling, torch.arange(width, width + m),
-                                   softcap=settings.softcap)
-    return votes_per_kv_head(columns[:, sinks:width], key.shape[0], "max")
+    query: (heads, m, head_dim) the feed's; key: (kv_heads, n + m, head_dim) the cache, then the feed. Computed in
+    the log domain, block of query rows by block: max over rows of exp(logit - log denominator) is exp of the max."""
+    kv_heads, (heads, m, _) = key.shape[0], query.shape
+    grouped = rearrange(query.float() * settings.scaling, "(kv g) q d -> kv g q d", kv=kv_heads)
+    seen = torch.cat([key[:, :sinks], key[:, chunk]], dim=1).float()  # keys every feed query sees
+    own = key[:, -m:].float()  # the feed's own keys, seen causally
+    best = torch.full((kv_heads, chunk.stop - chunk.start), -math.inf, device=query.device)
+    rows = max(1, SCORE_BLOCK // (heads * (seen.shape[1] + m)))
+    for start in range(0, m, rows):
+        stop = min(start + rows, m)
+        block = grouped[:, :, start:stop]
+        logits = _capped(torch.einsum("vgqd,vkd->vgqk", block, seen), settings.softcap)  # (kv, g, rows, keys)
+        feed = _capped(torch.einsum("vgqd,vkd->vgqk", block, own[:, :stop]), settings.softcap)
+        later = torch.arange(stop, device=query.device) > torch.arange(start, stop, device=query.device)[:, None]
+        feed.masked_fill_(later, -math.inf)
+        top = torch.maximum(logits.amax(-1), feed.amax(-1)).unsqueeze(-1)
+        total = (logits - top).exp_().sum(-1) + (feed - top).exp_().sum(-1)
+        log_denominator = top + total.log().unsqueeze(-1)
+        best = torch.maximum(best, logits[..., sinks:].sub_(log_denominator).amax(dim=(1, 2)))
+    return best.exp()
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, in place (attention.py's convention)."""
+    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
 
 
 @dataclass
