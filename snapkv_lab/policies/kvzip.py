@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 from einops import rearrange
 
-from ..attention import AttentionSettings
+from ..attention import BLOCK_ELEMENTS, AttentionSettings
 from ..chat import chat_frame
 from ..hooks import intercept_attention
 from ..tokens import encode
@@ -54,8 +54,6 @@ OVERLAP = 8  # last tokens of the previous chunk quoted in the next chunk's inst
 BASE_SUFFIX = "\n\nAnswer: "  # the official postfix of a model without a known template (model/template.py:29)
 FALLBACK_SINKS = 4  # first tokens standing in for a system prompt the prompt lacks (kvpress n_sink)
 ALLOCATIONS = ("global", "uniform")
-# Logits per block of feed rows: 2^20 float32 (4 MiB), in a core's cache across the passes over them.
-SCORE_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -110,26 +108,24 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, ch
     """(kv_heads, chunk length) float32: the largest attention any feed query pays each position of `chunk`, over
     the queries and each KV head's query heads, the softmax restricted to [sinks, chunk, feed] (score.py:44-63).
 
-    query: (heads, m, head_dim) the feed's; key: (kv_heads, n + m, head_dim) the cache, then the feed. Computed in
-    the log domain, block of query rows by block: max over rows of exp(logit - log denominator) is exp of the max."""
+    query: (heads, m, head_dim) the feed's; key: (kv_heads, n + m, head_dim) the cache, then the feed. Computed
+    by blocks of feed rows of at most BLOCK_ELEMENTS probabilities, each in four whole-block operations: on a
+    shared CPU every operation waits for both of its threads, so fewer, larger ones are faster there."""
     kv_heads, (heads, m, _) = key.shape[0], query.shape
     grouped = rearrange(query.float() * settings.scaling, "(kv g) q d -> kv g q d", kv=kv_heads)
-    seen = torch.cat([key[:, :sinks], key[:, chunk]], dim=1).float()  # keys every feed query sees
-    own = key[:, -m:].float()  # the feed's own keys, seen causally
-    best = torch.full((kv_heads, chunk.stop - chunk.start), -math.inf, device=query.device)
-    rows = max(1, SCORE_BLOCK // (heads * (seen.shape[1] + m)))
+    keys = torch.cat([key[:, :sinks], key[:, chunk], key[:, -m:]], dim=1).float().mT  # (kv, d, keys)
+    width = keys.shape[-1] - m  # sinks and chunk: every feed query sees them; the feed's own keys causally
+    feed_column = torch.arange(keys.shape[-1], device=query.device) - width
+    later = feed_column > torch.arange(m, device=query.device)[:, None]  # (m, keys): a feed key after the query
+    best = torch.zeros(kv_heads, width - sinks, device=query.device)
+    rows = max(1, BLOCK_ELEMENTS // (heads * keys.shape[-1]))
     for start in range(0, m, rows):
-        stop = min(start + rows, m)
-        block = grouped[:, :, start:stop]
-        logits = _capped(torch.einsum("vgqd,vkd->vgqk", block, seen), settings.softcap)  # (kv, g, rows, keys)
-        feed = _capped(torch.einsum("vgqd,vkd->vgqk", block, own[:, :stop]), settings.softcap)
-        later = torch.arange(stop, device=query.device) > torch.arange(start, stop, device=query.device)[:, None]
-        feed.masked_fill_(later, -math.inf)
-        top = torch.maximum(logits.amax(-1), feed.amax(-1)).unsqueeze(-1)
-        total = (logits - top).exp_().sum(-1) + (feed - top).exp_().sum(-1)
-        log_denominator = top + total.log().unsqueeze(-1)
-        best = torch.maximum(best, logits[..., sinks:].sub_(log_denominator).amax(dim=(1, 2)))
-    return best.exp()
+        block, seen = slice(start, min(start + rows, m)), width + min(start + rows, m)  # keys the block's rows see
+        queries = grouped[:, :, block]  # (kv, g, rows, d)
+        logits = (queries.flatten(1, 2) @ keys[..., :seen]).unflatten(1, queries.shape[1:3])  # (kv, g, rows, seen)
+        logits = _capped(logits, settings.softcap).masked_fill_(later[block, :seen], -math.inf)
+        best = torch.maximum(best, torch.softmax(logits, dim=-1)[..., sinks:width].amax(dim=(1, 2)))
+    return best
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
