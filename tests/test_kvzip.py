@@ -13,7 +13,7 @@ import torch
 
 import snapkv_lab
 from conftest import ByteTokenizer, eager_twin, make_tiny_llama
-from snapkv_lab.policies import NO_POSITION
+from snapkv_lab.policies import NO_POSITION, kvzip
 from snapkv_lab.policies.kvzip import reconstruction_feeds
 
 N = 64
@@ -120,13 +120,16 @@ def assert_top_count(kept, reference: torch.Tensor, pools, total: int):
             assert min(inside) >= max(outside) - 1e-5
 
 
-def test_scores_match_the_official_reconstruction_over_several_chunks():
+def test_scores_match_the_official_reconstruction_over_several_chunks(monkeypatch):
     """A base model (no chat template): the first 4 tokens stand in for the system prompt, the suffix is the official
-    fallback "\\n\\nAnswer: " (model/template.py:26-29); 60 context tokens in chunks of 16 (the last one shorter)."""
+    fallback "\\n\\nAnswer: " (model/template.py:26-29); 60 context tokens in chunks of 16 (the last one shorter),
+    each chunk's feed scored in blocks of a few rows too (as long prompts are)."""
     model, tokenizer = make_tiny_llama(initializer_range=0.3), ByteTokenizer()
     ids = random_ids(5)
     policy = snapkv_lab.KVzip(chunk_size=16)
     ours = our_scores(policy, model, tokenizer, ids)
+    monkeypatch.setattr(kvzip, "BLOCK_ELEMENTS", 1000)  # feeds of 64-100 tokens: 2-3 rows of 4 heads per block
+    torch.testing.assert_close(our_scores(policy, model, tokenizer, ids), ours, atol=1e-6, rtol=1e-5)
     reference = reference_scores(model, tokenizer, ids, sinks=4, start=4, protected=4,
                                  suffix=text_ids(tokenizer, "\n\nAnswer: "), chunk_size=16)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
