@@ -15,12 +15,15 @@ snu-mllab/KVzip @5d84729 (cited as file:line):
   + the last 8 tokens of chunk i - 1 + the suffix. A model without a chat template gets the official fallback
   suffix "\\n\\nAnswer: " (model/template.py:26-29).
 - Each chunk's forward runs over the whole cache and is then cut off (model/wrapper.py:133-146), so every chunk's
-  feed sits at the positions right after the prompt (the cache's length, attention/kvcache.py:108-112).
-- Score (attention/score.py:36-65): post-RoPE q.k over the keys [system prompt, the chunk being reconstructed,
-  the feed itself (causal)] only, softmax, the chunk's columns, max over the feed's queries and the query heads
-  of each KV head. A position is scored by its own chunk's reconstruction alone.
+  feed sits at the positions right after the prompt (the cache's length, attention/kvcache.py:108-112); near the
+  model's context limit they run past it, as there (RoPE extrapolates).
+- Score (attention/score.py:36-65, called with post-RoPE queries and keys, attention/attn.py:41-54): q.k over the
+  keys [system prompt, the chunk being reconstructed, the feed itself (causal)] only, softmax, the chunk's
+  columns, max over the feed's queries and the query heads of each KV head. A position is scored by its own
+  chunk's reconstruction alone.
 - Budget (attention/score.py:88-120, args.py `--level`, default `pair`): one selection over all layers x KV
   heads x positions, so heads and layers keep different counts; `allocation="uniform"` is `pair-uniform`.
+  (`--level head`, context-independent head scores trained once per model, is another method: not here.)
 
 Differences, by design: scores are float32 under the layer's own scaling and soft-cap (official: softmax in the
 model's dtype, "not fp32", score.py:61, with logits / sqrt(head_dim), score.py:57: equal for Llama, Qwen, SmolLM2).
@@ -135,9 +138,12 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 @dataclass
 class KVzip(Policy):
-    """KVzip as its paper and official code run it (see module doc). Cost: one forward per chunk over the whole
-    cache (about one prefill and a half in all), paid in selection_seconds; while a chunk runs the cache holds the
-    prompt plus that chunk's feed.
+    """KVzip as its paper and official code run it (see module doc). Cost, paid in selection_seconds: one forward
+    per chunk, each feed attending to the whole prompt (chunks x m x (n + m) attention entries: 2.9x a 4k
+    prefill's n^2 / 2, 2.5x an 8k one's), then the scores, a softmax over [sinks, chunk, feed] per chunk; while a
+    chunk runs the cache also holds its feed (a fork, then dropped). Measured on SmolLM2 fp32, 2 shared CPU cores
+    (2026-11-24): the forwards alone 1.9-2.8x the prefill, with the scores 2.9-4.2x at 4k and 8k tokens. The paper
+    reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly attention.
 
     chunk_size: context tokens reconstructed per forward (official 2000, wrapper.py:200; kvpress 2048).
     sinks: None: the system prompt (the chat template's head when the prompt starts with it, else the first 4
@@ -221,14 +227,16 @@ class KVzip(Policy):
                              "capacity or set sinks=")
         return ranked
 
-    def keep_layers(self, scores: dict[int, torch.Tensor], n_tokens: int, kv_heads: int, n_layers: int) -> dict[int, torch.Tensor]:
+    def keep_layers(self, scores: dict[int, torch.Tensor], n_tokens: int, kv_heads: int,
+                    n_layers: int) -> dict[int, torch.Tensor]:
         """{layer: (kv_heads, widest) kept positions}. allocation="global": one top count of budget x layers x KV
         heads over every layer's and head's ranking, then each row keeps its share (kvpress kvzip_press.py:384-387;
         official score.py:88-102 thresholds instead); "uniform": each layer by `keep`."""
         if self.allocation == "uniform":
             return super().keep_layers(scores, n_tokens, kv_heads, n_layers)
         layers = sorted(scores)
-        ranked = torch.stack([self.ranked(scores[i], n_tokens, kv_heads, i, n_layers) for i in layers])  # (L, rows, prefix)
+        # (layers, rows, prefix): every layer's prefix is as long (one budget and window for all)
+        ranked = torch.stack([self.ranked(scores[i], n_tokens, kv_heads, i, n_layers) for i in layers])
         total = sum(sum(self.head_budgets(scores[i], n_tokens, kv_heads, i, n_layers)) for i in layers)
         rows = ranked.shape[0] * ranked.shape[1]
         counts = torch.bincount(ranked.flatten().topk(total).indices // ranked.shape[-1], minlength=rows)
