@@ -1,52 +1,244 @@
-"""KVzip (Kim et al. 2025, arXiv 2505.23416): query-agnostic scores from reconstructing the context."""
+"""KVzip (Kim et al. 2025, arXiv 2505.23416): query-agnostic scores from reconstructing the context.
+
+After the prompt's prefill the model is asked to repeat the context and is fed it again (teacher forcing) over the
+full cache; a context position's score is the largest attention any reconstruction query pays it. It needs no
+question, so one compressed context serves any. What the paper leaves open follows the official code,
+snu-mllab/KVzip @5d84729 (cited as file:line):
+
+- System prompt: the official prefill is [system prompt (template prefix), context] (model/wrapper.py:181-182);
+  the system prompt is never evicted (attention/kvcache.py:27-38, :140-150) and is the softmax's sink keys
+  (attention/score.py:47). Here: the chat template's head (`chat.chat_frame`) when the prompt starts with it,
+  else the prompt's first 4 tokens stand in for it (kvpress's n_sink). `sinks=n`: kvpress's rule (KVzipPress).
+- Reconstruction (model/wrapper.py:197-221): the context in chunks of 2000 tokens; chunk 0 is fed after
+  "\\n\\nRepeat the previous context exactly." and the template's suffix (end of the user turn, assistant
+  generation prompt), chunk i > 0 after "\\n\\nRepeat the part of the previous context exactly, starting with "
+  + the last 8 tokens of chunk i - 1 + the suffix. A model without a chat template gets the official fallback
+  suffix "\\n\\nAnswer: " (model/template.py:26-29).
+- Each chunk's forward runs over the whole cache and is then cut off (model/wrapper.py:133-146), so every chunk's
+  feed sits at the positions right after the prompt (the cache's length, attention/kvcache.py:108-112); near the
+  model's context limit they run past it, as there (RoPE extrapolates).
+- Score (attention/score.py:36-65, called with post-RoPE queries and keys, attention/attn.py:41-54): q.k over the
+  keys [system prompt, the chunk being reconstructed, the feed itself (causal)] only, softmax, the chunk's
+  columns, max over the feed's queries and the query heads of each KV head. A position is scored by its own
+  chunk's reconstruction alone.
+- Budget (attention/score.py:88-120, args.py `--level`, default `pair`): one selection over all layers x KV
+  heads x positions, so heads and layers keep different counts; `allocation="uniform"` is `pair-uniform`.
+  (`--level head`, context-independent head scores trained once per model, is another method: not here.)
+
+Differences, by design: scores are float32 under the layer's own scaling and soft-cap (official: softmax in the
+model's dtype, "not fp32", score.py:61, with logits / sqrt(head_dim), score.py:57: equal for Llama, Qwen, SmolLM2).
+The global selection keeps exactly budget x layers x KV heads positions, kvpress's top count (kvzip_press.py:
+384-387); the official threshold keeps the scores strictly above the int(N ratio) - 1-th largest (score.py:94-97),
+one pair fewer (more on ties). The budget counts the whole prompt, system prompt and window included (the
+official ratio counts the context alone and keeps the system prompt on top). A question inside the prompt is
+compressed as context: in the paper's protocol (query-agnostic) the question comes after compression, and
+nothing after the context is kept by right (window_size 0).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from einops import rearrange
 
-from ..attention import AttentionSettings, attention_column_max
+from ..attention import BLOCK_ELEMENTS, AttentionSettings
+from ..chat import chat_frame
 from ..hooks import intercept_attention
-from ..selection import votes_per_kv_head
 from ..tokens import encode
-from .base import Policy
+from .base import Policy, top_positions
 
-REPEAT = "\n\nRepeat the previous context exactly.\n"
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # model/wrapper.py:211
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "  # model/wrapper.py:214
+OVERLAP = 8  # last tokens of the previous chunk quoted in the next chunk's instruction (wrapper.py:201, :216)
+BASE_SUFFIX = "\n\nAnswer: "  # the official postfix of a model without a known template (model/template.py:29)
+FALLBACK_SINKS = 4  # first tokens standing in for a system prompt the prompt lacks (kvpress n_sink)
+ALLOCATIONS = ("global", "uniform")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the parts of a prompt lie for the reconstruction, as token positions.
+
+    protected: the first `protected` positions are always kept. sinks: the first `sinks` positions are the
+    softmax's sink keys. start: the context reconstructed is positions start..n-1 (positions between
+    `protected` and `start` are never scored: score 0). suffix: the template's end of a user turn, as ids."""
+
+    protected: int
+    sinks: int
+    start: int
+    suffix: list[int]
+
+
+def template_frame(tokenizer, ids: torch.Tensor) -> tuple[int, list[int]]:
+    """(head, suffix ids) for ids (batch, n): head = the length of the chat template's head when every row starts
+    with it, 0 when none does (or the tokenizer has no template); suffix = the template's text after a user turn
+    (the official fallback "\\n\\nAnswer: " without a template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0, encode(tokenizer, BASE_SUFFIX)
+    head, tail = (encode(tokenizer, text) for text in chat_frame(tokenizer))
+    starts = [row[:len(head)].tolist() == head for row in ids] if ids.shape[1] > len(head) else [False] * len(ids)
+    if any(starts) != all(starts):
+        raise ValueError("some rows of the batch start with the chat template's head and some do not: KVzip would "
+                         "treat their system prompts differently; score them in separate batches")
+    return (len(head) if all(starts) else 0), tail
+
+
+def reconstruction_feeds(tokenizer, context: torch.Tensor, suffix: list[int], chunk_size: int):
+    """[(start, end, feed)] for context (batch, c): chunk [start, end) of the context and the tokens fed to
+    reconstruct it, (batch, m): the instruction (quoting the previous chunk's last OVERLAP tokens after the first
+    chunk), the suffix, the chunk (model/wrapper.py:18-37, :197-221)."""
+    batch = context.shape[0]
+    as_ids = lambda tokens: torch.tensor(tokens, dtype=context.dtype, device=context.device).expand(batch, -1)
+    first, suffix = as_ids(encode(tokenizer, REPEAT_FIRST)), as_ids(suffix)
+    feeds = []
+    for start in range(0, context.shape[1], chunk_size):
+        end = min(start + chunk_size, context.shape[1])
+        if start == 0:
+            instruction = first
+        else:
+            previous = context[:, start - chunk_size:start]
+            instruction = torch.cat([as_ids(encode(tokenizer, REPEAT_NEXT)), previous[:, -OVERLAP:]], dim=1)
+        feeds.append((start, end, torch.cat([instruction, suffix, context[:, start:end]], dim=1)))
+    return feeds
+
+
+def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, chunk: slice,
+                          settings: AttentionSettings) -> torch.Tensor:
+    """(kv_heads, chunk length) float32: the largest attention any feed query pays each position of `chunk`, over
+    the queries and each KV head's query heads, the softmax restricted to [sinks, chunk, feed] (score.py:44-63).
+
+    query: (heads, m, head_dim) the feed's; key: (kv_heads, n + m, head_dim) the cache, then the feed. Computed
+    by blocks of feed rows of at most BLOCK_ELEMENTS probabilities, each in four whole-block operations: on a
+    shared CPU every operation waits for both of its threads, so fewer, larger ones are faster there."""
+    kv_heads, (heads, m, _) = key.shape[0], query.shape
+    grouped = rearrange(query.float() * settings.scaling, "(kv g) q d -> kv g q d", kv=kv_heads)
+    keys = torch.cat([key[:, :sinks], key[:, chunk], key[:, -m:]], dim=1).float().mT  # (kv, d, keys)
+    width = keys.shape[-1] - m  # sinks and chunk: every feed query sees them; the feed's own keys causally
+    feed_column = torch.arange(keys.shape[-1], device=query.device) - width
+    later = feed_column > torch.arange(m, device=query.device)[:, None]  # (m, keys): a feed key after the query
+    best = torch.zeros(kv_heads, width - sinks, device=query.device)
+    rows = max(1, BLOCK_ELEMENTS // (heads * keys.shape[-1]))
+    for start in range(0, m, rows):
+        block, seen = slice(start, min(start + rows, m)), width + min(start + rows, m)  # keys the block's rows see
+        queries = grouped[:, :, block]  # (kv, g, rows, d)
+        logits = (queries.flatten(1, 2) @ keys[..., :seen]).unflatten(1, queries.shape[1:3])  # (kv, g, rows, seen)
+        logits = _capped(logits, settings.softcap).masked_fill_(later[block, :seen], -math.inf)
+        best = torch.maximum(best, torch.softmax(logits, dim=-1)[..., sinks:width].amax(dim=(1, 2)))
+    return best
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, in place (attention.py's convention)."""
+    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
 
 
 @dataclass
 class KVzip(Policy):
-    """After the context's prefill the model is asked to repeat the context and fed it again (teacher
-    forcing) over a copy of the full cache; a position's score is the largest attention any reconstruction
-    query pays it, over the queries and the query heads of its KV head. It needs no question, so one
-    compressed context serves any. Cost: one extra forward over the context (plus the instruction), paid
-    in selection_seconds; the reconstruction's keys double the cache while it runs."""
+    """KVzip as its paper and official code run it (see module doc). Cost, paid in selection_seconds: one forward
+    per chunk, each feed attending to the whole prompt (chunks x m x (n + m) attention entries: 2.9x a 4k
+    prefill's n^2 / 2, 2.5x an 8k one's), then the scores, a softmax over [sinks, chunk, feed] per chunk; while a
+    chunk runs the cache also holds its feed (a fork, then dropped). Measured on SmolLM2 fp32, 2 shared CPU cores
+    (2026-11-24): the forwards alone 1.9-2.8x the prefill, with the scores 2.9-4.2x at 4k and 8k tokens. The paper
+    reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly attention.
+
+    chunk_size: context tokens reconstructed per forward (official 2000, wrapper.py:200; kvpress 2048).
+    sinks: None: the system prompt (the chat template's head when the prompt starts with it, else the first 4
+        tokens) is kept whole, left out of the reconstruction and used as the softmax's sink keys, as the
+        official template prefix. An int n: kvpress's n_sink: the first n tokens are kept, the softmax's sink
+        keys are the first min(n, head) tokens, the reconstruction starts after the chat template's head (at 0
+        without one), and head tokens beyond the first n are never scored (score 0, so evicted first)
+        (kvpress/presses/kvzip_press.py:193, :307, :342, :376).
+    allocation: "global" (official `pair`, kvpress layerwise=False): one selection of budget x layers x KV heads
+        positions over all of them; "uniform" (official `pair-uniform`): each layer and KV head keeps the budget.
+        Head-adaptive budgets within each layer: AdaKV(policy=KVzip()), close to kvpress's layerwise=True with
+        alpha_safeguard=0. A wrapper's own allocation replaces this one.
+    window_size: 0: nothing after the context is kept by right (official: the question comes after scoring).
+    """
+
+    window_size: int = 0
+    chunk_size: int = 2000
+    sinks: int | None = None
+    allocation: str = "global"
 
     extra_passes: ClassVar[int] = 1
     scores_query_heads: ClassVar[bool] = False  # the largest attention over each KV head's query heads
 
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
+            raise ValueError(f"sinks must be None or a non-negative int, got {self.sinks!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+
+    @property
+    def scoring_key(self) -> str:
+        """The window and the allocation act after scoring: variants differing only in them share one pass."""
+        return Policy.scoring_key.fget(dataclasses.replace(self, window_size=0, allocation="global"))
+
+    def layout(self, tokenizer, ids: torch.Tensor) -> Layout:
+        """Where the system prompt, sink keys and context of ids (batch, n) lie (see `sinks`)."""
+        head, suffix = template_frame(tokenizer, ids)
+        if self.sinks is not None:
+            return Layout(protected=self.sinks, sinks=min(self.sinks, head), start=head, suffix=suffix)
+        system = head or min(FALLBACK_SINKS, ids.shape[1])
+        return Layout(protected=system, sinks=system, start=system, suffix=suffix)
+
     def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
-        """{layer: (batch, kv_heads, n)} for ids (batch, n) already prefilled into `cache` (left unchanged)."""
+        """{layer: (batch, kv_heads, n)} float32 for ids (batch, n) already prefilled into `cache` (left
+        unchanged): reconstruction scores of the context, +inf on the protected positions, 0 on those never
+        scored. Sliding-window layers are left out (never compressed)."""
         from ..compression.layers import fork  # compression imports policies: import at call time
 
         n = ids.shape[1]
-        instruction = torch.tensor(encode(tokenizer, REPEAT), device=ids.device).expand(ids.shape[0], -1)
-        feed = torch.cat([instruction, ids], dim=1)
-        scores: dict[int, torch.Tensor] = {}
+        layout = self.layout(tokenizer, ids)
+        scores = {i: torch.zeros(ids.shape[0], layer.keys.shape[1], n, device=ids.device)
+                  for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)}
+        for start, end, feed in reconstruction_feeds(tokenizer, ids[:, layout.start:], layout.suffix, self.chunk_size):
+            chunk = slice(layout.start + start, layout.start + end)
 
-        def record(module, query, key, value, attention_mask, **kwargs):
-            settings = AttentionSettings.of_call(module, kwargs)
-            if settings.sliding_window is not None:
-                return  # never compressed
-            positions = torch.arange(key.shape[2] - query.shape[2], key.shape[2])
-            per_row = [attention_column_max(q, k, settings.scaling, positions, **settings.options())[:, :n]
-                       for q, k in zip(query, key, strict=True)]  # each (heads, n)
-            kv_heads = key.shape[1]
-            scores[module.layer_idx] = torch.stack([votes_per_kv_head(s, kv_heads, "max") for s in per_row])
+            def record(module, query, key, value, attention_mask, **kwargs):
+                settings = AttentionSettings.of_call(module, kwargs)
+                if settings.sliding_window is not None:
+                    return
+                for b, (q, k) in enumerate(zip(query, key, strict=True)):
+                    scores[module.layer_idx][b, :, chunk] = reconstruction_scores(q, k, layout.sinks, chunk, settings)
 
-        positions = torch.arange(n, n + feed.shape[1], device=ids.device)[None]
-        with intercept_attention(model, record):
-            model(feed, past_key_values=fork(cache), position_ids=positions, use_cache=True, logits_to_keep=1)
+            positions = torch.arange(n, n + feed.shape[1], device=ids.device)[None]
+            with intercept_attention(model, record):
+                model.get_decoder()(input_ids=feed, past_key_values=fork(cache), position_ids=positions, use_cache=True)
+        for layer_scores in scores.values():
+            layer_scores[..., :layout.protected] = math.inf
         return scores
+
+    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
+        """The base ranking; refused when a row's protected positions outnumber its prefix budget."""
+        ranked = super().ranked(scores, n_tokens, kv_heads, layer, n_layers)
+        protected = int((ranked == math.inf).sum(-1).max())
+        room = min(self.head_budgets(scores, n_tokens, kv_heads, layer, n_layers))
+        if protected > room:
+            raise ValueError(f"{self.label} keeps {protected} protected positions (the system prompt or sinks) of a "
+                             f"{n_tokens}-token prompt, more than the {room} its budget leaves per head: raise the "
+                             "capacity or set sinks=")
+        return ranked
+
+    def keep_layers(self, scores: dict[int, torch.Tensor], n_tokens: int, kv_heads: int,
+                    n_layers: int) -> dict[int, torch.Tensor]:
+        """{layer: (kv_heads, widest) kept positions}. allocation="global": one top count of budget x layers x KV
+        heads over every layer's and head's ranking, then each row keeps its share (kvpress kvzip_press.py:384-387;
+        official score.py:88-102 thresholds instead); "uniform": each layer by `keep`."""
+        if self.allocation == "uniform":
+            return super().keep_layers(scores, n_tokens, kv_heads, n_layers)
+        layers = sorted(scores)
+        # (layers, rows, prefix): every layer's prefix is as long (one budget and window for all)
+        ranked = torch.stack([self.ranked(scores[i], n_tokens, kv_heads, i, n_layers) for i in layers])
+        total = sum(sum(self.head_budgets(scores[i], n_tokens, kv_heads, i, n_layers)) for i in layers)
+        rows = ranked.shape[0] * ranked.shape[1]
+        counts = torch.bincount(ranked.flatten().topk(total).indices // ranked.shape[-1], minlength=rows)
+        counts = counts.view(len(layers), -1).tolist()
+        return {i: top_positions(ranked[j], counts[j], n_tokens) for j, i in enumerate(layers)}
