@@ -1,6 +1,7 @@
 """Cache layers that hold a compressed prompt, and cache surgery (fork, gather, bytes).
 
-Two layouts, both holding only kept positions (no fake keys, no padding kept across steps):
+Two layouts, both holding only kept positions (no fake keys, no padding kept across steps; a HeadwiseLayer
+whose batch rows keep different totals pads the shorter rows, and counts that padding in its bytes):
 
 - `CompressedLayer`: every head keeps the same number of positions: dense (batch, heads, kept, head_dim),
   attended by the model's own attention function (sdpa, flash, eager).
