@@ -1,12 +1,14 @@
 """Cache layers that hold a compressed prompt, and cache surgery (fork, gather, bytes).
 
-Two layouts, both holding only kept positions (no fake keys, no padding kept across steps):
+Two layouts, both holding only kept positions (no fake keys, no padding kept across steps; a HeadwiseLayer
+whose batch rows keep different totals pads the shorter rows, and counts that padding in its bytes):
 
 - `CompressedLayer`: every head keeps the same number of positions: dense (batch, heads, kept, head_dim),
   attended by the model's own attention function (sdpa, flash, eager).
-- `HeadwiseLayer`: heads keep different numbers (head-adaptive budgets such as AdaKV): each (batch row,
-  KV head) holds its own (kept_bh, head_dim) tensors; tokens that arrive after compression are dense.
-  `headwise_attention` computes its attention (the compressor routes the layer's calls there).
+- `HeadwiseLayer`: heads keep different numbers (head-adaptive budgets such as AdaKV): each batch row holds
+  its KV heads' kept positions one after the other in one (slots, head_dim) tensor; tokens that arrive after
+  compression are dense. `headwise_attention` attends it in one batched computation per call (the compressor
+  routes the layer's calls there).
 
 Both record `positions`: the token position of every slot, so that kept indices stay meaningful after
 eviction during decoding.
@@ -15,6 +17,7 @@ eviction during decoding.
 from __future__ import annotations
 
 import copy
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -97,72 +100,158 @@ def _new_positions(positions: torch.Tensor, seen: int, count: int) -> torch.Tens
     return new.expand(*positions.shape[:2], -1)
 
 
-class HeadwiseLayer(DynamicLayer):
-    """Kept prompt positions of different counts per head, stored ragged; later tokens dense.
+class _Reserve:
+    """Room for the tokens a HeadwiseLayer appends after compression, shared by the layer and its forks.
 
-    prompt_keys[b][h], prompt_values[b][h]: (kept_bh, head_dim) of batch row b, KV head h.
-    keys, values: (batch, kv_heads, new, head_dim) tokens appended after compression (every head sees them).
+    keys, values: (batch, kv_heads, capacity, head_dim); `used` slots of them hold tokens. Only a layer whose own
+    tokens end at `used` may write on in place; any other (a fork that another fork has already written past)
+    copies its tokens into a reserve of its own first, so that no two forks ever write into the same room.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, used: int):
+        self.keys, self.values, self.used = keys, values, used
+
+
+class HeadwiseLayer(DynamicLayer):
+    """Kept prompt positions of different counts per KV head, stored ragged; later tokens dense.
+
+    kept_keys, kept_values: (batch, slots, head_dim): per batch row, every KV head's kept prompt positions, one
+        head after the other (each head's in ascending position order). A row keeping fewer than the fullest row
+        ends in padding slots; AdaKV's rows share one layer budget, so they have none.
+    slot_hidden: (batch, kv_heads, 1, slots) bool, True where a cache slot is not the KV head's own (another
+        head's, or padding): the mask that lets one product per batch row serve every head.
+    keys, values: (batch, kv_heads, new, head_dim) the tokens appended after compression (every head sees them),
+        views of a reserve with room for more: a decode step writes its token instead of copying them all; the
+        room doubles when full.
     kept: (batch, kv_heads, widest) the prompt positions, NO_POSITION (-1) after a head's last one.
+
+    nbytes counts the bytes holding keys and values (kept slots, padding slots, appended tokens), as dense
+    layers count theirs; the reserve's unused room (at most max(16, the appended tokens) per head, none right
+    after prefill) is not counted, since dense layers hold none of it.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor):
         super().__init__()
+        if kept.shape[1] != keys.shape[1]:
+            raise ValueError(f"head-wise budgets select per KV head: kept has {kept.shape[1]} heads, "
+                             f"the keys {keys.shape[1]} KV heads")
         self.lazy_initialization(keys, values)
-        self.prompt_keys = [[k[h, row[row >= 0]] for h, row in enumerate(rows)] for k, rows in zip(keys, kept)]
-        self.prompt_values = [[v[h, row[row >= 0]] for h, row in enumerate(rows)] for v, rows in zip(values, kept)]
+        held = kept >= 0  # (batch, kv_heads, widest)
+        # A row's slots follow its heads in order: the held positions' rank within the flattened row.
+        slot = held.flatten(1).cumsum(1).sub_(1).view_as(held)  # (batch, kv_heads, widest)
+        slots = int(held.sum((1, 2)).max())
+        rows = torch.arange(keys.shape[0], device=keys.device)[:, None, None].expand_as(kept)[held]
+        picked = kept.clamp(min=0)[..., None].expand(-1, -1, -1, keys.shape[-1])
+        self.kept_keys, self.kept_values = (
+            t.new_zeros(t.shape[0], slots, t.shape[-1]).index_put_((rows, slot[held]), t.gather(2, picked)[held])
+            for t in (keys, values))
+        heads = torch.arange(kept.shape[1], device=keys.device)
+        slot_heads = kept.new_full((keys.shape[0], slots), NO_POSITION).index_put_(
+            (rows, slot[held]), heads[:, None].expand_as(kept)[held])  # (batch, slots) the KV head of each slot
+        self.slot_hidden = slot_heads[:, None, None, :] != heads[:, None, None]
         self.kept, self.seen = kept, keys.shape[-2]
         # Fresh empty tensors, not keys[:, :, :0]: a zero-length view would keep the whole prompt's storage alive.
         self.keys = keys.new_empty(*keys.shape[:2], 0, keys.shape[-1])
         self.values = values.new_empty(*values.shape[:2], 0, values.shape[-1])
+        self._reserve: _Reserve | None = None
 
     def get_seq_length(self) -> int:
         """The longest head's length: what transformers sizes masks by (the compressor builds its own)."""
-        return max(len(k) for row in self.prompt_keys for k in row) + self.keys.shape[-2]
+        return self.kept.shape[-1] + self.keys.shape[-2]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.seen += key_states.shape[-2]
-        return super().update(key_states, value_states, *args, **kwargs)
+        new, count = self.keys.shape[-2], key_states.shape[-2]
+        reserve = self._reserve
+        if (reserve is None or reserve.used != new or new + count > reserve.keys.shape[-2]
+                or (reserve.keys.is_inference() and not torch.is_inference_mode_enabled())):
+            reserve = self._reserve = self._grown(max(16, 2 * (new + count)))
+        reserve.keys[:, :, new:new + count] = key_states
+        reserve.values[:, :, new:new + count] = value_states
+        reserve.used = new + count
+        self.keys, self.values = reserve.keys[:, :, :new + count], reserve.values[:, :, :new + count]
+        self.seen += count
+        return self.keys, self.values
+
+    def _grown(self, capacity: int) -> _Reserve:
+        """A reserve of its own with room for `capacity` tokens per head, holding this layer's appended ones."""
+        room = (*self.keys.shape[:2], capacity, self.keys.shape[-1])
+        keys, values = self.keys.new_empty(room), self.values.new_empty(room)
+        new = self.keys.shape[-2]
+        keys[:, :, :new], values[:, :, :new] = self.keys, self.values
+        return _Reserve(keys, values, new)
 
     @property
     def positions(self) -> torch.Tensor:
         """(batch, kv_heads, widest + new) position of every slot, NO_POSITION where a head has none."""
         return torch.cat([self.kept, _new_positions(self.kept, self.seen - self.keys.shape[-2], self.keys.shape[-2])], -1)
 
+    @property
+    def prompt_keys(self) -> list[list[torch.Tensor]]:
+        """prompt_keys[b][h]: (kept_bh, head_dim) the kept keys of batch row b, KV head h: views, no copy."""
+        return self._per_head(self.kept_keys)
+
+    @property
+    def prompt_values(self) -> list[list[torch.Tensor]]:
+        """prompt_values[b][h]: (kept_bh, head_dim), as prompt_keys."""
+        return self._per_head(self.kept_values)
+
+    def _per_head(self, slots: torch.Tensor) -> list[list[torch.Tensor]]:
+        counts = (self.kept >= 0).sum(-1).tolist()
+        return [[row.narrow(0, start, n) for start, n in zip(accumulate([0, *heads[:-1]]), heads)]
+                for row, heads in zip(slots, counts)]
+
     def nbytes(self) -> int:
-        prompt = sum(t.nbytes for rows in (self.prompt_keys, self.prompt_values) for row in rows for t in row)
-        return prompt + self.keys.nbytes + self.values.nbytes
+        return self.kept_keys.nbytes + self.kept_values.nbytes + self.keys.nbytes + self.values.nbytes
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(_ROLLBACK_REFUSED)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(_REBATCH_REFUSED)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(_REBATCH_REFUSED)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(_REBATCH_REFUSED)
+
+
+_REBATCH_REFUSED = ("a head-wise (ragged) compressed cache cannot reorder or select its batch rows (beam search, "
+                    "contrastive search): use plain greedy or sampled generation")
 
 
 def headwise_attention(layer: HeadwiseLayer, query: torch.Tensor, settings: AttentionSettings) -> torch.Tensor:
     """Attention of `query` (batch, heads, rows, head_dim), the last `rows` tokens of the layer, over each head's
     kept prompt positions (all visible) and the tokens since (causal). Returns (batch, rows, heads, head_dim), as
-    transformers' attention functions do. Each (batch row, KV head) is one small softmax in float32."""
-    batch, heads, rows, _ = query.shape
-    kv_heads = layer.keys.shape[1]
-    group = heads // kv_heads
-    new = layer.keys.shape[-2]
-    hidden = hidden_future(rows, new, query.device)  # over the appended tokens: the prompt's are all visible
-    out = torch.empty_like(query)
-    for b in range(batch):
-        for h in range(kv_heads):
-            q = query[b, h * group:(h + 1) * group].float()  # (group, rows, head_dim)
-            keys = torch.cat([layer.prompt_keys[b][h], layer.keys[b, h]]).float()  # (kept_bh + new, head_dim)
-            values = torch.cat([layer.prompt_values[b][h], layer.values[b, h]]).float()
-            logits = q @ keys.T * settings.scaling  # (group, rows, kept_bh + new)
-            if settings.softcap is not None:
-                logits = settings.softcap * torch.tanh(logits / settings.softcap)
-            if new:
-                logits[..., -new:] = logits[..., -new:].masked_fill(hidden, float("-inf"))
-            out[b, h * group:(h + 1) * group] = (F.softmax(logits, dim=-1) @ values).to(query.dtype)
-    return out.transpose(1, 2)
+    transformers' attention functions do.
+
+    One product per batch row serves all its heads: every query row scores every cache slot of its row, and the
+    slots of other KV heads are masked out before the softmax. That costs kv_heads times the multiply-adds of a
+    per-head softmax but reads each key once, in a handful of batched operations whatever the number of heads;
+    decoding is bound by reading the cache, not by those multiply-adds. The logits take
+    (batch, heads, rows, slots + new) float32, slots being about kv_heads times a head's budget. Precision is
+    transformers' eager attention's: products in the model's dtype, softmax in float32.
+    """
+    batch, heads, rows, head_dim = query.shape
+    kv_heads, slots, new = layer.keys.shape[1], layer.kept_keys.shape[1], layer.keys.shape[-2]
+    query = query.reshape(batch, kv_heads, heads // kv_heads * rows, head_dim)  # a KV head's query heads, then rows
+    logits = torch.cat([
+        (query.flatten(1, 2) @ layer.kept_keys.mT).view(batch, kv_heads, -1, slots),  # (batch, kv_heads, group * rows, slots)
+        query @ layer.keys.mT,  # (batch, kv_heads, group * rows, new)
+    ], -1).float() * settings.scaling
+    if settings.softcap is not None:
+        logits = settings.softcap * torch.tanh(logits / settings.softcap)
+    logits[..., :slots].masked_fill_(layer.slot_hidden, float("-inf"))
+    logits[..., slots:].unflatten(2, (-1, rows)).masked_fill_(hidden_future(rows, new, query.device), float("-inf"))
+    probs = F.softmax(logits, dim=-1).to(layer.kept_values.dtype)
+    out = (probs[..., :slots].flatten(1, 2) @ layer.kept_values).view(query.shape) + probs[..., slots:] @ layer.values
+    return out.view(batch, heads, rows, head_dim).transpose(1, 2).to(query.dtype)
 
 
 def fork(cache: DynamicCache) -> DynamicCache:
-    """A new cache over the same tensors, without copying: every layer type grows by concatenation and
-    slicing, never in place, so decoding on the fork leaves `cache` as it was and forks can share it."""
+    """A new cache over the same tensors, without copying: layers grow by concatenation and slicing, or (a
+    HeadwiseLayer) write only into reserved room past every fork's tokens, so decoding on the fork leaves
+    `cache` as it was and forks can share it."""
     forked = DynamicCache()
     forked.layers = [copy.copy(layer) for layer in cache.layers]
     return forked
