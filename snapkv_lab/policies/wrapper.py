@@ -21,6 +21,11 @@ from .snapkv import SnapKV
 SHARED = ("capacity", "window_size", "per_query_head")  # set on the inner policy by the wrapper
 
 
+def _inner(name: str) -> property:
+    """A wrapper's read-only attribute that is its inner policy's."""
+    return property(lambda self: getattr(self.policy, name), doc=f"The inner policy's `{name}`.")
+
+
 @dataclass
 class Wrapper(Policy):
     """Base of wrappers: `policy` scores, the subclass decides what is kept from its ranking."""
@@ -40,25 +45,11 @@ class Wrapper(Policy):
         self.policy = dataclasses.replace(self.policy, **{name: getattr(self, name) for name in SHARED})
 
     # Everything the inner policy decides about scoring is the wrapper's too.
-    @property
-    def accumulates(self) -> bool:
-        return self.policy.accumulates
-
-    @property
-    def extra_passes(self) -> int:
-        return self.policy.extra_passes
-
-    @property
-    def scores_query_heads(self) -> bool:
-        return self.policy.scores_query_heads
-
-    @property
-    def voters(self) -> int:
-        return self.policy.voters
-
-    @property
-    def scoring_key(self) -> str:
-        return self.policy.scoring_key
+    accumulates = _inner("accumulates")
+    extra_passes = _inner("extra_passes")
+    scores_query_heads = _inner("scores_query_heads")
+    voters = _inner("voters")
+    scoring_key = _inner("scoring_key")
 
     def score(self, call: AttentionCall):
         return self.policy.score(call)
