@@ -43,6 +43,9 @@ VARIANTS = {
     "AdaKV": {"force-then-compete safeguard (kvpress; former default)": dict(allocation="safeguard")},
     "ChunkKV": {"per head, exact budget (former default)": dict(per_head=True, exact_budget=True)},
     "RandomKeep": {"kvpress's draw, no window": dict(layer_seeds=False, window_size=0)},
+    "ExpectedAttention": {"window 32 (former default)": dict(window_size=32)},
+    "KVzip": {"uniform budget per layer and KV head (official pair-uniform)": dict(allocation="uniform"),
+              "kvpress's (4 sink tokens, chunks of 2048)": dict(sinks=4, chunk_size=2048)},
 }
 
 

@@ -17,7 +17,7 @@ ROWS: one per method both projects have. Where both follow the same definition, 
 where a difference remains by design, the row sets our documented variant parameter to kvpress's choice, so
 that every gap left is a named parameter. SnapKV-family rows give both sides kvpress's window_size 64 and
 kernel_size 5. A row may rely on what our policies do not do yet (Row.pending, Row.expect): it is then
-*pending*, reported but never asserted, and measured with the nearest configuration today's code builds.
+*pending*, reported but never asserted.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class Row:
         ("" once it has landed: delete the text then).
     expect: fields of our built policy the row relies on, by dotted path ("policy.sinks"), with the values the
         target API gives them (new defaults included): until our policy has them the row is pending too.
-    today: the policy a pending row measures when `ours` cannot be built today (default: `ours` itself).
     """
 
     label: str
@@ -61,7 +60,6 @@ class Row:
     why: str
     pending: str = ""
     expect: dict = field(default_factory=dict)
-    today: str = ""
 
 
 ROWS = [
@@ -87,14 +85,13 @@ ROWS = [
         "SnapKV's scores (as the SnapKV row), kvpress's layer budgets by design (pyramidkv_press.py:70-86): ours "
         "schedule='kvpress'. The smallest, n_kept / beta = 12.5, is below the window, so kvpress falls back to a "
         "flat round(n * (1 - ratio)) = 250 (:79-81), as ours.",
-        expect={"schedule": "kvpress"}, today=f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL})"),
+        expect={"schedule": "kvpress"}),
     Row("PyramidKV beta=3", f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, beta=3, "
         "schedule='kvpress')",
         f"PyramidKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL}, beta=3)",
         "As the row above with beta 3, where kvpress's pyramid applies: the smallest layer budget 250 / 3 = 83 holds "
         "the window; layer totals round(max_num - l * steps), 417 down to 83 (pyramidkv_press.py:72-86).",
-        expect={"schedule": "kvpress"},
-        today=f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, beta=3)"),
+        expect={"schedule": "kvpress"}),
     Row("AdaKV", f"AdaKV(policy={SNAP}, window_size={WINDOW}, allocation='safeguard')", f"AdaKVPress(press={SNAP_PRESS})",
         "kvpress's allocation by design (ours allocation='safeguard'): each head's top int(alpha * n_kept) scores "
         "first, then one top-k of kv_heads * n_kept over the layer's heads (adakv_press.py:64-80), the window "
@@ -131,18 +128,17 @@ ROWS = [
         "340-360); the head's positions after the sinks are never scored (0 from :236-248: evicted first), the sinks "
         "always kept (:376); no window. kvpress's default layerwise=False keeps the highest scores over all layers and heads "
         "at once (:383-387), as the official _threshold (snu-mllab/KVzip attention/score.py).",
-        expect={"sinks": 4, "chunk_size": 2048, "window_size": 0}, today="KVzip(window_size=0)"),
+        expect={"sinks": 4, "chunk_size": 2048, "window_size": 0}),
     Row("KVzip layerwise", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048), alpha_safeguard=0.0)",
         "KVzipPress(compression_ratio={ratio}, layerwise=True)",
         "As the row above, but layerwise=True evicts the lowest kv_heads * n * ratio scores of each layer over its "
         "heads (kvzip_press.py:380-405): AdaKV's top-k over the heads, with no safeguard (KVzip has none, :372).",
-        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "window_size": 0},
-        today="AdaKV(policy=KVzip(), alpha_safeguard=0.0, window_size=0)"),
+        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "window_size": 0}),
     Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), window_size=0, allocation='safeguard')",
         "AdaKVPress(press=ExpectedAttentionPress(compression_ratio={ratio}))",
         "AdaKV's allocation (as the AdaKV row) over Expected Attention's scores (as its row), no window: kvpress's "
         "safeguard int(0.2 * n_kept) = 50 per head (adakv_press.py:66), the 4 sinks among them, is ours "
-        "int(0.2 * (capacity - window)) = 50, as there is no window.", expect={"allocation": "safeguard"}),
+        "max(0, int(0.2 * capacity) - window) = 50, as there is no window.", expect={"allocation": "safeguard"}),
     Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}, allocation='safeguard'), window_size={WINDOW})",
         f"CriticalAdaKVPress(press={SNAP_PRESS})",
         "AdaKV's head budgets (as the AdaKV row, criticalkv_press.py:153-171), then CriticalKV's two stages inside "
@@ -201,21 +197,14 @@ def field_path(policy, path: str):
 
 
 def our_policy(row: Row, capacity: int):
-    """(policy to measure, pending reason or None). A pending row measures `ours` if it builds today, else
-    `today`; a row that is not pending must build as written."""
+    """(policy to measure, pending reason or None): every row builds as written; it is pending while it says so
+    or while the built policy lacks a field value of `expect`."""
     reasons = [row.pending] if row.pending else []
-    try:
-        policy = build(row.ours, capacity)
-    except (TypeError, ValueError) as err:
-        if not row.expect or not row.today:
-            raise
-        reasons.append(f"{row.ours} does not build today ({err})")
-        policy = build(row.today, capacity)
-    else:
-        for path, want in row.expect.items():
-            have = field_path(policy, path)
-            if have != want:
-                reasons.append(f"needs {path}={want!r} (today: {'absent' if have is _ABSENT else repr(have)})")
+    policy = build(row.ours, capacity)
+    for path, want in row.expect.items():
+        have = field_path(policy, path)
+        if have != want:
+            reasons.append(f"needs {path}={want!r} (today: {'absent' if have is _ABSENT else repr(have)})")
     return policy, "; ".join(reasons) or None
 
 

@@ -13,7 +13,7 @@ Columns: jaccard = |ours & theirs| / |ours | theirs| of the kept position sets o
 jaccard_mean over every (layer, KV head); jaccard_min_layer the worst layer's mean over its KV heads;
 identical_layers the fraction of layers whose sets are equal in every KV head; kept_ours / kept_theirs the
 positions kept per KV head (mean; min-max when budgets vary by layer or head); status "ok", or "pending: what
-our target API still lacks" (then `ours` is the nearest configuration today's code builds, measured anyway).
+our side still lacks" (measured anyway, never asserted).
 """
 
 from __future__ import annotations
