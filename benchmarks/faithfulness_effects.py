@@ -40,7 +40,7 @@ VARIANTS = {
              "last token protected (kvpress)": dict(window_size=1)},
     "KNorm": {"window 32 (former default)": dict(window_size=32)},
     "PyramidKV": {"window 32": dict(window_size=32), "kvpress's schedule": dict(schedule="kvpress")},
-    "AdaKV": {"force-then-compete safeguard (kvpress; former default)": dict(allocation="safeguard")},
+    "AdaKV": {"force-then-compete safeguard (kvpress)": dict(allocation="safeguard")},
     "ChunkKV": {"per head, exact budget (former default)": dict(per_head=True, exact_budget=True)},
     "RandomKeep": {"kvpress's draw, no window": dict(layer_seeds=False, window_size=0)},
     "ExpectedAttention": {"window 32 (former default)": dict(window_size=32)},
