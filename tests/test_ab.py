@@ -164,7 +164,9 @@ def test_compare_from_one_prefill_equals_generate(byte_tokenizer):
     g = torch.Generator().manual_seed(12)
     prompt = torch.randint(2, 256, (90,), generator=g).tolist()
     questions = [torch.randint(2, 256, (9,), generator=g).tolist() for _ in range(2)]
-    policies = [FullCache(), SnapKV(capacity=40, window_size=8), SnapKV(capacity=40, window_size=16), H2O(capacity=0.5, window_size=8)]
+    # AdaKV: ragged head-wise layers, built under inference mode, then fed the question outside it
+    policies = [FullCache(), SnapKV(capacity=40, window_size=8), SnapKV(capacity=40, window_size=16), H2O(capacity=0.5, window_size=8),
+                sl.AdaKV(capacity=40, window_size=8)]
     table = compare(model, byte_tokenizer, [[prompt], {"prompt": [prompt], "question": questions, "name": "many"}],
                     policies=policies, max_new_tokens=5, progress=False)
     assert len(table) == len(policies) * 3 and table.policy.nunique() == len(policies)

@@ -143,6 +143,7 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
     return results if many else results[0]
 
 
+@torch.inference_mode()  # the state was built in inference mode: its tensors cannot meet autograd
 def answers(model, tokenizer, state: CompressionState, logits, ids, questions, extras, prefill_seconds: float,
             max_new_tokens: int, stop=None) -> list[GenerationResult]:
     """Decode after a prefill of ids (batch, n) compressed into `state`: once per question (its text or None, its
