@@ -192,10 +192,10 @@ def test_notebook_01_in_jupyterlab(browser, jupyterlab):
     assert errors == []
     assert all(c["execution_count"] for c in cells if c["cell_type"] == "code")
 
-    page.wait_for_selector(".jp-OutputArea .main-svg", timeout=60_000)  # the plotly heatmap, drawn
+    page.wait_for_selector(".jp-OutputArea .main-svg", timeout=180_000)  # the plotly heatmap, drawn
     explorer = page.locator(".jp-OutputArea .widget-vbox").filter(has=page.locator(".main-svg")).first
     title = explorer.locator(".gtitle")
-    title.wait_for(timeout=60_000)
+    title.wait_for(timeout=180_000)
     before = title.text_content()
     assert before.startswith("layer 14, head 3"), before  # the explorer starts at the notebook's map
     explorer.locator(".widget-dropdown", has_text="layer").locator("select").select_option(label="0")
