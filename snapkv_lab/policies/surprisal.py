@@ -1,9 +1,9 @@
 """Surprisal: keep what the context could not predict, pooled over a fact. Needs no question.
 
 Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; README "Why compression fails"):
-- Without the question, attention does not point at the needle: SnapKV's window (the context's last tokens) keeps
-  it only where it sits in the window, and KVzip's reconstruction attention keeps about half of the needles
-  (`--suites question-free`).
+- Without the question, SnapKV's window (the context's last tokens) keeps the needle only where it sits in the
+  window. (KVzip's reconstruction attention, as its authors define it, keeps 14 of 15: `--suites question-free`;
+  a former, simplified KVzip kept half, which is what this scorer was first built against.)
 - A needle is by construction what its context cannot predict: a sentence about a "special magic number" inside
   an essay, and a random value. The model's own next-token loss over the context (the surprisal that LLMLingua
   uses to drop predictable prompt tokens) is high on it with no question asked.
