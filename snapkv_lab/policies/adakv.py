@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import prefix_share
 from .wrapper import Wrapper
 
 ALLOCATIONS = ("paper", "safeguard")
@@ -52,7 +53,7 @@ class AdaKV(Wrapper):
         if self.allocation == "paper":
             return int(self.alpha_safeguard * share)
         window = self.policy.window(self.policy.layer_budget(n_tokens, layer, n_layers))
-        return max(0, int(self.alpha_safeguard * (share + window)) - window)
+        return prefix_share(self.alpha_safeguard, share, window)
 
     def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
         """The inner ranking; under allocation="safeguard", each head's own top floor(alpha b) positions raised to +inf

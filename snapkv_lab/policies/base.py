@@ -247,6 +247,13 @@ def top_positions(ranked: torch.Tensor, budgets: list[int], n_tokens: int) -> to
     return torch.stack(rows)
 
 
+def prefix_share(ratio: float, prefix_budget: int, window: int) -> int:
+    """kvpress's share int(ratio * B) of a head's whole budget B = prefix_budget + window, as prefix positions: its
+    scorers give the window the maximum score, so the window takes the first `window` of the share (AdaKVPress's
+    safeguard, CriticalKVPress's first stage)."""
+    return max(0, int(ratio * (prefix_budget + window)) - window)
+
+
 def with_window(picked: torch.Tensor, prefix_len: int, n_tokens: int) -> torch.Tensor:
     """(rows, k) picked prefix positions, then the window's positions prefix_len..n_tokens-1: (rows, k + window)."""
     window = torch.arange(prefix_len, n_tokens, device=picked.device).expand(picked.shape[0], -1)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..selection import votes_per_kv_head
-from .base import AttentionCall
+from .base import AttentionCall, prefix_share
 from .wrapper import Wrapper
 
 
@@ -105,7 +105,7 @@ class CriticalKV(Wrapper):
         window = n_tokens - first.shape[-1]
         second = (first + self.epsilon) * norms
         for row, budget in enumerate(budgets):  # each head's stage 1: a share of its whole budget, the window first
-            stage1 = first[row].topk(max(0, int(self.first_stage_ratio * (budget + window)) - window)).indices
+            stage1 = first[row].topk(prefix_share(self.first_stage_ratio, budget, window)).indices
             second[row, stage1] = math.inf
         return second
 
