@@ -141,8 +141,9 @@ class KVzip(Policy):
     """KVzip as its paper and official code run it (see module doc). Cost, paid in selection_seconds: one forward
     per chunk, each feed attending to the whole prompt (chunks x m x (n + m) attention entries: 2.9x a 4k
     prefill's n^2 / 2, 2.5x an 8k one's), then the scores, a softmax over [sinks, chunk, feed] per chunk; while a
-    chunk runs the cache also holds its feed (a fork, then dropped). Measured on SmolLM2 fp32, 2 shared CPU cores
-    (2026-11-24): the forwards alone 1.9-2.8x the prefill, with the scores 2.9-4.2x at 4k and 8k tokens. The paper
+    chunk runs the cache also holds its feed (a fork, then dropped). Measured on SmolLM2 fp32, 2 CPU cores
+    (2026-11-24, benchmarks/bench_policies.py on a quiet machine): 3.1x / 4.1x / 3.5x the prefill at 2k / 4k / 8k
+    tokens, the forwards alone 1.9-2.8x (measured beside other jobs). The paper
     reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly attention.
 
     chunk_size: context tokens reconstructed per forward (official 2000, wrapper.py:200; kvpress 2048).
