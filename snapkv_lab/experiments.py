@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 
 from .capture import capture
-from .chat import require_chat_template
+from .framing import resolve_framing
 from .figures import FigureSet, register
 from .inputs import check_context_length
 from .metrics import (MIN_SUPPORT, PARTS, THETA, SinkRule, metric_rows, selection_overlap, selection_vs_generation,
@@ -53,7 +53,7 @@ SELECTIONS = {"paper": dict(pooling=None, per_kv_head=False),
               "compressor": dict(pooling=SnapKV.pooling, kernel_size=SnapKV.kernel_size, per_kv_head=True)}
 DEFAULTS = dict(splits=SPLITS, samples=8, placement_documents=6, dependence_documents=4, questions=3,
                 obs_window=32, obs_windows=OBS_WINDOWS, prompt_window=128, n_windows=20, gen_window=64,
-                n_gen_windows=4, qa_new_tokens=48, modes=("generated",), p=TOP_P)
+                n_gen_windows=4, qa_new_tokens=48, modes=("generated",), p=TOP_P, framing=None)
 
 
 ORDER = ["layer", "head", "window", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks", *PARTS,
@@ -221,7 +221,8 @@ def chat_cell(model, tokenizer, config: dict) -> pd.DataFrame:
     which findings table a row belongs to ("a", or "b" for (b) rows of every variant)."""
     from .prompts import chat_prompt
 
-    prompt = chat_prompt(tokenizer, config["recipes"], split=config["split"], index=config["index"])
+    prompt = chat_prompt(tokenizer, config["recipes"], split=config["split"], index=config["index"],
+                         framing=config.get("framing"))
     new_tokens = config["gen_window"] * config["n_gen_windows"]
     _require(prompt.n_tokens, max(config["prompt_window"] * config["n_windows"], *config["obs_windows"]) + 1, prompt.name)
     tables = []
@@ -259,7 +260,8 @@ def placement_cell(model, tokenizer, config: dict) -> pd.DataFrame:
     """One document: (c), its question before and after it, per mode."""
     from .prompts import qa_prompt
 
-    prompts = {placement: qa_prompt(tokenizer, config["recipes"], config["essay"], config["question"], placement)
+    prompts = {placement: qa_prompt(tokenizer, config["recipes"], config["essay"], config["question"], placement,
+                                    config.get("framing"))
                for placement in ("front", "back")}
     traces = _qa_traces(model, tokenizer, prompts, config["modes"], config["new_tokens"])
     tables = [question_placement(placed, obs_window=config["obs_window"], p=config["p"], sink_rule=_sink_rule(config),
@@ -275,7 +277,8 @@ def dependence_cell(model, tokenizer, config: dict) -> pd.DataFrame:
     placements = ("back", "front") if "teacher-forced" in config["modes"] else ("back",)
     summaries: dict[str, list] = {mode: [] for mode in config["modes"]}
     for question in config["questions"]:
-        prompts = {placement: qa_prompt(tokenizer, config["recipes"], config["essay"], question, placement)
+        prompts = {placement: qa_prompt(tokenizer, config["recipes"], config["essay"], question, placement,
+                                        config.get("framing"))
                    for placement in placements}
         for mode, placed in _qa_traces(model, tokenizer, prompts, config["modes"], config["new_tokens"]).items():
             back = prompts["back"]
@@ -305,6 +308,8 @@ def findings_cells(options: dict, recipes: dict, model_name: str | None) -> dict
     o = _options(options)
     common = dict(model=model_name, modes=list(o["modes"]), p=o["p"], sink_rule=dict(first=SinkRule.first, share=SinkRule.share),
                   theta=THETA, min_support=MIN_SUPPORT)
+    if o["framing"] is not None:  # only an override keys the cells: chosen per model, the framing is the model's
+        common["framing"] = o["framing"]
     chat = dict(recipes={"seed": recipes["seed"], "chat": recipes["chat"]}, obs_windows=list(o["obs_windows"]),
                 prompt_window=o["prompt_window"], n_windows=o["n_windows"], gen_window=o["gen_window"],
                 n_gen_windows=o["n_gen_windows"], **common)
@@ -342,28 +347,29 @@ def findings_cell(model, tokenizer, config: dict) -> pd.DataFrame:
     return WORK[config["finding"]](model, tokenizer, config)
 
 
-def run_findings(model=None, tokenizer=None, *, data_dir="data", executor="local", ray_address=None,
+def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=None, executor="local", ray_address=None,
                  **options) -> dict[str, pd.DataFrame]:
     """Run every findings cell not yet stored (<data_dir>/cells/findings/) and write data/findings_{a,b,
     b_variants,c,d}.csv and data/findings_run.json.
 
     model: a model name for `models.load_model` (None: the bundled SmolLM2), loaded only if a cell is left to
     run; or a loaded model, with its `tokenizer`. options: see DEFAULTS (splits, samples, documents, window
-    sizes, new tokens, modes). executor / ray_address: see `sweep.run_cells`.
+    sizes, new tokens, modes, framing). recipes_path: the prompt recipes (default <data_dir>/prompt_recipes.json).
+    executor / ray_address: see `sweep.run_cells`.
     """
     from .prompts import load_recipes
     from .sweep import ResultStore, run_cells
 
     o = _options(options)
     data_dir = Path(data_dir)
-    recipes = load_recipes(data_dir / "prompt_recipes.json")
+    recipes = load_recipes(recipes_path or data_dir / "prompt_recipes.json")
     loaded = tokenizer is not None
     name = (model.config.name_or_path or type(model).__name__) if loaded else model
     cells = findings_cells(o, recipes, name)
     if loaded:
         _check_lengths(model, tokenizer, cells)
-    else:  # a model unfit for chat prompts is refused before any model loads or any cell is stored
-        require_chat_template(load_tokenizer(model))
+    else:  # a framing the model cannot take (chat without a template) is refused before any model loads
+        resolve_framing(load_tokenizer(model), o["framing"])
     store = ResultStore(data_dir / "cells" / "findings")
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), options={k: str(v) for k, v in o.items()},
                     model=name, seeds=[recipes["seed"]])
@@ -392,7 +398,7 @@ def _check_lengths(model, tokenizer, cells: dict) -> None:
 
     for cell in cells["ab"]:
         c = cell.config
-        prompt = chat_prompt(tokenizer, c["recipes"], split=c["split"], index=c["index"])
+        prompt = chat_prompt(tokenizer, c["recipes"], split=c["split"], index=c["index"], framing=c.get("framing"))
         new = c["gen_window"] * c["n_gen_windows"]
         check_context_length(model, prompt.n_tokens + new, what=f"prompt {prompt.name} with {new} new tokens")
 
@@ -435,7 +441,8 @@ def _recompute(options: dict) -> None:
     if options.get("executor") == "ray":
         import_ray()  # a missing Ray is said before any model loads
     split = options.get("split")
-    run_findings(options.get("model"), data_dir=options["data_dir"], executor=options.get("executor") or "local",
+    run_findings(options.get("model"), data_dir=options["data_dir"], recipes_path=options.get("recipes_path"),
+                 executor=options.get("executor") or "local", framing=options.get("framing"),
                  ray_address=options.get("ray_address"), samples=options.get("samples"), obs_window=options.get("obs_window"),
                  prompt_window=options.get("prompt_window"), gen_window=options.get("gen_window"),
                  splits=None if split in (None, "both") else (split,))

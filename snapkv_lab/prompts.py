@@ -1,11 +1,12 @@
 """Prompt sets built from real offline text, by recipe (names, sizes, seeds), never by stored copies.
 
-- chat: multi-turn chats in the model's chat template, over 3k tokens. Each turn asks about a Python
+- chat: multi-turn chats, over 3k tokens, in the model's chat template (turns as plain text with speaker labels
+  for a base model: framing.prompt_frame). Each turn asks about a Python
   documentation topic and the assistant turn holds that topic's real documentation text; the last turn
   asks for a long tutorial. Reference continuation (teacher forcing): another topic's text.
 - qa: a Paul Graham essay cut to `doc_tokens`, with several different questions, each placed before or
-  after the document. Token spans of the document and the question are exact: each part is tokenised
-  on its own and the chat template is wrapped around them.
+  after the document ("Question: ..." then "Answer:" for a base model). Token spans of the document and the
+  question are exact: each part is tokenised on its own and the frame is wrapped around them.
 
 Recipes live in data/prompt_recipes.json with a dev split (used while building the experiments) and a
 held-out split (kept apart); `snapkv-lab figures --recompute` runs both and reports each on its own. Prompt i of a
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .chat import chat_ids
+from .framing import framed_ids, prompt_frame
 from .corpus import paul_graham_essays, pydoc_topics, pydoc_topics_checksum
 from .tokens import encode
 
@@ -94,10 +95,10 @@ def _check_pydoc(recipe: dict) -> None:
                       "committed tables", stacklevel=3)
 
 
-def chat_prompt(tokenizer, recipes: dict, *, split: str = "dev", index: int = 0) -> Prompt:
+def chat_prompt(tokenizer, recipes: dict, *, split: str = "dev", index: int = 0, framing: str | None = None) -> Prompt:
     """Multi-turn chat number `index` of a split (> 3k tokens with the default recipe), ending in a request for a
     long answer. Its topics are drawn by a generator seeded with (seed, split, index) alone, so any prompt is
-    rebuilt without the others."""
+    rebuilt without the others. framing: see framing.prompt_frame (None: chat template, else plain text)."""
     recipe, topics = recipes["chat"], pydoc_topics()
     _check_pydoc(recipe)
     rng = random.Random(f"{recipes['seed']}:chat:{split}:{index}")
@@ -106,35 +107,37 @@ def chat_prompt(tokenizer, recipes: dict, *, split: str = "dev", index: int = 0)
     for name in chosen[:-1]:
         history += [{"role": "user", "content": f"Explain the Python topic '{name}'."},
                     {"role": "assistant", "content": tokenizer.decode(_cut(tokenizer, topics[name], recipe["turn_tokens"]))}]
-    ids, spans = chat_ids(tokenizer, history, [("request", CHAT_REQUEST)])
+    ids, spans = framed_ids(tokenizer, history, [("request", CHAT_REQUEST)], framing)
     reference = tokenizer.decode(_cut(tokenizer, topics[chosen[-1]], recipe["continuation_tokens"]))
     return Prompt(f"chat-{split}-{index}", ids, spans, continuation=reference)
 
 
-def chat_prompts(tokenizer, recipes: dict, *, split: str = "dev", samples: int = 2) -> list[Prompt]:
+def chat_prompts(tokenizer, recipes: dict, *, split: str = "dev", samples: int = 2, framing: str | None = None) -> list[Prompt]:
     """The first `samples` chats of a split (see `chat_prompt`)."""
-    return [chat_prompt(tokenizer, recipes, split=split, index=i) for i in range(samples)]
+    return [chat_prompt(tokenizer, recipes, split=split, index=i, framing=framing) for i in range(samples)]
 
 
-def qa_prompt(tokenizer, recipes: dict, essay: str, question: int, placement: str = "back") -> Prompt:
-    """An essay cut to the recipe's doc_tokens, with question number `question` before or after it."""
+def qa_prompt(tokenizer, recipes: dict, essay: str, question: int, placement: str = "back",
+              framing: str | None = None) -> Prompt:
+    """An essay cut to the recipe's doc_tokens, with question number `question` before or after it (labelled
+    "Question: " in plain framing)."""
     if placement not in ("front", "back"):
         raise ValueError(f"placement must be 'front' or 'back', got {placement!r}")
     recipe = recipes["qa"]
     doc = _cut(tokenizer, paul_graham_essays()[essay], recipe["doc_tokens"])
-    text = recipe["questions"][question]
+    text = prompt_frame(tokenizer, framing=framing).question + recipe["questions"][question]
     parts = [("document", doc), ("question", "\n\n" + text)]
     if placement == "front":
         parts = [("question", text + "\n\n"), ("document", doc)]
-    ids, spans = chat_ids(tokenizer, [], parts)
+    ids, spans = framed_ids(tokenizer, [], parts, framing)
     return Prompt(f"qa-{essay}-q{question}-{placement}", ids, spans)
 
 
 def qa_prompts(tokenizer, recipes: dict, *, split: str = "dev", documents: int = 1, questions: int = 3,
-               placement: str = "back") -> list[Prompt]:
+               placement: str = "back", framing: str | None = None) -> list[Prompt]:
     """Essay + question prompts: the split's first `documents` essays x `questions` questions, question before
     or after."""
     if placement not in ("front", "back"):
         raise ValueError(f"placement must be 'front' or 'back', got {placement!r}")
-    return [qa_prompt(tokenizer, recipes, essay, q, placement)
+    return [qa_prompt(tokenizer, recipes, essay, q, placement, framing)
             for essay in recipes["qa"][split][:documents] for q in range(questions)]

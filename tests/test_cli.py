@@ -92,15 +92,17 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
     assert main(["figures", "--recompute", "--only", "findings", "--samples", "1", "--split", "heldout",
                  "--data-dir", str(tmp_path)]) == 0
     assert calls.pop() == ("draw", (str(tmp_path), "figures"), dict(
-        recompute=True, only=["findings"], options=dict(model=None, samples=1, obs_window=None, prompt_window=None,
+        recompute=True, only=["findings"], options=dict(model=None, framing=None, samples=1, obs_window=None, prompt_window=None,
                                                         gen_window=None, split="heldout",
                                                         executor="local", ray_address=None)))
     assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines",
-                 "--suites", "needle", "ruler"]) == 0
-    assert calls == [("needle", dict(data_dir="data", model="some/model", samples=None, first_sample=0, lengths=[1000],
+                 "--suites", "needle", "ruler", "--framing", "plain"]) == 0
+    # another model than the default writes its own folder: data/<model>/ (a hub id's "/" as "--")
+    assert calls == [("needle", dict(data_dir=Path("data") / "some--model", model="some/model", framing="plain",
+                                     samples=None, first_sample=0, lengths=[1000],
                                      depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"],
                                      policies=None, capacities=None, modes=None, executor="local", ray_address=None)),
-                     ("draw", ("data", "figures"), dict(only=["pressure"]))]
+                     ("draw", ("data", "figures"), dict(only=["pressure"], options=dict(model="some/model")))]
 
 
 def test_needle_refuses_bad_grid_options_before_any_model_runs(monkeypatch, capsys):

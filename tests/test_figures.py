@@ -11,7 +11,7 @@ def fake_sets(monkeypatch, tmp_path):
     calls = []
     sets = {
         name: FigureSet(name=name, recompute=lambda options, name=name: calls.append(("recompute", name, options)),
-                        draw=lambda data, out, name=name: calls.append(("draw", name)) or [out / f"{name}.png"],
+                        draw=lambda data, out, name=name: calls.append(("draw", name, data, out)) or [out / f"{name}.png"],
                         recompute_by_default=name != "slow")
         for name in ("quick", "slow")
     }
@@ -22,7 +22,7 @@ def fake_sets(monkeypatch, tmp_path):
 def test_plain_recompute_skips_long_sets_but_draws_them(fake_sets, tmp_path, capsys):
     written = make_figures(tmp_path, tmp_path / "figs", recompute=True, options={"samples": 2})
     assert [c[:2] for c in fake_sets] == [("recompute", "quick"), ("draw", "quick"), ("draw", "slow")]
-    assert fake_sets[0][2] == {"samples": 2, "data_dir": tmp_path}
+    assert fake_sets[0][2] == {"samples": 2, "data_dir": tmp_path, "recipes_path": tmp_path / "prompt_recipes.json"}
     assert [p.name for p in written] == ["quick.png", "slow.png"]
     assert "--recompute --only slow" in capsys.readouterr().err
 
@@ -37,6 +37,26 @@ def test_redraw_only_and_unknown_names(fake_sets, tmp_path):
     assert [c[:2] for c in fake_sets] == [("draw", "quick"), ("draw", "slow")]
     with pytest.raises(ValueError, match="unknown figure sets"):
         make_figures(tmp_path, tmp_path, only=["nope"])
+
+
+def test_each_model_has_its_own_folders_and_a_plain_redraw_draws_every_model(fake_sets, tmp_path):
+    """Another model than the default recomputes into data/<model>/ and figures/<model>/ (the recipes stay the
+    shared data/prompt_recipes.json); a plain redraw draws the default model's tables and every model folder's."""
+    data, figs = tmp_path / "data", tmp_path / "figs"
+    make_figures(data, figs, recompute=True, only=["quick"], options={"model": "gemma3-270m"})  # an alias
+    assert fake_sets == [("recompute", "quick", {"model": "gemma3-270m", "data_dir": data / "gemma-3-270m",
+                                                 "recipes_path": data / "prompt_recipes.json"}),
+                         ("draw", "quick", data / "gemma-3-270m", figs / "gemma-3-270m")]
+    fake_sets.clear()
+    (data / "gemma-3-270m").mkdir(parents=True)
+    (data / "gemma-3-270m" / "findings_a.csv").write_text("x\n1\n")
+    (data / "cells").mkdir()  # not a model's folder: it holds no table
+    make_figures(data, figs, only=["quick"])
+    assert [c[2:] for c in fake_sets] == [(data, figs), (data / "gemma-3-270m", figs / "gemma-3-270m")]
+    fake_sets.clear()
+    make_figures(data, figs, only=["quick"], options={"model": "SmolLM2-135M-Instruct"})  # the default, by name
+    assert [c[2:] for c in fake_sets] == [(data, figs)]
+    assert figures.folder_name("meta-llama/Llama-3.1-8B") == "meta-llama--Llama-3.1-8B"
 
 
 def test_html_figures_are_reproducible(tmp_path):

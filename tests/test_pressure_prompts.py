@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from snapkv_lab.chat import chat_frame
+from snapkv_lab.framing import chat_frame
 from snapkv_lab.inputs import check_context_length, encode_prompt
 from snapkv_lab.models import bundled_checkpoint
 from snapkv_lab.pressure import Context, Query, lines_context, needle_context, run_retrieval
@@ -150,21 +150,36 @@ def test_lines_context_in_any_template(case):
     assert max(len(ids) + len(q.question_ids) for q in ctx.queries) <= 700
 
 
-def test_a_tokenizer_without_chat_template_gets_a_clear_error(digits_tokenizer):
+def test_a_tokenizer_without_chat_template_gets_plain_text_framing(digits_tokenizer):
+    """A base model's prompts: the context, then "Question: ..." and "Answer:" with the answer's opening words;
+    spans as exact as in a chat template. Chat framing asked of it is refused, naming the model."""
     plain = digit_merging_tokenizer()
     plain.chat_template = None
-    for build in (lambda: needle_context(plain, 600, 0.5), lambda: lines_context(plain, 700)):
-        with pytest.raises(ValueError, match="'tiny-digit-merging-bpe' has no chat template.*set tokenizer.chat_template"):
+    ctx = needle_context(plain, 600, 0.5, sample=1)
+    query, key = ctx.queries[0], ctx.queries[0].meta["key"]
+    assert len(ctx.context_ids) + len(query.question_ids) == 600
+    assert plain.decode(query.question_ids) == (f"\n\nQuestion: What is the special magic number for {key} mentioned "
+                                                f"in the provided text?\nAnswer: The special magic number for {key} "
+                                                "mentioned in the provided text is")
+    assert plain.decode(ctx.context_ids[query.span[0]:query.span[1]]).startswith(" One of the special magic numbers")
+    assert_minimal_span(plain, ctx.context_ids, query.value_span, query.answer)
+    lines = lines_context(plain, 700, n_queries=2)
+    assert plain.decode(lines.context_ids).startswith("Below is a record of lines")
+    assert plain.decode(lines.queries[0].question_ids).startswith("\nQuestion: Now the record is over.")
+    for build in (lambda: needle_context(plain, 600, 0.5, framing="chat"), lambda: lines_context(plain, 700, framing="chat")):
+        with pytest.raises(ValueError, match="'tiny-digit-merging-bpe' has no chat template.*framing='plain'"):
             build()
-    with pytest.raises(ValueError, match="'tiny-digit-merging-bpe' has no chat template"):
-        encode_prompt(plain, [{"role": "user", "content": "Hello"}])
+    assert plain.decode(encode_prompt(plain, [{"role": "user", "content": "Hello"}])[0]) == "Hello\nAnswer:"
     ids = encode_prompt(digits_tokenizer, [{"role": "user", "content": "Hello"}])
     assert digits_tokenizer.decode(ids[0]) == DIGITS_HEAD + "Hello" + DIGITS_TAIL
+    # A chat model can be framed as plain text too, on request.
+    forced = needle_context(digits_tokenizer, 600, 0.5, sample=1, framing="plain")
+    assert forced.queries[0].question_ids == query.question_ids and not digits_tokenizer.decode(forced.context_ids).startswith(DIGITS_HEAD)
     with pytest.raises(ValueError, match="no room for a haystack"):
         needle_context(digits_tokenizer, 30, 0.5)
 
 
-def test_cli_needle_and_figures_with_a_template_less_model_fail_before_running(tmp_path, capsys):
+def test_cli_chat_framing_of_a_template_less_model_fails_before_running(tmp_path, capsys):
     from snapkv_lab.cli import main
 
     folder = tmp_path / "plain-model"
@@ -174,7 +189,8 @@ def test_cli_needle_and_figures_with_a_template_less_model_fail_before_running(t
     plain.save_pretrained(folder)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "prompt_recipes.json").write_text(open("data/prompt_recipes.json").read())
-    common = ["--model", str(folder), "--data-dir", str(tmp_path / "data"), "--figures-dir", str(tmp_path / "figures")]
+    common = ["--model", str(folder), "--data-dir", str(tmp_path / "data"), "--figures-dir", str(tmp_path / "figures"),
+              "--framing", "chat"]
     with pytest.raises(ValueError, match=f"{folder}' has no chat template"):
         main(["needle", *common])
     # figures says a refused option on stderr with exit status 2, as argparse does

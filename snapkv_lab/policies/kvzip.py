@@ -7,7 +7,7 @@ snu-mllab/KVzip @5d84729 (cited as file:line):
 
 - System prompt: the official prefill is [system prompt (template prefix), context] (model/wrapper.py:181-182);
   the system prompt is never evicted (attention/kvcache.py:27-38, :140-150) and is the softmax's sink keys
-  (attention/score.py:47). Here: the chat template's head (`chat.chat_frame`) when the prompt starts with it,
+  (attention/score.py:47). Here: the chat template's head (`framing.chat_frame`) when the prompt starts with it,
   else the prompt's first 4 tokens stand in for it (kvpress's n_sink). `sinks=n`: kvpress's rule (KVzipPress).
 - Reconstruction (model/wrapper.py:197-221): the context in chunks of 2000 tokens; chunk 0 is fed after
   "\\n\\nRepeat the previous context exactly." and the template's suffix (end of the user turn, assistant
@@ -46,7 +46,7 @@ import torch
 from einops import rearrange
 
 from ..attention import BLOCK_ELEMENTS, AttentionSettings
-from ..chat import chat_frame
+from ..framing import chat_frame
 from ..hooks import intercept_attention
 from ..tokens import encode
 from .base import Policy, top_positions

@@ -167,22 +167,24 @@ def grid_cells(options: dict) -> dict[str, list]:
         config = dict(model=options.get("model"), policies=[policy_config(p) for p in policies], capacities=capacities,
                       modes=list(suite.modes or modes or MODES), max_new_tokens=suite.max_new_tokens,
                       describe=suite.describe)
-        cells[name] = [Cell("pressure", dict(config, context=spec)) for spec in suite.contexts(options)]
+        # Only an override keys the cells: chosen per model (framing.prompt_frame), the framing is the model's.
+        framing = {"framing": options["framing"]} if options.get("framing") else {}
+        cells[name] = [Cell("pressure", dict(config, context={**spec, **framing})) for spec in suite.contexts(options)]
     return cells
 
 
 def _check_before_running(model_name, by_suite: dict[str, list]) -> None:
-    """Refuse bad grids before the first prefill: the shortest context of each suite is built here (a tokenizer
-    without a chat template, or a length with no room for the haystack, fails now), and the longest must fit
+    """Refuse bad grids before the first prefill: the shortest context of each suite is built here (chat framing asked of a
+    tokenizer without a chat template, or a length with no room for the haystack, fails now), and the longest must fit
     the model with its new tokens (each builder's n_tokens holds its questions). Skipped when the model cannot
     be read here (a Ray head node without it): the cells check the same things where they run."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..inputs import check_context_length
-    from ..models import bundled_checkpoint
+    from ..models import model_source
 
-    source = bundled_checkpoint() if model_name is None else model_name
     try:
+        source = model_source(model_name)
         config, tokenizer = AutoConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source)
     except OSError:
         return
@@ -197,7 +199,7 @@ def recompute(options: dict) -> None:
     """Run the suites in options["suites"] (default all: see SUITES) as cells stored in <data_dir>/cells/pressure/,
     skipping the cells already there, then write each suite's table (data/pressure_needle.csv, ...).
 
-    options: data_dir, model, suites, skip_lines, lengths, depths, samples, first_sample, lines_lengths,
+    options: data_dir, model, framing (None: the model's own, see framing.prompt_frame), suites, skip_lines, lengths, depths, samples, first_sample, lines_lengths,
     line_queries, policies (names from snapkv_lab.POLICIES), capacities, modes, executor ("local" or "ray") and
     ray_address (see sweep.run_cells).
     """

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from ..chat import chat_frame
+from ..framing import prompt_frame
 from ..corpus import haystack_ids
 from ..tokens import encode
 from .tasks import Context, Query, _fact, _question, _word_key, sentence_start
@@ -24,9 +24,9 @@ from .tasks import Context, Query, _fact, _question, _word_key, sentence_start
 TASKS = ("single", "multikey", "multivalue", "multiquery")
 VALUE_KINDS = ("number", "word", "uuid")
 NEEDLE = " One of the special magic {kind}s for {key} is: {value}. "
-QUESTION = "\n\nWhat is the special magic {kind} for {key} mentioned in the provided text?"
+QUESTION = "What is the special magic {kind} for {key} mentioned in the provided text?"
 ANSWER = "The special magic {kind} for {key} mentioned in the provided text is"
-QUESTION_ALL = "\n\nWhat are all the special magic {kind}s for {key} mentioned in the provided text?"
+QUESTION_ALL = "What are all the special magic {kind}s for {key} mentioned in the provided text?"
 ANSWER_ALL = "The special magic {kind}s for {key} mentioned in the provided text are"
 
 
@@ -39,7 +39,7 @@ def _value(rng: random.Random, kind: str) -> str:
 
 
 def ruler_context(tokenizer, n_tokens: int, task: str = "multikey", value_kind: str = "number", needles: int = 4,
-                  sample: int = 0) -> Context:
+                  sample: int = 0, framing: str | None = None) -> Context:
     """A haystack of n_tokens in all (the longest question included) holding `needles` facts (1 for single)."""
     if task not in TASKS or value_kind not in VALUE_KINDS:
         raise ValueError(f"task must be one of {TASKS} and value_kind one of {VALUE_KINDS}, got {task!r}, {value_kind!r}")
@@ -55,8 +55,8 @@ def ruler_context(tokenizer, n_tokens: int, task: str = "multikey", value_kind: 
     while len(values) < needles:
         value = _value(rng, value_kind)
         values += [value] if value not in values else []
-    chat_head, tail = chat_frame(tokenizer)
-    head = encode(tokenizer, chat_head)
+    frame = prompt_frame(tokenizer, framing=framing)
+    head = encode(tokenizer, frame.head)
     template = NEEDLE.replace("{kind}", value_kind)
     facts = [_fact(tokenizer, template, key, value) for key, value in zip(keys, values, strict=True)]
     if task == "multivalue":
@@ -64,11 +64,11 @@ def ruler_context(tokenizer, n_tokens: int, task: str = "multikey", value_kind: 
     else:
         targets = range(needles) if task == "multiquery" else [rng.randrange(needles)]
         asked = [(keys[i], [i], QUESTION, ANSWER) for i in targets]
-    questions = [_question(tokenizer, q.replace("{kind}", value_kind), tail, a.replace("{kind}", value_kind), key)
+    questions = [_question(tokenizer, q.replace("{kind}", value_kind), frame, a.replace("{kind}", value_kind), key)
                  for key, _, q, a in asked]
     room = n_tokens - len(head) - sum(len(ids) for ids, _ in facts) - max(len(q) for q in questions)
     if room < needles:
-        raise ValueError(f"a {task} context of {n_tokens} tokens leaves no room for a haystack: the chat template, "
+        raise ValueError(f"a {task} context of {n_tokens} tokens leaves no room for a haystack: the frame, "
                          f"{needles} needles and the longest question alone take {n_tokens - room}")
     hay = haystack_ids(tokenizer, room, start=sample * 7)
     cuts = [sentence_start(tokenizer, hay, round((i + 0.5) / needles * len(hay))) for i in range(needles)]

@@ -1,7 +1,8 @@
 """Retrieval tasks on real text: needle in a haystack, and LongEval-Lines-style key/value records.
 
-A context (the chat template's head and a haystack holding the facts) comes with one or more questions
-about it; each knows the token spans of its fact and of the answer's value, to measure what a cache kept.
+A context (the frame's head and a haystack holding the facts) comes with one or more questions about it;
+each knows the token spans of its fact and of the answer's value, to measure what a cache kept. The frame is the
+model's chat template, or plain text for a base model (framing.prompt_frame; `framing` overrides the choice).
 """
 
 from __future__ import annotations
@@ -10,19 +11,19 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from ..chat import chat_frame
+from ..framing import Frame, prompt_frame
 from ..corpus import haystack_ids
 from ..tokens import encode, token_span
 
-# The chat template comes from the tokenizer (chat.chat_frame): the context is the template's head and
-# the user's text; a question chunk is the question, the template's tail (end of the user turn and the
-# assistant's generation prompt) and the answer's first words, so that the next token is the value.
+# The context is the frame's head and the user's text; a question chunk is the question, the frame's tail (a chat
+# template's end of turn and generation prompt, or "\nAnswer:") and the answer's first words, so that the next
+# token is the value.
 NEEDLE = " One of the special magic numbers for {key} is: {value}. "
-NEEDLE_QUESTION = "\n\nWhat is the special magic number for {key} mentioned in the provided text?"
+NEEDLE_QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 NEEDLE_ANSWER = "The special magic number for {key} mentioned in the provided text is"
 LINE = "line {key}: REGISTER_CONTENT is <{value}>\n"
 LINES_HEAD = "Below is a record of lines I want you to remember. Each line begins with 'line <line index>' and contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. For each line index, memorize its corresponding <REGISTER_CONTENT>. At the end of the record, I will ask you to retrieve the corresponding <REGISTER_CONTENT> of a certain line index.\n\n"
-LINES_QUESTION = "\nNow the record is over. Tell me what is the <REGISTER_CONTENT> in line {key}? I need the number."
+LINES_QUESTION = "Now the record is over. Tell me what is the <REGISTER_CONTENT> in line {key}? I need the number."
 LINES_ANSWER = "The <REGISTER_CONTENT> in line {key} is <"
 
 
@@ -63,9 +64,9 @@ def _fact(tokenizer, template: str, key: str, value: str) -> tuple[list[int], tu
     return token_span(tokenizer, text, start, start + len(value))
 
 
-def _question(tokenizer, question: str, tail: str, answer: str, key: str) -> list[int]:
-    """The question chunk: question, the chat template's tail, and the answer's first words."""
-    return encode(tokenizer, question.format(key=key) + tail + answer.format(key=key))
+def _question(tokenizer, question: str, frame: Frame, answer: str, key: str, before: str = "\n\n") -> list[int]:
+    """The question chunk: `before`, the question (labelled in plain text), the frame's tail, the answer's first words."""
+    return encode(tokenizer, frame.ask(question.format(key=key), answer.format(key=key), before))
 
 
 def sentence_start(tokenizer, hay: list[int], at: int) -> int:
@@ -75,18 +76,18 @@ def sentence_start(tokenizer, hay: list[int], at: int) -> int:
     return at
 
 
-def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> Context:
+def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0, framing: str | None = None) -> Context:
     """A haystack of Paul Graham essays of n_tokens in all (question included), with one 7-digit needle
-    placed at `depth` (0 = first sentence, 1 = last), after a sentence end."""
+    placed at `depth` (0 = first sentence, 1 = last), after a sentence end. framing: see framing.prompt_frame."""
     rng = random.Random(f"needle-{sample}")
     key, value = _word_key(rng), str(rng.randint(1_000_000, 9_999_999))
-    chat_head, tail = chat_frame(tokenizer)
-    head = encode(tokenizer, chat_head)
+    frame = prompt_frame(tokenizer, framing=framing)
+    head = encode(tokenizer, frame.head)
     needle, value_at = _fact(tokenizer, NEEDLE, key, value)
-    question = _question(tokenizer, NEEDLE_QUESTION, tail, NEEDLE_ANSWER, key)
+    question = _question(tokenizer, NEEDLE_QUESTION, frame, NEEDLE_ANSWER, key)
     room = n_tokens - len(head) - len(needle) - len(question)
     if room < 1:
-        raise ValueError(f"a needle context of {n_tokens} tokens leaves no room for a haystack: the chat template, "
+        raise ValueError(f"a needle context of {n_tokens} tokens leaves no room for a haystack: the frame, "
                          f"needle and question alone take {n_tokens - room}")
     hay = haystack_ids(tokenizer, room, start=sample * 7)
     at = sentence_start(tokenizer, hay, round(depth * len(hay)))
@@ -97,13 +98,14 @@ def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0) -> C
     return Context(head + body, [query], dict(task="needle", length=n_tokens, depth=depth, sample=sample))
 
 
-def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0) -> Context:
+def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0, framing: str | None = None) -> Context:
     """LongEval-Lines-style record of `line <word-word>: REGISTER_CONTENT is <number>` lines filling n_tokens,
     with n_queries questions about lines spread evenly over the record."""
     rng = random.Random(f"lines-{sample}")
-    chat_head, tail = chat_frame(tokenizer)
-    head = encode(tokenizer, chat_head + LINES_HEAD)
-    question_room = len(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, "wonderful-question"))
+    frame = prompt_frame(tokenizer, framing=framing)
+    head = encode(tokenizer, frame.head + LINES_HEAD)
+    ask = lambda key: _question(tokenizer, LINES_QUESTION, frame, LINES_ANSWER, key, before="\n")
+    question_room = len(ask("wonderful-question"))
     body, facts, keys, longest_question = [], [], set(), 0
     while len(head) + len(body) < n_tokens - question_room - 30:
         key = _word_key(rng)
@@ -114,7 +116,7 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0)
         line, value_at = _fact(tokenizer, LINE, key, value)
         # A tokenizer with short tokens makes lines longer than the 30 spare tokens: stop before the
         # record and any line's question pass n_tokens.
-        longest_question = max(longest_question, len(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, key)))
+        longest_question = max(longest_question, len(ask(key)))
         if len(head) + len(body) + len(line) + longest_question > n_tokens:
             break
         facts.append((key, value, len(head) + len(body), line, value_at))
@@ -124,7 +126,7 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0)
     queries = []
     for i in range(n_queries):
         key, value, start, line, value_at = facts[round((i + 0.5) * len(facts) / n_queries)]
-        queries.append(Query(_question(tokenizer, LINES_QUESTION, tail, LINES_ANSWER, key), value,
+        queries.append(Query(ask(key), value,
                              (start, start + len(line)), (start + value_at[0], start + value_at[1]),
                              dict(key=key, depth=start / (len(head) + len(body)), depth_position=start)))
     return Context(head + body, queries, dict(task="lines", length=n_tokens, lines=len(facts), sample=sample))
