@@ -61,3 +61,11 @@ def smollm():
     from snapkv_lab import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """The bundled Gemma 3 270M base (converted once into the cache folder), sdpa, fp32: no chat template."""
+    from snapkv_lab import load_model
+
+    return load_model("gemma-3-270m")
