@@ -39,7 +39,7 @@ from .figures import FigureSet, register
 from .inputs import check_context_length
 from .metrics import (MIN_SUPPORT, PARTS, THETA, SinkRule, metric_rows, selection_overlap, selection_vs_generation,
                       to_mask)
-from .models import load_tokenizer
+from .models import load_tokenizer, model_source, sliding_layers
 from .policies.snapkv import SnapKV
 from .selection import select, select_from_trace
 from .tokens import encode
@@ -357,6 +357,8 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     sizes, new tokens, modes, framing). recipes_path: the prompt recipes (default <data_dir>/prompt_recipes.json).
     executor / ray_address: see `sweep.run_cells`.
     """
+    from transformers import AutoConfig
+
     from .prompts import load_recipes
     from .sweep import ResultStore, run_cells
 
@@ -384,7 +386,10 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     for key, table in out.items():
         table.to_csv(data_dir / f"findings_{key}.csv", index=False, float_format="%.7g")
     counts = {key: {split: int(t.loc[t["split"] == split, "sample"].nunique()) for split in o["splits"]} for key, t in out.items()}
+    config = model.config if loaded else AutoConfig.from_pretrained(model_source(model))
     run = {**{k: list(v) if isinstance(v, tuple) else v for k, v in o.items()}, "model": str(out["a"]["model"].iloc[0]),
+           # the report gives verdicts for sliding-window and global layers apart (findings_report.verdicts)
+           "sliding_layers": sliding_layers(config), "sliding_window": getattr(config.get_text_config(), "sliding_window", None),
            "samples_per_table": counts, "cells": len(everything), "cells_run": pending, "seconds": round(seconds),
            "cpu_seconds": round(cpu), "torch_threads": torch.get_num_threads(),
            "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}

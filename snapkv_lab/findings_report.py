@@ -12,6 +12,10 @@ the paper makes holds too:
     question's rows (selections depend on the question).
 
 Two measures for (a)-(c): the paper's hit rate with sinks kept, and recall with sinks excluded (theta-free).
+
+A model with sliding-window layers (Gemma 3: 512 tokens in 15 of 18 layers) gets its verdicts for the global and
+the sliding layers apart: a sliding layer's generated tokens cannot attend to a prompt position more than a window
+back, so what its observation window can predict is bounded by the window, not by the prompt.
 """
 
 from __future__ import annotations
@@ -158,31 +162,44 @@ def _d(part: pd.DataFrame) -> tuple[str, float, str]:
     return text, float(s["chance"]), verdict
 
 
-def verdicts(tables: dict[str, pd.DataFrame], obs_window: int = 32) -> pd.DataFrame:
-    """One row per (finding, measure, split, mode): result (values with intervals), chance, verdict."""
-    rows = []
-    for key, table in tables.items():
-        if key == "d":
-            measures = {"overlap, sinks excluded": ("overlap", "excluded")}
-        else:
-            measures = MEASURES
-        for (split, mode), part in table.groupby(["split", "mode"]):
-            for measure, (metric, sinks) in measures.items():
-                chosen = part[(part["metric"] == metric) & (part["sinks"] == sinks)]
-                if chosen.empty:
-                    continue
-                checks = ({"b_windows": _b_windows, "b_selection": lambda t: _b_selection(t, obs_window)}
-                          if key == "b_variants" else {key: {"a": _a, "b": _b, "c": _c, "d": _d}[key]})
-                for finding, check in checks.items():
-                    try:
-                        result, chance, verdict = check(chosen)
-                    except Undefined as err:
-                        result, chance, verdict = str(err), float("nan"), "undefined: too little support"
-                    rows.append(dict(finding=finding, claim=CLAIMS[finding], measure=measure, split=split, mode=mode,
-                                     result=result, chance=round(chance, 3), verdict=verdict))
+def layer_groups(table: pd.DataFrame, sliding_layers=()) -> dict[str, pd.DataFrame]:
+    """{"all": table} for a model without sliding-window layers, else {"global": ..., "sliding": ...} by `layer`."""
+    if not len(sliding_layers):
+        return {"all": table}
+    sliding = table["layer"].isin(list(sliding_layers))
+    return {"global": table[~sliding], "sliding": table[sliding]}
+
+
+def verdicts(tables: dict[str, pd.DataFrame], obs_window: int = 32, sliding_layers=()) -> pd.DataFrame:
+    """One row per (finding, measure, layers, split, mode): result (values with intervals), chance, verdict.
+    layers: "all", or "global" and "sliding" apart when `sliding_layers` names the model's sliding-window layers."""
+    rows = [dict(row, layers=layers) for key, whole in tables.items()
+            for layers, table in layer_groups(whole, sliding_layers).items() for row in _table_verdicts(key, table, obs_window)]
     order = {k: i for i, k in enumerate(CLAIMS)}
-    return pd.DataFrame(rows).sort_values(["finding", "mode", "measure", "split"], key=lambda c: c.map(order) if c.name == "finding" else c,
+    return pd.DataFrame(rows).sort_values(["finding", "mode", "measure", "layers", "split"],
+                                          key=lambda c: c.map(order) if c.name == "finding" else c,
                                           kind="stable").reset_index(drop=True)
+
+
+def _table_verdicts(key: str, table: pd.DataFrame, obs_window: int) -> list[dict]:
+    """The verdict rows of one findings table (key "a", "b", "b_variants", "c" or "d")."""
+    measures = {"overlap, sinks excluded": ("overlap", "excluded")} if key == "d" else MEASURES
+    checks = ({"b_windows": _b_windows, "b_selection": lambda t: _b_selection(t, obs_window)}
+              if key == "b_variants" else {key: {"a": _a, "b": _b, "c": _c, "d": _d}[key]})
+    rows = []
+    for (split, mode), part in table.groupby(["split", "mode"]):
+        for measure, (metric, sinks) in measures.items():
+            chosen = part[(part["metric"] == metric) & (part["sinks"] == sinks)]
+            if chosen.empty:
+                continue
+            for finding, check in checks.items():
+                try:
+                    result, chance, verdict = check(chosen)
+                except Undefined as err:
+                    result, chance, verdict = str(err), float("nan"), "undefined: too little support"
+                rows.append(dict(finding=finding, claim=CLAIMS[finding], measure=measure, split=split, mode=mode,
+                                 result=result, chance=round(chance, 3), verdict=verdict))
+    return rows
 
 
 def read_tables(data_dir="data") -> dict[str, pd.DataFrame]:
@@ -193,22 +210,27 @@ def read_tables(data_dir="data") -> dict[str, pd.DataFrame]:
 
 
 def report(data_dir="data") -> pd.DataFrame:
-    """`verdicts` of the tables in data_dir, with the observation window of their run (findings_run.json)."""
-    run = Path(data_dir) / "findings_run.json"
-    obs_window = json.loads(run.read_text()).get("obs_window", 32) if run.exists() else 32
-    return verdicts(read_tables(data_dir), obs_window=int(obs_window))
+    """`verdicts` of the tables in data_dir, with the observation window and sliding-window layers of their run
+    (findings_run.json)."""
+    path = Path(data_dir) / "findings_run.json"
+    run = json.loads(path.read_text()) if path.exists() else {}
+    return verdicts(read_tables(data_dir), obs_window=int(run.get("obs_window", 32)),
+                    sliding_layers=run.get("sliding_layers", ()))
 
 
 def markdown(table: pd.DataFrame) -> str:
     """The verdicts as a markdown table: one row per (finding, measure, mode), the splits side by side."""
     lines = ["| finding | measure | chance | dev: value [95% interval] | dev verdict | held-out: value [95% interval] | held-out verdict |",
              "|---|---|---|---|---|---|---|"]
-    for (finding, measure, mode), part in table.groupby(["finding", "measure", "mode"], sort=False):
+    layers = table["layers"] if "layers" in table.columns else pd.Series("all", index=table.index)
+    for (finding, measure, mode, group), part in table.assign(layers=layers).groupby(["finding", "measure", "mode", "layers"],
+                                                                                     sort=False):
         by_split = part.set_index("split")
         cells = []
         for split in ("dev", "heldout"):
             row = by_split.loc[split] if split in by_split.index else None
             cells += ["-", "-"] if row is None else [row["result"], f"**{row['verdict']}**"]
-        claim = part["claim"].iloc[0] + ("" if mode == "generated" else f" ({mode})")
+        claim = (part["claim"].iloc[0] + ("" if mode == "generated" else f" ({mode})")
+                 + ("" if group == "all" else f", {group} layers"))
         lines.append(f"| {claim} | {measure} | {part['chance'].max():.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -170,6 +170,17 @@ def bundled_checkpoint(name: str | None = None) -> Path:
     return target
 
 
+def sliding_layers(config) -> list[int]:
+    """Indices of a model's sliding-window layers (config or model): from layer_types where the family has them,
+    else every layer when sliding_window is set (Mistral, Phi-3), else none."""
+    config = getattr(config, "config", config)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    return list(range(config.num_hidden_layers)) if getattr(config, "sliding_window", None) is not None else []
+
+
 def _resolve_dtype(dtype):
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype

@@ -44,6 +44,18 @@ def test_generation_consistency_verdicts(values, expected):
     assert verdict.startswith(expected) and (expected != "holds" or verdict == "holds")
 
 
+def test_sliding_and_global_layers_get_verdicts_apart():
+    """A placement that holds on the global layers and fails on the sliding ones (a question 2500 tokens back is
+    out of a 512-token window) is reported as such, not pooled into one verdict."""
+    global_rows = _rows({"front": 0.5, "back": 0.5}, "placement").assign(layer=5)
+    sliding_rows = _rows({"front": 0.01, "back": 0.5}, "placement", seed=1).assign(layer=0)
+    table = verdicts({"c": pd.concat([global_rows, sliding_rows])}, sliding_layers=[0, 1])
+    recall = table[table.measure == "recall, sinks excluded"].set_index("layers").verdict
+    assert recall["global"] == "holds" and recall["sliding"].startswith("does not hold: question front")
+    assert set(verdicts({"c": global_rows}).layers) == {"all"}
+    assert "(c) question position does not matter, sliding layers" in markdown(table)
+
+
 def test_too_little_support_is_undefined_not_a_verdict():
     table = _rows({"front": 0.5, "back": 0.5}, "placement", support=0.5)  # 8 samples pool to 4 < MIN_SUPPORT
     assert _verdict(table, "c") == "undefined: too little support"
