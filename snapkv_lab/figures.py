@@ -64,13 +64,17 @@ def load_figure_sets() -> dict[str, FigureSet]:
 
 
 def folder_name(model: str) -> str:
-    """A model's name as one folder name (a Hugging Face id's "/" becomes "--", as in the hub's own cache)."""
+    """A model's name as one folder name: a local folder's own name, a Hugging Face id with "--" for "/" (as in the
+    hub's own cache)."""
+    if Path(str(model)).is_dir():
+        return Path(str(model)).resolve().name
     return str(model).strip("/").replace("/", "--")
 
 
 def model_folders(data_dir, figures_dir, model: str | None) -> tuple[Path, Path]:
     """(tables folder, figures folder) of `model`: data_dir and figures_dir themselves for the default model (None
-    or its name), else data_dir/<model> and figures_dir/<model> (bundled models by their short names)."""
+    or its name), else data_dir/<model> and figures_dir/<model> (bundled models by their short names, local folders by
+    their own names: see folder_name)."""
     from .models import DEFAULT_MODEL, model_name
 
     name = model_name(model)

@@ -13,6 +13,7 @@ from snapkv_lab.framing import chat_frame
 from snapkv_lab.inputs import check_context_length, encode_prompt
 from snapkv_lab.models import bundled_checkpoint
 from snapkv_lab.pressure import Context, Query, lines_context, needle_context, run_retrieval
+from snapkv_lab.pressure.haystacks import HAYSTACKS, boundary
 from snapkv_lab.tokens import decoded_offsets, token_span
 
 from conftest import ByteTokenizer, make_tiny_llama
@@ -272,3 +273,37 @@ def test_ruler_grading_wants_every_value():
 
     assert found(["cat", "dog"], "a dog and a cat") and not found(["cat", "dog"], "a cat")
     assert not found_exactly(["cat", "dog"], "a cats and dogs") and found_exactly(["cat", "dog"], "cat, dog.")
+
+
+@pytest.mark.parametrize("haystack", HAYSTACKS)
+@pytest.mark.parametrize("depth", [0.0, 0.6, 1.0])
+def test_needle_in_every_kind_of_haystack(case, haystack, depth):
+    """Each kind's needle, whole and on a line (a sentence) of its own, with an exact value span; the haystack is of
+    its kind (stdlib source, log lines holding ids, key lines of the needle's own form)."""
+    tokenizer, head, _ = case
+    ctx = needle_context(tokenizer, 800, depth, sample=2, haystack=haystack)
+    query, ids = ctx.queries[0], ctx.context_ids
+    key, value = query.meta["key"], query.answer
+    assert len(ids) + len(query.question_ids) == 800 and ctx.meta["haystack"] == haystack
+    start, end = query.span
+    needle = tokenizer.decode(ids[start:end])
+    assert f"{key}" in needle and needle.rstrip().endswith((f"{value}", f"{value}.")) and needle.count(value) == 1
+    assert_minimal_span(tokenizer, ids, query.value_span, value)
+    if depth == 0.0:
+        assert start == len(tokenizer(head, add_special_tokens=False)["input_ids"])
+    elif depth == 1.0:
+        assert end == len(ids)
+    else:  # after a sentence end in prose, a line end elsewhere
+        assert boundary(haystack) in tokenizer.decode(ids[start - 1:start])
+    text = tokenizer.decode(ids)
+    if haystack == "code":
+        assert "def " in text and "return" in text and needle.startswith(f'special_magic_numbers["{key}"] = ')
+    if haystack == "logs":
+        assert text.count(" request ") > 5 and "status" in text and "registry[" in needle
+    if haystack == "keys":  # distractors have the needle's form, with other keys and values
+        assert text.count("magic number for ") > 15 and needle == f"magic number for {key}: {value}\n"
+
+
+def test_unknown_haystack_is_refused(digits_tokenizer):
+    with pytest.raises(ValueError, match="haystack must be one of"):
+        needle_context(digits_tokenizer, 600, 0.5, haystack="tweets")

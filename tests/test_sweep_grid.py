@@ -101,7 +101,8 @@ def assert_same_table(path: Path, expected: pd.DataFrame) -> None:
 
 
 def test_a_killed_grid_resumes_without_recomputing_its_finished_cells(tiny_chat_model, uninterrupted, tmp_path):
-    cells = tmp_path / "cells" / "pressure"
+    own = tmp_path / tiny_chat_model.name  # another model than the default writes its own folder
+    cells = own / "cells" / "pressure"
     killed = needle_command(tiny_chat_model, tmp_path)
     deadline = time.monotonic() + 300
     while not list(cells.glob("*.parquet")):  # kill it as soon as its first cell is stored
@@ -113,14 +114,14 @@ def test_a_killed_grid_resumes_without_recomputing_its_finished_cells(tiny_chat_
     assert killed.returncode == -signal.SIGKILL
     stored = {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in cells.glob("*.parquet")}
     assert 1 <= len(stored) < N_CELLS, "the grid finished before it was killed: nothing left to resume"
-    assert not (tmp_path / "pressure_needle.csv").exists()
+    assert not (own / "pressure_needle.csv").exists()
 
     messages = finish(needle_command(tiny_chat_model, tmp_path))
     assert f"{N_CELLS} cells, {len(stored)} already in {cells} (skipped), {N_CELLS - len(stored)} to run" in messages
     for name, (mtime, content) in stored.items():  # the finished cells were read, not recomputed and rewritten
         assert (cells / name).stat().st_mtime_ns == mtime and (cells / name).read_bytes() == content
     assert len(list(cells.glob("*.parquet"))) == N_CELLS
-    assert_same_table(tmp_path / "pressure_needle.csv", uninterrupted)
+    assert_same_table(own / "pressure_needle.csv", uninterrupted)
 
 
 def test_the_ray_executor_writes_the_same_table(tiny_chat_model, uninterrupted, tmp_path):
@@ -134,4 +135,4 @@ def test_the_ray_executor_writes_the_same_table(tiny_chat_model, uninterrupted, 
     finally:
         shutil.rmtree(session, ignore_errors=True)
     assert f"{N_CELLS} cells, 0 already in" in messages and "(ray)" in messages
-    assert_same_table(tmp_path / "pressure_needle.csv", uninterrupted)
+    assert_same_table(tmp_path / tiny_chat_model.name / "pressure_needle.csv", uninterrupted)

@@ -16,6 +16,7 @@ from ..policies import (AdaKV, KVzip, PyramidKV, SnapKV, SnapKVFactKernel, SnapK
                         policy_config, policy_from_config)
 from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
                         coverage_describer)
+from .haystacks import HAYSTACKS
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tasks import lines_context, needle_context
@@ -30,6 +31,7 @@ RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
 RULER_CAPACITY = 1024  # 25% of the RULER contexts
 QUESTION_FREE_POLICIES = (KVzip(), AdaKV(policy=KVzip()), KVzip(pooling="max", kernel_size=3),
                           KVzip(pooling="max", kernel_size=31), SnapKVFactKernel())
+HAYSTACK_POLICIES = (SnapKV(), SnapKVFactKernel(), Surprisal())
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
@@ -73,6 +75,12 @@ def dev_needle_specs(options: dict) -> list[dict]:
     return _budget_needles(options, NEEDLE_SAMPLES)
 
 
+def haystack_specs(options: dict) -> list[dict]:
+    """A needle in every kind of haystack (pressure.haystacks), ABLATION_LENGTH tokens, every depth, 1 sample."""
+    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s, haystack=h) for h in HAYSTACKS
+            for s in _samples(options, 1) for d in NEEDLE_DEPTHS]
+
+
 def ruler_specs(options: dict) -> list[dict]:
     return [dict(builder="ruler", n_tokens=RULER_LENGTH, task=task, value_kind=kind, sample=s) for task in TASKS
             for kind in VALUE_KINDS for s in _samples(options, 1)]
@@ -112,6 +120,10 @@ SUITES = {
     "surprisal": Suite("pressure_surprisal.csv", dev_needle_specs, (Surprisal(),), (ABLATION_CAPACITY,),
                        max_new_tokens=ANSWER_TOKENS),
     "ruler": Suite("pressure_ruler.csv", ruler_specs, RULER_POLICIES, (RULER_CAPACITY,)),
+    # The small-budget policies beyond essays: code, logs where every line holds ids, and a list of keys whose
+    # distractors look like the fact (pressure.haystacks), beside the essays; both modes.
+    "haystacks": Suite("pressure_haystacks.csv", haystack_specs, HAYSTACK_POLICIES, (ABLATION_CAPACITY,),
+                       max_new_tokens=ANSWER_TOKENS),
     # Surprisal where values are words and codes, with distractor keys: facts less out of place than a magic number.
     "surprisal-ruler": Suite("pressure_surprisal_ruler.csv", ruler_specs, (Surprisal(),), (RULER_CAPACITY,)),
 }

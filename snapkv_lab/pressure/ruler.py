@@ -19,7 +19,8 @@ import random
 from ..framing import prompt_frame
 from ..corpus import haystack_ids
 from ..tokens import encode
-from .tasks import Context, Query, _fact, _question, _word_key, sentence_start
+from .haystacks import word_key
+from .tasks import Context, Query, _fact, _question, sentence_start
 
 TASKS = ("single", "multikey", "multivalue", "multiquery")
 VALUE_KINDS = ("number", "word", "uuid")
@@ -34,7 +35,7 @@ def _value(rng: random.Random, kind: str) -> str:
     if kind == "number":
         return str(rng.randint(1_000_000, 9_999_999))
     if kind == "word":
-        return _word_key(rng).split("-")[-1]
+        return word_key(rng).split("-")[-1]
     return f"{rng.getrandbits(32):08x}-{rng.getrandbits(16):04x}-{rng.getrandbits(16):04x}"
 
 
@@ -47,9 +48,9 @@ def ruler_context(tokenizer, n_tokens: int, task: str = "multikey", value_kind: 
     if needles < 1 or (task != "single" and needles < 2):
         raise ValueError(f"{task} needs at least 2 needles, got {needles}")
     rng = random.Random(f"ruler-{task}-{value_kind}-{sample}")
-    keys = [_word_key(rng)] * needles if task == "multivalue" else []
+    keys = [word_key(rng)] * needles if task == "multivalue" else []
     while len(keys) < needles:  # distinct keys, so a distractor never answers the question
-        key = _word_key(rng)
+        key = word_key(rng)
         keys += [key] if key not in keys else []
     values = []
     while len(values) < needles:

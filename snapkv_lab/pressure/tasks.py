@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 from ..framing import Frame, prompt_frame
-from ..corpus import haystack_ids
 from ..tokens import encode, token_span
+from .haystacks import boundary, haystack_tokens, needle_template, word_key
 
 # The context is the frame's head and the user's text; a question chunk is the question, the frame's tail (a chat
 # template's end of turn and generation prompt, or "\nAnswer:") and the answer's first words, so that the next
@@ -46,17 +46,6 @@ class Context:
     meta: dict = field(default_factory=dict)
 
 
-def _word_key(rng: random.Random) -> str:
-    """RULER-style key: adjective-noun from wonderwords' lists."""
-    if not hasattr(_word_key, "lists"):  # loading the lists takes ~0.15 s: once, not once per key
-        from wonderwords import RandomWord
-
-        words = RandomWord()
-        _word_key.lists = (words.filter(include_categories=["adjectives"]), words.filter(include_categories=["nouns"]))
-    adjectives, nouns = _word_key.lists
-    return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
-
-
 def _fact(tokenizer, template: str, key: str, value: str) -> tuple[list[int], tuple[int, int]]:
     """A fact's token ids (tokenised on its own) and the [start, end) range of the tokens holding its value."""
     text = template.format(key=key, value=value)
@@ -69,33 +58,37 @@ def _question(tokenizer, question: str, frame: Frame, answer: str, key: str, bef
     return encode(tokenizer, frame.ask(question.format(key=key), answer.format(key=key), before))
 
 
-def sentence_start(tokenizer, hay: list[int], at: int) -> int:
-    """The haystack index at or before `at` right after a sentence end, so that a needle is a sentence of its own."""
-    while 0 < at < len(hay) and "." not in tokenizer.decode(hay[at - 1: at]):
+def sentence_start(tokenizer, hay: list[int], at: int, end: str = ".") -> int:
+    """The haystack index at or before `at` right after a token holding `end` (a sentence end; a line end in code,
+    logs and lists), so that a needle is a sentence or line of its own."""
+    while 0 < at < len(hay) and end not in tokenizer.decode(hay[at - 1: at]):
         at -= 1
     return at
 
 
-def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0, framing: str | None = None) -> Context:
-    """A haystack of Paul Graham essays of n_tokens in all (question included), with one 7-digit needle
-    placed at `depth` (0 = first sentence, 1 = last), after a sentence end. framing: see framing.prompt_frame."""
+def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0, framing: str | None = None,
+                   haystack: str = "essays") -> Context:
+    """A haystack of n_tokens in all (question included), with one 7-digit needle placed at `depth` (0 = first
+    sentence or line, 1 = last), after a sentence end (a line end). haystack: Paul Graham's essays, or another kind
+    with a needle that reads naturally in it (see pressure.haystacks). framing: see framing.prompt_frame."""
     rng = random.Random(f"needle-{sample}")
-    key, value = _word_key(rng), str(rng.randint(1_000_000, 9_999_999))
+    key, value = word_key(rng), str(rng.randint(1_000_000, 9_999_999))
     frame = prompt_frame(tokenizer, framing=framing)
     head = encode(tokenizer, frame.head)
-    needle, value_at = _fact(tokenizer, NEEDLE, key, value)
+    template = NEEDLE if haystack == "essays" else needle_template(haystack, rng)
+    needle, value_at = _fact(tokenizer, template, key, value)
     question = _question(tokenizer, NEEDLE_QUESTION, frame, NEEDLE_ANSWER, key)
     room = n_tokens - len(head) - len(needle) - len(question)
     if room < 1:
         raise ValueError(f"a needle context of {n_tokens} tokens leaves no room for a haystack: the frame, "
                          f"needle and question alone take {n_tokens - room}")
-    hay = haystack_ids(tokenizer, room, start=sample * 7)
-    at = sentence_start(tokenizer, hay, round(depth * len(hay)))
+    hay = haystack_tokens(tokenizer, haystack, room, sample)
+    at = sentence_start(tokenizer, hay, round(depth * len(hay)), boundary(haystack))
     body = hay[:at] + needle + hay[at:]
     start = len(head) + at
     query = Query(question, value, (start, start + len(needle)), (start + value_at[0], start + value_at[1]),
                   dict(key=key, depth=depth, depth_position=start))
-    return Context(head + body, [query], dict(task="needle", length=n_tokens, depth=depth, sample=sample))
+    return Context(head + body, [query], dict(task="needle", haystack=haystack, length=n_tokens, depth=depth, sample=sample))
 
 
 def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0, framing: str | None = None) -> Context:
@@ -108,7 +101,7 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0,
     question_room = len(ask("wonderful-question"))
     body, facts, keys, longest_question = [], [], set(), 0
     while len(head) + len(body) < n_tokens - question_room - 30:
-        key = _word_key(rng)
+        key = word_key(rng)
         if key in keys:
             continue
         keys.add(key)
