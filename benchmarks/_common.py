@@ -1,9 +1,10 @@
 """What the benchmarks share: the model under test and its prompts, peak memory, out-of-memory failures, and
 tables (printed as markdown, saved as CSV under benchmarks/results/).
 
-Model options (see add_model_options): --device, --dtype, --attn, --shape, --threads. `--shape llama3-8b` is a
-randomly initialised Llama with Llama-3-8B's shape, built directly on the device in the dtype, fed random token
-ids: its weights are good for timing and memory only.
+Model options (see add_model_options): --device, --dtype, --attn, --shape, --model, --threads. By default the
+model is a bundled real one on real text: SmolLM2, or the one `--model` names (e.g. gemma-3-270m). `--shape
+llama3-8b` is a randomly initialised Llama with Llama-3-8B's shape, built directly on the device in the dtype,
+fed random token ids: its weights are good for timing and memory only.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=list(SHAPE_NAMES), default="smollm2",
                         help="smollm2: the bundled model on real text; llama3-8b: random weights with Llama-3-8B's "
                              "shape on random token ids (timing and memory only); tiny: that layout at toy size")
+    parser.add_argument("--model", help="a bundled model by short name, run on real text (default "
+                                         "SmolLM2-135M-Instruct; e.g. gemma-3-270m); not with a random --shape")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
 
 
@@ -55,6 +58,7 @@ def parse_model_options(parser: argparse.ArgumentParser) -> argparse.Namespace:
     from snapkv_lab.models import _check_attn_implementation
 
     args = parser.parse_args()
+    _check_model(parser, args)
     on_gpu = args.device.startswith("cuda")
     if on_gpu and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
@@ -66,10 +70,30 @@ def parse_model_options(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse --model with a random shape or a name that is not bundled; store the bundled model's own name, or
+    None for the default SmolLM2 (so that its tables keep their names)."""
+    from snapkv_lab.models import BUNDLED_MODELS, DEFAULT_MODEL, bundled_model
+
+    if args.model is None:
+        return
+    if args.shape in RANDOM_SHAPES:
+        parser.error(f"--model {args.model} runs a bundled model: it cannot go with the random --shape {args.shape}")
+    bundled = bundled_model(args.model)
+    if bundled is None:
+        parser.error(f"--model {args.model}: not a bundled model (one of {', '.join(sorted(BUNDLED_MODELS))})")
+    args.model = None if bundled.name == DEFAULT_MODEL else bundled.name
+
+
+def model_key(args: argparse.Namespace) -> str:
+    """The model under test in file names: the shape (smollm2, llama3-8b, tiny) or the bundled model's name."""
+    return args.model or args.shape
+
+
 def describe(args: argparse.Namespace) -> str:
     """E.g. 'SmolLM2-135M fp32, CPU, 2 threads' (from the options alone: the parent process never touches CUDA)."""
     where = f"CPU, {args.threads} threads" if args.device == "cpu" else args.device
-    return f"{SHAPE_NAMES[args.shape]} {args.dtype}, {where}"
+    return f"{args.model or SHAPE_NAMES[args.shape]} {args.dtype}, {where}"
 
 
 class IdTokenizer:
@@ -95,7 +119,7 @@ class Subject:
     shape: str
 
     def prompt(self, length: int) -> torch.Tensor:
-        """(1, length) ids: BOS and Paul Graham's essays for SmolLM2, fixed random ids for a random model."""
+        """(1, length) ids: BOS and Paul Graham's essays for a bundled model, fixed random ids for a random model."""
         if self.shape in RANDOM_SHAPES:
             generator = torch.Generator().manual_seed(length)
             return torch.randint(self.model.config.vocab_size, (1, length), generator=generator)
@@ -111,7 +135,7 @@ def load_subject(args: argparse.Namespace, attn: str | None = None) -> Subject:
     if args.shape not in RANDOM_SHAPES:
         from snapkv_lab import load_model
 
-        model, tokenizer = load_model(device=args.device, dtype=args.dtype, attn_implementation=attn)
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, attn_implementation=attn)
         return Subject(model, tokenizer, args.shape)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -211,5 +235,6 @@ def report(table: pd.DataFrame, name: str, title: str, formats: dict[str, str] |
 
 
 def result_name(bench: str, args: argparse.Namespace) -> str:
-    """File name of a table: benchmark, shape, dtype, backend and device type, e.g. capture_llama3-8b_bf16_sdpa_cuda."""
-    return f"{bench}_{args.shape}_{args.dtype}_{args.attn}_{torch.device(args.device).type}"
+    """File name of a table: benchmark, model (shape or bundled name), dtype, backend and device type, e.g.
+    capture_llama3-8b_bf16_sdpa_cuda or capture_gemma-3-270m_fp32_sdpa_cpu."""
+    return f"{bench}_{model_key(args)}_{args.dtype}_{args.attn}_{torch.device(args.device).type}"
