@@ -234,3 +234,29 @@ def markdown(table: pd.DataFrame) -> str:
                  + ("" if group == "all" else f", {group} layers"))
         lines.append(f"| {claim} | {measure} | {part['chance'].max():.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def short_verdict(verdict: str) -> str:
+    """A verdict's headline: its text before the first ':' or '(' ("holds", "does not hold", "not shown", ...)."""
+    return verdict.split(":")[0].split(" (")[0].strip()
+
+
+def side_by_side(reports: dict[str, pd.DataFrame]) -> str:
+    """Verdicts of several models as one markdown table: a row per (finding, measure) of the generated mode, a
+    column per model and layer group ("global"/"sliding" for a model with sliding-window layers), each cell
+    "dev / held-out" headlines. reports: {model name: `report(...)` of its tables}."""
+    columns, cells = [], {}
+    for model, table in reports.items():
+        table = table[table["mode"] == "generated"]
+        layers = table["layers"] if "layers" in table.columns else pd.Series("all", index=table.index)
+        for (finding, measure, group), part in table.assign(layers=layers).groupby(["finding", "measure", "layers"], sort=False):
+            column = model if group == "all" else f"{model}, {group} layers"
+            columns += [column] if column not in columns else []
+            by_split = part.set_index("split")["verdict"]
+            cells.setdefault((finding, measure), {})[column] = " / ".join(
+                short_verdict(by_split[split]) if split in by_split.index else "-" for split in ("dev", "heldout"))
+    lines = ["| finding | measure | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    order = {k: i for i, k in enumerate(CLAIMS)}
+    for (finding, measure), row in sorted(cells.items(), key=lambda item: (order[item[0][0]], item[0][1])):
+        lines.append(f"| {CLAIMS[finding]} | {measure} | " + " | ".join(row.get(c, "-") for c in columns) + " |")
+    return "\n".join(lines)

@@ -56,6 +56,20 @@ def test_sliding_and_global_layers_get_verdicts_apart():
     assert "(c) question position does not matter, sliding layers" in markdown(table)
 
 
+def test_side_by_side_puts_each_models_headline_verdicts_next_to_each_other():
+    from snapkv_lab.findings_report import side_by_side, short_verdict
+
+    one = verdicts({"c": _rows({"front": 0.5, "back": 0.5}, "placement")})
+    global_rows = _rows({"front": 0.5, "back": 0.5}, "placement").assign(layer=5)
+    sliding_rows = _rows({"front": 0.01, "back": 0.5}, "placement", seed=1).assign(layer=0)
+    two = verdicts({"c": pd.concat([global_rows, sliding_rows])}, sliding_layers=[0])
+    table = side_by_side({"A": one, "B": two}).splitlines()
+    assert table[0] == "| finding | measure | A | B, global layers | B, sliding layers |"
+    recall = next(line for line in table if "recall" in line)
+    assert recall == "| (c) question position does not matter | recall, sinks excluded | holds / - | holds / - | does not hold / - |"
+    assert short_verdict("holds (above chance in every window, but it decays)") == "holds"
+
+
 def test_too_little_support_is_undefined_not_a_verdict():
     table = _rows({"front": 0.5, "back": 0.5}, "placement", support=0.5)  # 8 samples pool to 4 < MIN_SUPPORT
     assert _verdict(table, "c") == "undefined: too little support"
