@@ -66,7 +66,7 @@ def generation(mode: str, subject, ids: torch.Tensor, new_tokens: int):
 
 
 def new_ids(output, prompt_len: int) -> list[int]:
-    """The generated token ids of a capture's trace or a generate output (None after a failed run)."""
+    """The generated token ids of a capture's trace or a generate output; [] for a failed run (output None)."""
     if output is None:
         return []
     if isinstance(output, AttentionTrace):
@@ -124,11 +124,7 @@ def reference_probs(query: torch.Tensor, key: torch.Tensor, settings: AttentionS
     logits = q @ k.transpose(1, 2) * settings.scaling  # (heads, k, n_tokens)
     if settings.softcap is not None:
         logits = settings.softcap * torch.tanh(logits / settings.softcap)
-    columns, positions = torch.arange(key.shape[1]), rows[:, None]
-    visible = columns <= positions
-    if settings.sliding_window is not None:
-        visible &= columns > positions - settings.sliding_window
-    logits = logits.masked_fill(~visible, float("-inf"))
+    logits = logits.masked_fill(~visible_keys(settings, rows, key.shape[1]), float("-inf"))
     weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True))  # every row sees itself: the max is finite
     return weights / weights.sum(dim=-1, keepdim=True)
 
@@ -166,6 +162,7 @@ def eager_prefix_diff(trace: AttentionTrace, args: argparse.Namespace, n: int) -
 
 def check_exact(trace: AttentionTrace, args: argparse.Namespace) -> dict:
     """Exactness of a trace on sampled blocks (see the module's docstring); max abs differences, float."""
+    # Seeded by the length: a length's blocks are the same on every run.
     rows = sampled_rows(trace.prompt_len, trace.n_tokens, args.check_rows, args.check_blocks, seed=trace.prompt_len)
     result = dict(rows_checked=int(rows.numel()), max_row_sum_error=0.0, max_hidden_weight=0.0)
     for kind, layers in checked_layers(trace).items():
