@@ -12,12 +12,14 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def run_notebook(name: str, timeout: int = 180) -> list:  # per cell: small settings run each in under a minute
-    """Execute a notebook in its folder with SNAPKV_LAB_SMALL=1; return its code cells' outputs, none an error."""
+def run_notebook(name: str, timeout: int = 180, model: str | None = None) -> list:  # per cell: small settings run each in under a minute
+    """Execute a notebook in its folder with SNAPKV_LAB_SMALL=1 on `model` (SNAPKV_LAB_MODEL; None: the default
+    SmolLM2, whatever the caller's environment says); return its code cells' outputs, none an error."""
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     os.environ["SNAPKV_LAB_SMALL"] = "1"
+    env = {k: v for k, v in os.environ.items() if k != "SNAPKV_LAB_MODEL"} | ({"SNAPKV_LAB_MODEL": model} if model else {})
     NotebookClient(notebook, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute(env=env)
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     errors = [f"{o.ename}: {o.evalue}" for o in outputs if o.output_type == "error"]
     assert not errors, errors
@@ -38,4 +40,15 @@ def test_attention_maps_notebook():
     outputs = run_notebook("01_attention_maps.ipynb")
     text = printed(outputs)
     assert "AttentionTrace(" in text and "answer:" in text
+    assert count_plotly(outputs) >= 3
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+def test_attention_maps_notebook_on_gemma():
+    """The same notebook on the bundled base model Gemma 3 270M (no chat template, sliding-window layers)."""
+    outputs = run_notebook("01_attention_maps.ipynb", model="gemma-3-270m")
+    text = printed(outputs)
+    assert "model: gemma-3-270m (base model: plain text)" in text and "sliding-window layers" in text
+    assert "AttentionTrace(" in text and "18 layers, 4 heads / 1 KV heads" in text and "answer:" in text
     assert count_plotly(outputs) >= 3
