@@ -76,9 +76,10 @@ def dev_needle_specs(options: dict) -> list[dict]:
 
 
 def haystack_specs(options: dict) -> list[dict]:
-    """A needle in every kind of haystack (pressure.haystacks), ABLATION_LENGTH tokens, every depth, 1 sample."""
-    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=d, sample=s, haystack=h) for h in HAYSTACKS
-            for s in _samples(options, 1) for d in NEEDLE_DEPTHS]
+    """A needle in every kind of haystack (pressure.haystacks), ABLATION_LENGTH tokens, every depth (or --depths),
+    1 sample (or --samples)."""
+    return [dict(builder="needle", n_tokens=ABLATION_LENGTH, depth=float(d), sample=s, haystack=h) for h in HAYSTACKS
+            for s in _samples(options, 1) for d in options.get("depths") or NEEDLE_DEPTHS]
 
 
 def ruler_specs(options: dict) -> list[dict]:
