@@ -13,10 +13,10 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 def run_notebook(name: str, timeout: int = 600, model: str | None = None) -> list:
-    # per cell: small settings run each in under a minute on a quiet machine; notebook 03's two-prompt compare cell
-    # took over 180 s beside a 32k-token run on this 2-core machine (2026-11-24), so the limit only catches hangs
     """Execute a notebook in its folder with SNAPKV_LAB_SMALL=1 on `model` (SNAPKV_LAB_MODEL; None: the default
     SmolLM2, whatever the caller's environment says); return its code cells' outputs, none an error."""
+    # per cell: small settings run each in under a minute on a quiet machine; notebook 03's two-prompt compare cell
+    # took over 180 s beside a 32k-token run on this 2-core machine (2026-11-24), so the limit only catches hangs
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     os.environ["SNAPKV_LAB_SMALL"] = "1"
     env = {k: v for k, v in os.environ.items() if k != "SNAPKV_LAB_MODEL"} | ({"SNAPKV_LAB_MODEL": model} if model else {})
