@@ -22,10 +22,10 @@ import random
 from ..corpus import haystack_ids
 
 HAYSTACKS = ("essays", "code", "logs", "keys")
+# The needle of each kind, {key} and {value} left to fill; a log line's time and pid are drawn per needle (needle_template).
 NEEDLES = {
     "essays": " One of the special magic numbers for {key} is: {value}. ",
     "code": 'special_magic_numbers["{key}"] = {value}\n',
-    "logs": "2024-03-0{day}T{hour:02d}:{minute:02d}:{second:02d}Z INFO registry[{pid}]: special magic number for {key} set to {value}\n",
     "keys": "magic number for {key}: {value}\n",
 }
 SERVICES = ("auth", "billing", "search", "gateway", "storage", "scheduler", "mailer", "cache")
@@ -48,9 +48,7 @@ def needle_template(haystack: str, rng: random.Random) -> str:
     check_haystack(haystack)
     if haystack != "logs":
         return NEEDLES[haystack]
-    fields = dict(day=rng.randint(1, 9), hour=rng.randrange(24), minute=rng.randrange(60), second=rng.randrange(60),
-                  pid=rng.randint(100, 9999))
-    return NEEDLES["logs"].replace("{key}", "\0").replace("{value}", "\1").format(**fields).replace("\0", "{key}").replace("\1", "{value}")
+    return f"{_timestamp(rng)} INFO registry[{rng.randint(100, 9999)}]: special magic number for {{key}} set to {{value}}\n"
 
 
 def check_haystack(haystack: str) -> None:
@@ -58,11 +56,14 @@ def check_haystack(haystack: str) -> None:
         raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
 
 
+def _timestamp(rng: random.Random) -> str:
+    return f"2024-03-0{rng.randint(1, 9)}T{rng.randrange(24):02d}:{rng.randrange(60):02d}:{rng.randrange(60):02d}Z"
+
+
 def _log_line(rng: random.Random) -> str:
     request = f"{rng.getrandbits(32):08x}-{rng.getrandbits(16):04x}"
     address = ".".join(str(rng.randrange(256)) for _ in range(4))
-    return (f"2024-03-0{rng.randint(1, 9)}T{rng.randrange(24):02d}:{rng.randrange(60):02d}:{rng.randrange(60):02d}Z "
-            f"{rng.choice(LEVELS)} {rng.choice(SERVICES)}[{rng.randint(100, 9999)}]: request {request} from {address} "
+    return (f"{_timestamp(rng)} {rng.choice(LEVELS)} {rng.choice(SERVICES)}[{rng.randint(100, 9999)}]: request {request} from {address} "
             f"took {rng.randint(1, 2000)} ms status {rng.choice((200, 200, 200, 201, 204, 301, 404, 500, 503))}\n")
 
 

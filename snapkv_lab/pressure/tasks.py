@@ -18,7 +18,6 @@ from .haystacks import boundary, haystack_tokens, needle_template, word_key
 # The context is the frame's head and the user's text; a question chunk is the question, the frame's tail (a chat
 # template's end of turn and generation prompt, or "\nAnswer:") and the answer's first words, so that the next
 # token is the value.
-NEEDLE = " One of the special magic numbers for {key} is: {value}. "
 NEEDLE_QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 NEEDLE_ANSWER = "The special magic number for {key} mentioned in the provided text is"
 LINE = "line {key}: REGISTER_CONTENT is <{value}>\n"
@@ -75,8 +74,7 @@ def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0, fram
     key, value = word_key(rng), str(rng.randint(1_000_000, 9_999_999))
     frame = prompt_frame(tokenizer, framing=framing)
     head = encode(tokenizer, frame.head)
-    template = NEEDLE if haystack == "essays" else needle_template(haystack, rng)
-    needle, value_at = _fact(tokenizer, template, key, value)
+    needle, value_at = _fact(tokenizer, needle_template(haystack, rng), key, value)
     question = _question(tokenizer, NEEDLE_QUESTION, frame, NEEDLE_ANSWER, key)
     room = n_tokens - len(head) - len(needle) - len(question)
     if room < 1:
