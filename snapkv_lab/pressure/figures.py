@@ -34,9 +34,9 @@ def model_name(table: pd.DataFrame) -> str:
     names = [str(m) for m in table["model"].dropna().unique() if str(m)] if "model" in table.columns else []
     if names:
         return ", ".join(names)
-    from ..models import BUNDLED_NAME
+    from ..models import DEFAULT_MODEL
 
-    return BUNDLED_NAME
+    return DEFAULT_MODEL
 
 
 def found_counts(table: pd.DataFrame, by: list[str]) -> pd.DataFrame:
