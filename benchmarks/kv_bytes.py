@@ -16,19 +16,13 @@ does: a sliding layer already holds a fixed 511 positions, and cutting it change
 from __future__ import annotations
 
 import argparse
-import sys
 
 import pandas as pd
 import torch
+from _common import Subject, report
 
 import snapkv_lab
-from snapkv_lab.corpus import haystack_ids
-from snapkv_lab.framing import bos_text
 from snapkv_lab.models import sliding_layers
-from snapkv_lab.tokens import encode
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from _common import report  # noqa: E402
 
 LENGTHS = {"SmolLM2-135M-Instruct": (2000, 4000, 8000), "gemma-3-270m": (2000, 4000, 8000, 16000)}
 COUNTED = (2000, 4000, 8000, 16000, 32000)
@@ -53,14 +47,14 @@ def counted_bytes(config, n: int, capacity: int | None, cut_sliding: bool = Fals
     return total
 
 
-def measured_bytes(model, tokenizer, n: int, capacity: int | None) -> int:
-    ids = torch.tensor([encode(tokenizer, bos_text(tokenizer)) + haystack_ids(tokenizer, n - len(encode(tokenizer, bos_text(tokenizer))))])
+def measured_bytes(subject: Subject, n: int, capacity: int | None) -> int:
     policy = None if capacity is None else snapkv_lab.SnapKV(capacity=capacity)
-    return snapkv_lab.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1).kv_bytes
+    return snapkv_lab.generate(subject.model, subject.tokenizer, subject.prompt(n), policy=policy, max_new_tokens=1).kv_bytes
 
 
 def rows_for(name: str, lengths, measure: bool) -> list[dict]:
     model, tokenizer = snapkv_lab.load_model(name, device="cpu", dtype="float32")
+    subject = Subject(model, tokenizer, shape=name)  # a bundled model: its prompts are BOS and the essays
     rows = []
     for n in sorted(set(lengths) | set(COUNTED)):
         if n > model.config.max_position_embeddings:
@@ -71,7 +65,7 @@ def rows_for(name: str, lengths, measure: bool) -> list[dict]:
                    sliding_compressed_too_MiB=counted_bytes(model.config, n, capacity, cut_sliding=True) / 2**20,
                    measured=False)
         if measure and n in lengths:
-            measured = (measured_bytes(model, tokenizer, n, None), measured_bytes(model, tokenizer, n, capacity))
+            measured = (measured_bytes(subject, n, None), measured_bytes(subject, n, capacity))
             if measured != (full, kept):  # the count must describe the real cache, or the table is wrong
                 raise AssertionError(f"{name} at {n}: measured {measured} bytes, counted {(full, kept)}")
             row["measured"] = True
