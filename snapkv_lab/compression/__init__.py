@@ -5,6 +5,7 @@
     recorder.py     ScoreRecorder: scores of many policies from one prefill
     generation.py   generate(): greedy decoding over a compressed cache, one context and many questions
     shared.py       SharedPrefill: one full prefill serving many policies (compare, the pressure tests)
+    answering.py    answer_runs: the full cache and every policy x mode answering each question of one prefilled context
 """
 
 from .compressor import CompressionState, applied, compress

@@ -13,17 +13,17 @@ import dataclasses
 import pandas as pd
 import torch
 
-from ..compression import SharedPrefill, applied, cache_lengths, decode_text, forward, greedy_decode
+from ..compression import SharedPrefill
+from ..compression.answering import MODES, answer_runs
 from ..compression.compressor import CompressionState
-from ..inputs import check_context_length, eos_ids
-from ..policies import H2O, FullCache, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
+from ..inputs import check_context_length
+from ..policies import H2O, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
 from .tasks import Context, found, found_exactly
 from ..progress import progress_bar
 from ..timing import ms_per_token
 
 DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKeep())
 CAPACITIES = (256, 512, 1024, 2048)
-MODES = ("query-aware", "query-agnostic")
 
 
 def kept_fraction(state: CompressionState, span: tuple[int, int]) -> float:
@@ -55,46 +55,27 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
         check_context_length(model, len(context.context_ids) + longest + max_new_tokens,
                              what=f"retrieval context {context.meta} with its question and {max_new_tokens} new tokens")
     policies = [dataclasses.replace(p, capacity=c) for p in policies for c in capacities]
-    eos = eos_ids(model, tokenizer)
     rows = []
     steps = sum(len(c.queries) for c in contexts) * (1 + len(policies) * len(modes))
     bar = progress_bar(total=steps, desc="retrieval", disable=not progress)
     as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
     for context in contexts:
         shared = SharedPrefill.run(model, tokenizer, as_ids(context.context_ids), policies)
-        for query in context.queries:
-            question = as_ids(query.question_ids)
-            aware = shared.extend(question)
-            n = aware.n_tokens
-
-            def answer(policy, mode, state, first_logits):
-                compressed = bool(set(state.kept_indices) - set(state.sliding_layers)) and policy.budget(
-                    shared.n_tokens if mode == "query-agnostic" else n) is not None
-                length = max(cache_lengths(state.cache))
-                extra = {} if describe is None else describe(context, query, state,
-                                                             shared.n_tokens if mode == "query-agnostic" else n)
-                with applied(model, state):
-                    if first_logits is None:
-                        first_logits = forward(model, question, state.cache, shared.n_tokens)
-                    tokens, seconds = greedy_decode(model, state.cache, first_logits, n, max_new_tokens, eos)
-                text = decode_text(tokenizer, tokens, eos)[0]
-                rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
-                                 model=model.config.name_or_path,
-                                 policy=policy.scorer_label, capacity=pd.NA if mode == "full" else policy.capacity,
-                                 mode=mode, expected=query.answer, output=text, correct=found(query.answer, text),
-                                 exact=found_exactly(query.answer, text),
-                                 fact_kept=kept_fraction(state, query.span) if compressed else 1.0,
-                                 value_kept=kept_fraction(state, query.value_span) if compressed else 1.0,
-                                 cache_length=length, prompt_tokens=n, prefill_s=shared.seconds,
-                                 decode_ms_per_token=ms_per_token(seconds), **extra))
-                bar.update()
-
-            answer(FullCache(), "full", aware.state(FullCache()), aware.logits)
-            for policy in policies:
-                if "query-aware" in modes:
-                    answer(policy, "query-aware", aware.state(policy), aware.logits)
-                if "query-agnostic" in modes:
-                    answer(policy, "query-agnostic", shared.state(policy), None)
+        hook = None if describe is None else (
+            lambda index, state, n, context=context: describe(context, context.queries[index], state, n))
+        questions = [as_ids(query.question_ids) for query in context.queries]
+        for run in answer_runs(model, tokenizer, shared, questions, policies, modes, max_new_tokens, hook):
+            query = context.queries[run.question]
+            rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
+                             model=model.config.name_or_path,
+                             policy=run.policy.scorer_label, capacity=pd.NA if run.mode == "full" else run.policy.capacity,
+                             mode=run.mode, expected=query.answer, output=run.text, correct=found(query.answer, run.text),
+                             exact=found_exactly(query.answer, run.text),
+                             fact_kept=kept_fraction(run.state, query.span) if run.compressed else 1.0,
+                             value_kept=kept_fraction(run.state, query.value_span) if run.compressed else 1.0,
+                             cache_length=run.cache_length, prompt_tokens=run.prompt_tokens, prefill_s=shared.seconds,
+                             decode_ms_per_token=ms_per_token(run.step_seconds), **run.extra))
+            bar.update()
         if on_context is not None:
             on_context(pd.DataFrame(rows))
     bar.close()
