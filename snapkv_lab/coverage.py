@@ -151,12 +151,15 @@ def _kept_masks(trace: AttentionTrace, kept) -> torch.Tensor:
         raise ValueError(f"kept has {len(kept_indices)} layers but the trace records {trace.n_layers} "
                          f"(layers {trace.layers}); pass [kept[layer] for layer in trace.layers] for a partial trace")
     for layer, rows in zip(trace.layers, kept_indices):
-        if (rows.ndim != 3 or rows.shape[0] != batch_rows or rows.shape[1] != kept_indices[0].shape[1]
-                or rows.shape[1] not in (trace.n_kv_heads, trace.n_heads)):
+        if rows.ndim != 3 or rows.shape[0] != batch_rows or rows.shape[1] not in (trace.n_kv_heads, trace.n_heads):
             raise ValueError(f"kept[{layer}] has shape {tuple(rows.shape)}; expected ({batch_rows}, "
-                             f"{trace.n_kv_heads} or {trace.n_heads}, k) like every layer's")
+                             f"{trace.n_kv_heads} or {trace.n_heads}, k)")
         if rows.is_floating_point():
             raise TypeError(f"kept[{layer}] must hold integer positions, got {rows.dtype}")
+    # per_query_head selections on a model with sliding layers: the compressed layers keep one set per query head,
+    # the sliding ones (never compressed) one per KV head; each query head reads its KV head's set.
+    rows = max(k.shape[1] for k in kept_indices)
+    kept_indices = [k.repeat_interleave(rows // k.shape[1], dim=1) for k in kept_indices]
     return kept_mask(kept_indices, trace.prompt_len)
 
 

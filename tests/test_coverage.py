@@ -92,6 +92,17 @@ def test_list_of_kept_indices_equals_the_result(tiny_runs):
     assert snapkv_lab.attention_coverage is attention_coverage
 
 
+def test_layers_of_kv_head_and_of_query_head_sets_mix(tiny_runs):
+    # per_query_head on a model with sliding layers: compressed layers hold one set per query head, the others one per
+    # KV head. Each query head reads its KV head's set: the same table as with every layer expanded to query heads.
+    trace, runs = tiny_runs
+    kept = runs["SnapKV"].kept_indices  # (1, 2 KV heads, k) per layer
+    mixed = [kept[0], kept[1].repeat_interleave(2, dim=1)]
+    expanded = [rows.repeat_interleave(2, dim=1) for rows in kept]
+    assert attention_coverage(trace, mixed).equals(attention_coverage(trace, expanded))
+    assert attention_coverage(trace, mixed).equals(attention_coverage(trace, kept))
+
+
 def test_full_cache_covers_everything(tiny_runs):
     trace, runs = tiny_runs
     table = attention_coverage(trace, runs["FullCache"])
