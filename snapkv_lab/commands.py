@@ -77,6 +77,33 @@ def needle(args) -> int:
     return 0
 
 
+def evaluate(args) -> int:
+    from .evaluation import RATIOS, draw, eval_cells, evaluate as run
+    from .figures import model_folders
+    from .sweep import import_ray
+
+    start = time.perf_counter()
+    data_dir, figures_dir = model_folders(args.data_dir, args.figures_dir, args.model)
+    ratios = args.ratios if args.ratios or args.capacities else list(RATIOS)
+    options = dict(datasets=args.dataset, tasks=args.tasks, policies=args.policies, ratios=ratios,
+                   capacities=args.capacities, modes=args.modes, limit=args.limit, max_context=args.max_context,
+                   lengths=args.lengths, seed=args.seed, source=args.source, framing=args.framing)
+    try:  # bad names, budgets, tasks and modes, a missing set or Ray, are said before any model loads
+        eval_cells(args.model, **options)
+        if args.executor == "ray":
+            import_ray()
+    except (ValueError, ImportError, FileNotFoundError, ConnectionError) as err:
+        print(f"snapkv-lab eval: error: {err}", file=sys.stderr)
+        return 2
+    table = run(args.model, **options, data_dir=data_dir, name=args.name, executor=args.executor,
+                ray_address=args.ray_address)
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    for path in draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)]):
+        print(path)
+    print(f"{len(table)} answers ({table.example.nunique()} examples) in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
 BUNDLED = "SmolLM2-135M-Instruct (default), gemma-3-270m"  # models.BUNDLED_MODELS, named here without importing torch
 
 
@@ -155,6 +182,39 @@ def _needle_arguments(p) -> None:
     _executor_arguments(p)
 
 
+def _eval_arguments(p) -> None:
+    _folders_and_model(p)
+    p.add_argument("--dataset", nargs="+", default=["ruler"], metavar="NAME",
+                   help="benchmarks by name in snapkv_lab.evaluation.DATASETS (default ruler: generated here, offline; "
+                        "the others load from the Hugging Face Hub, or from --source)")
+    p.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                   help="the benchmarks' own task names, e.g. niah_single_1 vt (default: each dataset's default tasks)")
+    p.add_argument("--policies", nargs="+", default=["SnapKV"], metavar="POLICY",
+                   help="policies by name in snapkv_lab.POLICIES or wrapped, with settings: SnapKV "
+                        "'AdaKV(ExpectedAttention)' 'SnapKV(window_size=64)' (default SnapKV); the full cache runs too")
+    p.add_argument("--ratios", type=float, nargs="+", default=None, metavar="R",
+                   help="compression ratios as kvpress counts them, the share of KV pairs removed (default 0.25 0.5 0.75)")
+    p.add_argument("--capacities", type=int, nargs="+", default=None, metavar="N",
+                   help="budgets in tokens per KV head instead of ratios")
+    p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"],
+                   default=["query-aware", "query-agnostic"],
+                   help="query-aware (question compressed with the context), query-agnostic (context compressed alone, "
+                        "kvpress's default) or both (default both)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="the first N examples per task (and length): a quick look (default: all; generated sets: 10)")
+    p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
+                   help="context + question longer than this is cut from the middle of the context, as LongBench's "
+                        "scripts truncate (default: the model's limit less the answer's tokens)")
+    p.add_argument("--lengths", type=int, nargs="+", default=(), metavar="TOKENS",
+                   help="prompt lengths of generated sets (RULER; default 4096)")
+    p.add_argument("--seed", type=int, default=0, help="seed of generated sets (default 0)")
+    p.add_argument("--source", default=None, metavar="DIR",
+                   help="a local folder of a Hub set's rows, <task>.jsonl in the set's own schema, instead of the Hub")
+    p.add_argument("--name", default=None,
+                   help="the run's table and figures: <data-dir>/eval_<name>.csv (default the datasets joined by +)")
+    _executor_arguments(p)
+
+
 COMMANDS: dict[str, Command] = {
     "convert": Command("Convert a bundled model's GGUF (default SmolLM2) once into the cache folder and print its path.",
                        _model_argument, convert),
@@ -162,4 +222,7 @@ COMMANDS: dict[str, Command] = {
                        _figures_arguments, figures),
     "needle": Command("Run the pressure tests (needle grid, lines retrieval, RULER-style needles) for every policy and budget, then draw them.",
                       _needle_arguments, needle),
+    "eval": Command("Run benchmarks (RULER generated here; LongBench, InfiniteBench, ... from the Hub) through the "
+                    "policies at several compression ratios, with the full cache as baseline; write the table and the "
+                    "leaderboard figures.", _eval_arguments, evaluate),
 }

@@ -23,6 +23,8 @@ from pathlib import Path
 FIGURE_MODULES = {
     "findings": ("snapkv_lab.experiments", "the paper's four observations (a)-(d), generated and teacher-forced"),
     "pressure": ("snapkv_lab.pressure", "needle grid heatmaps, accuracy vs budget, RULER-style suite, lines ablation"),
+    "eval": ("snapkv_lab.evaluation", "benchmark runs (snapkv-lab eval): score vs compression ratio, task x policy, gap to "
+                                      "the full cache"),
 }
 
 

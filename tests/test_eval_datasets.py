@@ -29,6 +29,23 @@ def fresh_cache():
     load_rows.cache_clear()
 
 
+def test_every_fixture_example_is_scored_by_a_reproduced_metric():
+    from snapkv_lab.evaluation.metrics import METRICS
+    from snapkv_lab.evaluation.registry import DATASETS
+
+    for folder in sorted(FIXTURES.iterdir()):
+        benchmark = DATASETS[folder.name]
+        for path in sorted(folder.rglob("*.jsonl")):
+            task = path.stem
+            if task not in benchmark.tasks:
+                continue
+            lengths = (2000,) if folder.name == "needle-hub" else ()  # ruler-hub's fixture is its 4096 config
+            for spec in benchmark.specs(task, source=str(folder), lengths=lengths):
+                example = benchmark.example(spec, ByteTokenizer())
+                for question in example.questions:
+                    assert (question.metric or example.metric) in METRICS, (folder.name, task)
+
+
 def first(benchmark, task: str, index: int = 0) -> Example:
     source = str(FIXTURES / benchmark.name)
     return benchmark.example(dict(dataset=benchmark.name, task=task, index=index, source=source), None)
@@ -212,7 +229,7 @@ def test_loogle_questions_share_one_context():
         "\nQuestion: When did the canal open?\nAnswer: ", "\nQuestion: What did the barges carry?\nAnswer: "]
     assert [question.answers for question in example.questions] == [("In 1822.",), ("Coal.",)]
     assert (example.metric, example.max_new_tokens, example.chat, example.meta) == (
-        "loogle_automatic_sim", 300, False, {"title": "Old Canal"})
+        "loogle_rouge_l", 300, False, {"title": "Old Canal"})
     assert len(first(LOOGLE, "shortdep_qa", 1).questions) == 1
 
 
@@ -226,7 +243,7 @@ def test_loogle_cloze_summary_and_long_dependency():
     assert cloze.questions[0].text == ("\n Question: <mask-0> founded the Harbor Choir in <mask-1>. What are the masked "
                                        "entities? \nAnswer:")
     assert cloze.questions[0].answers == ('{"<mask-0>": "Rosa Lind", "<mask-1>": "Vetta"}',)
-    assert (cloze.metric, cloze.max_new_tokens) == ("loogle_automatic_match", 50)
+    assert (cloze.metric, cloze.max_new_tokens) == ("loogle_exact_match", 50)
     summary = first(LOOGLE, "longdep_summarization")
     assert prompt(summary) == ("Please generate a summary of the below paper. \nAbstract. We count birds on two islands "
                                "for a year and find that the smaller island has more species.\n Summarization: ")
@@ -268,14 +285,14 @@ def test_scbench_choice_and_number_lists():
     assert (mf.questions[0].answers, mf.max_new_tokens) == (("2",), 5)
 
 
-def test_scbench_mixed_tasks_and_turn_limit():
-    mixed = first(SCBENCH, "scbench_repoqa_and_kv")
-    assert mixed.context == 'def area(w, h):\n    return w * h\n\nKV: {"k1": "v1"}'
-    assert mixed.questions[0].text == "Find the function that multiplies a width by a height."
-    assert mixed.meta == {"repo": "tiny/shapes", "lang": "python", "names": ["area", ""],
-                          "turn_tasks": ["scbench_repoqa", "scbench_kv"]}
-    assert (mixed.max_new_tokens, mixed.metric) == (1024, "scbench_repoqa_and_kv")
-    assert first(SCBENCH, "scbench_repoqa_and_kv", 1).max_new_tokens == 80  # its one turn is a kv lookup
+def test_scbench_mixed_set_scores_each_turn_by_its_kind_and_turn_limit():
+    mixed = first(SCBENCH, "scbench_summary_with_needles")
+    assert mixed.context == "The harbour froze in March. The pass key is 4471. Boats waited for the thaw."
+    assert [q.text for q in mixed.questions] == ["Summarize the text in one sentence.", "What is the pass key?"]
+    assert [q.metric for q in mixed.questions] == ["scbench_summary", "scbench_passkey"]
+    assert mixed.max_new_tokens == 800  # the longer of its turns' lengths (summary 800, passkey 15)
+    assert first(SCBENCH, "scbench_summary_with_needles", 1).max_new_tokens == 15  # its one turn is a pass key
+    assert "scbench_repoqa" not in SCBENCH.tasks and "scbench_repoqa_and_kv" not in SCBENCH.tasks  # metric not reproduced
     row = {"id": 3, "context": "c", "multi_turns": [{"input": f"q{i}", "answer": f"a{i}"} for i in range(7)]}
     assert [question.text for question in SCBENCH.build("scbench_vt", row, 0).questions] == ["q0", "q1", "q2", "q3", "q4"]
 

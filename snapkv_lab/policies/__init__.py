@@ -2,9 +2,11 @@
 
 POLICIES maps each shipped policy's plain name to its class; every one can be built from `capacity=` alone,
 and the tests parametrise over it, so a new method is tested the moment it is registered here.
-`policy_config` writes a policy as JSON-able values (a grid cell's key), `policy_from_config` builds it back.
+`policy_config` writes a policy as JSON-able values (a grid cell's key), `policy_from_config` builds it back;
+`parse_policy` reads one from the command line: "SnapKV", "SnapKV(window_size=64)", "AdaKV(ExpectedAttention)".
 """
 
+import ast
 import dataclasses
 
 from .base import NO_POSITION, AttentionCall, FullCache, Policy
@@ -49,4 +51,38 @@ def policy_from_config(config: dict) -> Policy:
     return POLICIES[name](**fields)
 
 
-__all__ = ["NO_POSITION", "POLICIES", "AttentionCall", "Policy", "policy_config", "policy_from_config", *POLICIES]
+def parse_policy(text: str) -> Policy:
+    """A policy written as a call: a registered name, with keyword settings of literal values and at most one
+    positional argument, the wrapped policy (itself written the same way): "SnapKV", "SnapKV(window_size=64,
+    kernel_size=7)", "AdaKV(ExpectedAttention)", "ChunkKV(AdaKV(SnapKV(window_size=16)))". Nothing is evaluated:
+    anything else is refused with the registered names."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as error:
+        raise ValueError(f"cannot read the policy {text!r}: write Name or Name(setting=value, ...)") from error
+    return _policy_from_node(tree, text)
+
+
+def _policy_from_node(node, text: str) -> Policy:
+    if isinstance(node, ast.Name):
+        return policy_from_config({"name": node.id})
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or len(node.args) > 1:
+        raise ValueError(f"cannot read the policy {text!r}: write Name or Name(inner policy, setting=value, ...), "
+                         f"with names among {', '.join(POLICIES)}")
+    config = {"name": node.func.id}
+    if node.args:
+        config["policy"] = policy_config(_policy_from_node(node.args[0], text))
+    for keyword in node.keywords:
+        try:
+            config[keyword.arg] = ast.literal_eval(keyword.value)
+        except ValueError as error:
+            raise ValueError(f"the setting {keyword.arg} of {text!r} must be a literal (number, string, None, ...)") from error
+    try:
+        return policy_from_config(config)
+    except TypeError as error:  # an unknown setting: name the ones there are
+        fields = [f.name for f in dataclasses.fields(POLICIES[config["name"]])]
+        raise ValueError(f"{text!r}: {error}; {config['name']} takes {', '.join(fields)}") from error
+
+
+__all__ = ["NO_POSITION", "POLICIES", "AttentionCall", "Policy", "parse_policy", "policy_config", "policy_from_config",
+           *POLICIES]

@@ -1,0 +1,66 @@
+"""The field's benchmarks, run the way the field runs them: `snapkv-lab eval`, `evaluate(...)`, a leaderboard.
+
+    examples.py     Example and Question (a benchmark item split where compression happens), the Benchmark protocol
+    registry.py     DATASETS: every benchmark by name
+    ruler.py        RULER generated offline: the niah family, variable tracking, common and frequent words
+    hub.py          sets read from the Hugging Face Hub (or a local copy): longbench.py, infinitebench.py, loogle.py,
+                    scbench.py, and kvpress's own RULER copy
+    metrics.py      METRICS: each benchmark's official metrics by its own names, (prediction, references) -> [0, 1]
+    prompting.py    an example as a model's token ids: framed (chat or plain) and cut from the middle
+    run.py          evaluate: one resumable sweep cell per example, one prefill for every policy x ratio x mode
+    summary.py      task scores, the leaderboard and the gap to the full cache, with bootstrap intervals
+    figures.py      score vs compression ratio, task x policy heatmap, gap per task (the `eval` figure set)
+"""
+
+from pathlib import Path
+
+from ..figures import FigureSet, register
+from .examples import Benchmark, Example, Question
+from .prompting import EncodedExample, encode_example
+from .run import RATIOS, budgets, eval_cells, evaluate, run_example
+from .summary import full_cache_fails, gap_to_full, leaderboard, task_scores
+
+
+def __getattr__(name):
+    # DATASETS and METRICS import their modules on first use: `snapkv-lab eval --help` stays instant.
+    if name == "DATASETS":
+        from .registry import DATASETS
+
+        return DATASETS
+    if name == "METRICS":
+        from .metrics import METRICS
+
+        return METRICS
+    raise AttributeError(name)
+
+
+def draw(data_dir, figures_dir, names=None) -> list[Path]:
+    """Every benchmark figure of data_dir's eval_*.csv tables (evaluation.figures, imported when drawing)."""
+    from .figures import draw as draw_figures
+
+    return draw_figures(data_dir, figures_dir, names)
+
+
+# The committed leaderboard: RULER at 4k on the bundled model, every policy, kvpress's ratios, both modes.
+LEADERBOARD = dict(datasets=["ruler"], lengths=[4096], ratios=list(RATIOS), modes=["query-aware", "query-agnostic"])
+
+
+def leaderboard_policies() -> list[str]:
+    from ..policies import POLICIES
+
+    return [name for name in POLICIES if name != "FullCache"]
+
+
+def recompute(options: dict) -> None:
+    """Rerun the committed leaderboard (LEADERBOARD, every policy) into options' data_dir (the model's own folder),
+    resuming from its cells; options["samples"]: examples per task (default the generated sets' 10)."""
+    evaluate(options.get("model"), **LEADERBOARD, policies=leaderboard_policies(), limit=options.get("samples"),
+             data_dir=options.get("data_dir", "data"), name="ruler", executor=options.get("executor") or "local",
+             ray_address=options.get("ray_address"))
+
+
+register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_default=False))
+
+__all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Question",
+           "budgets", "draw", "encode_example", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
+           "leaderboard", "recompute", "run_example", "task_scores"]

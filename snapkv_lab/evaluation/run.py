@@ -1,0 +1,213 @@
+"""`evaluate`: the field's benchmarks through the lab's policies, one resumable cell per example.
+
+    table = evaluate("SmolLM2-135M-Instruct", datasets=["ruler"], tasks=["niah_single_1"], limit=2,
+                     policies=["SnapKV", "AdaKV(ExpectedAttention)"], ratios=[0.25, 0.5, 0.75])
+
+Each example is a cell of snapkv_lab.sweep: its context is prefilled once with the full cache while every policy
+records its scores, then the full cache and every policy x budget x mode answer each of its questions
+(compression.answering). A rerun skips the stored cells; `executor="ray"` spreads them over a cluster.
+
+Budgets are kvpress's compression ratios (the fraction of the compressed prompt's KV pairs removed: 0.25 keeps
+75%), or capacities in tokens per KV head. A ratio r runs a policy at capacity 1 - r (Policy.capacity as a share).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from ..compression import SharedPrefill
+from ..compression.answering import MODES, answer_runs
+from ..inputs import check_context_length
+from ..policies import parse_policy, policy_config, policy_from_config
+from ..timing import ms_per_token
+from .examples import Example, Question
+from .prompting import encode_example
+
+RATIOS = (0.25, 0.5, 0.75)
+CELL_KIND = "eval"
+
+
+def datasets():
+    """The registry of benchmarks by name (evaluation.registry.DATASETS), imported when first needed."""
+    from .registry import DATASETS
+
+    return DATASETS
+
+
+def _benchmark(name: str):
+    registry = datasets()
+    if name not in registry:
+        raise ValueError(f"unknown dataset {name!r}; the datasets are {', '.join(registry)}")
+    return registry[name]
+
+
+def budgets(ratios=None, capacities=None) -> list[dict]:
+    """[{"ratio": r} ...] or [{"capacity": c} ...]: one of the two, checked (a ratio in (0, 1), a capacity >= 1)."""
+    if (ratios is None) == (capacities is None):
+        raise ValueError("give compression ratios (--ratios) or capacities in tokens (--capacities), not both")
+    if ratios is not None:
+        bad = [r for r in ratios if not 0 < float(r) < 1]
+        if bad:
+            raise ValueError(f"a compression ratio is the share of KV pairs removed, in (0, 1); got {bad}")
+        return [{"ratio": float(r)} for r in ratios]
+    bad = [c for c in capacities if int(c) != c or c < 1]
+    if bad:
+        raise ValueError(f"capacities are positive token counts, got {bad}")
+    return [{"capacity": int(c)} for c in capacities]
+
+
+def _capacity(budget: dict) -> int | float:
+    # round: 1 - 0.7 is 0.30000000000000004, a label nobody wrote
+    return budget["capacity"] if "capacity" in budget else round(1 - budget["ratio"], 10)
+
+
+def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("SnapKV",), ratios=None,
+               capacities=None, modes=MODES, limit: int | None = None, max_context: int | None = None,
+               lengths=(), seed: int = 0, source: str | None = None, framing: str | None = None) -> list:
+    """The cells of a run, one per example, in order (dataset, task, example). Bad options fail here, before any run.
+
+    tasks: the benchmarks' own task names (None: each dataset's default tasks; a name no dataset has is refused).
+    policies: Policy objects or their written form ("SnapKV", "AdaKV(ExpectedAttention)", see policies.parse_policy).
+    """
+    from ..sweep import Cell
+
+    named = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    if not named or any(policy.capacity is None for policy in named):
+        raise ValueError("policies takes compression policies: the full cache runs in every example as the baseline")
+    steps = budgets(ratios, capacities)
+    for policy in named:  # a window at or above a budget in tokens fails now
+        for budget in steps:
+            dataclasses.replace(policy, capacity=_capacity(budget))
+    if not modes or set(modes) - set(MODES):
+        raise ValueError(f"modes must be among {MODES}, got {list(modes)}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be a positive number of examples per task, got {limit}")
+    benchmarks = [_benchmark(name) for name in datasets]
+    if tasks:
+        known = {task for benchmark in benchmarks for task in benchmark.tasks}
+        unknown = [task for task in tasks if task not in known]
+        if unknown:
+            listing = "; ".join(f"{b.name}: {', '.join(b.tasks)}" for b in benchmarks)
+            raise ValueError(f"unknown tasks {unknown} for {list(datasets)}; the tasks are {listing}")
+    config = dict(model=model, policies=[policy_config(p) for p in named], budgets=steps, modes=list(modes),
+                  max_context=max_context, framing=framing)
+    cells = []
+    for benchmark in benchmarks:
+        chosen = [t for t in benchmark.tasks if t in tasks] if tasks else list(benchmark.default_tasks)
+        for task in chosen:
+            for spec in benchmark.specs(task, limit=limit, lengths=tuple(lengths), seed=seed, source=source):
+                cells.append(Cell(CELL_KIND, dict(config, example=spec)))
+    return cells
+
+
+def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
+    """One cell: build the example, prefill its context once, answer every question with the full cache and every
+    policy x budget x mode, and score each answer with the task's metric. One row per answer (module doc)."""
+    example = _benchmark(config["example"]["dataset"]).example(config["example"], tokenizer)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    max_context = config["max_context"] or (None if limit is None else limit - example.max_new_tokens)
+    encoded = encode_example(tokenizer, example, framing=config["framing"], max_context=max_context)
+    longest = max(len(q) for q in encoded.questions)
+    check_context_length(model, len(encoded.context_ids) + longest + example.max_new_tokens,
+                         what=f"{example.dataset}/{example.task} #{example.id} with {example.max_new_tokens} new tokens")
+    budget_of, policies = {}, []
+    for entry in config["policies"]:
+        for budget in config["budgets"]:
+            policy = dataclasses.replace(policy_from_config(entry), capacity=_capacity(budget))
+            budget_of[policy.label] = budget
+            policies.append(policy)
+    as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
+    shared = SharedPrefill.run(model, tokenizer, as_ids(encoded.context_ids), policies)
+    rows = []
+    for run in answer_runs(model, tokenizer, shared, [as_ids(q) for q in encoded.questions], policies,
+                           config["modes"], example.max_new_tokens):
+        question = example.questions[run.question]
+        budget = {"ratio": 0.0} if run.mode == "full" else budget_of[run.policy.label]
+        rows.append(dict(
+            model=model.config.name_or_path, dataset=example.dataset, task=example.task, example=example.id,
+            spec=json.dumps(config["example"], sort_keys=True), policy_config=json.dumps(policy_config(run.policy)),
+            question=run.question, metric=question.metric or example.metric, policy=run.policy.scorer_label,
+            ratio=budget.get("ratio"), capacity=budget.get("capacity"), mode=run.mode,
+            score=score_answer(example, question, run.text), prediction=run.text,
+            references=json.dumps(list(question.answers), ensure_ascii=False),
+            context_tokens=len(encoded.context_ids), prompt_tokens=run.prompt_tokens,
+            kept_tokens=run.cache_length,
+            truncated_tokens=encoded.truncated, framing=encoded.framing, length=example.meta.get("length"),
+            prefill_s=shared.seconds, selection_s=run.state.selection_seconds,
+            decode_ms_per_token=ms_per_token(run.step_seconds), new_tokens=run.token_ids.shape[1]))
+    table = pd.DataFrame(rows)
+    # One type per column, so that the table reads back from the store as written.
+    return table.astype({"ratio": "Float64", "capacity": "Int64", "length": "Int64"})
+
+
+def score_answer(example: Example, question: Question, prediction: str) -> float:
+    """The official metric (evaluation.metrics) of one prediction against the question's references, in [0, 1]:
+    the question's own metric, else the example's."""
+    from .metrics import score
+
+    return score(question.metric or example.metric, prediction, list(question.answers), task=example.task,
+                 **example.meta)
+
+
+def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, policies=("SnapKV",), ratios=None,
+             capacities=None, modes=MODES, limit: int | None = None, max_context: int | None = None, lengths=(),
+             seed: int = 0, source: str | None = None, framing: str | None = None, data_dir="data",
+             name: str | None = None, executor: str = "local", ray_address: str | None = None) -> pd.DataFrame:
+    """Run benchmarks through policies; returns the tidy table, also written to <data_dir>/eval_<name>.csv.
+
+    model: a bundled name, hub id or folder (None: the default bundled model); datasets and tasks by name
+    (evaluation.DATASETS); ratios (default 0.25 0.5 0.75 unless capacities are given) or capacities; modes; limit:
+    the first N examples per task (and length); max_context: tokens of context + question, the context cut from
+    its middle (None: the model's own limit less the answer's tokens); lengths and seed: of generated sets (RULER);
+    source: a local folder of a Hub set's rows (JSONL per task) instead of the Hub; name: the table's name
+    (default the datasets joined by "+"). Cells are stored in <data_dir>/cells/eval/.
+
+    Columns: model, dataset, task, example, spec and policy_config (JSON: what rebuilds the example and the policy,
+    see evaluation.explain), question, metric, policy, ratio (0 for the full cache), capacity,
+    mode ("full", "query-aware", "query-agnostic"), score (in [0, 1]), prediction, references (JSON),
+    context_tokens, prompt_tokens, kept_tokens, truncated_tokens, framing, length, prefill_s, selection_s,
+    decode_ms_per_token, new_tokens.
+    """
+    from ..sweep import ResultStore, run_cells
+
+    if ratios is None and capacities is None:
+        ratios = RATIOS
+    datasets = [datasets] if isinstance(datasets, str) else list(datasets)
+    cells = eval_cells(model, datasets, tasks, policies, ratios, capacities, modes, limit, max_context, lengths, seed,
+                       source, framing)
+    _check_lengths(model, lengths)
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(data_dir / "cells" / CELL_KIND)
+    options = dict(model=model, datasets=datasets, tasks=tasks, policies=[p if isinstance(p, str) else p.label for p in policies],
+                   ratios=ratios, capacities=capacities, modes=list(modes), limit=limit, max_context=max_context,
+                   lengths=list(lengths), seed=seed, source=source, framing=framing)
+    manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=model, options=options,
+                    seeds=[seed])
+    table = run_cells(cells, run_example, store, model=model, executor=executor, ray_address=ray_address,
+                      desc="eval cells", manifest=manifest)
+    table.to_csv(data_dir / f"eval_{name or '+'.join(datasets)}.csv", index=False)
+    return table
+
+
+def _check_lengths(model: str | None, lengths) -> None:
+    """Generated sets at a length the model cannot hold fail before the first prefill (skipped when the model's
+    config cannot be read here, e.g. a Ray head node without it: the cells check where they run)."""
+    if not lengths:
+        return
+    from transformers import AutoConfig
+
+    from ..models import model_source
+
+    try:
+        config = AutoConfig.from_pretrained(model_source(model))
+    except OSError:
+        return
+    check_context_length(config, max(lengths), what=f"a generated example of {max(lengths)} tokens")

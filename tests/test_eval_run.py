@@ -1,0 +1,236 @@
+"""`evaluate` and its pieces: budgets, cells, framing and truncation, one example's rows, resuming, the summaries."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import ByteTokenizer, make_tiny_llama
+from snapkv_lab.evaluation import (Example, Question, budgets, encode_example, eval_cells, evaluate, gap_to_full,
+                                   leaderboard, run_example, task_scores)
+from snapkv_lab.evaluation import registry
+from snapkv_lab.evaluation.explain import explain
+from snapkv_lab.policies import SnapKV, StreamingLLM, policy_config
+
+
+@dataclass
+class ToyBenchmark:
+    """Two tasks of byte-tokenised examples: a "code" to repeat from the middle of a filler context."""
+
+    name: str = "toy"
+    tasks: tuple = ("repeat", "twice")
+    default_tasks: tuple = ("repeat",)
+
+    def specs(self, task, *, limit=None, lengths=(), seed=0, source=None):
+        return [dict(dataset=self.name, task=task, index=i, seed=seed) for i in range(limit or 3)]
+
+    def example(self, spec, tokenizer):
+        code = f"{spec['index'] + 7 * spec['seed']:03d}"
+        filler = "the sky is blue. " * 12
+        questions = (Question(" What is the code?", (code,), answer_prefix=" The code is"),)
+        if spec["task"] == "twice":
+            questions += (Question(" Say the code again.", (code,)),)
+        context = f"Read. {filler}The code is {code}. {filler}"
+        start = context.index(code)
+        return Example(self.name, spec["task"], str(spec["index"]), context, questions, "string_match_all",
+                       max_new_tokens=5, meta=dict(length=None, needle_spans=[(start, start + 3)]))
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setitem(registry.DATASETS, "toy", ToyBenchmark())
+    return registry.DATASETS["toy"]
+
+
+class ChatByteTokenizer(ByteTokenizer):
+    """The byte tokenizer with a chat template: "<u>content</u><a>" around one user turn."""
+
+    chat_template = "toy"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return "".join(f"<{m['role'][0]}>{m['content']}</{m['role'][0]}>" for m in messages) + "<a>"
+
+
+def test_ratios_are_kvpress_compression_ratios_and_bad_budgets_are_refused():
+    assert budgets([0.25, 0.75]) == [{"ratio": 0.25}, {"ratio": 0.75}]
+    assert budgets(capacities=[64]) == [{"capacity": 64}]
+    with pytest.raises(ValueError, match="not both"):
+        budgets([0.5], [64])
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        budgets([1.0])
+    with pytest.raises(ValueError, match="positive token counts"):
+        budgets(capacities=[0])
+
+
+def test_cells_one_per_example_and_bad_options_refused(toy):
+    cells = eval_cells(None, ["toy"], tasks=["repeat", "twice"], policies=["SnapKV(window_size=8)"], ratios=[0.5],
+                       limit=2)
+    assert [(c.config["example"]["task"], c.config["example"]["index"]) for c in cells] == \
+        [("repeat", 0), ("repeat", 1), ("twice", 0), ("twice", 1)]
+    assert cells[0].config["policies"] == [policy_config(SnapKV(window_size=8))]
+    assert len(eval_cells(None, ["toy"], ratios=[0.5])) == 3  # the default task, the benchmark's default count
+    with pytest.raises(ValueError, match="unknown dataset 'nope'"):
+        eval_cells(None, ["nope"], ratios=[0.5])
+    with pytest.raises(ValueError, match=r"unknown tasks \['niah'\].*toy: repeat, twice"):
+        eval_cells(None, ["toy"], tasks=["niah"], ratios=[0.5])
+    with pytest.raises(ValueError, match="full cache runs in every example"):
+        eval_cells(None, ["toy"], policies=["FullCache"], ratios=[0.5])
+    with pytest.raises(ValueError, match="modes must be among"):
+        eval_cells(None, ["toy"], ratios=[0.5], modes=["sideways"])
+    with pytest.raises(ValueError, match="window_size"):  # a window at or above a budget in tokens, before any run
+        eval_cells(None, ["toy"], policies=["SnapKV"], capacities=[16])
+
+
+def test_plain_framing_keeps_the_official_text_and_cuts_the_context_from_its_middle(toy):
+    tokenizer = ByteTokenizer()
+    example = toy.example(dict(task="repeat", index=4, seed=0), tokenizer)
+    whole = encode_example(tokenizer, example)
+    assert bytes(whole.context_ids).decode() == example.context  # no BOS for this tokenizer, no labels added
+    assert bytes(whole.questions[0]).decode() == " What is the code? The code is"
+    assert whole.truncated == 0 and whole.framing == "plain"
+    cut = encode_example(tokenizer, example, max_context=200)
+    room = 200 - len(whole.questions[0])
+    assert len(cut.context_ids) == room and cut.truncated == len(whole.context_ids) - room
+    assert cut.context_ids == whole.context_ids[:room // 2] + whole.context_ids[-(room - room // 2):]
+    with pytest.raises(ValueError, match="no room for the context"):
+        encode_example(tokenizer, example, max_context=len(whole.questions[0]) + 1)
+
+
+def test_chat_framing_wraps_context_and_question_in_one_turn_unless_the_task_is_sent_raw(toy):
+    tokenizer = ChatByteTokenizer()
+    example = toy.example(dict(task="repeat", index=1, seed=0), tokenizer)
+    chat = encode_example(tokenizer, example)
+    assert chat.framing == "chat"
+    assert bytes(chat.context_ids).decode() == "<u>" + example.context
+    assert bytes(chat.questions[0]).decode() == " What is the code?</u><a> The code is"  # the prefix after the turn
+    raw = encode_example(tokenizer, Example(**{**example.__dict__, "chat": False}))
+    assert raw.framing == "plain" and bytes(raw.context_ids).decode() == example.context
+    assert encode_example(tokenizer, example, framing="plain").framing == "plain"
+
+
+def _config(policies, ratios=(0.5,), modes=("query-aware", "query-agnostic"), task="repeat", index=0):
+    return dict(model=None, policies=[policy_config(p) for p in policies], budgets=budgets(list(ratios)),
+                modes=list(modes), max_context=None, framing=None, example=dict(dataset="toy", task=task, index=index, seed=0))
+
+
+def test_one_example_gives_the_full_cache_and_every_policy_budget_and_mode_per_question(toy):
+    model, tokenizer = make_tiny_llama(), ByteTokenizer()
+    table = run_example(model, tokenizer, _config([SnapKV(window_size=8), StreamingLLM(window_size=8)],
+                                                  ratios=(0.25, 0.75), task="twice"))
+    assert len(table) == 2 * (1 + 2 * 2 * 2)  # questions x (full + policies x ratios x modes)
+    full = table[table["mode"] == "full"]
+    assert list(full.policy) == ["FullCache", "FullCache"] and (full.ratio == 0).all()
+    assert (full.kept_tokens == full.prompt_tokens).all()
+    compressed = table[table["mode"] != "full"]
+    assert set(compressed.ratio) == {0.25, 0.75} and compressed.capacity.isna().all()
+    agnostic = compressed[compressed["mode"] == "query-agnostic"]
+    context = int(table.context_tokens.iloc[0])
+    # kvpress's ratio: the share of the compressed prompt removed (the context alone, query-agnostic)
+    for ratio, part in agnostic.groupby("ratio"):
+        assert (part.kept_tokens == int((1 - ratio) * context)).all(), (ratio, part.kept_tokens.tolist())
+    aware = compressed[compressed["mode"] == "query-aware"]
+    assert (aware.kept_tokens < aware.prompt_tokens).all()
+    assert table.score.between(0, 1).all()
+    assert json.loads(table.references.iloc[0]) == ["000"]
+    # the score is the metric of the prediction: string_match_all of the code in the answer
+    assert (table.score == [float("000" in p.lower()) for p in table.prediction]).all()
+
+
+def test_a_rerun_resumes_without_redoing_a_cell(toy, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", lambda name: (make_tiny_llama(), ByteTokenizer()))
+    options = dict(datasets=["toy"], policies=["SnapKV(window_size=8)"], ratios=[0.5], modes=["query-agnostic"],
+                   limit=2, data_dir=tmp_path)
+    first = evaluate(**options)
+    assert "2 to run" in capsys.readouterr().err
+    again = evaluate(**options)
+    err = capsys.readouterr().err
+    assert "2 already in" in err and "0 to run" in err
+    pd.testing.assert_frame_equal(first, again)
+    written = pd.read_csv(tmp_path / "eval_toy.csv")
+    assert len(written) == 2 * 2 and set(written["mode"]) == {"full", "query-agnostic"}
+
+
+def test_explain_reruns_a_row_exactly_and_measures_its_coverage(toy):
+    model, tokenizer = make_tiny_llama(), ByteTokenizer()
+    table = run_example(model, tokenizer, _config([SnapKV(window_size=8)], ratios=(0.5,)))
+    for _, row in table.iterrows():
+        why = explain(model, tokenizer, row)
+        assert why.run.text == row.prediction  # the very run the table scored
+        assert why.prompt_ids.shape[1] == row.prompt_tokens
+        assert set(why.coverage.layer) == {0, 1} and why.coverage.coverage.dropna().between(0, 1 + 1e-5).all()
+        example = toy.example(json.loads(row.spec), tokenizer)
+        start = example.context.index("000")
+        assert why.spans == [(start, start + 3)]  # no frame head for this tokenizer: characters are tokens
+        summary = why.summary()
+        assert summary.loc[row.policy, "answer"] == row.prediction
+        if row.policy != "FullCache":
+            assert summary.loc["FullCache", "answer"] == why.trace.generated_text.strip()
+            kept = why.kept_indices
+            expected = sum(((k[0] >= start) & (k[0] < start + 3)).sum().item() for k in kept) / (2 * 2 * 3)
+            assert summary.loc[row.policy, "fact 0 kept"] == pytest.approx(expected)
+            assert why.coverage.coverage.dropna().lt(0.999).any()  # half the context dropped: not everything covered
+    tampered = table.iloc[1].copy()
+    tampered["prediction"] = "something else"
+    with pytest.raises(ValueError, match="the rerun answered"):
+        explain(model, tokenizer, tampered)
+
+
+def _scores(rows):
+    """A results table from (task, example, policy, ratio, mode, score) tuples."""
+    table = pd.DataFrame(rows, columns=["task", "example", "policy", "ratio", "mode", "score"])
+    return table.assign(dataset="toy", capacity=pd.NA, question=0, model="tiny")
+
+
+def test_leaderboard_averages_task_means_and_repeats_the_full_cache_in_every_mode():
+    rows = [("a", e, "FullCache", 0.0, "full", 1.0) for e in range(4)] + \
+           [("b", e, "FullCache", 0.0, "full", float(e < 2)) for e in range(2)] + \
+           [("a", e, "SnapKV", 0.5, m, float(e < 2)) for e in range(4) for m in ("query-aware", "query-agnostic")] + \
+           [("b", e, "SnapKV", 0.5, m, 0.0) for e in range(2) for m in ("query-aware", "query-agnostic")]
+    board = leaderboard(_scores(rows), n_boot=500).set_index(["policy", "mode"])
+    # the mean of task means, not of examples: (100 + 100) / 2 for the full cache, (50 + 0) / 2 for SnapKV
+    assert board.loc[("FullCache", "query-aware"), "score"] == pytest.approx(100)
+    assert board.loc[("FullCache", "query-agnostic"), "score"] == pytest.approx(100)
+    assert board.loc[("SnapKV", "query-agnostic"), "score"] == pytest.approx(25)
+    low, high = board.loc[("SnapKV", "query-agnostic"), ["low", "high"]]
+    assert 0 <= low < 25 < high <= 50  # task b is 0 on every resample; task a's half ranges over [0, 100]
+    assert board.loc[("SnapKV", "query-agnostic"), "tasks"] == 2
+    per_task = task_scores(_scores(rows), n_boot=0).set_index(["task", "policy", "mode"])
+    assert per_task.loc[("a", "SnapKV", "query-aware"), "score"] == pytest.approx(50)
+
+
+def test_gap_to_the_full_cache_is_paired_by_example():
+    # The full cache varies across examples; the policy loses exactly 10 points on each: a paired gap of -10 with
+    # no spread, where unpaired intervals would be wide.
+    full = np.array([0.2, 0.9, 0.5, 0.7, 0.3])
+    rows = [("a", e, "FullCache", 0.0, "full", s) for e, s in enumerate(full)] + \
+           [("a", e, "SnapKV", 0.5, "query-aware", s - 0.1) for e, s in enumerate(full)]
+    gap = gap_to_full(_scores(rows), n_boot=300).iloc[0]
+    assert gap.gap == pytest.approx(-10) and gap.low == pytest.approx(-10) and gap.high == pytest.approx(-10)
+    assert gap.full == pytest.approx(100 * full.mean())
+
+
+@pytest.mark.slow
+def test_cli_eval_runs_ruler_on_the_bundled_model_and_a_rerun_resumes(tmp_path, capsys):
+    from snapkv_lab.cli import main
+    from snapkv_lab.evaluation.metrics import string_match_all
+
+    data, figures = tmp_path / "data", tmp_path / "figures"
+    args = ["eval", "--dataset", "ruler", "--tasks", "niah_single_1", "--limit", "2", "--policies", "SnapKV",
+            "--ratios", "0.5", "--lengths", "1024", "--data-dir", str(data), "--figures-dir", str(figures)]
+    assert main(args) == 0
+    assert "2 to run" in capsys.readouterr().err
+    table = pd.read_csv(data / "eval_ruler.csv", keep_default_na=False)
+    assert len(table) == 2 * (1 + 2) and set(table["mode"]) == {"full", "query-aware", "query-agnostic"}
+    assert (table.length == 1024).all() and (table.prompt_tokens <= 1024).all()
+    for _, row in table.iterrows():  # each score is the official metric of the row's own prediction
+        assert row.score == string_match_all(row.prediction, json.loads(row.references))
+    assert table[table["mode"] == "full"].score.mean() == 1  # a single needle at 1k: the full cache finds it
+    assert {p.name for p in figures.iterdir()} >= {"eval_ruler_leaderboard.png", "eval_ruler_heatmap.html",
+                                                   "eval_ruler_gap.png"}
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "2 already in" in err and "0 to run" in err
