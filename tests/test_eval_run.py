@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ByteTokenizer, make_tiny_llama
 from snapkv_lab.evaluation import (Example, Question, budgets, encode_example, eval_cells, evaluate, gap_to_full,
-                                   leaderboard, run_example, task_scores)
+                                   leaderboard, read_results, run_example, task_scores)
 from snapkv_lab.evaluation import registry
 from snapkv_lab.evaluation.explain import explain
 from snapkv_lab.policies import SnapKV, StreamingLLM, policy_config
@@ -150,7 +150,8 @@ def test_a_rerun_resumes_without_redoing_a_cell(toy, tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert "2 already in" in err and "0 to run" in err
     pd.testing.assert_frame_equal(first, again)
-    written = pd.read_csv(tmp_path / "eval_toy.csv")
+    written = read_results(tmp_path / "eval_toy.csv")
+    assert written.example.tolist() == first.example.tolist() and written.prediction.tolist() == first.prediction.tolist()
     assert len(written) == 2 * 2 and set(written["mode"]) == {"full", "query-agnostic"}
 
 
@@ -223,7 +224,7 @@ def test_cli_eval_runs_ruler_on_the_bundled_model_and_a_rerun_resumes(tmp_path, 
             "--ratios", "0.5", "--lengths", "1024", "--data-dir", str(data), "--figures-dir", str(figures)]
     assert main(args) == 0
     assert "2 to run" in capsys.readouterr().err
-    table = pd.read_csv(data / "eval_ruler.csv", keep_default_na=False)
+    table = read_results(data / "eval_ruler.csv")
     assert len(table) == 2 * (1 + 2) and set(table["mode"]) == {"full", "query-aware", "query-agnostic"}
     assert (table.length == 1024).all() and (table.prompt_tokens <= 1024).all()
     for _, row in table.iterrows():  # each score is the official metric of the row's own prediction

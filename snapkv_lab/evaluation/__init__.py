@@ -17,7 +17,7 @@ from pathlib import Path
 from ..figures import FigureSet, register
 from .examples import Benchmark, Example, Question
 from .prompting import EncodedExample, encode_example
-from .run import RATIOS, budgets, eval_cells, evaluate, run_example
+from .run import RATIOS, budgets, eval_cells, evaluate, read_results, run_example
 from .summary import full_cache_fails, gap_to_full, leaderboard, task_scores
 
 
@@ -63,4 +63,4 @@ register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_def
 
 __all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Question",
            "budgets", "draw", "encode_example", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
-           "leaderboard", "recompute", "run_example", "task_scores"]
+           "leaderboard", "read_results", "recompute", "run_example", "task_scores"]

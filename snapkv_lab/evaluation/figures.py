@@ -15,6 +15,7 @@ import pandas as pd
 
 from ..figures import write_html
 from ..pressure.figures import HEATMAP_COLOURS, LINE_COLOURS, MARKERS
+from .run import read_results
 from .summary import _budget, gap_to_full, leaderboard, task_scores
 
 SCORE_LABEL = "score (0-100)"
@@ -37,7 +38,7 @@ def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
     written = []
     paths = sorted(Path(data_dir).glob("eval_*.csv")) if names is None else [Path(data_dir) / f"eval_{n}.csv" for n in names]
     for path in paths:
-        table = pd.read_csv(path)
+        table = read_results(path)
         stem = Path(figures_dir) / path.stem
         written += leaderboard_figure(table, stem.with_name(stem.name + "_leaderboard"))
         middle = middle_budget(table)

@@ -197,6 +197,16 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     return table
 
 
+TEXT_COLUMNS = ("example", "prediction", "references", "spec", "policy_config")
+
+
+def read_results(path) -> pd.DataFrame:
+    """A table `evaluate` wrote, read back as written: answers, ids and JSON stay text (an answer "8957682" is not a
+    number, an empty answer not a missing value)."""
+    table = pd.read_csv(path, dtype={column: str for column in TEXT_COLUMNS})
+    return table.fillna({column: "" for column in TEXT_COLUMNS if column in table})
+
+
 def _check_lengths(model: str | None, lengths) -> None:
     """Generated sets at a length the model cannot hold fail before the first prefill (skipped when the model's
     config cannot be read here, e.g. a Ray head node without it: the cells check where they run)."""
