@@ -1,0 +1,19 @@
+"""Notebook 05 (a benchmark run, explained) runs headless with small settings (SNAPKV_LAB_SMALL=1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_notebooks import count_plotly, printed, run_notebook
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+def test_benchmark_explained_notebook():
+    outputs = run_notebook("05_benchmark_explained.ipynb")
+    text = printed(outputs)
+    assert "tasks the full cache fails" in text and "References:" in text
+    assert "of the full cache's answer attention" in text and "Of the needle's tokens it kept" in text
+    pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    assert "red box" in pages and "coverage" in pages  # the explanation's kept-token view and summary
+    assert count_plotly(outputs) >= 1
