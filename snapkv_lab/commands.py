@@ -129,12 +129,15 @@ def _figures_arguments(p) -> None:
 
     p.add_argument("--recompute", action="store_true",
                    help="rerun the model and rewrite the tables in data/ first (the findings: about 23 minutes on 2 CPU "
-                        "cores, resumable). The needle grid is not rerun but redrawn from its tables, as its run is far longer: "
-                        "rerun it with --recompute --only pressure, or with `snapkv-lab needle`")
+                        "cores, resumable). The needle grid and the eval leaderboard are not rerun but redrawn from their "
+                        "tables, as their runs are far longer: rerun them with --recompute --only pressure (or `snapkv-lab "
+                        "needle`) and --recompute --only eval (or `snapkv-lab eval`)")
     p.add_argument("--only", nargs="*", choices=list(FIGURE_MODULES), metavar="SET",
                    help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
                                                                             in FIGURE_MODULES.items()))
-    p.add_argument("--samples", type=int, default=None, help="chat prompts per split for findings (a) and (b) (default 8)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="chat prompts per split for findings (a) and (b) (default 8); examples per task for the eval "
+                        "leaderboard (default 10)")
     p.add_argument("--obs-window", type=int, default=None, help="observation window in tokens (default 32)")
     p.add_argument("--prompt-window", type=int, default=None, help="prompt-window size for experiment (a) (default 128)")
     p.add_argument("--gen-window", type=int, default=None,

@@ -13,7 +13,7 @@ from conftest import ByteTokenizer, make_tiny_llama
 from snapkv_lab.evaluation import (Example, Question, budgets, encode_example, eval_cells, evaluate, gap_to_full,
                                    leaderboard, read_results, run_example, task_scores)
 from snapkv_lab.evaluation import registry
-from snapkv_lab.evaluation.explain import explain
+from snapkv_lab.evaluation import explain
 from snapkv_lab.policies import SnapKV, StreamingLLM, policy_config
 
 

@@ -9,6 +9,7 @@
     prompting.py    an example as a model's token ids: framed (chat or plain) and cut from the middle
     run.py          evaluate: one resumable sweep cell per example, one prefill for every policy x ratio x mode
     summary.py      task scores, the leaderboard and the gap to the full cache, with bootstrap intervals
+    explain.py      explain: one row of a table rerun, with the full cache's attention, its coverage and kept tokens
     figures.py      score vs compression ratio, task x policy heatmap, gap per task (the `eval` figure set)
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..figures import FigureSet, register
 from .examples import Benchmark, Example, Question
+from .explain import Explanation, explain
 from .prompting import EncodedExample, encode_example
 from .run import RATIOS, budgets, eval_cells, evaluate, read_results, run_example
 from .summary import full_cache_fails, gap_to_full, leaderboard, task_scores
@@ -61,6 +63,6 @@ def recompute(options: dict) -> None:
 
 register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_default=False))
 
-__all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Question",
-           "budgets", "draw", "encode_example", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
+__all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Explanation",
+           "Question", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
            "leaderboard", "read_results", "recompute", "run_example", "task_scores"]
