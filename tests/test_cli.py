@@ -15,7 +15,7 @@ from snapkv_lab.cli import build_parser, main
 from snapkv_lab.commands import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = {"convert", "figures", "needle"}
+NAMES = {"convert", "figures", "needle", "eval"}
 ENTRY_POINTS = {"console script": ["snapkv-lab"], "package": [sys.executable, "-m", "snapkv_lab"],
                 "module": [sys.executable, "-m", "snapkv_lab.cli"]}
 
@@ -127,3 +127,18 @@ def test_figures_without_ray_says_how_to_install_it_before_any_model_runs(monkey
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     assert main(["figures", "--recompute", "--only", "findings", "--executor", "ray", "--data-dir", "nowhere"]) == 2
     assert "pip install 'snapkv_lab[ray]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--policies", "Nope"], "unknown policy 'Nope'"),
+    (["--tasks", "niah"], "unknown tasks ['niah']"),
+    (["--ratios", "0.5", "--capacities", "64"], "not both"),
+    (["--ratios", "1.5"], "share of KV pairs removed"),
+    (["--dataset", "nope"], "unknown dataset 'nope'"),
+])
+def test_eval_refuses_bad_options_before_any_model_loads(options, said, tmp_path, capsys):
+    from snapkv_lab.cli import main
+
+    assert main(["eval", "--data-dir", str(tmp_path), *options]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "cells").exists()
