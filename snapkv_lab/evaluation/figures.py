@@ -2,8 +2,9 @@
 
 - leaderboard: score vs compression ratio (or capacity) per policy, one panel per mode; the full cache as a dotted
   line with its interval as a grey band; 95% bootstrap intervals over examples (summary.leaderboard).
-- heatmap: task x policy at one budget, per mode, each cell its score (viridis, labelled).
-- gap: each task's score less the full cache's on the same examples, per policy, at one budget, with intervals.
+- heatmap: policy x task at one budget, per mode, each cell its score (viridis, labelled).
+- gap: each task's score less the full cache's on the same examples, per policy at one budget (paired intervals in
+  the HTML's hover).
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def middle_budget(table: pd.DataFrame) -> float:
     return values[len(values) // 2]
 
 
+def _finish(fig, legend_axes, title: str, stem: Path) -> Path:
+    """The policies' legend on the right, the title, and the PNG written: stem.png."""
+    handles, labels = legend_axes.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    return stem.with_suffix(".png")
+
+
 def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     from matplotlib.figure import Figure
     import plotly.express as px
@@ -80,11 +90,7 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
         ax.set_xlabel(axis, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(SCORE_LABEL)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False)
-    fig.suptitle(title, fontsize=9)
-    png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    png = _finish(fig, axes[0], title, stem)
     shown = points.assign(plus=points.high - points.score, minus=points.score - points.low)
     interactive = px.line(shown.sort_values(["mode", "policy", budget]), x=budget, y="score", color="policy",
                           facet_col="mode", markers=True, error_y="plus", error_y_minus="minus",
@@ -97,79 +103,67 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     return [png, write_html(interactive, stem.with_suffix(".html"))]
 
 
-def heatmap_figure(table: pd.DataFrame, at: float, stem: Path) -> list[Path]:
+# Gaps are signed: a diverging map that reads without red-green vision, white at no change.
+GAP_COLOURS = "PuOr"
+
+
+def _policy_task_grid(values: pd.DataFrame, column: str, title: str, stem: Path, *, colours: str, limits: tuple,
+                      label: str, hover: list[str]) -> list[Path]:
+    """values (policy, task, mode, column, hover...) as one policy x task grid per mode, each cell labelled: policies
+    down and tasks across, so that a dozen of each stay legible in a page-wide figure."""
     from matplotlib.figure import Figure
     import plotly.express as px
 
-    budget = _budget(table)
-    scores = task_scores(table, n_boot=0)
-    shown = scores[(scores[budget] == at) | (scores.policy == "FullCache")]
-    modes = _modes(shown)
-    policies = ["FullCache", *dict.fromkeys(shown.policy[shown.policy != "FullCache"])]
-    tasks = list(dict.fromkeys(shown.task))
-    what = f"ratio {at:g}" if budget == "ratio" else f"capacity {int(at)}"
-    title = _title(table, f"Score per task at {what}")
-    fig = Figure(figsize=(0.75 * len(policies) * len(modes) + 2.5, 0.38 * len(tasks) + 1.8), layout="constrained")
-    axes = fig.subplots(1, len(modes), squeeze=False)[0]
+    modes = _modes(values)
+    policies, tasks = list(dict.fromkeys(values.policy)), list(dict.fromkeys(values.task))
+    fig = Figure(figsize=(max(7.0, 0.55 * len(tasks) * len(modes) + 3.5), 0.3 * len(policies) + 1.8),
+                 layout="constrained")
+    axes = fig.subplots(1, len(modes), squeeze=False, sharey=True)[0]
     for ax, mode in zip(axes, modes, strict=True):
-        grid = shown[shown["mode"] == mode].pivot_table(index="task", columns="policy", values="score")
-        grid = grid.reindex(index=tasks, columns=policies)
-        image = ax.imshow(grid.to_numpy(), cmap=HEATMAP_COLOURS, vmin=0, vmax=100, aspect="auto")
-        for (r, c), value in np.ndenumerate(grid.to_numpy()):
+        grid = values[values["mode"] == mode].pivot_table(index="policy", columns="task", values=column)
+        grid = grid.reindex(index=policies, columns=tasks).to_numpy()
+        image = ax.imshow(grid, cmap=colours, vmin=limits[0], vmax=limits[1], aspect="auto")
+        for (r, c), value in np.ndenumerate(grid):
             if not np.isnan(value):
+                dark = image.cmap(image.norm(value))[:3]
                 ax.text(c, r, f"{value:.0f}", ha="center", va="center", fontsize=6,
-                        color="white" if value < 60 else "black")
-        ax.set_xticks(range(len(policies)), policies, rotation=60, ha="right", fontsize=7)
-        ax.set_yticks(range(len(tasks)), tasks, fontsize=7)
+                        color="white" if sum(dark) < 1.5 else "black")
+        ax.set_xticks(range(len(tasks)), tasks, rotation=45, ha="right", fontsize=7)
+        ax.set_yticks(range(len(policies)), policies, fontsize=7)
         ax.set_title(mode, fontsize=9)
-    fig.colorbar(image, ax=axes, label=SCORE_LABEL, shrink=0.8)
+    fig.colorbar(image, ax=axes, label=label, shrink=0.8)
     fig.suptitle(title, fontsize=9)
     png = stem.with_suffix(".png")
     fig.savefig(png, dpi=110)
-    interactive = px.density_heatmap(shown[shown["mode"].isin(modes)], x="policy", y="task", z="score", facet_col="mode",
-                                     histfunc="avg", text_auto=".0f", color_continuous_scale=HEATMAP_COLOURS,
-                                     range_color=[0, 100], category_orders={"policy": policies, "task": tasks},
-                                     title=title)
-    interactive.update_layout(height=28 * len(tasks) + 300, width=60 * len(policies) * len(modes) + 300)
+    interactive = px.scatter(values[values["mode"].isin(modes)], x="task", y="policy", color=column, facet_col="mode",
+                             hover_data=hover, color_continuous_scale=colours, range_color=list(limits),
+                             category_orders={"policy": policies, "task": tasks}, title=title, labels={column: label})
+    interactive.update_traces(marker=dict(symbol="square", size=18))
+    interactive.update_layout(height=24 * len(policies) + 300, width=50 * len(tasks) * len(modes) + 350)
     return [png, write_html(interactive, stem.with_suffix(".html"))]
+
+
+def _at(budget: str, at: float) -> str:
+    return f"ratio {at:g}" if budget == "ratio" else f"capacity {int(at)}"
+
+
+def heatmap_figure(table: pd.DataFrame, at: float, stem: Path) -> list[Path]:
+    """Each task's score per policy at one budget, the full cache on top."""
+    budget = _budget(table)
+    scores = task_scores(table)
+    shown = scores[(scores[budget] == at) | (scores.policy == "FullCache")]
+    shown = pd.concat([shown[shown.policy == "FullCache"], shown[shown.policy != "FullCache"]])
+    return _policy_task_grid(shown, "score", _title(table, f"Score per task at {_at(budget, at)}"), stem,
+                             colours=HEATMAP_COLOURS, limits=(0, 100), label=SCORE_LABEL,
+                             hover=["low", "high", "examples"])
 
 
 def gap_figure(table: pd.DataFrame, at: float, stem: Path) -> list[Path]:
-    from matplotlib.figure import Figure
-    import plotly.express as px
-
+    """Each task's score less the full cache's on the same examples, per policy at one budget (the HTML's hover holds
+    the paired 95% intervals)."""
     budget = _budget(table)
     gaps = gap_to_full(table)
     gaps = gaps[gaps[budget] == at]
-    modes, policies = _modes(gaps), list(dict.fromkeys(gaps.policy))
-    tasks = list(dict.fromkeys(gaps.task))
-    what = f"ratio {at:g}" if budget == "ratio" else f"capacity {int(at)}"
-    title = _title(table, f"Gap to the full cache at {what}") + "; paired 95% bootstrap intervals"
-    fig = Figure(figsize=(0.35 * len(tasks) * len(policies) / 2 + 3, 3.2 * len(modes) + 1), layout="constrained")
-    axes = fig.subplots(len(modes), 1, squeeze=False, sharex=True)[:, 0]
-    width = 0.8 / max(len(policies), 1)
-    for ax, mode in zip(axes, modes, strict=True):
-        for i, policy in enumerate(policies):
-            bars = gaps[(gaps["mode"] == mode) & (gaps.policy == policy)].set_index("task").reindex(tasks)
-            x = np.arange(len(tasks)) + (i - (len(policies) - 1) / 2) * width
-            ax.bar(x, bars.gap, width, color=LINE_COLOURS[i % len(LINE_COLOURS)], label=policy,
-                   hatch="" if i < len(LINE_COLOURS) else "//")
-            ax.errorbar(x, bars.gap, yerr=[bars.gap - bars.low, bars.high - bars.gap], fmt="none", ecolor="0.3",
-                        lw=0.7, capsize=1)
-        ax.axhline(0, color="k", lw=0.8)
-        ax.set_ylabel("score - full cache", fontsize=8)
-        ax.set_title(mode, fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    axes[-1].set_xticks(range(len(tasks)), tasks, rotation=45, ha="right", fontsize=7)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False)
-    fig.suptitle(title, fontsize=9)
-    png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
-    shown = gaps.assign(plus=gaps.high - gaps.gap, minus=gaps.gap - gaps.low)
-    interactive = px.bar(shown, x="task", y="gap", color="policy", barmode="group", facet_row="mode",
-                         error_y="plus", error_y_minus="minus", hover_data=["full", "examples"],
-                         category_orders={"task": tasks, "mode": modes}, title=title,
-                         labels={"gap": "score - full cache"})
-    interactive.update_layout(height=320 * len(modes) + 150, width=max(700, 40 * len(tasks) * len(policies) // 2))
-    return [png, write_html(interactive, stem.with_suffix(".html"))]
+    title = _title(table, f"Gap to the full cache at {_at(budget, at)}") + " (score - full cache, paired)"
+    return _policy_task_grid(gaps, "gap", title, stem, colours=GAP_COLOURS, limits=(-100, 100),
+                             label="score - full cache", hover=["low", "high", "full", "examples"])
