@@ -34,15 +34,10 @@ RATIOS = (0.25, 0.5, 0.75)
 CELL_KIND = "eval"
 
 
-def datasets():
-    """The registry of benchmarks by name (evaluation.registry.DATASETS), imported when first needed."""
-    from .registry import DATASETS
-
-    return DATASETS
-
-
 def _benchmark(name: str):
-    registry = datasets()
+    """The registered benchmark of that name (evaluation.registry, imported when first needed), or a clear error."""
+    from .registry import DATASETS as registry
+
     if name not in registry:
         raise ValueError(f"unknown dataset {name!r}; the datasets are {', '.join(registry)}")
     return registry[name]
