@@ -81,6 +81,8 @@ def test_cells_one_per_example_and_bad_options_refused(toy):
         eval_cells(None, ["toy"], policies=["FullCache"], ratios=[0.5])
     with pytest.raises(ValueError, match="modes must be among"):
         eval_cells(None, ["toy"], ratios=[0.5], modes=["sideways"])
+    with pytest.raises(ValueError, match="share a label"):  # their rows could not be told apart
+        eval_cells(None, ["toy"], policies=["SnapKV", "SnapKV(kernel_size=7)"], ratios=[0.5])
     with pytest.raises(ValueError, match="window_size"):  # a window at or above a budget in tokens, before any run
         eval_cells(None, ["toy"], policies=["SnapKV"], capacities=[16])
 

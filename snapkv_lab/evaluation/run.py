@@ -76,6 +76,9 @@ def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("Sn
     named = [parse_policy(p) if isinstance(p, str) else p for p in policies]
     if not named or any(policy.capacity is None for policy in named):
         raise ValueError("policies takes compression policies: the full cache runs in every example as the baseline")
+    labels = [policy.scorer_label for policy in named]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"two policies share a label (the same settings): {labels}")
     steps = budgets(ratios, capacities)
     for policy in named:  # a window at or above a budget in tokens fails now
         for budget in steps:
