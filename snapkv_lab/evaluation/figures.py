@@ -30,7 +30,9 @@ def _title(table: pd.DataFrame, what: str) -> str:
     model = str(table.model.iloc[0]).rstrip("/").split("/")[-1]
     examples = table.groupby("task").example.nunique()
     counts = f"{examples.min()}" if examples.min() == examples.max() else f"{examples.min()}-{examples.max()}"
-    return f"{what}, {model}: {', '.join(sorted(table.dataset.unique()))}, {len(examples)} tasks, {counts} examples per task"
+    plural = "" if counts == "1" else "s"
+    return (f"{what}, {model}: {', '.join(sorted(table.dataset.unique()))}, {len(examples)} tasks, {counts} "
+            f"example{plural} per task")
 
 
 def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
