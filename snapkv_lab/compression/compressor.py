@@ -29,7 +29,8 @@ from ..inputs import PADDING_REFUSED
 from ..policies.base import NO_POSITION, AttentionCall, FullCache, Policy
 from ..policies.decoding import prefill_seeds, seeded
 from ..timing import SectionTimer
-from .layers import CompressedLayer, HeadwiseLayer, compressed_layer, headwise_attention, held_positions, hidden_future
+from .layers import (CompressedLayer, HeadwiseLayer, compressed_layer, gather_kv, headwise_attention, held_positions,
+                     hidden_future)
 
 
 def refuse_padding(attention_mask) -> None:
@@ -119,9 +120,18 @@ class CompressionState:
     timer: SectionTimer | None = None  # scoring, selecting and gathering: the compressor's own overhead
     sliding_layers: list[int] = field(default_factory=list)  # left uncompressed although the prompt exceeds the budget
     seeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Chunked prefill: the prompt comes in calls of at most this many tokens, each cut back to the budget
+    # (`_prefill_chunk`) until a call of one token (model.generate's first decode step) or `end_prefill`.
+    prefill_chunk: int | None = None
     _groups: dict = field(default_factory=dict)  # attention module -> its original num_key_value_groups
     _trackers: dict = field(default_factory=dict)  # layer -> the policy's eviction tracker while decoding
+    _seen: dict = field(default_factory=dict)  # layer -> prompt tokens fed so far (chunked prefill)
+    _carry: dict = field(default_factory=dict)  # (layer, batch row) -> AttentionCall.carry across chunks
+    _accumulated: dict = field(default_factory=dict)  # layer -> (batch, rows, held) summed scores of held slots
     _checked: bool = False
+
+    def __post_init__(self):
+        self.prefilling_chunks = self.prefill_chunk is not None
 
     @property
     def selection_seconds(self) -> float:
@@ -129,6 +139,16 @@ class CompressionState:
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         layer = module.layer_idx
+        if self.prefilling_chunks and self._seen and query.shape[2] == 1:
+            self.end_prefill()  # model.generate's first decode step: its chunks are over
+        if self.prefilling_chunks:
+            if not self._seen:
+                refuse_padding(attention_mask)
+            if query.shape[2] > self.prefill_chunk:
+                raise ValueError(f"a prompt call of {query.shape[2]} tokens under prefill_chunk={self.prefill_chunk}: "
+                                 f"feed the prompt in chunks (model.generate(..., prefill_chunk_size={self.prefill_chunk}))")
+            self._prefill_chunk(module, query, key, value, kwargs)
+            return
         if layer in self.kept_indices:  # prefill done: a decode step or an appended question
             if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
                 self._groups[module] = module.num_key_value_groups  # one KV head per query head from now on
@@ -162,6 +182,59 @@ class CompressionState:
             self.kept_indices[layer] = kept
             if seeds_needed:
                 self.seeds[layer] = prefill_seeds(scores, kept)
+
+    def _prefill_chunk(self, module, query, key, value, kwargs) -> None:
+        """One prompt chunk of a chunked prefill: the layer's held slots then the chunk's tokens, scored with the
+        chunk's queries (voters: its last ones) and cut back to the budget. Slots are ranked in cache order (kept
+        positions ascending), so pooling and windows act on slot neighbours; accumulated scores of held slots carry
+        over from chunk to chunk."""
+        layer, rows, n_keys = module.layer_idx, query.shape[2], key.shape[2]
+        seen = self._seen.get(layer, 0)
+        self._seen[layer] = seen + rows
+        cache_layer = self.cache.layers[layer]
+        settings = AttentionSettings.of_call(module, kwargs)
+        if settings.sliding_window is not None:  # its own bounded cache
+            if self.policy.budget(seen + rows) is not None and layer not in self.sliding_layers:
+                self.sliding_layers.append(layer)
+            self.kept_indices[layer] = held_positions(cache_layer, seen + rows)
+            return
+        slot_positions = (cache_layer.positions if isinstance(cache_layer, CompressedLayer)
+                          else held_positions(cache_layer, seen + rows))  # (batch, kv_heads, n_keys)
+        compresses = self.policy.budget(n_keys) is not None
+        if not (compresses or self.policy.accumulates or seeded(self.policy)):
+            self.kept_indices[layer] = slot_positions
+            return
+        self.timer = self.timer or SectionTimer(key.device)
+        with self.timer.section():
+            calls = attention_calls(module, query, key, value, torch.arange(n_keys - rows, n_keys), settings,
+                                    self.n_layers, positions=torch.arange(seen, seen + rows))
+            for b, call in enumerate(calls):
+                call.carry = self._carry.setdefault((layer, b), {})
+            scores = [self.policy.score(call) for call in calls]
+            if self.policy.accumulates and layer in self._accumulated:
+                held = self._accumulated[layer]
+                scores = [s + F.pad(h, (0, n_keys - h.shape[-1])) for s, h in zip(scores, held, strict=True)]
+            kept = (stack_kept([self.policy.keep(s, n_keys, key.shape[1], layer, self.n_layers) for s in scores])
+                    if compresses else torch.arange(n_keys).expand(*key.shape[:2], -1))
+            if bool((kept == NO_POSITION).any()):
+                raise NotImplementedError(f"{self.policy.label}: head-wise budgets under a chunked prefill are not "
+                                          "supported (a ragged cache layer cannot take the next chunk)")
+            positions = slot_positions.gather(-1, kept)
+            if compresses:
+                self.cache.layers[layer] = CompressedLayer(gather_kv(key, kept), gather_kv(value, kept), positions,
+                                                           seen + rows)
+            self.kept_indices[layer] = positions
+            if self.policy.accumulates:
+                self._accumulated[layer] = torch.stack([
+                    s.gather(-1, k.repeat_interleave(s.shape[0] // k.shape[0], 0)) for s, k in zip(scores, kept)])
+            if seeded(self.policy):
+                self.seeds[layer] = prefill_seeds(scores, kept)
+
+    def end_prefill(self) -> None:
+        """Close a chunked prefill: later calls are decode steps or an appended question, as after one prefill."""
+        self.prefilling_chunks = False
+        self._carry.clear()
+        self._accumulated.clear()
 
     def _decode_step(self, module, query, key, value, kwargs) -> None:
         """Let a policy that evicts while decoding see the call, and evict when it says so."""
@@ -216,8 +289,22 @@ def applied(model, state: CompressionState):
         state.restore()
 
 
+def check_chunking(policy: Policy, prefill_chunk: int) -> None:
+    """Refuse a chunked prefill that has no meaning for `policy` (see `compress`)."""
+    if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 2:
+        raise ValueError(f"prefill_chunk must be an int of at least 2 tokens, got {prefill_chunk!r}")
+    if isinstance(policy.capacity, float):
+        raise ValueError(f"{policy.label}: a capacity ratio of a prompt fed in chunks is unknown until its last chunk: "
+                         "give a token budget, or use snapkv_lab.generate(..., prefill_chunk=N), which knows the prompt")
+    if policy.per_query_head:
+        raise NotImplementedError(f"{policy.label}: per_query_head caches under a chunked prefill are not supported")
+    if prefill_chunk < policy.voters:
+        raise ValueError(f"prefill_chunk={prefill_chunk} is shorter than the {policy.voters} last queries "
+                         f"{policy.label} votes with: each chunk's own voters must fit in it")
+
+
 @contextmanager
-def compress(model, policy: Policy | None = None):
+def compress(model, policy: Policy | None = None, prefill_chunk: int | None = None):
     """Compress the prompt's cache with `policy` at the next prefill inside the block.
 
         with compress(model, SnapKV(capacity=1024)) as state:
@@ -227,12 +314,27 @@ def compress(model, policy: Policy | None = None):
     The cache must start empty and be passed to the model; padded batches, assisted and prompt-lookup
     decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
     Policies that need extra passes over the prompt (KVzip) cannot run inside one forward: use `generate`.
+
+    prefill_chunk=N: compress as you go. The prompt is fed in chunks of at most N tokens
+    (`model.generate(..., prefill_chunk_size=N)`, or `snapkv_lab.generate(..., prefill_chunk=N)`), and after each
+    chunk every layer is cut back to the budget, so the cache never holds more than capacity + N positions per
+    head, whatever the prompt's length. What the scores mean then: each chunk's queries score the held slots and
+    the chunk (SnapKV: the chunk's last window_size queries vote, so N must hold them); accumulated scores (H2O) add
+    up over chunks for the slots still held; pooling acts on slot neighbours (the kept positions in order); budgets
+    that depend on the prompt's length (PyramidKV) are computed from the slots held plus the chunk. Later tokens
+    see only what earlier chunks kept, so their keys differ from an unchunked prefill's: the two agree exactly when
+    one chunk covers the prompt. Refused: capacity ratios (the prompt's length is unknown here), extra scoring
+    passes over the whole prompt (KVzip, Surprisal), per_query_head, and head-wise budgets (AdaKV, at the first
+    compression). A call of one token ends the chunks (model.generate's first decode step).
     """
     policy = policy or FullCache()
     if policy.extra_passes:
         raise NotImplementedError(f"{policy.label} scores with {policy.extra_passes} extra forward pass(es) over the "
                                   "prompt, which cannot run inside model.generate's prefill: use snapkv_lab.generate")
-    state = CompressionState(policy, DynamicCache(config=model.config), model.config.num_hidden_layers)
+    if prefill_chunk is not None:
+        check_chunking(policy, prefill_chunk)
+    state = CompressionState(policy, DynamicCache(config=model.config), model.config.num_hidden_layers,
+                             prefill_chunk=prefill_chunk)
     with applied(model, state):
         yield state
     state.check_prefill_seen()

@@ -105,10 +105,39 @@ def branch(state: CompressionState) -> CompressionState:
                                _trackers={}, timer=None)
 
 
+def chunk_sizes(n: int, chunk: int) -> list[int]:
+    """The sizes a prompt of n tokens is fed in under prefill_chunk=chunk: the remainder first, then whole chunks,
+    so that the last chunk, whose queries vote last, is always a whole one."""
+    return ([n % chunk] if n % chunk else []) + [chunk] * (n // chunk)
+
+
 @torch.inference_mode()
-def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy) -> tuple[CompressionState, torch.Tensor, float]:
+def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int) -> tuple[CompressionState, torch.Tensor, float]:
+    """Prefill ids (batch, n) in chunks of `chunk` tokens, compressing as it goes (see `compress`): (state, last
+    logits, seconds). A capacity ratio is a budget of the whole prompt, fixed in tokens before the first chunk."""
+    if policy.extra_passes:
+        raise NotImplementedError(f"{policy.label} scores with {policy.extra_passes} extra pass(es) over the whole "
+                                  "prompt, which a chunked prefill never holds: run it without prefill_chunk")
+    n = ids.shape[1]
+    tokens = dataclasses.replace(policy, capacity=policy.budget(n)) if isinstance(policy.capacity, float) else policy
+    with compress(model, tokens, prefill_chunk=chunk) as state, stopwatch(model.device) as elapsed:
+        start = 0
+        for size in chunk_sizes(n, chunk):
+            logits = forward(model, ids[:, start:start + size], state.cache, start)
+            start += size
+        state.end_prefill()
+    state.policy = policy
+    return state, logits, elapsed.seconds
+
+
+@torch.inference_mode()
+def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy,
+            prefill_chunk: int | None = None) -> tuple[CompressionState, torch.Tensor, float]:
     """Prefill ids (batch, n) and compress with `policy`: (state, last logits, seconds). Policies with extra
-    scoring passes (KVzip) prefill a full cache, score it with those passes, then keep a compressed copy."""
+    scoring passes (KVzip) prefill a full cache, score it with those passes, then keep a compressed copy.
+    prefill_chunk: feed the prompt in chunks, compressing as it goes (`chunked_prefill`)."""
+    if prefill_chunk is not None:
+        return chunked_prefill(model, ids, policy, prefill_chunk)
     if not policy.extra_passes:
         with compress(model, policy) as state, stopwatch(model.device) as elapsed:
             logits = forward(model, ids, state.cache, 0)
@@ -121,7 +150,7 @@ def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy) -> tuple[Compre
 
 @torch.inference_mode()
 def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_tokens: int = 64,
-             question=None, stop=None) -> GenerationResult | list[GenerationResult]:
+             question=None, stop=None, prefill_chunk: int | None = None) -> GenerationResult | list[GenerationResult]:
     """Greedy generation with the prompt's KV cache compressed by `policy` after prefill.
 
     prompt: text, chat messages, token ids, or a list of equal-length prompts (a batch).
@@ -129,6 +158,9 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
         without special tokens, or ids) is appended after compression, then the answer decoded. A list of
         questions (texts or id lists): compress once, ask many: one prefill and one compression, each question answered on its
         own copy of the compressed cache; returns one result per question.
+    prefill_chunk=N: prefill in chunks of N tokens, the cache cut back to its budget after each (peak KV memory
+        capacity + N per head, whatever the prompt's length; see `compress` for what scores mean then). Equal to
+        the unchunked run when N covers the prompt.
     Timings: prefill_seconds covers the compressed forward (the question's included), selection_seconds the
     part of it spent scoring, selecting and gathering; decode ms/token the steps after the first token.
     """
@@ -138,7 +170,7 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
     ids = encode_batch(tokenizer, prompt).to(model.device)
     many = several_questions(question)
     questions, extras = encode_questions(model, tokenizer, ids, question, max_new_tokens)
-    state, logits, prefill_seconds = prefill(model, tokenizer, ids, policy)
+    state, logits, prefill_seconds = prefill(model, tokenizer, ids, policy, prefill_chunk)
     results = answers(model, tokenizer, state, logits, ids, questions, extras, prefill_seconds, max_new_tokens, stop)
     return results if many else results[0]
 
