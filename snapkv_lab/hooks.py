@@ -1,4 +1,4 @@
-"""One hook point: the attention function a transformers layer calls.
+"""Two hook points: the attention function a transformers layer calls, and the decoder's output.
 
 Inside `intercept_attention(model, callback)`, every attention call of the model first hands its inputs
 to `callback`, then runs the model's own attention function unchanged:
@@ -22,6 +22,14 @@ that name keep working, so logits are unchanged. Registering a new name instead 
 causal mask. The registry is process-wide, so one dispatcher per backend name routes each call to the
 callbacks of the model that owns the calling module. The patch is undone when the last interception of
 that backend ends, also on error, and it is never applied at import time.
+
+`capture_final_hidden(model)` collects the decoder's final hidden states (the output of its final norm, what
+`last_hidden_state` holds and the output head turns into logits) of every forward inside the block, even one
+run with `logits_to_keep=1`, so that scores needing every position's logits cost no second forward:
+
+    with capture_final_hidden(model) as hidden:
+        model(ids, logits_to_keep=1)
+    hidden[0]  # (batch, n, hidden_size), one tensor per forward
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 
+import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
@@ -102,3 +111,19 @@ def intercept_attention(model, callback: Callable | None, *, attend: Callable | 
         if not dispatcher.entries:
             dispatcher.restore()
             del _DISPATCHERS[name]
+
+
+@contextmanager
+def capture_final_hidden(model):
+    """Inside the block, append the decoder's final hidden states (batch, q_len, hidden_size) of every forward of
+    `model` to the list this yields (see module doc). A forward hook on `model.get_decoder()`, removed on exit."""
+    captured: list[torch.Tensor] = []
+
+    def keep(module, args, output):
+        captured.append(output[0])  # last_hidden_state, whether the decoder returns a ModelOutput or a tuple
+
+    handle = model.get_decoder().register_forward_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()

@@ -1,4 +1,5 @@
-"""Surprisal: kept positions vs the rule written plainly from the model's own logits (tiny random Llama)."""
+"""Surprisal: kept positions vs the rule written plainly from the model's own logits (tiny random Llama): the
+logits of a plain second forward, which Surprisal no longer runs (it reads the prefill's final hidden states)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from conftest import make_tiny_llama
 from reference import assert_same_selection
 import snapkv_lab as sl
 import snapkv_lab.policies.surprisal as surprisal
+from snapkv_lab.compression.shared import SharedPrefill
 
 WINDOW, CAPACITY, N = 8, 40, 96
 
@@ -34,13 +36,58 @@ def reference_kept(scores, n, window, capacity, kernel, sinks):
     return torch.cat([top, torch.arange(prefix, n)]), pooled
 
 
-def test_token_surprisal_equals_the_loss_of_every_position(monkeypatch):
+@pytest.mark.parametrize("split", [None, 60], ids=["one prefill", "context then question"])
+def test_token_surprisal_from_the_prefill_equals_the_loss_of_every_position(split, monkeypatch, byte_tokenizer):
+    """The hidden states the prefill keeps (of both chunks, context then question) give every position's loss."""
     model = make_tiny_llama(initializer_range=0.3)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(surprisal, "CHUNK", 10)  # several chunks, the last one short
+    policies = [sl.Surprisal(capacity=CAPACITY, window_size=WINDOW)]
+    shared = SharedPrefill.run(model, byte_tokenizer, ids, policies) if split is None else \
+        SharedPrefill.run(model, byte_tokenizer, ids[:, :split], policies).extend(ids[:, split:])
+    assert shared.cache.final_hidden.shape == (1, N, model.config.hidden_size)
     with torch.no_grad():
-        mine = surprisal.token_surprisal(model, ids)
+        mine = surprisal.token_surprisal(model, shared.cache.final_hidden, ids)
     torch.testing.assert_close(mine[0], reference_surprisal(model, ids), atol=1e-4, rtol=1e-5)
+
+
+def test_token_surprisal_caps_the_logits_as_the_model_does(byte_tokenizer):
+    """Gemma 2 soft-caps its logits (final_logit_softcapping; a cap of 2 bends the tiny model's): so does the score."""
+    from families import GEMMA_SCALE, GQA, make
+    from transformers import Gemma2Config
+
+    model = make(Gemma2Config, attn="eager", final_logit_softcapping=2.0, **GEMMA_SCALE, **GQA)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
+    hidden = SharedPrefill.run(model, byte_tokenizer, ids, [sl.Surprisal()]).cache.final_hidden
+    with torch.no_grad():
+        mine = surprisal.token_surprisal(model, hidden, ids)
+    torch.testing.assert_close(mine[0], reference_surprisal(model, ids), atol=1e-4, rtol=1e-5)
+
+
+def test_scores_without_a_second_forward(byte_tokenizer):
+    """generate with Surprisal runs the decoder once per token, as the full cache does: the prefill, then one step."""
+    model = make_tiny_llama(initializer_range=0.3)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(1))
+    calls = []
+    handle = model.get_decoder().register_forward_hook(lambda module, args, output: calls.append(output[0].shape[1]))
+    try:
+        sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, window_size=WINDOW),
+                    max_new_tokens=2)
+    finally:
+        handle.remove()
+    assert calls == [N, 1]
+
+
+def test_only_prefills_with_a_reader_keep_the_final_hidden_states(byte_tokenizer):
+    model = make_tiny_llama(initializer_range=0.3)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(2))
+    snapkv = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
+    assert not hasattr(SharedPrefill.run(model, byte_tokenizer, ids, [snapkv]).extend(ids[:, :5]).cache, "final_hidden")
+    wrapped = sl.AdaKV(policy=sl.Surprisal(), capacity=CAPACITY, window_size=WINDOW)
+    assert wrapped.reads_final_hidden
+    assert SharedPrefill.run(model, byte_tokenizer, ids, [snapkv, wrapped]).cache.final_hidden.shape[1] == N
+    with pytest.raises(ValueError, match="final hidden states of the prefill"):  # a cache no prefill left them on
+        sl.Surprisal().prompt_scores(model, byte_tokenizer, ids, model(ids, use_cache=True).past_key_values)
 
 
 @pytest.mark.parametrize("kernel", [1, 5, 31])
@@ -58,20 +105,35 @@ def test_kept_positions_match_the_plain_rule(kernel, byte_tokenizer):
     assert_same_selection([k[0, :1] for k in result.kept_indices], [ref[None]] * layers, [finite] * layers, WINDOW)
 
 
+@pytest.mark.parametrize("kernel", [1, 31])
+def test_kept_positions_of_context_then_question_match_the_plain_rule(kernel, byte_tokenizer):
+    """Query-aware: the context, then the question in a second chunk on the same cache; the scores cover both,
+    as one plain forward over context + question gives them."""
+    model = make_tiny_llama(initializer_range=0.3)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(10 + kernel))
+    policy = sl.Surprisal(capacity=CAPACITY, window_size=WINDOW, kernel_size=kernel)
+    state = SharedPrefill.run(model, byte_tokenizer, ids[:, :70], [policy]).extend(ids[:, 70:]).state(policy)
+    ref, pooled = reference_kept(reference_surprisal(model, ids), N, WINDOW, CAPACITY, kernel, policy.sinks)
+    kept = [state.kept_indices[layer][0, :1] for layer in sorted(state.kept_indices)]
+    finite = torch.cat([pooled.nan_to_num(posinf=1e9), torch.zeros(WINDOW)])[None]
+    assert_same_selection(kept, [ref[None]] * len(kept), [finite] * len(kept), WINDOW)
+    if kernel == 1:  # no ties: the very same positions
+        assert all(torch.equal(k[0], ref) for k in kept)
+
+
 def test_keeps_exactly_its_sinks_however_wide_the_pooling(byte_tokenizer):
     """The sinks are kept, and pooling does not spread their forced top score to their neighbours: with a 31-token
     kernel and every score zero but one token's, the rest of the budget goes to that token's neighbourhood."""
     model = make_tiny_llama(initializer_range=0.3)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
     policy = sl.Surprisal(capacity=CAPACITY, window_size=WINDOW)
-    with torch.no_grad():
-        out = model(ids, use_cache=True)
+    cache = SharedPrefill.run(model, byte_tokenizer, ids, [policy]).cache
     flat = torch.zeros(1, N)
     flat[:, 50] = 1.0  # one surprising token: its 31 neighbours rank next, the sinks' neighbours do not
     original = surprisal.token_surprisal
     try:
-        surprisal.token_surprisal = lambda model, ids: flat.clone()
-        scores = policy.prompt_scores(model, byte_tokenizer, ids, out.past_key_values)
+        surprisal.token_surprisal = lambda model, hidden, ids: flat.clone()
+        scores = policy.prompt_scores(model, byte_tokenizer, ids, cache)
     finally:
         surprisal.token_surprisal = original
     kept = policy.keep(scores[0][0], N, model.config.num_key_value_heads, 0, 2)[0].tolist()

@@ -8,16 +8,20 @@
 The prefill's attention runs on the full keys under compression too, so a state built here equals the
 one `compress` builds layer by layer (tested). Policies with extra scoring passes (KVzip) pay only for
 those passes, over a fork of the full cache, once per prefill for all budgets and selection settings.
+Where a policy reads the decoder's final hidden states (Surprisal), the prefill's forward keeps them
+(hooks.capture_final_hidden) on its cache as `cache.final_hidden` (batch, n, hidden_size), the chunks' (context,
+then question) one after the other: no second forward. Other prefills keep none.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from ..hooks import intercept_attention
+from ..hooks import capture_final_hidden, intercept_attention
 from ..policies.base import Policy
 from ..timing import SectionTimer, stopwatch
 from ..policies.decoding import prefill_seeds, seeded
@@ -39,23 +43,29 @@ class SharedPrefill:
     seconds: float  # the forward that fed the last chunk
     # Extra-pass scores by Policy.scoring_key: paid once per prefill, by the first state that needs them.
     extra_scores: dict = field(default_factory=dict)
+    keeps_final_hidden: bool = False  # some policy reads them (Policy.reads_final_hidden): cache.final_hidden
 
     @classmethod
     @torch.inference_mode()
     def run(cls, model, tokenizer, ids: torch.Tensor, policies) -> SharedPrefill:
+        policies = list(policies)
         recorder = ScoreRecorder(policies, model.config.num_hidden_layers)
-        return cls(model, tokenizer, ids[:, :0], DynamicCache(config=model.config), None, recorder, 0.0)._fed(ids)
+        return cls(model, tokenizer, ids[:, :0], DynamicCache(config=model.config), None, recorder, 0.0,
+                   keeps_final_hidden=any(p.reads_final_hidden for p in policies))._fed(ids)
 
     @torch.inference_mode()
     def _fed(self, ids: torch.Tensor) -> SharedPrefill:
         """Feed ids after this prefill, on a fork of its cache, recording on a copy of its scores."""
         cache, recorder, start = fork(self.cache), self.recorder.copy(), self.ids.shape[1]
         positions = torch.arange(start, start + ids.shape[1], device=self.model.device)[None]
-        with intercept_attention(self.model, recorder), stopwatch(self.model.device) as elapsed:
+        capture = capture_final_hidden(self.model) if self.keeps_final_hidden else nullcontext()
+        with intercept_attention(self.model, recorder), capture as hidden, stopwatch(self.model.device) as elapsed:
             logits = self.model(ids, past_key_values=cache, position_ids=positions, use_cache=True,
                                 logits_to_keep=1).logits[:, -1]
+        if self.keeps_final_hidden:  # every fed id's: the earlier chunks', then these
+            cache.final_hidden = torch.cat([self.cache.final_hidden, *hidden], 1) if start else hidden[0]
         return SharedPrefill(self.model, self.tokenizer, torch.cat([self.ids, ids], 1), cache, logits, recorder,
-                             elapsed.seconds)
+                             elapsed.seconds, keeps_final_hidden=self.keeps_final_hidden)
 
     def extend(self, ids: torch.Tensor) -> SharedPrefill:
         """The prefill of this context followed by ids (batch, m), e.g. a question (query-aware mode)."""

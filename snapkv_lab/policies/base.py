@@ -97,6 +97,9 @@ class Policy:
     accumulates: ClassVar[bool] = False
     # Extra forward passes over the prompt that scoring needs (0: the prefill's own attention calls suffice).
     extra_passes: ClassVar[int] = 0
+    # True: scores from the decoder's final hidden states over the whole prompt (Surprisal), which the prefill's
+    # forward keeps only when a policy of it needs them (compression.shared.SharedPrefill, hooks.capture_final_hidden).
+    reads_final_hidden: ClassVar[bool] = False
     # False: `score` gives one row per KV head (or one row shared by all heads), so per_query_head has no meaning.
     scores_query_heads: ClassVar[bool] = True
 

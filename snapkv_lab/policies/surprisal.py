@@ -12,7 +12,12 @@ Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; R
   needle sentence keeps all of it, value included.
 - The first `sinks` positions are always kept, exactly those: most heads park their attention there (the findings'
   sinks).
-One set of positions serves every layer and KV head. Cost: one extra forward over the context.
+One set of positions serves every layer and KV head. Cost: no second forward. The prefill that fills the cache
+already computes every position's final hidden states and drops all but the last before its output head
+(`logits_to_keep=1`); SharedPrefill keeps them (hooks.capture_final_hidden) when a policy reads them, and the
+scores are the output head over them, CHUNK rows of logits at a time. That head pass is Surprisal's one extra pass
+(`extra_passes`). It needs the whole prompt's hidden states, so Surprisal scores after the prefill (snapkv_lab.generate,
+compare, SharedPrefill), never live at a layer's attention call (`compress` refuses it).
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from .base import Policy
 from .snapkv import FACT_TOKENS
@@ -30,17 +34,21 @@ from .snapkv import FACT_TOKENS
 CHUNK = 1024  # rows of logits at a time: the (n, vocab) logits of a long context would take GBs
 
 
-def token_surprisal(model, ids: torch.Tensor) -> torch.Tensor:
-    """(batch, n) -log p(ids[:, i] | ids[:, :i]) under `model`, 0 at position 0 (nothing predicts it)."""
-    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # (batch, n, hidden)
+def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(batch, n) -log p(ids[:, i] | ids[:, :i]) under `model`, from the decoder's final hidden states (batch, n,
+    hidden_size) over ids; 0 at position 0 (nothing predicts it)."""
     head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     for start in range(0, ids.shape[1] - 1, CHUNK):
         stop = min(start + CHUNK, ids.shape[1] - 1)
         logits = head(hidden[:, start:stop]).float()  # (batch, rows, vocab): row i predicts token i + 1
         if cap:
-            logits = cap * torch.tanh(logits / cap)
-        out[:, start + 1:stop + 1] = F.cross_entropy(logits.transpose(1, 2), ids[:, start + 1:stop + 1], reduction="none")
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        # -log softmax at the target: log-sum-exp over the vocabulary minus the target's logit, computed in place
+        # along contiguous rows (the head's matmul stays the cost: no second (rows, vocab) tensor)
+        target = logits.gather(-1, ids[:, start + 1:stop + 1, None])[..., 0]
+        top = logits.amax(-1, keepdim=True)
+        out[:, start + 1:stop + 1] = top[..., 0] + logits.sub_(top).exp_().sum(-1).log() - target
     return out
 
 
@@ -53,7 +61,8 @@ class Surprisal(Policy):
     kernel_size: int = FACT_TOKENS
     sinks: int = 4
 
-    extra_passes: ClassVar[int] = 1
+    extra_passes: ClassVar[int] = 1  # the output head over every prompt position's final hidden states: no second forward
+    reads_final_hidden: ClassVar[bool] = True
     scores_query_heads: ClassVar[bool] = False  # one set of positions serves every head
 
     def __post_init__(self):
@@ -62,8 +71,14 @@ class Surprisal(Policy):
             raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
 
     def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
-        """{layer: (batch, kv_heads, n)} for every full-attention layer of `cache` (sliding ones keep their own)."""
-        scores = token_surprisal(model, ids)
+        """{layer: (batch, kv_heads, n)} for every full-attention layer of `cache` (sliding ones keep their own).
+        `cache`: the full cache after the prefill of ids, holding that prefill's final hidden states (batch, n,
+        hidden_size) as `cache.final_hidden`, as SharedPrefill leaves it."""
+        hidden = getattr(cache, "final_hidden", None)
+        if hidden is None or hidden.shape[:2] != ids.shape:
+            raise ValueError(f"{self.label} scores from the final hidden states of the prefill of ids, kept on its cache "
+                             "(cache.final_hidden) by SharedPrefill: run it through snapkv_lab.generate or compare")
+        scores = token_surprisal(model, hidden, ids)
         scores[:, :self.sinks] = math.inf  # protected: kept, and never pooled into their neighbours (base.Policy.ranked)
         return {i: scores[:, None].expand(-1, layer.keys.shape[1], -1)
                 for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)}

@@ -4,8 +4,9 @@ The wrapper's budget is the one that counts: its capacity, window_size and per_q
 inner policy (SnapKV's observation window is then the kept window, as in SnapKV alone; window_size left at None
 takes the inner policy's own). The inner policy's pooling, kernel_size and gqa stay its own. A wrapper changes one
 step of the inner policy's pipeline (see base): AdaKV the budgets per head, ChunkKV and CriticalKV the ranking;
-every other step, scoring included (extra forward passes too, e.g. KVzip's), is the inner policy's. So wrappers
-compose with any scorer and with each other: CriticalKV(policy=AdaKV(policy=SnapKV())) is kvpress's CriticalAdaKV.
+every other step, scoring included (extra forward passes too, e.g. KVzip's, and the final hidden states Surprisal
+reads), is the inner policy's. So wrappers compose with any scorer and with each other:
+CriticalKV(policy=AdaKV(policy=SnapKV())) is kvpress's CriticalAdaKV.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Wrapper(Policy):
     # Everything the inner policy decides about scoring is the wrapper's too.
     accumulates = _inner("accumulates")
     extra_passes = _inner("extra_passes")
+    reads_final_hidden = _inner("reads_final_hidden")
     scores_query_heads = _inner("scores_query_heads")
     voters = _inner("voters")
     scoring_key = _inner("scoring_key")
