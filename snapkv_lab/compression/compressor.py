@@ -417,8 +417,9 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
             model.generate(input_ids, past_key_values=state.cache, max_new_tokens=32)
         state.kept_indices[layer]  # (batch, kv_heads, kept), sorted ascending
 
-    The cache must start empty and be passed to the model; padded batches, assisted and prompt-lookup
-    decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
+    The cache must start empty and be passed to the model. A left-padded batch (model.generate(ids,
+    attention_mask=mask)) is compressed row by row as each row's batch-1 run (see the module doc); padding elsewhere,
+    assisted and prompt-lookup decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
     Policies that need extra passes over the prompt (KVzip) cannot run inside one forward: use `generate`.
 
     prefill_chunk=N: compress as you go. The prompt is fed in chunks of at most N tokens
