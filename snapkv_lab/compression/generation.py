@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from ..inputs import (Batch, check_context_length, encode_batch, encode_continuation, eos_ids, extended_mask,
+from ..inputs import (check_context_length, encode_batch, encode_continuation, eos_ids, extended_mask,
                       padded_positions)
-from ..policies.base import NO_POSITION, FullCache, Policy
+from ..policies.base import FullCache, Policy
 from ..timing import ms_per_token, stopwatch
 from .compressor import CompressionState, applied, compress
 from .layers import cache_bytes, cache_lengths, fork, row_cache_lengths

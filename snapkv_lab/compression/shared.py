@@ -23,7 +23,6 @@ from ..policies.base import Policy
 from ..timing import SectionTimer, stopwatch
 from ..policies.decoding import prefill_seeds, seeded
 from ..inputs import extended_mask, padded_positions
-from ..policies.base import NO_POSITION
 from .compressor import CompressionState, refuse_unseen_layers
 from .layers import compressed_copy, fork, held_positions, padded_layer, row_cache, stack_rows
 from .recorder import ScoreRecorder, kept_from_scores
