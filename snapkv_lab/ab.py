@@ -17,7 +17,7 @@ import torch
 
 from .compression import GenerationResult, SharedPrefill
 from .compression.generation import answers, encode_questions
-from .inputs import encode_batch
+from .inputs import encode_batch, eos_ids
 from .policies import FullCache, SnapKV
 from .progress import progress_bar
 
@@ -134,7 +134,9 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
             progress: bool = True) -> ABTable:
     """Run every prompt with every policy, from one full prefill per prompt: one row per (prompt, policy, question).
 
-    prompts: a list of prompts (text, chat messages, ids), or of dicts {"prompt", "answer" (expected text,
+    prompts: a list of prompts (text, chat messages, ids, or a batch: a list of prompts, of different lengths or
+        not, or a (batch, n) tensor, decoded together and reported one row per prompt, named "name/row"),
+        or of dicts {"prompt", "answer" (expected text,
         optional: correct = it appears in the output, case-insensitive), "question" (optional: query-agnostic
         mode, appended after compression; a list of questions is compress once, ask many, and "answer" then a
         list too), "name" (optional row label)}.
@@ -152,25 +154,30 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
     items = [_as_item(p, i) for i, p in enumerate(prompts)]
     rows, results = [], {}
     bar = progress_bar(total=len(items) * len(policies), desc="compare", disable=not progress)
+    eos = eos_ids(model, tokenizer)
     for item in items:
-        ids = encode_batch(tokenizer, item["prompt"]).to(model.device)
+        batch = encode_batch(tokenizer, item["prompt"]).to(model.device)
+        ids, mask = batch.ids, (None if batch.pads is None else batch.mask)
         questions, extras = encode_questions(model, tokenizer, ids, item.get("question"), max_new_tokens)
         expected = item.get("answer")
         expected = list(expected) if isinstance(expected, (list, tuple)) else [expected] * len(questions)
-        shared = SharedPrefill.run(model, tokenizer, ids, policies)
+        shared = SharedPrefill.run(model, tokenizer, ids, policies, mask=mask)
         for policy in policies:
             state = shared.state(policy)
             runs = answers(model, tokenizer, state, shared.logits, ids, questions, extras,
-                           shared.seconds + state.selection_seconds, max_new_tokens)
+                           shared.seconds + state.selection_seconds, max_new_tokens, mask=mask)
             for run, question, answer in zip(runs, questions, expected, strict=True):
-                results[len(rows)] = run
-                rows.append(dict(
-                    prompt=item["name"], policy=policy.label, mode="query-aware" if question is None else "query-agnostic",
-                    question=run.question, answer=run.text, expected=answer,
-                    correct=pd.NA if answer is None else answer.lower() in run.text.lower(),
-                    kv_bytes=run.kv_bytes, cache_length=max(run.cache_lengths), prompt_tokens=run.prompt_ids.shape[1],
-                    prefill_s=shared.seconds, selection_s=run.selection_seconds, decode_ms_per_token=run.decode_ms_per_token,
-                    new_tokens=run.token_ids.shape[1]))
+                row_runs = run.rows(eos) if ids.shape[0] > 1 else [run]  # a batch: one row per prompt
+                for b, run in enumerate(row_runs):
+                    results[len(rows)] = run
+                    rows.append(dict(
+                        prompt=item["name"] if len(row_runs) == 1 else f"{item['name']}/{b}", policy=policy.label,
+                        mode="query-aware" if question is None else "query-agnostic",
+                        question=run.question, answer=run.text, expected=answer,
+                        correct=pd.NA if answer is None else answer.lower() in run.text.lower(),
+                        kv_bytes=run.kv_bytes, cache_length=max(run.cache_lengths), prompt_tokens=run.prompt_ids.shape[1],
+                        prefill_s=shared.seconds, selection_s=run.selection_seconds,
+                        decode_ms_per_token=run.decode_ms_per_token, new_tokens=run.token_ids.shape[1]))
             bar.update()
     bar.close()
     table = ABTable(rows)

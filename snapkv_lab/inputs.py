@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from .framing import plain_prompt
 
@@ -29,8 +32,8 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
             ids = ids[None]
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise ValueError(
-            f"expected one prompt, got input ids of shape {tuple(ids.shape)}; pass prompts one at a time "
-            "(padded batches would put pad tokens inside the attention maps)."
+            f"expected one prompt, got input ids of shape {tuple(ids.shape)}; pass a batch as a list of prompts "
+            "or a (batch, n) tensor."
         )
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
@@ -48,37 +51,103 @@ def encode_continuation(tokenizer, continuation) -> torch.Tensor:
     return ids.reshape(-1)
 
 
+@dataclass
+class Batch:
+    """Prompts of a batch, left-padded to the longest.
+
+    ids: (batch, n) token ids, pads first. mask: (batch, n) long, 0 on pads (what model.generate takes as
+    attention_mask). pads: (batch,) long, each row's left pads; None when no row is padded (every path then runs
+    exactly as for prompts of one length). A row's token at position p (its index in its own prompt, what RoPE
+    rotates it by) sits at slot p + pads[b].
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pads: torch.Tensor | None
+
+    def to(self, device) -> Batch:
+        return Batch(self.ids.to(device), self.mask.to(device), self.pads)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's own prompt length."""
+        n = self.ids.shape[1]
+        return [n] * self.ids.shape[0] if self.pads is None else (n - self.pads).tolist()
+
+
+def padded_positions(pads: torch.Tensor | None, start: int, count: int, device=None) -> torch.Tensor:
+    """Position ids of slots start..start+count-1: (1, count) when unpadded, else (batch, count), each row's own
+    positions (slot minus its pads; pads clamped to 0: they are masked, so what RoPE gives them is never seen)."""
+    slots = torch.arange(start, start + count, device=device)[None]
+    return slots if pads is None else (slots - pads.to(slots.device)[:, None]).clamp(min=0)
+
+
+def extended_mask(mask: torch.Tensor, total: int) -> torch.Tensor:
+    """The (batch, n) padding mask of a prompt, extended by ones to `total` slots (the tokens fed after it)."""
+    return F.pad(mask, (0, total - mask.shape[1]), value=1)
+
+
+def left_pads(attention_mask) -> torch.Tensor | None:
+    """(batch,) the left pads of each row of a prefill call's mask (a 2-D padding mask, or a 4-D one: a pad row does
+    not see itself, whereas any unpadded causal or sliding-window mask lets every token see itself); None when no row
+    is padded. Padding elsewhere than on the left is refused."""
+    if attention_mask is None or attention_mask.ndim not in (2, 4):
+        return None
+    if attention_mask.ndim == 2:
+        hidden = ~attention_mask.bool()
+    else:
+        offset = attention_mask.shape[-1] - attention_mask.shape[-2]
+        diagonal = attention_mask[:, 0].diagonal(offset, dim1=-2, dim2=-1)  # (batch, rows)
+        hidden = ~diagonal if diagonal.dtype == torch.bool else diagonal != 0
+    pads = hidden.sum(-1).cpu()
+    if not bool(pads.any()):
+        return None
+    if not torch.equal(hidden.cpu(), torch.arange(hidden.shape[-1]) < pads[:, None]):
+        raise NotImplementedError(PADDING_REFUSED)
+    return pads
+
+
 PADDING_REFUSED = (
-    "padded batches are not supported by the compressor: pad tokens would vote and be kept, and the compressed cache "
-    "would no longer line up with the padding mask. Pass prompts of equal length, or one at a time."
+    "only left padding is supported by the compressor (each row's pads first, then its prompt, as "
+    "snapkv_lab.generate pads a batch of prompts of different lengths): pads elsewhere would sit between a row's "
+    "tokens."
 )
 
 
-def refuse_pad_tokens(tokenizer, ids: torch.Tensor) -> None:
-    """Raise if ids (batch, n) hold the tokenizer's pad token, by the rule model.generate infers a padding mask with
-    (transformers' _prepare_attention_mask_for_generation: a pad token that is not also the EOS token)."""
+def pad_id(tokenizer) -> int:
+    """The token that fills pads: the tokenizer's pad token, else its EOS, else 0 (pads are masked: any id does)."""
+    for pad in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if pad is not None:
+            return pad
+    return 0
+
+
+def tensor_batch(tokenizer, ids: torch.Tensor) -> Batch:
+    """A (batch, n) tensor as a Batch: rows holding the tokenizer's pad token (by the rule model.generate infers a
+    padding mask with, transformers' _prepare_attention_mask_for_generation: a pad token that is not also the EOS
+    token) are padded; they must be padded on the left."""
+    ids = ids.long()
     pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is not None and pad != getattr(tokenizer, "eos_token_id", None) and bool((ids == pad).any()):
-        raise NotImplementedError(f"the prompt ids hold the pad token ({pad}): {PADDING_REFUSED}")
+    mask = torch.ones_like(ids)
+    if pad is not None and pad != getattr(tokenizer, "eos_token_id", None):
+        mask = (ids != pad).long()
+    pads = left_pads(mask)
+    if pads is not None and bool((pads == ids.shape[1]).any()):
+        raise ValueError("a row of the batch holds only pad tokens")
+    return Batch(ids, mask, pads)
 
 
-def encode_batch(tokenizer, prompt) -> torch.Tensor:
-    """One prompt (see encode_prompt), a (batch, n) tensor, or a list of prompts of equal length -> (batch, n).
-    Ids holding the pad token (a padded batch) are refused, as model.generate under `compress` refuses them."""
+def encode_batch(tokenizer, prompt) -> Batch:
+    """One prompt (see encode_prompt), a (batch, n) tensor (left-padded with the tokenizer's pad token, or not
+    padded), or a list of prompts -> a Batch, left-padded to the longest prompt."""
     if isinstance(prompt, torch.Tensor) and prompt.ndim == 2:
-        refuse_pad_tokens(tokenizer, prompt)
-        return prompt.long()
+        return tensor_batch(tokenizer, prompt)
     is_batch = isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, torch.Tensor))
-    if not is_batch:
-        return encode_prompt(tokenizer, prompt)
-    rows = [encode_prompt(tokenizer, p) for p in prompt]
-    lengths = sorted({r.shape[1] for r in rows})
-    if len(lengths) > 1:
-        raise NotImplementedError(
-            f"prompts of different lengths {lengths}: left-padded batches are not supported by the compressor (pad "
-            "tokens would be voted on and kept). Pass prompts of equal length, or one at a time."
-        )
-    return torch.cat(rows)
+    rows = [encode_prompt(tokenizer, p) for p in prompt] if is_batch else [encode_prompt(tokenizer, prompt)]
+    n = max(r.shape[1] for r in rows)
+    ids = torch.cat([F.pad(r, (n - r.shape[1], 0), value=pad_id(tokenizer)) for r in rows])
+    mask = torch.cat([F.pad(torch.ones_like(r), (n - r.shape[1], 0)) for r in rows])
+    return Batch(ids, mask, left_pads(mask))
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:

@@ -195,21 +195,20 @@ def test_ratio_too_small_for_window_is_refused(byte_tokenizer):
         sl.generate(tiny(), byte_tokenizer, torch.randint(2, 256, (1, 100)), policy=sl.SnapKV(capacity=0.2, window_size=32))
 
 
-def test_padded_batches_are_refused(byte_tokenizer):
+def test_padding_other_than_on_the_left_is_refused(byte_tokenizer):
+    """Left-padded batches are taken (tests/test_batches.py); pads anywhere else would sit between a row's tokens."""
     model = tiny()
-    with pytest.raises(NotImplementedError, match="left-padded batches are not supported"):
-        sl.generate(model, byte_tokenizer, ["short prompt", "a much longer prompt than that"], policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW))
     ids = torch.randint(2, 256, (2, 60))
     mask = torch.ones_like(ids)
-    mask[1, :10] = 0
-    with pytest.raises(NotImplementedError, match="padded batches are not supported"):
+    mask[1, -10:] = 0  # right padding
+    with pytest.raises(NotImplementedError, match="only left padding"):
         with sl.compress(model, sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
             model.generate(ids, attention_mask=mask, past_key_values=state.cache, max_new_tokens=2, do_sample=False)
 
 
-def test_padded_id_tensors_are_refused(byte_tokenizer):
-    """A (batch, n) tensor padded with the tokenizer's pad token is refused by generate and compare, by the rule
-    model.generate infers a padding mask with (a pad token that is not the EOS token), as compress refuses it there."""
+def test_padded_id_tensors_are_padded_batches(byte_tokenizer):
+    """A (batch, n) tensor holding the tokenizer's pad token is a padded batch, by the rule model.generate infers a
+    padding mask with (a pad token that is not the EOS token): left padding is taken, pads elsewhere refused."""
     model = tiny()
 
     class PaddingTokenizer(type(byte_tokenizer)):
@@ -217,11 +216,11 @@ def test_padded_id_tensors_are_refused(byte_tokenizer):
 
     ids = torch.randint(2, 256, (2, 60), generator=torch.Generator().manual_seed(11))
     padded = ids.clone()
-    padded[1, :10] = 1  # left padding
+    padded[1, -10:] = 1  # right padding
     policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
     for run in (lambda t: sl.generate(model, PaddingTokenizer(), t, policy=policy, max_new_tokens=2),
                 lambda t: sl.compare(model, PaddingTokenizer(), [t], policies=[policy], max_new_tokens=2, progress=False)):
-        with pytest.raises(NotImplementedError, match="hold the pad token \\(1\\): padded batches are not supported"):
+        with pytest.raises(NotImplementedError, match="only left padding"):
             run(padded)
     assert sl.generate(model, PaddingTokenizer(), ids, policy=policy, max_new_tokens=2).token_ids.shape == (2, 2)
 
@@ -281,11 +280,14 @@ def test_prompt_lookup_decoding_is_refused_on_a_compressed_cache(byte_tokenizer)
             model.generate(ids, past_key_values=state.cache, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
 
 
-def test_flash_style_two_dimensional_padding_masks_are_refused():
+def test_flash_style_two_dimensional_padding_masks_give_the_pads():
     """flash_attention_2 receives the (batch, n) padding mask itself, not a 4-D one."""
-    refuse_padding(torch.ones(2, 7, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="padded batches are not supported"):
-        refuse_padding(torch.tensor([[1] * 7, [0, 0] + [1] * 5]))
+    from snapkv_lab.inputs import left_pads
+
+    assert left_pads(torch.ones(2, 7, dtype=torch.long)) is None
+    assert left_pads(torch.tensor([[1] * 7, [0, 0] + [1] * 5])).tolist() == [0, 2]
+    with pytest.raises(NotImplementedError, match="only left padding"):
+        refuse_padding(torch.tensor([[1] * 7, [1] * 5 + [0, 0]]))
 
 
 def test_sliding_window_mask_is_not_taken_for_padding(byte_tokenizer):

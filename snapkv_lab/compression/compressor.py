@@ -11,6 +11,13 @@ length (per-layer budgets under eager) is rebuilt for this one. A policy that ev
 Positions stay right after the cache shrinks because nothing downstream derives them from the cache
 length: `generate` passes position ids explicitly, and `model.generate` in transformers 5.x counts
 positions from the prompt's own position ids (checked token for token in the tests).
+
+Padded batches (prompts of different lengths, left-padded; the pads are read off the prefill's mask, `left_pads`):
+each row is scored on its own tokens only (`attention_calls` slices off its pads), with budgets from its own
+length, so its kept positions are those of its batch-1 run, and pads never vote nor are kept. Rows keeping
+different counts are left-filled with NO_POSITION slots (layers.padded_layer); every later call over a
+full-attention layer gets a mask rebuilt from the layer's slot positions (pads and fill hidden). Eviction while
+decoding runs one tracker per row, on the row's own slots.
 """
 
 from __future__ import annotations
@@ -25,37 +32,55 @@ from transformers import DynamicCache
 
 from ..attention import AttentionSettings
 from ..hooks import intercept_attention
-from ..inputs import PADDING_REFUSED
+from ..inputs import PADDING_REFUSED, left_pads
 from ..policies.base import NO_POSITION, AttentionCall, FullCache, Policy
 from ..policies.decoding import prefill_seeds, seeded
 from ..timing import SectionTimer
 from .layers import (CompressedLayer, HeadwiseLayer, compressed_layer, gather_kv, headwise_attention, held_positions,
-                     hidden_future)
+                     hidden_future, padded_layer, slot_positions, stack_rows)
 
 
 def refuse_padding(attention_mask) -> None:
-    """Refuse a padded prefill. Any unpadded causal or sliding-window mask lets every token see itself; a pad
-    token is hidden from every row, its own included. flash_attention_2 gets the 2-D padding mask itself."""
-    if attention_mask is None:
-        return
-    if attention_mask.ndim == 2:
-        padded = not bool(attention_mask.bool().all())
-    elif attention_mask.ndim == 4:
-        offset = attention_mask.shape[-1] - attention_mask.shape[-2]
-        diagonal = attention_mask.diagonal(offset, dim1=-2, dim2=-1)
-        visible = diagonal if diagonal.dtype == torch.bool else diagonal == 0
-        padded = not bool(visible.all())
-    else:
-        return
-    if padded:
-        raise NotImplementedError(PADDING_REFUSED)
+    """Refuse a padded prefill (where a path cannot take one). Any unpadded causal or sliding-window mask lets every
+    token see itself; a pad token is hidden from every row, its own included. flash_attention_2 gets the 2-D
+    padding mask itself."""
+    if left_pads(attention_mask) is not None:
+        raise NotImplementedError("padded batches are not supported here: " + PADDING_REFUSED)
 
 
-def attention_calls(module, query, key, value, slots, settings, n_layers, positions=None):
+def attention_calls(module, query, key, value, slots, settings, n_layers, positions=None, lead=None, shift=None):
     """One AttentionCall per batch row of an attention call's (batch, heads, rows, head_dim) tensors; slots and
-    positions (rows,) as AttentionCall's (positions default to the slots, as at prefill)."""
-    return [AttentionCall(query[b], key[b], value[b], slots, settings, module, module.layer_idx, n_layers, positions)
-            for b in range(query.shape[0])]
+    positions (rows,) as AttentionCall's (positions default to the slots, as at prefill).
+
+    A padded batch: lead (batch,) the leading slots of each row that hold none of its tokens (its pads, or fill
+    slots), cut off the row's keys and query rows so that the row's call is its batch-1 call (its slots counted
+    after them); shift (batch,) each row's pads, subtracted from its positions (default: lead)."""
+    if lead is None:
+        return [AttentionCall(query[b], key[b], value[b], slots, settings, module, module.layer_idx, n_layers, positions)
+                for b in range(query.shape[0])]
+    positions = slots if positions is None else positions
+    shift = lead if shift is None else shift
+    calls = []
+    for b in range(query.shape[0]):
+        drop = int(lead[b])
+        first = int((slots < drop).sum())  # query rows on dropped slots (slots ascend)
+        calls.append(AttentionCall(query[b][:, first:], key[b][:, drop:], value[b][:, drop:], slots[first:] - drop,
+                                   settings, module, module.layer_idx, n_layers, positions[first:] - int(shift[b])))
+    return calls
+
+
+def row_kept(policy: Policy, scores: list, lengths: list[int], kv_heads: int, layer: int, n_layers: int) -> list:
+    """Per batch row of a padded batch, (heads, k_b) the positions it keeps: by `keep` over its own length, or all
+    of them where its prompt fits the budget (as its batch-1 run keeps them); rows as many as the widest's."""
+    rows = [policy.keep(s, n, kv_heads, layer, n_layers) if policy.budget(n) is not None else None
+            for s, n in zip(scores, lengths, strict=True)]
+    return all_where_none(rows, lengths, kv_heads)
+
+
+def all_where_none(rows: list, lengths: list[int], kv_heads: int) -> list:
+    """rows with each None (a row whose prompt fits) replaced by all its positions, as many rows as the others'."""
+    heads = max((r.shape[0] for r in rows if r is not None), default=kv_heads)
+    return [torch.arange(n).expand(heads, -1) if r is None else r for r, n in zip(rows, lengths, strict=True)]
 
 
 def refuse_unseen_layers(cache: DynamicCache, seen, sliding, label: str, stacklevel: int = 3) -> None:
@@ -80,24 +105,43 @@ def stack_kept(kept: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([F.pad(k, (0, widest - k.shape[-1]), value=NO_POSITION) for k in kept])
 
 
-def _visible_mask(like: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
-    """A causal mask in the style of `like` (bool: True visible; float: 0 visible) for the last `rows` of
-    n_keys keys, every earlier key visible: (batch, 1, rows, n_keys)."""
-    hidden = hidden_future(rows, n_keys, like.device)
-    mask = ~hidden if like.dtype == torch.bool else torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill(
-        hidden, torch.finfo(like.dtype).min)
-    return mask.expand(like.shape[0], 1, rows, n_keys)
+def _visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, module,
+                  hidden_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """A causal mask in the style of `like` (bool: True visible; float: 0 visible; None: the style of the model's
+    attention, float under eager) for the last `rows` of n_keys keys, every earlier key visible but `hidden_slots`
+    (batch, n_keys) (a padded batch's pads and fill slots): (batch, 1, rows, n_keys)."""
+    rows = query.shape[-2]
+    hidden = hidden_future(rows, n_keys, query.device)[None, None]
+    if hidden_slots is not None:
+        hidden = hidden | hidden_slots.to(query.device)[:, None, None, :]
+    eager = getattr(module.config, "_attn_implementation", None) == "eager"
+    dtype = like.dtype if like is not None else (query.dtype if eager else torch.bool)
+    mask = ~hidden if dtype == torch.bool else torch.zeros(hidden.shape, dtype=dtype, device=query.device).masked_fill(
+        hidden, torch.finfo(dtype).min)
+    return mask.expand(query.shape[0], 1, rows, n_keys)
 
 
-def attend_cache(cache: DynamicCache, function, module, query, key, value, attention_mask, **kwargs):
-    """Compute one attention call over `cache`'s layer: see the module doc."""
+def attend_cache(cache: DynamicCache, function, module, query, key, value, attention_mask, *, pads=None,
+                 evicted=None, **kwargs):
+    """Compute one attention call over `cache`'s layer: see the module doc. pads (batch,): a padded batch's left
+    pads: every call after the prefill over a full-attention layer then masks the slots holding no token.
+    evicted: (batch, heads, slots) the slot positions of this call's keys when the layer evicted some of them in
+    this call (the call still attends them all, as an unpadded one does)."""
     layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
     # The prefill call that has just swapped in a HeadwiseLayer still attends the full keys it was handed
     # (they outnumber the layer's appended tokens, which are none yet): only later calls read the ragged cache.
     if isinstance(layer, HeadwiseLayer) and key.shape[-2] == layer.keys.shape[-2]:
         return headwise_attention(layer, query, AttentionSettings.of_call(module, kwargs)), None
-    if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] != key.shape[-2]:
-        attention_mask = _visible_mask(attention_mask, query.shape[-2], key.shape[-2])
+    if evicted is not None and evicted.shape[-1] == key.shape[-2]:
+        attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module, evicted[:, 0] < 0)
+    elif (pads is not None and layer is not None and not getattr(layer, "is_sliding", False)
+            and query.shape[-2] < key.shape[-2] == layer.keys.shape[-2]):
+        # Transformers' mask is sized and filled for the first layer's slots; this layer's pads and fill slots are
+        # where its positions are NO_POSITION. (The prefill's own call, all keys new, keeps transformers' mask.)
+        hidden = slot_positions(layer, pads)[:, 0] < 0  # a row's pads and fill are the same slots in every head
+        attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module, hidden)
+    elif attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] != key.shape[-2]:
+        attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module)
     return function(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -129,6 +173,9 @@ class CompressionState:
     _carry: dict = field(default_factory=dict)  # (layer, batch row) -> AttentionCall.carry across chunks
     _accumulated: dict = field(default_factory=dict)  # layer -> (batch, rows, held) summed scores of held slots
     _checked: bool = False
+    # (batch,) each row's left pads in a padded batch (read off the prefill's mask), None when no row is padded.
+    pads: torch.Tensor | None = None
+    _evicted: dict = field(default_factory=dict)  # layer -> slot positions its current call attends (before eviction)
 
     def __post_init__(self):
         self.prefilling_chunks = self.prefill_chunk is not None
@@ -142,8 +189,9 @@ class CompressionState:
         if self.prefilling_chunks and self._seen and query.shape[2] == 1:
             self.end_prefill()  # model.generate's first decode step: its chunks are over
         if self.prefilling_chunks:
-            if not self._seen:
-                refuse_padding(attention_mask)
+            if not self._seen and left_pads(attention_mask) is not None:
+                raise NotImplementedError("a chunked prefill of a padded batch is not supported (each row's chunks "
+                                          "would start at different positions): prefill it whole, or row by row")
             if query.shape[2] > self.prefill_chunk:
                 raise ValueError(f"a prompt call of {query.shape[2]} tokens under prefill_chunk={self.prefill_chunk}: "
                                  f"feed the prompt in chunks (model.generate(..., prefill_chunk_size={self.prefill_chunk}))")
@@ -160,9 +208,12 @@ class CompressionState:
         if key.shape[2] != query.shape[2]:
             raise RuntimeError("the compressor's cache must start empty (the prefill compresses the whole prompt)")
         if not self.kept_indices:  # the mask is the same for every layer: one check (one host sync) per prefill
-            refuse_padding(attention_mask)
+            self.pads = left_pads(attention_mask)
         kv_heads, n = key.shape[1], key.shape[2]
         settings = AttentionSettings.of_call(module, kwargs)
+        if self.pads is not None:
+            self._padded_prefill(module, query, key, value, settings)
+            return
         compresses = self.policy.budget(n) is not None
         if settings.sliding_window is not None and compresses:
             self.sliding_layers.append(layer)
@@ -182,6 +233,29 @@ class CompressionState:
             self.kept_indices[layer] = kept
             if seeds_needed:
                 self.seeds[layer] = prefill_seeds(scores, kept)
+
+    def _padded_prefill(self, module, query, key, value, settings) -> None:
+        """The prefill call of a padded batch's layer: each row scored on its own tokens (see module doc)."""
+        layer, kv_heads, n = module.layer_idx, key.shape[1], key.shape[2]
+        lengths = (n - self.pads).tolist()
+        compresses = any(self.policy.budget(length) is not None for length in lengths)
+        if settings.sliding_window is not None and compresses:
+            self.sliding_layers.append(layer)
+        held = held_positions(self.cache.layers[layer], n, self.pads)
+        if settings.sliding_window is not None or not (compresses or seeded(self.policy)):
+            self.kept_indices[layer] = held
+            return
+        self.timer = self.timer or SectionTimer(key.device)
+        with self.timer.section():
+            calls = attention_calls(module, query, key, value, torch.arange(n), settings, self.n_layers, lead=self.pads)
+            scores = [self.policy.score(call) for call in calls]
+            rows = row_kept(self.policy, scores, lengths, kv_heads, layer, self.n_layers)
+            if compresses:
+                self.cache.layers[layer], self.kept_indices[layer] = padded_layer(key, value, rows, self.pads)
+            else:
+                self.kept_indices[layer] = held
+            if seeded(self.policy):  # left-filled as the layer's slots
+                self.seeds[layer] = stack_rows([prefill_seeds([s], r[None])[0] for s, r in zip(scores, rows)], True, 0.0)
 
     def _prefill_chunk(self, module, query, key, value, kwargs) -> None:
         """One prompt chunk of a chunked prefill: the layer's held slots then the chunk's tokens, scored with the
@@ -247,8 +321,11 @@ class CompressionState:
             raise NotImplementedError(f"{self.policy.label}: eviction while decoding over head-wise budgets is not supported")
         if not isinstance(cache_layer, CompressedLayer):  # the prompt fitted: every position so far, in order
             n = cache_layer.keys.shape[-2]
-            cache_layer = self.cache.layers[layer] = CompressedLayer(cache_layer.keys, cache_layer.values,
-                                                                     held_positions(cache_layer, n), n)
+            cache_layer = self.cache.layers[layer] = CompressedLayer(
+                cache_layer.keys, cache_layer.values, held_positions(cache_layer, n, self.pads), n, pads=self.pads)
+        if self.pads is not None:
+            self._padded_decode_step(module, query, key, value, kwargs, cache_layer, tracker_for)
+            return
         rows = query.shape[2]
         if layer not in self._trackers:  # the first call after prefill: the cache holds the prompt, then this call's
             self._trackers[layer] = tracker_for(layer, self.n_layers, cache_layer.seen - rows, self.seeds.get(layer))
@@ -263,8 +340,37 @@ class CompressionState:
             cache_layer.evict(slots)
             self.kept_indices[layer] = cache_layer.positions
 
+    def _padded_decode_step(self, module, query, key, value, kwargs, cache_layer: CompressedLayer, tracker_for) -> None:
+        """`_decode_step` of a padded batch: one tracker per row, each seeing the row's own slots (its fill slots cut
+        off) as its batch-1 run's tracker sees them; rows that evict keep their picks, the others all their slots."""
+        layer, rows, n = module.layer_idx, query.shape[2], key.shape[2]
+        fill = (cache_layer.positions[:, 0] < 0).sum(-1).tolist()  # leading slots holding no token, per row
+        if layer not in self._trackers:
+            prompt = (cache_layer.seen - rows - self.pads).tolist()
+            seeds = self.seeds.get(layer)
+            self._trackers[layer] = [
+                tracker_for(layer, self.n_layers, length, None if seeds is None else seeds[b:b + 1, :, fill[b]:])
+                for b, length in enumerate(prompt)]
+        trackers = self._trackers[layer]
+        if all(t is None for t in trackers):
+            return
+        settings = AttentionSettings.of_call(module, kwargs)
+        calls = attention_calls(module, query, key, value, torch.arange(n - rows, n), settings, self.n_layers,
+                                positions=torch.arange(cache_layer.seen - rows, cache_layer.seen), lead=fill,
+                                shift=self.pads)
+        picked = [None if t is None else t.step([call]) for t, call in zip(trackers, calls, strict=True)]
+        if all(p is None for p in picked):
+            return
+        heads = cache_layer.keys.shape[1]
+        slots = [torch.arange(fill[b], n).expand(heads, -1) if p is None else p[0] + fill[b] for b, p in enumerate(picked)]
+        self._evicted[layer] = cache_layer.positions  # this call still attends every slot: its mask needs them
+        cache_layer.evict(stack_rows(slots, left=True))
+        self.kept_indices[layer] = cache_layer.positions
+
     def attend(self, function, module, query, key, value, attention_mask, **kwargs):
-        return attend_cache(self.cache, function, module, query, key, value, attention_mask, **kwargs)
+        evicted = self._evicted.pop(module.layer_idx, None)
+        return attend_cache(self.cache, function, module, query, key, value, attention_mask, pads=self.pads,
+                            evicted=evicted, **kwargs)
 
     def check_prefill_seen(self) -> None:
         """Raise if the model filled the cache without its attention calls reaching the compressor; warn if
@@ -311,8 +417,9 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
             model.generate(input_ids, past_key_values=state.cache, max_new_tokens=32)
         state.kept_indices[layer]  # (batch, kv_heads, kept), sorted ascending
 
-    The cache must start empty and be passed to the model; padded batches, assisted and prompt-lookup
-    decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
+    The cache must start empty and be passed to the model. A left-padded batch (model.generate(ids,
+    attention_mask=mask)) is compressed row by row as each row's batch-1 run (see the module doc); padding elsewhere,
+    assisted and prompt-lookup decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
     Policies that need extra passes over the prompt (KVzip) cannot run inside one forward: use `generate`.
 
     prefill_chunk=N: compress as you go. The prompt is fed in chunks of at most N tokens

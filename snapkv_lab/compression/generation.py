@@ -6,11 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from ..inputs import check_context_length, encode_batch, encode_continuation, eos_ids
+from ..inputs import (check_context_length, encode_batch, encode_continuation, eos_ids, extended_mask,
+                      padded_positions)
 from ..policies.base import FullCache, Policy
 from ..timing import ms_per_token, stopwatch
 from .compressor import CompressionState, applied, compress
-from .layers import cache_bytes, cache_lengths, fork
+from .layers import cache_bytes, cache_lengths, fork, row_cache_lengths
 from .shared import SharedPrefill
 
 
@@ -24,6 +25,10 @@ class GenerationResult:
     eviction while decoding those held at the end (a sliding-window layer: the last ones, its own bounded
     cache; a head-wise budget: rows padded with -1). cache_lengths[layer]: positions per head right after
     prefill (the mean over heads for head-wise budgets). kv_bytes: keys and values held after prefill.
+    A padded batch (prompts of different lengths): prompt_ids are left-padded, prompt_mask (batch, n) is 0 on the
+    pads, kept_indices hold -1 on the slots of pads and of rows keeping fewer than the widest, cache_lengths
+    count the batch's slots and row_cache_lengths[row][layer] each row's own; `rows()` splits the result into
+    one per prompt, each as its batch-1 run reports it.
     Timings are wall-clock seconds read after synchronising the device; prefill_seconds includes scoring
     (selection_seconds) and any extra scoring pass (KVzip).
     """
@@ -39,16 +44,47 @@ class GenerationResult:
     decode_ms_per_token: float
     policy: Policy
     question: str | None = None
+    prompt_mask: torch.Tensor | None = None
+    row_cache_lengths: list[list[int]] | None = None
+
+    def rows(self, eos=()) -> list[GenerationResult]:
+        """One result per batch row, as its batch-1 run would report it: the prompt without pads, kept positions
+        without the -1 columns that only other rows fill, tokens up to and including the first of `eos` (a batch
+        decodes on until every row is done), its own cache lengths; kv_bytes is the row's share (its slots)."""
+        batch = self.token_ids.shape[0]
+        mask = torch.ones_like(self.prompt_ids) if self.prompt_mask is None else self.prompt_mask
+        lengths = self.row_cache_lengths or [self.cache_lengths] * batch
+        total = sum(sum(row) for row in lengths) or 1
+        texts = self.text if isinstance(self.text, list) else [self.text]
+        results = []
+        for b in range(batch):
+            tokens = self.token_ids[b].tolist()
+            cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+            kept = []
+            for layer in self.kept_indices:
+                row = layer[b:b + 1]
+                used = (row >= 0).any(1)[0]  # slots some head of this row fills
+                kept.append(row[..., used] if bool(used.any()) else row[..., :0])
+            results.append(dataclasses.replace(
+                self, text=texts[b], token_ids=self.token_ids[b:b + 1, :cut],
+                prompt_ids=self.prompt_ids[b:b + 1][:, mask[b].bool()], kept_indices=kept,
+                cache_lengths=lengths[b], kv_bytes=round(self.kv_bytes * sum(lengths[b]) / total),
+                prompt_mask=None, row_cache_lengths=None))
+        return results
 
 
 @torch.inference_mode()
-def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids=(), stop=None) -> tuple[torch.Tensor, list[float]]:
+def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids=(), stop=None,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Greedy decoding from the last prompt logits (batch, vocab), positions counted from `start`.
 
     Run it inside `applied(model, state)` when the cache is compressed. Positions are passed explicitly: the
     compressed cache is shorter than the number of tokens seen. stop(token_ids) -> bool ends early (e.g. once
-    an answer is complete). Returns ((batch, new), step seconds).
+    an answer is complete). mask: a padded batch's (batch, m) padding mask of the slots before `start` (each
+    row's positions then count from its first token, and the mask, extended by ones, goes to the model so that
+    it masks the pads of the layers the compressor leaves whole). Returns ((batch, new), step seconds).
     """
+    pads = None if mask is None else (mask == 0).sum(-1)
     tokens, seconds = [], []
     done = torch.zeros(logits.shape[0], dtype=torch.bool)
     next_token = logits.argmax(-1)
@@ -58,8 +94,10 @@ def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids
         if bool(done.all()) or step == max_new_tokens - 1 or (stop is not None and stop(torch.stack(tokens, 1))):
             break
         with stopwatch(model.device) as elapsed:
-            position = torch.full((logits.shape[0], 1), start + step, dtype=torch.long, device=model.device)
-            out = model(next_token[:, None], past_key_values=cache, position_ids=position, use_cache=True)
+            position = padded_positions(pads, start + step, 1, model.device).expand(logits.shape[0], 1)
+            padding = None if mask is None else extended_mask(mask, start + step + 1)
+            out = model(next_token[:, None], past_key_values=cache, position_ids=position, use_cache=True,
+                        attention_mask=padding)
             next_token = out.logits[:, -1].argmax(-1)
         seconds.append(elapsed.seconds)
     return torch.stack(tokens, 1), seconds
@@ -74,11 +112,16 @@ def decode_text(tokenizer, token_ids: torch.Tensor, eos_ids) -> list[str]:
     return texts
 
 
-def forward(model, ids: torch.Tensor, cache, start: int) -> torch.Tensor:
-    """Feed ids (batch, n) at positions start.. over `cache`; the last position's logits (batch, vocab).
-    logits_to_keep=1: the full-vocabulary logits of a long prompt would cost more memory than its KV cache."""
-    positions = torch.arange(start, start + ids.shape[1], device=model.device)[None]
-    return model(ids, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1).logits[:, -1]
+def forward(model, ids: torch.Tensor, cache, start: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Feed ids (batch, n) at slots start.. over `cache`; the last position's logits (batch, vocab).
+    logits_to_keep=1: the full-vocabulary logits of a long prompt would cost more memory than its KV cache.
+    mask: a padded batch's (batch, m) padding mask of the slots before and among these (extended by ones to
+    start + n): each row's positions count from its own first token, and the model masks the pads."""
+    pads = None if mask is None else (mask == 0).sum(-1)
+    positions = padded_positions(pads, start, ids.shape[1], model.device)
+    padding = None if mask is None else extended_mask(mask, start + ids.shape[1]).to(model.device)
+    return model(ids, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1,
+                 attention_mask=padding).logits[:, -1]
 
 
 def several_questions(question) -> bool:
@@ -102,7 +145,7 @@ def encode_questions(model, tokenizer, ids, question, max_new_tokens: int) -> tu
 def branch(state: CompressionState) -> CompressionState:
     """A state over a fork of `state`'s cache, for one more question on the same compressed context."""
     return dataclasses.replace(state, cache=fork(state.cache), kept_indices=dict(state.kept_indices), _groups={},
-                               _trackers={}, timer=None)
+                               _trackers={}, _evicted={}, timer=None)
 
 
 def chunk_sizes(n: int, chunk: int) -> list[int]:
@@ -131,19 +174,23 @@ def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int) -> tup
 
 
 @torch.inference_mode()
-def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy,
-            prefill_chunk: int | None = None) -> tuple[CompressionState, torch.Tensor, float]:
+def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy, prefill_chunk: int | None = None,
+            mask: torch.Tensor | None = None) -> tuple[CompressionState, torch.Tensor, float]:
     """Prefill ids (batch, n) and compress with `policy`: (state, last logits, seconds). Policies with extra
     scoring passes (KVzip) prefill a full cache, score it with those passes, then keep a compressed copy.
-    prefill_chunk: feed the prompt in chunks, compressing as it goes (`chunked_prefill`)."""
+    prefill_chunk: feed the prompt in chunks, compressing as it goes (`chunked_prefill`).
+    mask: (batch, n) 0 on a padded batch's left pads (None: no row is padded)."""
     if prefill_chunk is not None:
+        if mask is not None:
+            raise NotImplementedError("a chunked prefill of a padded batch is not supported (each row's chunks "
+                                      "would start at different positions): prefill it whole, or row by row")
         return chunked_prefill(model, ids, policy, prefill_chunk)
     if not policy.extra_passes:
         with compress(model, policy) as state, stopwatch(model.device) as elapsed:
-            logits = forward(model, ids, state.cache, 0)
+            logits = forward(model, ids, state.cache, 0, mask)
             state.check_prefill_seen()
         return state, logits, elapsed.seconds
-    shared = SharedPrefill.run(model, tokenizer, ids, [policy])
+    shared = SharedPrefill.run(model, tokenizer, ids, [policy], mask=mask)
     state = shared.state(policy)
     return state, shared.logits, shared.seconds + state.selection_seconds
 
@@ -153,7 +200,10 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
              question=None, stop=None, prefill_chunk: int | None = None) -> GenerationResult | list[GenerationResult]:
     """Greedy generation with the prompt's KV cache compressed by `policy` after prefill.
 
-    prompt: text, chat messages, token ids, or a list of equal-length prompts (a batch).
+    prompt: text, chat messages, token ids, or a batch: a list of prompts, or a (batch, n) tensor. Prompts of
+        different lengths are left-padded inside; each row is scored, compressed and decoded as its batch-1 run
+        (its kept positions, cache and greedy answer equal, up to float rounding), pads never kept nor voting;
+        `result.rows()` gives one result per prompt.
     question: query-agnostic mode: `prompt` is the context alone, compressed; the question (text, tokenised
         without special tokens, or ids) is appended after compression, then the answer decoded. A list of
         questions (texts or id lists): compress once, ask many: one prefill and one compression, each question answered on its
@@ -167,35 +217,41 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int (the first token comes from the prefill), got {max_new_tokens!r}")
     policy = policy or FullCache()
-    ids = encode_batch(tokenizer, prompt).to(model.device)
+    batch = encode_batch(tokenizer, prompt).to(model.device)
+    ids, mask = batch.ids, (None if batch.pads is None else batch.mask)
     many = several_questions(question)
     questions, extras = encode_questions(model, tokenizer, ids, question, max_new_tokens)
-    state, logits, prefill_seconds = prefill(model, tokenizer, ids, policy, prefill_chunk)
-    results = answers(model, tokenizer, state, logits, ids, questions, extras, prefill_seconds, max_new_tokens, stop)
+    state, logits, prefill_seconds = prefill(model, tokenizer, ids, policy, prefill_chunk, mask)
+    results = answers(model, tokenizer, state, logits, ids, questions, extras, prefill_seconds, max_new_tokens, stop,
+                      mask)
     return results if many else results[0]
 
 
 @torch.inference_mode()  # the state was built in inference mode: its tensors cannot meet autograd
 def answers(model, tokenizer, state: CompressionState, logits, ids, questions, extras, prefill_seconds: float,
-            max_new_tokens: int, stop=None) -> list[GenerationResult]:
+            max_new_tokens: int, stop=None, mask: torch.Tensor | None = None) -> list[GenerationResult]:
     """Decode after a prefill of ids (batch, n) compressed into `state`: once per question (its text or None, its
-    ids (batch, m) or None), each on its own fork of the cache when there are several."""
+    ids (batch, m) or None), each on its own fork of the cache when there are several. mask: (batch, n) 0 on a
+    padded batch's pads."""
     eos = eos_ids(model, tokenizer)
     lengths, kv_bytes = cache_lengths(state.cache), cache_bytes(state.cache)
+    row_lengths = None if mask is None else row_cache_lengths(state.cache, (mask == 0).sum(-1).cpu())
     batch, n = ids.shape
     results = []
     for text, extra in zip(questions, extras, strict=True):
         asked = branch(state) if len(questions) > 1 else state
         with applied(model, asked):
             with stopwatch(model.device) as appended:
-                first = logits if extra is None else forward(model, extra, asked.cache, n)
+                first = logits if extra is None else forward(model, extra, asked.cache, n, mask)
             start = n + (0 if extra is None else extra.shape[1])
-            token_ids, seconds = greedy_decode(model, asked.cache, first, start, max_new_tokens, eos, stop)
+            token_ids, seconds = greedy_decode(model, asked.cache, first, start, max_new_tokens, eos, stop,
+                                               None if mask is None else extended_mask(mask, start))
         texts = decode_text(tokenizer, token_ids, eos)
         results.append(GenerationResult(
             text=texts[0] if batch == 1 else texts, token_ids=token_ids.cpu(), prompt_ids=ids.cpu(),
             kept_indices=[asked.kept_indices[i].cpu() for i in sorted(asked.kept_indices)], cache_lengths=lengths,
             kv_bytes=kv_bytes, prefill_seconds=prefill_seconds + appended.seconds, selection_seconds=state.selection_seconds,
             decode_ms_per_token=ms_per_token(seconds), policy=state.policy,
-            question=text if isinstance(text, str) else None))
+            question=text if isinstance(text, str) else None, prompt_mask=None if mask is None else mask.cpu(),
+            row_cache_lengths=row_lengths))
     return results

@@ -12,6 +12,12 @@ whose batch rows keep different totals pads the shorter rows, and counts that pa
 
 Both record `positions`: the token position of every slot, so that kept indices stay meaningful after
 eviction during decoding.
+
+Padded batches (prompts of different lengths, left-padded to the longest): a *position* is a token's index in its
+own prompt, a *slot* an index in the cache. Row b's first `pads[b]` prompt slots are pads, so its token at position
+p sits at slot p + pads[b] of an uncompressed layer. A compressed layer holds only real tokens; a row keeping fewer
+slots than the fullest row is left-filled with slots whose position is NO_POSITION, which every later attention call
+masks (compressor.attend_cache). Each row's positions, and those of the tokens it appends, are its own.
 """
 
 from __future__ import annotations
@@ -56,23 +62,29 @@ class CompressedLayer(DynamicLayer):
     positions from the cache length (shorter than the tokens seen) and crop the rejected ones.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seen: int, groups: int = 1):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seen: int, groups: int = 1,
+                 pads: torch.Tensor | None = None):
         super().__init__()
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.positions, self.seen, self.groups = keys, values, positions, seen, groups
+        self.pads = pads  # (batch,) left pads of each row's prompt (a padded batch; see module doc), else None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.groups > 1:
             key_states = key_states.repeat_interleave(self.groups, dim=1)
             value_states = value_states.repeat_interleave(self.groups, dim=1)
-        self.positions = torch.cat([self.positions, _new_positions(self.positions, self.seen, key_states.shape[-2])], -1)
+        new = _new_positions(self.positions, self.seen, key_states.shape[-2], self.pads)
+        self.positions = torch.cat([self.positions, new], -1)
         self.seen += key_states.shape[-2]
         return super().update(key_states, value_states, *args, **kwargs)
 
     def evict(self, kept_slots: torch.Tensor) -> None:
-        """Keep only the slots `kept_slots` (batch, heads, k) of the layer (eviction while decoding)."""
-        self.keys, self.values = gather_kv(self.keys, kept_slots), gather_kv(self.values, kept_slots)
-        self.positions = self.positions.gather(-1, kept_slots)
+        """Keep only the slots `kept_slots` (batch, heads, k) of the layer (eviction while decoding); a slot of -1
+        is a fill slot (a row keeping fewer than the fullest), its position NO_POSITION."""
+        fill = kept_slots < 0
+        slots = kept_slots.clamp(min=0)
+        self.keys, self.values = gather_kv(self.keys, slots), gather_kv(self.values, slots)
+        self.positions = self.positions.gather(-1, slots).masked_fill(fill, NO_POSITION)
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
@@ -81,11 +93,23 @@ class CompressedLayer(DynamicLayer):
         raise NotImplementedError(_ROLLBACK_REFUSED)
 
 
-def held_positions(layer, n: int) -> torch.Tensor:
-    """(batch, kv_heads, held) the positions an uncompressed layer holds after n tokens: its last `held` (all of
-    them for a full layer, the last sliding_window - 1 for a sliding one)."""
+def held_positions(layer, n: int, pads: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, kv_heads, held) the positions an uncompressed layer holds after n slots: its last `held` (all of
+    them for a full layer, the last sliding_window - 1 for a sliding one). pads (batch,): each row's left pads,
+    whose slots get NO_POSITION and shift the row's positions down."""
     held = layer.keys.shape[-2]
-    return torch.arange(n - held, n, device=layer.keys.device).expand(*layer.keys.shape[:2], -1)
+    slots = torch.arange(n - held, n, device=layer.keys.device)
+    if pads is None:
+        return slots.expand(*layer.keys.shape[:2], -1)
+    positions = slots - pads.to(slots.device)[:, None]  # (batch, held)
+    return positions.masked_fill(positions < 0, NO_POSITION)[:, None].expand(-1, layer.keys.shape[1], -1)
+
+
+def slot_positions(layer, pads: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, heads, slots) the position of every slot of a dense layer, NO_POSITION on pads and fill."""
+    if isinstance(layer, CompressedLayer):
+        return layer.positions
+    return held_positions(layer, getattr(layer, "cumulative_length", None) or layer.keys.shape[-2], pads)
 
 
 def hidden_future(rows: int, n_keys: int, device) -> torch.Tensor:
@@ -94,9 +118,12 @@ def hidden_future(rows: int, n_keys: int, device) -> torch.Tensor:
     return torch.ones(rows, n_keys, dtype=torch.bool, device=device).triu(n_keys - rows + 1)
 
 
-def _new_positions(positions: torch.Tensor, seen: int, count: int) -> torch.Tensor:
-    """(batch, heads, count) positions seen..seen+count-1, shaped like `positions`."""
+def _new_positions(positions: torch.Tensor, seen: int, count: int, pads: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, heads, count) positions of slots seen..seen+count-1 (each row's own: minus its pads), shaped like
+    `positions`."""
     new = torch.arange(seen, seen + count, device=positions.device)
+    if pads is not None:
+        return (new - pads.to(new.device)[:, None])[:, None].expand(-1, positions.shape[1], -1)
     return new.expand(*positions.shape[:2], -1)
 
 
@@ -130,7 +157,7 @@ class HeadwiseLayer(DynamicLayer):
     after prefill) is not counted, since dense layers hold none of it.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, pads: torch.Tensor | None = None):
         super().__init__()
         if kept.shape[1] != keys.shape[1]:
             raise ValueError(f"head-wise budgets select per KV head: kept has {kept.shape[1]} heads, "
@@ -141,7 +168,10 @@ class HeadwiseLayer(DynamicLayer):
         slot = held.flatten(1).cumsum(1).sub_(1).view_as(held)  # (batch, kv_heads, widest)
         slots = int(held.sum((1, 2)).max())
         rows = torch.arange(keys.shape[0], device=keys.device)[:, None, None].expand_as(kept)[held]
-        picked = kept.clamp(min=0)[..., None].expand(-1, -1, -1, keys.shape[-1])
+        # pads (batch,): a padded batch's left pads; position p of row b sits at slot p + pads[b] of `keys`
+        self.pads = pads
+        slots_of = kept if pads is None else kept + pads.to(kept.device)[:, None, None]
+        picked = slots_of.clamp(min=0)[..., None].expand(-1, -1, -1, keys.shape[-1])
         self.kept_keys, self.kept_values = (
             t.new_zeros(t.shape[0], slots, t.shape[-1]).index_put_((rows, slot[held]), t.gather(2, picked)[held])
             for t in (keys, values))
@@ -183,7 +213,8 @@ class HeadwiseLayer(DynamicLayer):
     @property
     def positions(self) -> torch.Tensor:
         """(batch, kv_heads, widest + new) position of every slot, NO_POSITION where a head has none."""
-        return torch.cat([self.kept, _new_positions(self.kept, self.seen - self.keys.shape[-2], self.keys.shape[-2])], -1)
+        new = _new_positions(self.kept, self.seen - self.keys.shape[-2], self.keys.shape[-2], self.pads)
+        return torch.cat([self.kept, new], -1)
 
     @property
     def prompt_keys(self) -> list[list[torch.Tensor]]:
@@ -266,6 +297,50 @@ def compressed_layer(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tenso
                            kept.shape[1] // keys.shape[1])
 
 
+def stack_rows(rows: list[torch.Tensor], left: bool = False, value=NO_POSITION) -> torch.Tensor:
+    """Per batch row (heads, k_b) -> (batch, heads, max k_b), filled with `value` after each row (or before it)."""
+    widest = max(r.shape[-1] for r in rows)
+    return torch.stack([F.pad(r, (widest - r.shape[-1], 0) if left else (0, widest - r.shape[-1]), value=value)
+                        for r in rows])
+
+
+def padded_layer(keys: torch.Tensor, values: torch.Tensor, rows: list[torch.Tensor],
+                 pads: torch.Tensor) -> tuple[DynamicLayer, torch.Tensor]:
+    """(layer, kept positions) for a padded batch: rows[b] (heads, k_b) the positions row b keeps (its own, head-wise
+    rows NO_POSITION-padded), of keys/values (batch, kv_heads, n, d) whose row b starts after pads[b] left pads.
+
+    Rows whose heads keep different counts: a HeadwiseLayer (each head's positions then NO_POSITION, as for one
+    row). Otherwise a CompressedLayer whose rows keeping fewer than the fullest are left-filled with NO_POSITION
+    slots (the attention masks them), so that every row's kept slots end where its new tokens begin."""
+    if any(bool((r == NO_POSITION).any()) for r in rows):
+        kept = stack_rows(rows)
+        return HeadwiseLayer(keys, values, kept, pads), kept
+    kept = stack_rows(rows, left=True)
+    slots = torch.where(kept >= 0, kept + pads.to(kept.device)[:, None, None], 0)
+    layer = CompressedLayer(gather_kv(keys, slots), gather_kv(values, slots), kept, keys.shape[-2],
+                            kept.shape[1] // keys.shape[1], pads)
+    return layer, kept
+
+
+def row_cache(cache: DynamicCache, b: int, pads: int) -> DynamicCache:
+    """Row b of an uncompressed cache as its batch-1 cache: its slots after its `pads` left pads, no copy (a
+    policy's extra scoring passes run row by row on these)."""
+    row = DynamicCache()
+    row.layers = []
+    for layer in cache.layers:
+        layer = copy.copy(layer)
+        if layer.is_initialized:
+            total = getattr(layer, "cumulative_length", None) or layer.keys.shape[-2]
+            drop = max(0, pads - (total - layer.keys.shape[-2]))  # the pads still among the held slots
+            layer.keys, layer.values = layer.keys[b:b + 1, :, drop:], layer.values[b:b + 1, :, drop:]
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = total - pads
+        row.layers.append(layer)
+    if hasattr(cache, "final_hidden"):  # kept by SharedPrefill for a policy that reads them (Surprisal)
+        row.final_hidden = cache.final_hidden[b:b + 1, pads:]
+    return row
+
+
 def compressed_copy(cache: DynamicCache, kept: dict[int, torch.Tensor]) -> DynamicCache:
     """A fork of `cache` whose layers in `kept` ({layer: (batch, kv_heads, kept)}) hold only those positions."""
     forked = fork(cache)
@@ -294,3 +369,16 @@ def cache_lengths(cache: DynamicCache) -> list[int]:
         else:
             lengths.append(layer.keys.shape[-2])
     return lengths
+
+
+def row_cache_lengths(cache: DynamicCache, pads: torch.Tensor) -> list[list[int]]:
+    """[row][layer] the positions a padded batch's row holds per head (pads and fill slots not counted; the mean
+    over heads for a ragged layer, rounded): what `cache_lengths` gives for the row's batch-1 run."""
+    lengths = []
+    for layer in cache.layers:
+        if isinstance(layer, HeadwiseLayer):
+            held = (layer.kept >= 0).sum(-1).float().mean(-1).round().long() + layer.keys.shape[-2]
+        else:
+            held = (slot_positions(layer, pads)[:, 0] >= 0).sum(-1)
+        lengths.append(held.tolist())
+    return [list(row) for row in zip(*lengths)]

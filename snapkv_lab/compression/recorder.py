@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionSettings
-from .compressor import attention_calls, stack_kept
+from ..inputs import left_pads
+from .compressor import all_where_none, attention_calls, stack_kept
 
 
 class ScoreRecorder:
@@ -31,6 +32,10 @@ class ScoreRecorder:
     never depend on which other policies are recorded beside it. scores[policy.scorer_label][layer]: (batch, heads or
     kv_heads, n_keys). Policies sharing a scorer_label (differing only in budget) share one entry. Sliding-window
     layers are not scored: they are never compressed (see CompressionState).
+
+    A padded batch (pads read off the first call's mask): each row is scored on its own tokens (its pads cut off,
+    as CompressionState does), and its scores are stored left-padded with zeros to the batch's slots; `kept_from_scores`
+    cuts them off again.
     """
 
     def __init__(self, policies, n_layers: int):
@@ -42,8 +47,12 @@ class ScoreRecorder:
         self.carry: dict[tuple[str, int, int], dict] = {}  # (policy label, layer, batch row) -> AttentionCall.carry
         self.seen_layers: set[int] = set()  # layers whose attention calls reached the recorder
         self.sliding_layers: set[int] = set()  # of those, the sliding-window ones (never scored)
+        self.pads: torch.Tensor | None = None  # (batch,) a padded batch's left pads
+        self._prefilled = False  # the first call (the prompt's) has been seen: its mask told the pads
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        if not self._prefilled:
+            self.pads, self._prefilled = left_pads(attention_mask), True
         self.seen_layers.add(module.layer_idx)
         settings = AttentionSettings.of_call(module, kwargs)
         if settings.sliding_window is not None:
@@ -51,12 +60,13 @@ class ScoreRecorder:
             return
         layer, n, rows = module.layer_idx, key.shape[2], query.shape[2]
         slots = torch.arange(n - rows, n)  # at prefill a query's cache slot is its position
-        new_calls = attention_calls(module, query, key, value, slots, settings, self.n_layers)
+        pads = self.pads
+        new_calls = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
         spanning = new_calls
         if layer in self.recent and rows < self.window:  # (batch, heads, rows, d) with earlier chunks' last queries
             earlier, earlier_slots = self.recent[layer]
             query, slots = torch.cat([earlier, query], 2)[:, :, -self.window:], torch.cat([earlier_slots, slots])[-self.window:]
-            spanning = attention_calls(module, query, key, value, slots, settings, self.n_layers)
+            spanning = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
         if self.window:
             self.recent[layer] = (query[:, :, -self.window:], slots[-self.window:])
         for label, policy in self.policies.items():
@@ -65,6 +75,8 @@ class ScoreRecorder:
                       for b, call in enumerate(calls)]
             if scored[0] is None:
                 continue
+            if pads is not None:  # each row's own keys: left-padded back to the batch's slots
+                scored = [F.pad(s, (n - s.shape[-1], 0)) for s in scored]
             new = torch.stack(scored)
             old = self.scores[label].get(layer)
             if policy.accumulates and old is not None:
@@ -78,13 +90,18 @@ class ScoreRecorder:
         other.recent = dict(self.recent)
         other.carry = {key: dict(carried) for key, carried in self.carry.items()}
         other.seen_layers, other.sliding_layers = set(self.seen_layers), set(self.sliding_layers)
+        other.pads, other._prefilled = self.pads, self._prefilled
         return other
 
 
-def kept_from_scores(policy, scores: dict[int, torch.Tensor], n: int, kv_heads: int, n_layers: int) -> dict[int, torch.Tensor] | None:
+def kept_from_scores(policy, scores: dict[int, torch.Tensor], n: int, kv_heads: int, n_layers: int,
+                     pads: torch.Tensor | None = None) -> dict | None:
     """{layer: kept positions (batch, kv_heads, k)} for every scored layer ({layer: (batch, rows, n)}), by the
     policy's `keep_layers` for each batch row (none when no layer was scored: all slide); None if the prompt fits the
-    budget."""
+    budget. A padded batch (pads (batch,)): {layer: [per row (heads, k_b) its own kept positions]}, each row by its
+    own length and scores (all its positions where it fits), None if every row fits."""
+    if pads is not None:
+        return _row_kept_from_scores(policy, scores, n, kv_heads, n_layers, pads)
     if policy.budget(n) is None:
         return None
     layers = sorted(scores)
@@ -93,3 +110,13 @@ def kept_from_scores(policy, scores: dict[int, torch.Tensor], n: int, kv_heads: 
     rows = [policy.keep_layers({layer: scores[layer][b] for layer in layers}, n, kv_heads, n_layers)
             for b in range(scores[layers[0]].shape[0])]
     return {layer: stack_kept([row[layer] for row in rows]) for layer in layers}
+
+
+def _row_kept_from_scores(policy, scores, n, kv_heads, n_layers, pads) -> dict | None:
+    lengths = (n - pads).tolist()
+    if all(policy.budget(length) is None for length in lengths):
+        return None
+    layers = sorted(scores)
+    rows = [policy.keep_layers({layer: scores[layer][b][:, n - length:] for layer in layers}, length, kv_heads, n_layers)
+            if policy.budget(length) is not None else {} for b, length in enumerate(lengths)]
+    return {layer: all_where_none([row.get(layer) for row in rows], lengths, kv_heads) for layer in layers}
