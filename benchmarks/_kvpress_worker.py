@@ -25,13 +25,29 @@ How kept positions are read: a press that prunes leaves (batch, kv_heads, kept, 
 each kept row is matched with the full keys' rows (post-RoPE keys of distinct positions never coincide).
 Head-wise presses (AdaKVPress, CriticalAdaKVPress, KVzipPress) prune nothing and leave
 `module.masked_key_indices` = (batch, head, position) of the masked pairs: their kept positions are the rest.
+
+Timing mode (benchmarks/kvpress_side_by_side.py --timing), a long-lived worker:
+
+    $VENV/bin/python benchmarks/_kvpress_worker.py --serve
+
+reads one JSON request per line on stdin and answers one JSON line on stdout (everything else it or a library
+prints goes to stderr). {"cmd": "load", "model", "attn", "threads", "no_eos"} loads the model and builds kvpress's
+own pipeline, `pipeline("kv-press-text-generation", ...)`; {"cmd": "prepare", "context", "questions"} answers the
+token ids that pipeline's preprocess makes of them; {"cmd": "run", "press", "context", "questions",
+"max_new_tokens"} times one call `pipe(context, questions=..., press=..., max_new_tokens=...)` (wall and CPU
+seconds of this process), the whole
+protocol: tokenising, the compressed prefill, then per question its tokens and greedy decoding on the
+compressed cache; {"cmd": "quit"}. no_eos sets generation_config.eos_token_id = [] so that every answer has
+max_new_tokens tokens (the pipeline stops at those ids).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.metadata as md
 import json
+import os
 import sys
 import time
 import traceback
@@ -211,7 +227,58 @@ def main(request_path: str, out_path: str) -> None:
     torch.save({"versions": versions, "last_logits": last_logits, "presses": results}, out_path)
 
 
+def serve() -> None:
+    """The timing mode's loop (see the module doc)."""
+    answer_to = os.fdopen(os.dup(1), "w")  # the replies' channel; fd 1 itself goes to stderr from here on
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import kvpress  # noqa: F401 (registers the "kv-press-text-generation" pipeline)
+    from transformers import AutoTokenizer, pipeline
+
+    scope = {name: getattr(kvpress, name) for name in dir(kvpress) if not name.startswith("_")}
+    pipe = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        cmd, reply = request["cmd"], {}
+        try:
+            if cmd == "quit":
+                break
+            if cmd == "load":
+                torch.set_num_threads(request["threads"])
+                start = time.perf_counter()
+                model = load_model(request["model"], request.get("attn", "sdpa"))
+                if request.get("no_eos"):
+                    model.generation_config.eos_token_id = []
+                tokenizer = AutoTokenizer.from_pretrained(request["model"])
+                pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+                reply = {"seconds": time.perf_counter() - start, "threads": torch.get_num_threads(),
+                         "versions": {pkg: md.version(pkg) for pkg in ("kvpress", "transformers", "torch")}}
+            elif cmd == "prepare":
+                tensors = pipe.preprocess(request["context"], request["questions"], answer_prefix="",
+                                          max_context_length=int(1e10))
+                reply = {"context_ids": tensors["context_ids"][0].tolist(),
+                         "question_ids": [q[0].tolist() for q in tensors["questions_ids"]]}
+            elif cmd == "run":
+                press = eval(request["press"], scope)  # noqa: S307 (expressions come from the side-by-side rows)
+                gc.collect()
+                start, cpu = time.perf_counter(), time.process_time()
+                out = pipe(request["context"], questions=request["questions"], press=press,
+                           max_new_tokens=request["max_new_tokens"])
+                reply = {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
+                         "answers": out["answers"]}
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except Exception as err:  # the caller decides; the worker keeps serving
+            traceback.print_exc()
+            reply = {"error": f"{type(err).__name__}: {err}"}
+        answer_to.write(json.dumps(reply) + "\n")
+        answer_to.flush()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        sys.exit(0)
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2])

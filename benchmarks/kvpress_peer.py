@@ -239,6 +239,66 @@ def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str,
         return {**torch.load(result), "log": done.stderr}
 
 
+class KvpressServer:
+    """The kvpress venv's worker in timing mode (benchmarks/_kvpress_worker.py --serve): one process, one model
+    load, then requests answered one at a time while this process waits (the two never run at once).
+
+        with KvpressServer(venv, checkpoint, threads=2) as server:
+            server.ask(cmd="run", press="SnapKVPress(compression_ratio=0.75)", context=..., questions=[...],
+                       max_new_tokens=16)  # {"seconds": ..., "answers": [...]}
+    """
+
+    def __init__(self, venv: Path, checkpoint: Path, threads: int, no_eos: bool = True):
+        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+               "HF_HUB_OFFLINE": "1"}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvpress-worker-", suffix=".log")
+        self.process = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), "--serve"], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.loaded = self.ask(cmd="load", model=str(checkpoint), attn="sdpa", threads=threads, no_eos=no_eos)
+
+    def ask(self, **request) -> dict:
+        """Send one request, wait for its reply; RuntimeError with the worker's last log lines on failure."""
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        reply = json.loads(line) if line else {"error": f"the worker exited ({self.process.poll()})"}
+        if "error" in reply:
+            self.log.flush()
+            self.log.seek(0)
+            tail = "\n".join(self.log.read().splitlines()[-30:])
+            raise RuntimeError(f"kvpress worker, {request['cmd']}: {reply['error']}\n{tail}")
+        return reply
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.process.stdin.close()
+                self.process.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+        self.log.close()
+
+    def __enter__(self) -> KvpressServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def kvpress_style_ids(tokenizer, context: str, questions: list[str]) -> tuple[list[int], list[list[int]]]:
+    """The token ids kvpress's pipeline makes of a context and its questions (kvpress/pipeline.py preprocess,
+    answer_prefix ""): the chat template around the context with a separator for the user's content, split
+    there; the context ids are the template's head and the context, each question's its text and the template's
+    tail; all encoded without special tokens."""
+    separator = "#" * (len(context) + 10)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": context + separator}],
+                                             add_generation_prompt=True, tokenize=False)
+    context, suffix = rendered.split(separator)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    return encode(context), [encode(question + suffix) for question in questions]
+
+
 @dataclass
 class Agreement:
     """One row's outcome. layers: per layer {jaccard (mean over KV heads), identical, kept_ours, kept_theirs}."""

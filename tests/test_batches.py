@@ -148,3 +148,53 @@ def test_chunked_prefill_of_a_padded_batch_is_refused(model, byte_tokenizer):
         with snapkv_lab.compress(model, snapkv_lab.SnapKV(capacity=40, window_size=8), prefill_chunk=48) as state:
             model.generate(batch.ids, attention_mask=batch.mask, past_key_values=state.cache, max_new_tokens=2,
                            do_sample=False, prefill_chunk_size=48)
+
+
+def ask_one_by_one(monkeypatch):
+    """Answer several questions the old way, one fork after the other, to compare the batched answers with."""
+    from snapkv_lab.compression import generation
+
+    monkeypatch.setattr(generation, "answers_batched", lambda state, extras: False)
+
+
+@pytest.mark.parametrize("capacity", [0.25, 400])  # 400: the prompt fits, its layers stay uncompressed
+@pytest.mark.parametrize("name", NAMES)
+def test_several_questions_decode_as_one_batch(name, capacity, model, byte_tokenizer, monkeypatch):
+    """Compress once, ask many: the questions (of different lengths) decode together as one left-filled batch (dense
+    and head-wise layers), each answer and kept positions equal to asking it on its own fork, for every policy."""
+    from snapkv_lab.compression import generation
+
+    policy = build(name, capacity)
+    context = prompts(seed=7, lengths=(150,))[0][None]
+    questions = [q.tolist() for q in prompts(seed=8, lengths=(5, 11, 3))]
+    calls = []
+    monkeypatch.setattr(generation, "batched_answers",
+                        lambda *args, real=generation.batched_answers: calls.append(1) or real(*args))
+    many = snapkv_lab.generate(model, byte_tokenizer, context, policy=policy, question=questions, max_new_tokens=NEW)
+    ask_one_by_one(monkeypatch)
+    alone = snapkv_lab.generate(model, byte_tokenizer, context, policy=policy, question=questions, max_new_tokens=NEW)
+    for together, single in zip(many, alone, strict=True):
+        assert torch.equal(together.token_ids, single.token_ids) and together.text == single.text
+        assert together.cache_lengths == single.cache_lengths
+        assert all(torch.equal(a, b) for a, b in zip(together.kept_indices, single.kept_indices, strict=True))
+    assert len({tuple(run.token_ids[0].tolist()) for run in many}) > 1  # the questions were really asked
+    assert bool(calls) == (getattr(policy, "tracker", None) is None)  # eviction while decoding: one by one
+
+
+def test_several_questions_batch_over_sliding_layers(byte_tokenizer, monkeypatch):
+    """Gemma 3's sliding layers hold each row's own last tokens: batched answers equal one-by-one answers, with the
+    context longer than the sliding window and shorter than it."""
+    from families import FAMILIES
+
+    model = FAMILIES["gemma3-sliding"]()
+    policy = snapkv_lab.SnapKV(capacity=24, window_size=8)
+    questions = [q.tolist() for q in prompts(seed=9, lengths=(4, 9))]
+    for n in (40, 10):
+        context = prompts(seed=10, lengths=(n,))[0][None]
+        many = snapkv_lab.generate(model, byte_tokenizer, context, policy=policy, question=questions, max_new_tokens=NEW)
+        with monkeypatch.context() as patch:
+            ask_one_by_one(patch)
+            alone = snapkv_lab.generate(model, byte_tokenizer, context, policy=policy, question=questions,
+                                        max_new_tokens=NEW)
+        for together, single in zip(many, alone, strict=True):
+            assert torch.equal(together.token_ids, single.token_ids)

@@ -11,7 +11,7 @@ from ..inputs import (check_context_length, encode_batch, encode_continuation, e
 from ..policies.base import FullCache, Policy
 from ..timing import ms_per_token, stopwatch
 from .compressor import CompressionState, applied, compress
-from .layers import cache_bytes, cache_lengths, fork, row_cache_lengths
+from .layers import cache_bytes, cache_lengths, fork, row_cache_lengths, stack_forks
 from .shared import SharedPrefill
 
 
@@ -231,27 +231,74 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
 def answers(model, tokenizer, state: CompressionState, logits, ids, questions, extras, prefill_seconds: float,
             max_new_tokens: int, stop=None, mask: torch.Tensor | None = None) -> list[GenerationResult]:
     """Decode after a prefill of ids (batch, n) compressed into `state`: once per question (its text or None, its
-    ids (batch, m) or None), each on its own fork of the cache when there are several. mask: (batch, n) 0 on a
-    padded batch's pads."""
+    ids (batch, m) or None), each on its own fork of the cache when there are several; several questions over one
+    context decode together as one batch where they can (`batched_answers`), each as its own run. mask: (batch, n)
+    0 on a padded batch's pads."""
     eos = eos_ids(model, tokenizer)
     lengths, kv_bytes = cache_lengths(state.cache), cache_bytes(state.cache)
     row_lengths = None if mask is None else row_cache_lengths(state.cache, (mask == 0).sum(-1).cpu())
     batch, n = ids.shape
+    decoded = None
+    if batch == 1 and mask is None and stop is None and answers_batched(state, extras):
+        decoded = [answer for group in range(0, len(extras), QUESTION_BATCH)
+                   for answer in batched_answers(model, state, extras[group:group + QUESTION_BATCH], n,
+                                                 max_new_tokens, eos)]
     results = []
-    for text, extra in zip(questions, extras, strict=True):
-        asked = branch(state) if len(questions) > 1 else state
-        with applied(model, asked):
-            with stopwatch(model.device) as appended:
-                first = logits if extra is None else forward(model, extra, asked.cache, n, mask)
-            start = n + (0 if extra is None else extra.shape[1])
-            token_ids, seconds = greedy_decode(model, asked.cache, first, start, max_new_tokens, eos, stop,
-                                               None if mask is None else extended_mask(mask, start))
+    for index, (text, extra) in enumerate(zip(questions, extras, strict=True)):
+        if decoded is not None:
+            (token_ids, appended, seconds), kept = decoded[index], state.kept_indices
+        else:
+            asked = branch(state) if len(questions) > 1 else state
+            with applied(model, asked):
+                with stopwatch(model.device) as feeding:
+                    first = logits if extra is None else forward(model, extra, asked.cache, n, mask)
+                start = n + (0 if extra is None else extra.shape[1])
+                token_ids, seconds = greedy_decode(model, asked.cache, first, start, max_new_tokens, eos, stop,
+                                                   None if mask is None else extended_mask(mask, start))
+            appended, kept = feeding.seconds, asked.kept_indices
         texts = decode_text(tokenizer, token_ids, eos)
         results.append(GenerationResult(
             text=texts[0] if batch == 1 else texts, token_ids=token_ids.cpu(), prompt_ids=ids.cpu(),
-            kept_indices=[asked.kept_indices[i].cpu() for i in sorted(asked.kept_indices)], cache_lengths=lengths,
-            kv_bytes=kv_bytes, prefill_seconds=prefill_seconds + appended.seconds, selection_seconds=state.selection_seconds,
+            kept_indices=[kept[i].cpu() for i in sorted(kept)], cache_lengths=lengths,
+            kv_bytes=kv_bytes, prefill_seconds=prefill_seconds + appended, selection_seconds=state.selection_seconds,
             decode_ms_per_token=ms_per_token(seconds), policy=state.policy,
             question=text if isinstance(text, str) else None, prompt_mask=None if mask is None else mask.cpu(),
             row_cache_lengths=row_lengths))
     return results
+
+
+# Questions answered in one batch at most (each holds its own copy of the compressed cache while decoding).
+QUESTION_BATCH = 8
+
+
+def answers_batched(state: CompressionState, extras) -> bool:
+    """Whether several questions over one compressed context can decode as one batch: not under eviction while
+    decoding, whose trackers follow one sequence each."""
+    return (len(extras) > 1 and all(extra is not None for extra in extras)
+            and getattr(state.policy, "tracker", None) is None)
+
+
+def batched_answers(model, state: CompressionState, extras, n: int, max_new_tokens: int, eos) -> list[tuple]:
+    """Answer several questions (ids (1, m_q) each) over the compressed context of n tokens in `state`: each question
+    fed on its own fork of the cache, then the forks stacked into one left-padded batch (`stack_forks`) and decoded
+    together, so every decode step reads the weights once for all of them. Each row is its own question's batch-1
+    run (same positions, same visible slots), its tokens cut after its first EOS as a batch-1 run stops there.
+    Returns per question (token ids (1, new), seconds its question took to feed, the shared decode steps' seconds)."""
+    forks, firsts, fed = [], [], []
+    for extra in extras:
+        asked = branch(state)
+        with applied(model, asked), stopwatch(model.device) as appended:
+            firsts.append(forward(model, extra, asked.cache, n))
+        forks.append(asked.cache)
+        fed.append(appended.seconds)
+    cache, pads = stack_forks(forks)
+    together = dataclasses.replace(branch(state), cache=cache, pads=pads)
+    start = n + max(extra.shape[1] for extra in extras)
+    mask = (torch.arange(start)[None] >= pads[:, None]).long().to(model.device)
+    with applied(model, together):
+        token_ids, seconds = greedy_decode(model, cache, torch.cat(firsts), start, max_new_tokens, eos, mask=mask)
+    out = []
+    for row, appended in zip(token_ids, fed, strict=True):
+        cut = next((i + 1 for i, t in enumerate(row.tolist()) if t in eos), row.shape[0])
+        out.append((row[None, :cut], appended, seconds[:cut - 1]))
+    return out

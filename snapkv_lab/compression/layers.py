@@ -68,6 +68,7 @@ class CompressedLayer(DynamicLayer):
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.positions, self.seen, self.groups = keys, values, positions, seen, groups
         self.pads = pads  # (batch,) left pads of each row's prompt (a padded batch; see module doc), else None
+        self._reserve: _Reserve | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.groups > 1:
@@ -76,7 +77,11 @@ class CompressedLayer(DynamicLayer):
         new = _new_positions(self.positions, self.seen, key_states.shape[-2], self.pads)
         self.positions = torch.cat([self.positions, new], -1)
         self.seen += key_states.shape[-2]
-        return super().update(key_states, value_states, *args, **kwargs)
+        # Room for an eighth more (at least 16 tokens) per regrowth: copies amortised, little memory held unused.
+        spare = max(16, self.keys.shape[-2] // 8)
+        self._reserve, self.keys, self.values = appended(self._reserve, self.keys, self.values, key_states,
+                                                         value_states, spare)
+        return self.keys, self.values
 
     def evict(self, kept_slots: torch.Tensor) -> None:
         """Keep only the slots `kept_slots` (batch, heads, k) of the layer (eviction while decoding); a slot of -1
@@ -128,15 +133,35 @@ def _new_positions(positions: torch.Tensor, seen: int, count: int, pads: torch.T
 
 
 class _Reserve:
-    """Room for the tokens a HeadwiseLayer appends after compression, shared by the layer and its forks.
+    """Room for the tokens a cache layer appends after compression, shared by the layer and its forks.
 
     keys, values: (batch, kv_heads, capacity, head_dim); `used` slots of them hold tokens. Only a layer whose own
-    tokens end at `used` may write on in place; any other (a fork that another fork has already written past)
-    copies its tokens into a reserve of its own first, so that no two forks ever write into the same room.
+    tokens are the reserve's first `used` slots may write on in place; any other (a fork that another fork has
+    already written past, or a layer whose tensors were replaced) copies its tokens into a reserve of its own
+    first, so that no two forks ever write into the same room.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, used: int):
         self.keys, self.values, self.used = keys, values, used
+
+
+def appended(reserve: _Reserve | None, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
+             value_states: torch.Tensor, spare: int) -> tuple[_Reserve, torch.Tensor, torch.Tensor]:
+    """(reserve, keys, values): a layer's keys and values (batch, kv_heads, length, head_dim) with `key_states`
+    appended, as views of `reserve`, written into its room where the layer owns it; else copied into a new reserve
+    with `spare` slots of room past them. A decode step then writes one token instead of copying the layer, as
+    DynamicLayer's concatenation does."""
+    length, count = keys.shape[-2], key_states.shape[-2]
+    if (reserve is None or reserve.used != length or length + count > reserve.keys.shape[-2]
+            or (length and keys.data_ptr() != reserve.keys.data_ptr())
+            or (reserve.keys.is_inference() and not torch.is_inference_mode_enabled())):
+        room = (*keys.shape[:2], length + count + spare, keys.shape[-1])
+        reserve = _Reserve(keys.new_empty(room), values.new_empty(room), length)
+        reserve.keys[:, :, :length], reserve.values[:, :, :length] = keys, values
+    reserve.keys[:, :, length:length + count] = key_states
+    reserve.values[:, :, length:length + count] = value_states
+    reserve.used = length + count
+    return reserve, reserve.keys[:, :, :length + count], reserve.values[:, :, :length + count]
 
 
 class HeadwiseLayer(DynamicLayer):
@@ -184,37 +209,31 @@ class HeadwiseLayer(DynamicLayer):
         self.keys = keys.new_empty(*keys.shape[:2], 0, keys.shape[-1])
         self.values = values.new_empty(*values.shape[:2], 0, values.shape[-1])
         self._reserve: _Reserve | None = None
+        # (batch,) leading appended slots that hold no token (`stack_forks`: rows that appended fewer), else None
+        self.fill: torch.Tensor | None = None
 
     def get_seq_length(self) -> int:
         """The longest head's length: what transformers sizes masks by (the compressor builds its own)."""
         return self.kept.shape[-1] + self.keys.shape[-2]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        new, count = self.keys.shape[-2], key_states.shape[-2]
-        reserve = self._reserve
-        if (reserve is None or reserve.used != new or new + count > reserve.keys.shape[-2]
-                or (reserve.keys.is_inference() and not torch.is_inference_mode_enabled())):
-            reserve = self._reserve = self._grown(max(16, 2 * (new + count)))
-        reserve.keys[:, :, new:new + count] = key_states
-        reserve.values[:, :, new:new + count] = value_states
-        reserve.used = new + count
-        self.keys, self.values = reserve.keys[:, :, :new + count], reserve.values[:, :, :new + count]
-        self.seen += count
-        return self.keys, self.values
-
-    def _grown(self, capacity: int) -> _Reserve:
-        """A reserve of its own with room for `capacity` tokens per head, holding this layer's appended ones."""
-        room = (*self.keys.shape[:2], capacity, self.keys.shape[-1])
-        keys, values = self.keys.new_empty(room), self.values.new_empty(room)
         new = self.keys.shape[-2]
-        keys[:, :, :new], values[:, :, :new] = self.keys, self.values
-        return _Reserve(keys, values, new)
+        self._reserve, self.keys, self.values = appended(self._reserve, self.keys, self.values, key_states,
+                                                         value_states, max(16, 2 * (new + key_states.shape[-2])))
+        self.seen += key_states.shape[-2]
+        return self.keys, self.values
 
     @property
     def positions(self) -> torch.Tensor:
         """(batch, kv_heads, widest + new) position of every slot, NO_POSITION where a head has none."""
         new = _new_positions(self.kept, self.seen - self.keys.shape[-2], self.keys.shape[-2], self.pads)
+        if self.fill is not None:
+            new = new.masked_fill(self.filled()[:, None], NO_POSITION)
         return torch.cat([self.kept, new], -1)
+
+    def filled(self) -> torch.Tensor:
+        """(batch, new) True on the appended slots that hold no token (see `fill`)."""
+        return torch.arange(self.keys.shape[-2], device=self.keys.device) < self.fill.to(self.keys.device)[:, None]
 
     @property
     def prompt_keys(self) -> list[list[torch.Tensor]]:
@@ -274,6 +293,8 @@ def headwise_attention(layer: HeadwiseLayer, query: torch.Tensor, settings: Atte
         logits = settings.softcap * torch.tanh(logits / settings.softcap)
     logits[..., :slots].masked_fill_(layer.slot_hidden, float("-inf"))
     logits[..., slots:].unflatten(2, (-1, rows)).masked_fill_(hidden_future(rows, new, query.device), float("-inf"))
+    if layer.fill is not None:
+        logits[..., slots:].masked_fill_(layer.filled()[:, None, None], float("-inf"))
     probs = F.softmax(logits, dim=-1).to(layer.kept_values.dtype)
     out = (probs[..., :slots].flatten(1, 2) @ layer.kept_values).view(query.shape) + probs[..., slots:] @ layer.values
     return out.view(batch, heads, rows, head_dim).transpose(1, 2).to(query.dtype)
@@ -339,6 +360,51 @@ def row_cache(cache: DynamicCache, b: int, pads: int) -> DynamicCache:
     if hasattr(cache, "final_hidden"):  # kept by SharedPrefill for a policy that reads them (Surprisal)
         row.final_hidden = cache.final_hidden[b:b + 1, pads:]
     return row
+
+
+def stack_forks(caches: list[DynamicCache]) -> tuple[DynamicCache, torch.Tensor]:
+    """One padded batch of batch-1 caches that share a compressed prefix and then appended different numbers of
+    tokens (forks of one compressed context, each fed its own question): (cache, pads (batch,)).
+
+    Row b is laid out as a left-padded prompt: pads[b] = (the most tokens any fork appended) - (its own), so every
+    row's tokens end at the same slot; a compressed layer's rows are left-filled with NO_POSITION slots, an
+    uncompressed layer's with zero slots that its positions (slot minus pads) mark as pads, and a sliding layer
+    holds each row's own last tokens. Every later call masks them (compressor.attend_cache), and each row's new
+    tokens get its own positions; a HeadwiseLayer's appended tokens are left-filled with slots it masks (`fill`)."""
+    seen = [layer_seen(fork.layers[0]) for fork in caches]
+    total = max(seen)
+    pads = torch.tensor([total - s for s in seen])
+    stacked = DynamicCache()
+    stacked.layers = []
+    for layers in zip(*(fork.layers for fork in caches)):
+        first = layers[0]
+        if [layer_seen(layer) for layer in layers] != seen:
+            raise ValueError("the caches must share one prefix and differ only in the tokens appended to it")
+        keys = stack_rows([layer.keys[0].mT for layer in layers], left=True, value=0).mT
+        values = stack_rows([layer.values[0].mT for layer in layers], left=True, value=0).mT
+        if isinstance(first, HeadwiseLayer):  # the kept prompt is the shared prefix; the appended tokens left-filled
+            layer = copy.copy(first)
+            for name in ("kept_keys", "kept_values", "slot_hidden", "kept"):
+                setattr(layer, name, torch.cat([getattr(one, name) for one in layers]))
+            layer.keys, layer.values, layer.seen, layer.pads, layer._reserve = keys, values, total, pads, None
+            layer.fill = torch.tensor([keys.shape[-2] - one.keys.shape[-2] for one in layers])
+        elif isinstance(first, CompressedLayer):
+            positions = stack_rows([layer.positions[0] for layer in layers], left=True)
+            layer = CompressedLayer(keys, values, positions, total, first.groups, pads)
+        else:
+            layer = copy.copy(first)
+            layer.keys, layer.values = keys, values
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = total
+        stacked.layers.append(layer)
+    return stacked, pads
+
+
+def layer_seen(layer) -> int:
+    """Tokens a cache layer has seen (its prompt and appended tokens), whatever it holds of them."""
+    if isinstance(layer, (CompressedLayer, HeadwiseLayer)):
+        return layer.seen
+    return getattr(layer, "cumulative_length", None) or layer.keys.shape[-2]
 
 
 def compressed_copy(cache: DynamicCache, kept: dict[int, torch.Tensor]) -> DynamicCache:
