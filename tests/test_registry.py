@@ -66,7 +66,7 @@ def test_generate_compress_and_compare_agree(name, model, byte_tokenizer):
     ids = prompt(batch=2, seed=2)
     ours = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
     if policy.extra_passes:
-        with pytest.raises(NotImplementedError, match="extra forward"):
+        with pytest.raises(NotImplementedError, match="scores after the prefill"):
             with snapkv_lab.compress(model, policy):
                 pass
     else:
@@ -116,7 +116,7 @@ INNER = [name for name in NAMES if name not in ("FullCache", "DecodingEviction")
 @pytest.mark.parametrize("inner", INNER)
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, byte_tokenizer):
-    """AdaKV, ChunkKV and CriticalKV wrap any registered scorer, those with an extra forward pass (KVzip, Surprisal)
+    """AdaKV, ChunkKV and CriticalKV wrap any registered scorer, those that score after the prefill (KVzip, Surprisal)
     and wrappers (CriticalKV(AdaKV(...)), kvpress's CriticalAdaKV) included: the composition runs, holds its budget
     and gives the same kept positions live, from one shared prefill (compare) and under generate."""
     if wrapper == inner == "CriticalKV":

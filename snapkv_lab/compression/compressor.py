@@ -436,8 +436,9 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     """
     policy = policy or FullCache()
     if policy.extra_passes:
-        raise NotImplementedError(f"{policy.label} scores with {policy.extra_passes} extra forward pass(es) over the "
-                                  "prompt, which cannot run inside model.generate's prefill: use snapkv_lab.generate")
+        raise NotImplementedError(f"{policy.label} scores after the prefill, from the whole prompt's cache or final hidden "
+                                  "states (extra passes or the output head over every position), which cannot run "
+                                  "inside model.generate's prefill: use snapkv_lab.generate")
     if prefill_chunk is not None:
         check_chunking(policy, prefill_chunk)
     state = CompressionState(policy, DynamicCache(config=model.config), model.config.num_hidden_layers,
