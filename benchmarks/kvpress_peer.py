@@ -119,7 +119,7 @@ ROWS = [
         "By design kvpress draws torch.rand(batch, kv_heads, n) from a generator seeded with `seed` in every layer "
         "(random_press.py:43-46), the same draw in every layer: ours layer_seeds=False; and every position "
         "competes: ours window_size=0.", expect={"layer_seeds": False}),
-    Row("KVzip", "KVzip(sinks=4, chunk_size=2048)", "KVzipPress(compression_ratio={ratio})",
+    Row("KVzip", "KVzip(sinks=4, chunk_size=2048, repeat_prompts='kvpress')", "KVzipPress(compression_ratio={ratio})",
         "Same scores by design (ours sinks=4, chunk_size=2048; the official code protects the whole system prompt "
         "and reconstructs chunks of 2000): the context after the chat template's head is fed again after "
         "'\\n\\nRepeat the previous context exactly.' and the template's tail (kvzip_press.py:100-121, 250-262); a "
@@ -127,13 +127,20 @@ ROWS = [
         "head, the softmax over the 4 sinks, the context after the head and the reconstruction only (:295-313, "
         "340-360); the head's positions after the sinks are never scored (0 from :236-248: evicted first), the sinks "
         "always kept (:376); no window. kvpress's default layerwise=False keeps the highest scores over all layers and heads "
-        "at once (:383-387), as the official _threshold (snu-mllab/KVzip attention/score.py).",
-        expect={"sinks": 4, "chunk_size": 2048, "window_size": 0}),
-    Row("KVzip layerwise", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048), alpha_safeguard=0.0)",
+        "at once (:383-387), as the official _threshold (snu-mllab/KVzip attention/score.py). Later chunks are "
+        "fed after '...starting with' and the previous chunk's last 8 tokens (:259-268): kvpress drops the space "
+        "the official instruction has after 'with' (model/wrapper.py:214): ours repeat_prompts='kvpress'.",
+        expect={"sinks": 4, "chunk_size": 2048, "window_size": 0, "repeat_prompts": "kvpress"}),
+    Row("KVzip, chunks of 300", "KVzip(sinks=4, chunk_size=300, repeat_prompts='kvpress')",
+        "KVzipPress(compression_ratio={ratio}, chunk_size=300)",
+        "As the KVzip row, with the context reconstructed in chunks of 300 on both sides (kvzip_press.py:226-243, "
+        "our reconstruction_feeds): every chunk after the first quotes the previous one's last 8 tokens.",
+        expect={"sinks": 4, "chunk_size": 300, "window_size": 0, "repeat_prompts": "kvpress"}),
+    Row("KVzip layerwise", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048, repeat_prompts='kvpress'), alpha_safeguard=0.0)",
         "KVzipPress(compression_ratio={ratio}, layerwise=True)",
         "As the row above, but layerwise=True evicts the lowest kv_heads * n * ratio scores of each layer over its "
         "heads (kvzip_press.py:380-405): AdaKV's top-k over the heads, with no safeguard (KVzip has none, :372).",
-        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "window_size": 0}),
+        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "policy.repeat_prompts": "kvpress", "window_size": 0}),
     Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), window_size=0, allocation='safeguard')",
         "AdaKVPress(press=ExpectedAttentionPress(compression_ratio={ratio}))",
         "AdaKV's allocation (as the AdaKV row) over Expected Attention's scores (as its row), no window: kvpress's "

@@ -126,7 +126,7 @@ def test_chunks_change_what_later_layers_keep(model, byte_tokenizer):
     (snapkv_lab.SnapKV(capacity=0.25), 48, ValueError, "ratio"),
     (snapkv_lab.SnapKV(capacity=40, window_size=32), 16, ValueError, "votes with"),
     (snapkv_lab.SnapKV(capacity=40, window_size=8, per_query_head=True), 48, NotImplementedError, "per_query_head"),
-    (snapkv_lab.KVzip(capacity=40), 48, NotImplementedError, "extra forward"),
+    (snapkv_lab.KVzip(capacity=40), 48, NotImplementedError, "scores after the prefill"),
     (snapkv_lab.SnapKV(capacity=40, window_size=8), 1, ValueError, "at least 2"),
 ])
 def test_compress_refuses_chunks_without_a_meaning(policy, chunk, error, match, model):

@@ -14,7 +14,7 @@ import torch
 import snapkv_lab
 from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 from snapkv_lab.policies import NO_POSITION, kvzip
-from snapkv_lab.policies.kvzip import reconstruction_feeds
+from snapkv_lab.policies.kvzip import REPEAT_NEXT_BY, reconstruction_feeds
 
 N = 64
 SMOLLM_HEAD = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n"
@@ -171,6 +171,11 @@ def test_feeds_quote_the_previous_chunk():
                                        + list(range(105, 110)) + suffix + list(range(110, 115)))
     feeds = reconstruction_feeds(tokenizer, context, suffix, 10)
     assert feeds[2][2][0].tolist()[-3 - len(suffix) - 8:] == list(range(112, 120)) + suffix + [120, 121, 122]
+    kvpress = reconstruction_feeds(tokenizer, context, suffix, 5, REPEAT_NEXT_BY["kvpress"])
+    assert kvpress[2][2][0].tolist() == (list(b"\n\nRepeat the part of the previous context exactly, starting with")
+                                         + list(range(105, 110)) + suffix + list(range(110, 115)))
+    first = reconstruction_feeds(tokenizer, context, suffix, 5)[0][2]
+    assert torch.equal(kvpress[0][2], first)  # the first chunk's instruction is the same in both
 
 
 def test_the_chat_template_head_is_the_system_prompt():

@@ -159,8 +159,8 @@ def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int) -> tup
     """Prefill ids (batch, n) in chunks of `chunk` tokens, compressing as it goes (see `compress`): (state, last
     logits, seconds). A capacity ratio is a budget of the whole prompt, fixed in tokens before the first chunk."""
     if policy.extra_passes:
-        raise NotImplementedError(f"{policy.label} scores with {policy.extra_passes} extra pass(es) over the whole "
-                                  "prompt, which a chunked prefill never holds: run it without prefill_chunk")
+        raise NotImplementedError(f"{policy.label} scores after the prefill, from the whole prompt's cache or final hidden "
+                                  "states, which a chunked prefill never holds: run it without prefill_chunk")
     n = ids.shape[1]
     tokens = dataclasses.replace(policy, capacity=policy.budget(n)) if isinstance(policy.capacity, float) else policy
     with compress(model, tokens, prefill_chunk=chunk) as state, stopwatch(model.device) as elapsed:

@@ -53,6 +53,8 @@ from .base import Policy, top_positions
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # model/wrapper.py:211
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "  # model/wrapper.py:214
+# The later chunks' instruction per `repeat_prompts`: kvpress drops the space after "with" (kvzip_press.py:266).
+REPEAT_NEXT_BY = {"official": REPEAT_NEXT, "kvpress": REPEAT_NEXT.rstrip(" ")}
 OVERLAP = 8  # last tokens of the previous chunk quoted in the next chunk's instruction (wrapper.py:201, :216)
 BASE_SUFFIX = "\n\nAnswer: "  # the official postfix of a model without a known template (model/template.py:29)
 FALLBACK_SINKS = 4  # first tokens standing in for a system prompt the prompt lacks (kvpress n_sink)
@@ -87,10 +89,11 @@ def template_frame(tokenizer, ids: torch.Tensor) -> tuple[int, list[int]]:
     return (len(head) if all(starts) else 0), tail
 
 
-def reconstruction_feeds(tokenizer, context: torch.Tensor, suffix: list[int], chunk_size: int):
+def reconstruction_feeds(tokenizer, context: torch.Tensor, suffix: list[int], chunk_size: int,
+                         repeat_next: str = REPEAT_NEXT):
     """[(start, end, feed)] for context (batch, c): chunk [start, end) of the context and the tokens fed to
-    reconstruct it, (batch, m): the instruction (quoting the previous chunk's last OVERLAP tokens after the first
-    chunk), the suffix, the chunk (model/wrapper.py:18-37, :197-221)."""
+    reconstruct it, (batch, m): the instruction (`repeat_next` quoting the previous chunk's last OVERLAP tokens after
+    the first chunk), the suffix, the chunk (model/wrapper.py:18-37, :197-221)."""
     batch = context.shape[0]
     as_ids = lambda tokens: torch.tensor(tokens, dtype=context.dtype, device=context.device).expand(batch, -1)
     first, suffix = as_ids(encode(tokenizer, REPEAT_FIRST)), as_ids(suffix)
@@ -101,7 +104,7 @@ def reconstruction_feeds(tokenizer, context: torch.Tensor, suffix: list[int], ch
             instruction = first
         else:
             previous = context[:, start - chunk_size:start]
-            instruction = torch.cat([as_ids(encode(tokenizer, REPEAT_NEXT)), previous[:, -OVERLAP:]], dim=1)
+            instruction = torch.cat([as_ids(encode(tokenizer, repeat_next)), previous[:, -OVERLAP:]], dim=1)
         feeds.append((start, end, torch.cat([instruction, suffix, context[:, start:end]], dim=1)))
     return feeds
 
@@ -158,12 +161,16 @@ class KVzip(Policy):
         Head-adaptive budgets within each layer: AdaKV(policy=KVzip()), close to kvpress's layerwise=True with
         alpha_safeguard=0. A wrapper's own allocation replaces this one.
     window_size: 0: nothing after the context is kept by right (official: the question comes after scoring).
+    repeat_prompts: "official": the later chunks' instruction ends "starting with " before the quoted tokens
+        (model/wrapper.py:214); "kvpress": without that space (kvpress/presses/kvzip_press.py:266). Prompts of one
+        chunk never read it.
     """
 
     window_size: int = 0
     chunk_size: int = 2000
     sinks: int | None = None
     allocation: str = "global"
+    repeat_prompts: str = "official"
 
     extra_passes: ClassVar[int] = 1
     scores_query_heads: ClassVar[bool] = False  # the largest attention over each KV head's query heads
@@ -176,6 +183,8 @@ class KVzip(Policy):
             raise ValueError(f"sinks must be None or a non-negative int, got {self.sinks!r}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        if self.repeat_prompts not in REPEAT_NEXT_BY:
+            raise ValueError(f"repeat_prompts must be one of {tuple(REPEAT_NEXT_BY)}, got {self.repeat_prompts!r}")
 
     @property
     def scoring_key(self) -> str:
@@ -200,7 +209,8 @@ class KVzip(Policy):
         layout = self.layout(tokenizer, ids)
         scores = {i: torch.zeros(ids.shape[0], layer.keys.shape[1], n, device=ids.device)
                   for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)}
-        for start, end, feed in reconstruction_feeds(tokenizer, ids[:, layout.start:], layout.suffix, self.chunk_size):
+        for start, end, feed in reconstruction_feeds(tokenizer, ids[:, layout.start:], layout.suffix, self.chunk_size,
+                                                     REPEAT_NEXT_BY[self.repeat_prompts]):
             chunk = slice(layout.start + start, layout.start + end)
 
             def record(module, query, key, value, attention_mask, **kwargs):
