@@ -14,7 +14,7 @@ _EXPORTS = {  # public name -> its module
     "PyramidKV": "policies", "AdaKV": "policies", "ExpectedAttention": "policies",
     "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies",
     "compress": "compression", "generate": "compression", "compare": "ab",
-    "attention_coverage": "coverage",
+    "attention_coverage": "coverage", "explore": "explorer",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

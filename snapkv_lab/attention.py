@@ -90,18 +90,31 @@ def attention_row_blocks(
     rows_per_block = max(1, block_elements // max(1, heads * span))
     for start in range(0, n_queries, rows_per_block):
         rows = slice(start, min(start + rows_per_block, n_queries))
-        positions = device_positions[rows]
         last = int(host_positions[rows].max()) + 1
         first = 0 if sliding_window is None else max(0, int(host_positions[rows].min()) - sliding_window + 1)
-        logits = _logits(query[:, rows], key[:, first:last], kv_index) * scaling
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        columns = torch.arange(first, last, device=logits.device)[None, :]
-        hidden = columns > positions[:, None]
-        if sliding_window is not None:
-            hidden |= columns <= positions[:, None] - sliding_window
-        logits.masked_fill_(hidden, float("-inf"))
+        logits = attention_logits(query[:, rows], key, scaling, device_positions[rows], first=first, last=last,
+                                  kv_index=kv_index, sliding_window=sliding_window, softcap=softcap)
         yield rows, first, torch.softmax(logits, dim=-1)
+
+
+def attention_logits(query, key, scaling, query_positions, *, first: int = 0, last: int | None = None,
+                     kv_index=None, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The logits softmax reads, (heads, n_queries, last - first) float32, for keys first..last-1: q.k * scaling,
+    soft-capped, and -inf where a row cannot see the key (causal or sliding-window mask).
+
+    query_positions: (n_queries,) on the query's device. A row's probabilities over these keys are
+    exp(logits - logsumexp of its whole row).
+    """
+    last = key.shape[1] if last is None else last
+    logits = _logits(query, key[:, first:last], kv_index) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    columns = torch.arange(first, last, device=logits.device)[None, :]
+    positions = torch.as_tensor(query_positions, device=logits.device)
+    hidden = columns > positions[:, None]
+    if sliding_window is not None:
+        hidden |= columns <= positions[:, None] - sliding_window
+    return logits.masked_fill_(hidden, float("-inf"))
 
 
 def attention_probs(query, key, scaling, query_positions, *, key_index=None, **options) -> torch.Tensor:

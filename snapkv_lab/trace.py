@@ -6,6 +6,8 @@ numbers per token, never a (tokens x tokens) map.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,12 +40,44 @@ def positions(selection, n: int) -> torch.Tensor:
     return everything[selection.long()].reshape(-1)
 
 
+class LazyLayers(Sequence):
+    """One tensor per recorded layer of a saved trace, read from the file when indexed: a 32k-token trace of a
+    large model is many GB, and a view needs one layer. The last `keep` layers read stay in memory."""
+
+    def __init__(self, path, names: list[str], device: str = "cpu", keep: int = 2):
+        self.path, self.names, self.device, self.keep = str(path), names, device, keep
+        with safe_open(self.path, framework="pt") as f:
+            self.shapes = [torch.Size(f.get_slice(name).get_shape()) for name in names]
+        self._loaded: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        index = range(len(self))[index]
+        if index not in self._loaded:
+            with safe_open(self.path, framework="pt", device=self.device) as f:
+                self._loaded[index] = f.get_tensor(self.names[index])
+            while len(self._loaded) > self.keep:
+                self._loaded.popitem(last=False)
+        self._loaded.move_to_end(index)
+        return self._loaded[index]
+
+
+def _shapes(tensors) -> list[torch.Size]:
+    """Shapes of per-layer tensors without reading a lazy trace's layers."""
+    return list(tensors.shapes) if isinstance(tensors, LazyLayers) else [t.shape for t in tensors]
+
+
 @dataclass
 class AttentionTrace:
     """Queries and keys of every token of a run (prompt, then generated or teacher-forced tokens).
 
     token_ids: (n_tokens,)            tokens: n_tokens decoded strings
-    queries[i]: (heads, n_tokens, head_dim) of model layer layers[i], after RoPE
+    queries[i]: (heads, n_tokens, head_dim) of model layer layers[i], after RoPE (a list, or LazyLayers that
+        read each layer from a saved file when used: `AttentionTrace.load(path, lazy=True)`)
     keys[i]:    (kv_heads, n_tokens, head_dim), after RoPE, before the GQA repeat
     attention_settings[i]: that layer's scaling, sliding window and soft-cap, applied by every recompute
     Token t's query row sees keys 0..t (the last `sliding_window` of them in a sliding layer). Rows
@@ -77,15 +111,15 @@ class AttentionTrace:
 
     @property
     def n_heads(self) -> int:
-        return self.queries[0].shape[0]
+        return _shapes(self.queries)[0][0]
 
     @property
     def n_kv_heads(self) -> int:
-        return self.keys[0].shape[0]
+        return _shapes(self.keys)[0][0]
 
     @property
     def head_dim(self) -> int:
-        return self.queries[0].shape[-1]
+        return _shapes(self.queries)[0][-1]
 
     @property
     def scaling(self) -> float:
@@ -173,9 +207,10 @@ class AttentionTrace:
         return path
 
     @classmethod
-    def load(cls, path, device: str = "cpu") -> "AttentionTrace":
-        """Read a trace written by `save`, onto `device`. A file that is not a whole, consistent trace
-        raises ValueError saying what is wrong."""
+    def load(cls, path, device: str = "cpu", *, lazy: bool = False) -> "AttentionTrace":
+        """Read a trace written by `save`, onto `device`. lazy=True reads only the token ids and metadata now,
+        and each layer's queries and keys when a computation first needs them (LazyLayers). A file that is not
+        a whole, consistent trace raises ValueError saying what is wrong."""
         try:
             with safe_open(str(path), framework="pt") as f:
                 header = json.loads((f.metadata() or {}).get("snapkv_lab", "{}"))
@@ -198,14 +233,22 @@ class AttentionTrace:
             attention = [AttentionSettings(**a) for a in header["attention_settings"]]
         else:  # format 1: one scaling, full causal attention
             attention = [AttentionSettings(scaling=header["scaling"]) for _ in layers]
-        tensors = load_file(str(path), device=device)
+        names = {kind: [f"layers.{layer}.{kind}" for layer in layers] for kind in ("queries", "keys")}
+        if lazy:
+            with safe_open(str(path), framework="pt", device=device) as f:
+                token_ids = f.get_tensor("token_ids")
+            queries, keys = (LazyLayers(path, names[kind], device) for kind in ("queries", "keys"))
+        else:
+            tensors = load_file(str(path), device=device)
+            token_ids = tensors["token_ids"]
+            queries, keys = ([tensors[name] for name in names[kind]] for kind in ("queries", "keys"))
         try:
             return cls(
-                token_ids=tensors["token_ids"],
+                token_ids=token_ids,
                 tokens=header["tokens"],
                 prompt_len=header["prompt_len"],
-                queries=[tensors[f"layers.{layer}.queries"] for layer in layers],
-                keys=[tensors[f"layers.{layer}.keys"] for layer in layers],
+                queries=queries,
+                keys=keys,
                 attention_settings=attention,
                 layers=layers,
                 meta=header["meta"],
@@ -227,11 +270,11 @@ def _check_consistent(trace: AttentionTrace) -> None:
     if not len(trace.layers) == len(trace.queries) == len(trace.keys) == len(trace.attention_settings) > 0:
         problems.append(f"{len(trace.layers)} layers, {len(trace.queries)} query tensors, {len(trace.keys)} key tensors "
                         f"and {len(trace.attention_settings)} attention settings: they must be equal and non-zero")
-    for layer, q, k in zip(trace.layers, trace.queries, trace.keys):
-        if q.ndim != 3 or k.ndim != 3 or q.shape[1] != n or k.shape[1] != n or q.shape[-1] != k.shape[-1]:
-            problems.append(f"layer {layer}: queries {tuple(q.shape)} and keys {tuple(k.shape)} do not fit "
+    for layer, q, k in zip(trace.layers, _shapes(trace.queries), _shapes(trace.keys)):
+        if len(q) != 3 or len(k) != 3 or q[1] != n or k[1] != n or q[-1] != k[-1]:
+            problems.append(f"layer {layer}: queries {tuple(q)} and keys {tuple(k)} do not fit "
                             f"(heads, {n}, head_dim) and (kv_heads, {n}, head_dim)")
-        elif q.shape[0] % k.shape[0]:
-            problems.append(f"layer {layer}: {q.shape[0]} query heads cannot share {k.shape[0]} KV heads")
+        elif q[0] % k[0]:
+            problems.append(f"layer {layer}: {q[0]} query heads cannot share {k[0]} KV heads")
     if problems:
         raise ValueError("; ".join(problems))
