@@ -64,6 +64,7 @@ class Explorer:
         self._check_head(self.layer, head)
         self.rows, self.cols = range(trace.n_tokens), range(trace.n_tokens)
         self.spotlit: int | None = None
+        self._grid = None
         self.redraw_seconds: float | None = None
         self._widget = None
         self._draw()
@@ -124,6 +125,20 @@ class Explorer:
         if self._widget is not None:
             self._spotlight.value = self.spotlight_html(row)
         return self
+
+    def heads_grid(self, **head_table_options):
+        """Heads at a glance (`heads.heads_grid`: sink share, locality, window recall, retrieval score per layer x
+        head), computed on first use; selecting a cell opens that head in this explorer."""
+        from .heads import heads_grid
+
+        if self._grid is None or head_table_options:
+            self._grid = heads_grid(self.trace, on_select=self._open_head, **head_table_options)
+        return self._grid
+
+    def _open_head(self, layer: int, head: int) -> None:
+        self.select(layer=layer, head=head)
+        if self._widget is not None:
+            self._mode.value = "map"
 
     def spotlight_html(self, row: int) -> str:
         from .plots import spotlight
@@ -273,6 +288,7 @@ class Explorer:
                                                 disabled=name == "kept" and self.kept is None)
                          for name, on in self.overlays.items()}
         reset = widgets.Button(description="overview", layout=widgets.Layout(width="100px"))
+        self._mode = widgets.ToggleButtons(options=["map", "heads grid"], value="map", style=dict(button_width="90px"))
         self._figure = go.FigureWidget(self.figure())
         self._status = widgets.HTML()
         self._spotlight = widgets.HTML("<i>click a row of the map for its spotlight over the prompt</i>",
@@ -287,9 +303,15 @@ class Explorer:
         reset.on_click(lambda _: self.overview())
         self._figure.layout.on_change(self._on_relayout, "xaxis.range", "yaxis.range")
         self._figure.data[0].on_click(self._on_click)
-        controls = widgets.HBox([self._layer_picker, self._head_picker, self._stat_picker, reset])
-        self._widget = widgets.VBox([controls, widgets.HBox(list(self._toggles.values())), self._status,
-                                     widgets.HBox([self._figure, self._spotlight])])
+        controls = widgets.HBox([self._mode, self._layer_picker, self._head_picker, self._stat_picker, reset])
+        map_view = widgets.VBox([widgets.HBox(list(self._toggles.values())), self._status,
+                                 widgets.HBox([self._figure, self._spotlight])])
+        body = widgets.Box([map_view])
+
+        def switch(change):
+            body.children = [map_view if change["new"] == "map" else self.heads_grid().widget]
+        self._mode.observe(switch, names="value")
+        self._widget = widgets.VBox([controls, body])
         self._sync_widget()
 
     def _sync_widget(self) -> None:

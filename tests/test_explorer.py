@@ -85,6 +85,18 @@ def test_widget_follows_zoom_pickers_and_clicks(trace):
     assert widget is ex.widget
 
 
+def test_heads_grid_opens_the_clicked_head(trace):
+    ex = explore(trace, layer=0, head=0, progress=False)
+    ex.widget._repr_mimebundle_()
+    ex._mode.value = "heads grid"
+    grid = ex.heads_grid()
+    assert ex.widget.children[1].children == (grid.widget,)
+    assert len(grid.table) == trace.n_layers * trace.n_heads
+    grid.select(1, 3)  # what a click on the cell does
+    assert (ex.layer, ex.head, ex._mode.value) == (1, 3, "map")
+    np.testing.assert_allclose(ex.drawn(), explore(trace, layer=1, head=3, progress=False).drawn())
+
+
 def test_bad_state_is_refused(trace):
     with pytest.raises(ValueError, match="was not captured"):
         explore(trace, layer=9, progress=False)
