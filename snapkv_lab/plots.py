@@ -1,4 +1,5 @@
-"""Views of an AttentionTrace for notebooks: heatmaps, a per-token spotlight, window attention.
+"""Views of an AttentionTrace for notebooks: heatmaps, a per-token spotlight, window attention (the interactive
+map is `explorer.explore`).
 
 Only reduced arrays reach plotly (at most `max_cells` per side): a long map is max-pooled into blocks,
 so a block's colour is the strongest attention inside it and nothing sharp disappears.
@@ -46,36 +47,6 @@ def attention_heatmap(trace, layer: int, head: int, *, queries=None, keys=None, 
     figure.update_layout(title=title, xaxis_title="key position", yaxis_title="query position",
                          yaxis_autorange="reversed", width=650, height=600)
     return figure
-
-
-def heatmap_explorer(trace, layer: int | None = None, head: int = 0, **heatmap_options):
-    """Layer and head pickers (ipywidgets) over `attention_heatmap`, redrawn in place in a plotly FigureWidget.
-
-    Starts at `layer` (default: the first captured layer) and `head`, e.g. the ones the notebook is looking at.
-    Needs a live kernel to react. A FigureWidget rather than an ipywidgets Output: headless runners
-    (nbclient) answer an Output widget's large display with a message that can stall the cell (nbclient #312).
-    """
-    import ipywidgets as widgets
-
-    layer = trace.layers[0] if layer is None else layer
-    if layer not in trace.layers:
-        raise ValueError(f"layer {layer} was not captured; the trace holds layers {trace.layers}")
-    if not 0 <= head < trace.n_heads:
-        raise ValueError(f"head {head} is out of range: the model has {trace.n_heads} query heads")
-    layer_picker = widgets.Dropdown(options=trace.layers, value=layer, description="layer")
-    head_picker = widgets.Dropdown(options=list(range(trace.n_heads)), value=head, description="head")
-    figure = go.FigureWidget(attention_heatmap(trace, layer, head, **heatmap_options))
-
-    def redraw(_=None):
-        new = attention_heatmap(trace, layer_picker.value, head_picker.value, **heatmap_options)
-        heatmap = new.data[0]
-        with figure.batch_update():
-            figure.data[0].update(z=heatmap.z, x=heatmap.x, y=heatmap.y, zmax=heatmap.zmax)
-            figure.layout.title = new.layout.title
-
-    layer_picker.observe(redraw, names="value")
-    head_picker.observe(redraw, names="value")
-    return widgets.VBox([widgets.HBox([layer_picker, head_picker]), figure])
 
 
 def token_attention(trace, query: int, *, layers=None, heads=None, keys=None) -> torch.Tensor:

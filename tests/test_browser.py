@@ -1,7 +1,9 @@
 """What a researcher sees, checked in a real browser: Debian's Chromium driven by Playwright for Python.
 
-- Notebook 01 (small settings) runs in JupyterLab on 127.0.0.1: no cell errors, the plotly heatmap is drawn,
-  and picking another layer in the heatmap explorer redraws it (its title changes).
+- Notebook 01 (small settings) runs in JupyterLab on 127.0.0.1: no cell errors, the explorer's map is drawn,
+  picking another layer redraws it (its title changes), a drag zooms it to exact values with the tokens on the
+  axes, and a click on a row opens that token's spotlight.
+- An explorer's offline HTML export renders from disk with the network blocked, and its zoom buttons work.
 - Every committed HTML figure renders from disk with the network blocked (plotly.js beside the pages).
 - The kept-token view, rendered, shows every digit of a highlighted needle, uncovered, inside one box.
 
@@ -199,9 +201,69 @@ def test_notebook_01_in_jupyterlab(browser, jupyterlab):
     before = title.text_content()
     assert before.startswith("layer 14, head 3"), before  # the explorer starts at the notebook's map
     explorer.locator(".widget-dropdown", has_text="layer").locator("select").select_option(label="0")
-    try:
-        page.wait_for_function("element => element.textContent.startsWith('layer 0, head 3')",
-                               arg=title.element_handle(), timeout=60_000)
-    except Exception:
-        pytest.fail(f"picking layer 0 did not redraw the explorer: its title is still {title.text_content()!r}")
+    wait_for_title(page, title, lambda text: text.startswith("layer 0, head 3"), "picking layer 0")
+
+    # The notebook's cells zoomed this explorer from Python: back to the overview, then drag a small rectangle on
+    # the map: the view zooms to it, exact, with the tokens' text on the axes.
+    explorer.locator("button", has_text="overview").click()
+    wait_for_title(page, title, lambda text: "rows 0-" in text, "the overview button")
+    drag_layer = explorer.locator(".nsewdrag").first
+    drag_layer.scroll_into_view_if_needed()  # the mouse acts on what is on screen
+    box = drag_layer.bounding_box()
+    page.mouse.move(box["x"] + 0.70 * box["width"], box["y"] + 0.70 * box["height"])
+    page.mouse.down()
+    page.mouse.move(box["x"] + 0.74 * box["width"], box["y"] + 0.74 * box["height"], steps=8)
+    page.mouse.up()
+    zoomed = wait_for_title(page, title, lambda text: "rows 0-" not in text and "(exact)" in text, "a drag on the map")
+    labels = explorer.locator(".xtick text").all_text_contents()
+    assert 0 < len(labels) <= 64 and all(label.split(" ")[0].isdigit() for label in labels), labels
+    assert any(len(label.split(" ", 1)) == 2 for label in labels), labels  # "<position> <token text>"
+
+    # A click on a row opens its spotlight beside the map (the notebook opened another row's from Python).
+    spotlight = explorer.locator(".widget-html", has_text="over the prompt").first
+    before = spotlight.text_content()
+    drag_layer.scroll_into_view_if_needed()
+    box = drag_layer.bounding_box()
+    page.mouse.click(box["x"] + 0.5 * box["width"], box["y"] + 0.5 * box["height"])
+    deadline = time.monotonic() + 60
+    while spotlight.text_content() == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert spotlight.text_content() != before, f"a click on the zoomed map ({zoomed!r}) opened no other spotlight"
     page.close()
+
+
+def wait_for_title(page, title, accept, action: str) -> str:
+    """Wait until the explorer's title passes `accept` (a redraw by the kernel); return it."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        text = title.text_content()
+        if accept(text):
+            return text
+        time.sleep(0.5)
+    pytest.fail(f"{action} did not redraw the explorer: its title is still {title.text_content()!r}")
+
+
+def test_trace_view_export_renders_offline(browser, tmp_path):
+    """explore(...).to_html: one file, plotly.js inlined; its buttons switch between the overview and the zooms."""
+    import torch
+
+    from conftest import ByteTokenizer, make_tiny_llama
+    from snapkv_lab import capture, explore
+
+    trace = capture(make_tiny_llama(), ByteTokenizer(), torch.arange(600) % 240 + 3, max_new_tokens=4,
+                    stop_at_eos=False, progress=False)
+    path = explore(trace, layer=1, head=0, max_cells=128, progress=False).to_html(tmp_path / "view.html")
+    page, blocked = offline_page(browser)
+    errors = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(path.as_uri())
+    page.wait_for_selector(".main-svg .hm, .main-svg image", timeout=20_000)
+    title = page.locator(".gtitle").first
+    assert "max over 8 x 8-token blocks" in title.text_content()
+    buttons = page.locator(".updatemenu-button")
+    assert buttons.count() >= 3
+    buttons.nth(buttons.count() - 1).click()  # the deepest zoom: exact, labelled
+    page.wait_for_function("() => document.querySelector('.gtitle').textContent.includes('(exact)')", timeout=20_000)
+    assert page.locator(".xtick text").count() > 0
+    page.close()
+    assert blocked == [] and errors == [], (blocked, errors)

@@ -32,16 +32,6 @@ def test_heatmap_shows_the_trace_attention(trace):
     assert torch.tensor(pooled.data[0].z).shape == (18, 18) and "max over 5 x 5 blocks" in pooled.layout.title.text
 
 
-def test_explorer_redraws_the_picked_layer_and_head(trace):
-    box = plots.heatmap_explorer(trace)
-    layer, head = box.children[0].children
-    figure = box.children[1]
-    layer.value, head.value = 1, 3
-    expected = plots.attention_heatmap(trace, 1, 3)
-    torch.testing.assert_close(torch.tensor(figure.data[0].z), torch.tensor(expected.data[0].z))
-    assert figure.layout.title.text == expected.layout.title.text == "layer 1, head 3 (KV head 1)"
-
-
 def test_window_attention_is_the_mean_window_row(trace):
     window = plots.window_attention(trace, window=8)
     start = trace.prompt_len - 8
@@ -71,13 +61,3 @@ def test_spotlight_opens_on_its_top_tokens(trace):
     assert all(any(abs(i - t) <= 2 for t in top) for i in shown)  # nothing but the context of the top tokens
     assert [int(i) for i in re.findall(r'<span title="(\d+): ', whole)] == list(range(trace.prompt_len))
     assert "<details>" not in plots.spotlight(trace, query, top=3, context=None).data
-
-
-def test_explorer_starts_where_asked(trace):
-    box = plots.heatmap_explorer(trace, layer=1, head=2)
-    assert [picker.value for picker in box.children[0].children] == [1, 2]
-    assert box.children[1].layout.title.text == plots.attention_heatmap(trace, 1, 2).layout.title.text
-    with pytest.raises(ValueError, match="not captured"):
-        plots.heatmap_explorer(trace, layer=7)
-    with pytest.raises(ValueError, match="out of range"):
-        plots.heatmap_explorer(trace, head=4)
