@@ -115,8 +115,13 @@ class AttentionTiles:
 
     # ---- public views ------------------------------------------------------------------------
     def block_for(self, rows: range, cols: range, max_cells: int) -> int:
-        """The block a view of rows x cols gets: the smallest power of two that fits max_cells per side."""
-        return next_power_of_two(-(-max(len(rows), len(cols)) // max_cells))
+        """The block a view of rows x cols gets: the smallest power of two whose cells, once the view is snapped
+        outwards to them, fit max_cells per side."""
+        block = next_power_of_two(-(-max(len(rows), len(cols)) // max_cells))
+        n = self.trace.n_tokens
+        while max(len(_snap(rows, block, n)), len(_snap(cols, block, n))) > max_cells * block:
+            block *= 2
+        return block
 
     def view(self, layer: int, head: int | str, rows=None, cols=None, *, max_cells: int = 512,
              block: int | None = None) -> Tile:

@@ -77,6 +77,8 @@ def test_the_block_fits_the_screen(trace):
     assert overview.block == 8 and overview.max.shape == (26, 26)  # ceil(203 / 8)
     assert tiles.view(0, 1, slice(0, 60), slice(0, 20), max_cells=32).block == 2
     assert tiles.view(0, 1, slice(0, 30), slice(0, 20), max_cells=32).block == 1
+    # 64 tokens from position 1 fit 32 cells of 2 only unsnapped: snapped outwards they need 33, so blocks of 4
+    assert tiles.view(0, 1, slice(1, 65), slice(1, 65), max_cells=32).max.shape == (17, 17)
 
 
 def test_the_base_pass_runs_once_per_head_and_is_bounded(trace):
