@@ -22,7 +22,7 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from .tiles import HEAD_MEAN, AttentionTiles
+from .tiles import HEAD_MEAN, AttentionTiles, as_head, as_span
 from .trace import AttentionTrace
 
 LABELLED_TOKENS = 64  # at block 1 and at most this many tokens per side, the axes show the tokens' text
@@ -59,9 +59,9 @@ class Explorer:
         self.overlays = {"kept": kept is not None, "window": True, "sinks": True, "spans": bool(self.spans)}
         self._check_stat(stat)
         self.stat = stat
-        self.layer = trace.layers[0] if layer is None else layer
-        self.head = head
-        self._check_head(self.layer, head)
+        self.layer = trace.layers[0] if layer is None else int(layer)
+        self.head = as_head(head)
+        self._check_head(self.layer, self.head)
         self.rows, self.cols = range(trace.n_tokens), range(trace.n_tokens)
         self.spotlit: int | None = None
         self._grid = None
@@ -71,10 +71,9 @@ class Explorer:
 
     # ---- state, from Python ------------------------------------------------------------------
     def zoom(self, rows=None, cols=None) -> "Explorer":
-        """Show query rows `rows` x key columns `cols` (slices of positions; None: all). The view snaps them
-        outwards to its block."""
-        self.rows = range(self.trace.n_tokens)[rows if rows is not None else slice(None)]
-        self.cols = range(self.trace.n_tokens)[cols if cols is not None else slice(None)]
+        """Show query rows `rows` x key columns `cols` (slices, ranges or (start, stop) pairs of positions; None:
+        all). The view snaps them outwards to its block."""
+        self.rows, self.cols = as_span(rows, self.trace.n_tokens), as_span(cols, self.trace.n_tokens)
         self._draw()
         return self
 
@@ -83,8 +82,8 @@ class Explorer:
 
     def select(self, layer: int | None = None, head: int | str | None = None) -> "Explorer":
         """Show another layer and/or head (head "mean": the mean of the layer's heads), keeping the rectangle."""
-        layer = self.layer if layer is None else layer
-        head = self.head if head is None else head
+        layer = self.layer if layer is None else int(layer)
+        head = self.head if head is None else as_head(head)
         self._check_head(layer, head)
         self.layer, self.head = layer, head
         self._draw()
@@ -149,8 +148,7 @@ class Explorer:
     # ---- drawing -----------------------------------------------------------------------------
     def _draw(self) -> None:
         start = time.perf_counter()
-        self.tile = self.tiles.view(self.layer, self.head, slice(self.rows.start, self.rows.stop),
-                                    slice(self.cols.start, self.cols.stop), max_cells=self.max_cells)
+        self.tile = self.tiles.view(self.layer, self.head, self.rows, self.cols, max_cells=self.max_cells)
         if self._widget is not None:
             self._sync_widget()
         self.redraw_seconds = time.perf_counter() - start
@@ -252,7 +250,7 @@ class Explorer:
     def _check_head(self, layer, head) -> None:
         if layer not in self.trace.layers:
             raise ValueError(f"layer {layer} was not captured; the trace holds layers {self.trace.layers}")
-        if head != HEAD_MEAN and not (isinstance(head, int) and 0 <= head < self.trace.n_heads):
+        if head != HEAD_MEAN and not 0 <= head < self.trace.n_heads:
             raise ValueError(f"head must be 0..{self.trace.n_heads - 1} or {HEAD_MEAN!r}, got {head!r}")
 
     @staticmethod

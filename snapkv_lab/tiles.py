@@ -14,6 +14,7 @@ zoom, which is what makes pooled levels exact poolings of each other. Keys a row
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -65,18 +66,33 @@ def next_power_of_two(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def _span(selection, n: int) -> range:
-    """A slice or range of consecutive positions (None: all) as a range within 0..n."""
+def as_span(selection, n: int) -> range:
+    """Consecutive positions within 0..n as a range: None (all), a slice, a range or a (start, stop) pair."""
     if selection is None:
         return range(n)
+    if isinstance(selection, tuple) and len(selection) == 2:
+        selection = slice(*selection)
     if isinstance(selection, range):
         selection = slice(selection.start, selection.stop, selection.step)
     if not isinstance(selection, slice) or selection.step not in (None, 1):
-        raise TypeError(f"a view covers consecutive positions: pass a slice or range, got {selection!r}")
+        raise TypeError(f"a view covers consecutive positions: pass a slice, range or (start, stop), got {selection!r}")
     span = range(n)[selection]
     if len(span) == 0:
         raise ValueError(f"{selection} holds no position of a {n}-token trace")
     return span
+
+
+def as_head(head) -> int | str:
+    """A head index as a Python int (numpy and torch integers too), or HEAD_MEAN."""
+    if isinstance(head, str):
+        if head != HEAD_MEAN:
+            raise ValueError(f"head must be an index or {HEAD_MEAN!r}, got {head!r}")
+        return head
+    try:
+        index = operator.index(head)
+    except TypeError:
+        raise ValueError(f"head must be an index or {HEAD_MEAN!r}, got {head!r}") from None
+    return int(index)
 
 
 def _snap(span: range, block: int, n: int) -> range:
@@ -127,8 +143,8 @@ class AttentionTiles:
              block: int | None = None) -> Tile:
         """The view of `rows` x `cols` (slices of token positions; None: all) of one head's map, or of the mean
         of the layer's heads (head="mean"), at most max_cells per side (or at a given power-of-two `block`)."""
-        n = self.trace.n_tokens
-        rows, cols = _span(rows, n), _span(cols, n)
+        n, head = self.trace.n_tokens, as_head(head)
+        rows, cols = as_span(rows, n), as_span(cols, n)
         block = self.block_for(rows, cols, max_cells) if block is None else block
         if block < 1 or block & (block - 1):
             raise ValueError(f"block must be a power of two, got {block}")
@@ -143,15 +159,16 @@ class AttentionTiles:
     def exact(self, layer: int, head: int | str, rows, cols) -> torch.Tensor:
         """Exact probabilities (len(rows), len(cols)) float32 of one head (or the head mean) for consecutive
         rows and columns, normalised over each row's whole span of keys."""
-        n = self.trace.n_tokens
-        rows, cols = _span(rows, n), _span(cols, n)
+        n, head = self.trace.n_tokens, as_head(head)
+        rows, cols = as_span(rows, n), as_span(cols, n)
         return self._probs(layer, head, rows, cols)
 
     # ---- the exact pass ----------------------------------------------------------------------
     def _heads(self, head) -> list[int]:
+        head = as_head(head)
         if head == HEAD_MEAN:
             return list(range(self.trace.n_heads))
-        if not isinstance(head, int) or not 0 <= head < self.trace.n_heads:
+        if not 0 <= head < self.trace.n_heads:
             raise ValueError(f"head must be 0..{self.trace.n_heads - 1} or {HEAD_MEAN!r}, got {head!r}")
         return [head]
 

@@ -126,3 +126,12 @@ def test_html_export_holds_the_overview_and_zoom_levels(trace, tmp_path):
     assert "snapkv-lab-trace-view" in page and "overview" in page and "zoom 1" in page
     assert '<script src="http' not in page and "plotly.js v" in page  # plotly.js is inlined: it opens offline
     assert ex.tile.rows == range(trace.n_tokens)  # exporting leaves the view where it was
+
+
+def test_positions_and_heads_come_in_any_usual_form(trace):
+    ex = explore(trace, layer=np.int64(1), head=torch.tensor(2), progress=False)
+    expected = trace.attention(1, heads=2, queries=slice(250, 300), keys=slice(200, 260))[0].numpy()
+    for rows, cols in ((slice(250, 300), slice(200, 260)), (range(250, 300), range(200, 260)), ((250, 300), (200, 260))):
+        np.testing.assert_allclose(ex.zoom(rows=rows, cols=cols).drawn(), expected, atol=1e-6)
+    with pytest.raises(TypeError, match="consecutive"):
+        ex.zoom(rows=[1, 5, 9])
