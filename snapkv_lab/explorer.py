@@ -22,7 +22,7 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from .tiles import HEAD_MEAN, AttentionTiles, as_head, as_span
+from .tiles import HEAD_MEAN, AttentionTiles, as_head, as_span, cell_counts
 from .trace import AttentionTrace
 
 LABELLED_TOKENS = 64  # at block 1 and at most this many tokens per side, the axes show the tokens' text
@@ -240,10 +240,8 @@ class Explorer:
         columns = torch.zeros(trace.n_tokens)
         columns[: trace.prompt_len] = kept
         blocks = columns[tile.cols.start: tile.cols.stop]
-        pad = -len(blocks) % tile.block
-        blocks = torch.nn.functional.pad(blocks, (0, pad)).reshape(-1, tile.block)
-        counts = torch.clamp(torch.arange(tile.cols.start, tile.cols.stop, tile.block) + tile.block,
-                             max=tile.cols.stop) - torch.arange(tile.cols.start, tile.cols.stop, tile.block)
+        blocks = torch.nn.functional.pad(blocks, (0, -len(blocks) % tile.block)).reshape(-1, tile.block)
+        counts = cell_counts(tile.cols, tile.block)
         return (blocks.sum(1) / counts).numpy()
 
     # ---- checks ------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def _pool(x: torch.Tensor, rows: int, cols: int, how: str) -> torch.Tensor:
     return blocks.amax(dim=(1, 3)) if how == "max" else blocks.sum(dim=(1, 3))
 
 
-def _cell_counts(span: range, block: int) -> torch.Tensor:
+def cell_counts(span: range, block: int) -> torch.Tensor:
     """Tokens in each block of a snapped span: `block`, except a last block cut by the trace's end."""
     starts = torch.arange(span.start, span.stop, block)
     return (torch.clamp(starts + block, max=span.stop) - starts).float()
@@ -153,7 +153,7 @@ class AttentionTiles:
             block_max, block_sum = self._from_base(layer, head, rows, cols, block)
         else:
             block_max, block_sum = self._recomputed(layer, head, rows, cols, block)
-        counts = torch.outer(_cell_counts(rows, block), _cell_counts(cols, block))
+        counts = torch.outer(cell_counts(rows, block), cell_counts(cols, block))
         return Tile(layer, head, rows, cols, block, block_max, block_sum / counts)
 
     def exact(self, layer: int, head: int | str, rows, cols) -> torch.Tensor:
