@@ -12,7 +12,10 @@ redraw includes sending the drawn array to the figure):
 - "overview again": a redraw of the overview after a zoom (from the stored base grid);
 - "zoom <side>": a view of side x side tokens ending at the prompt's end (on the diagonal), drawn at the block it
   needs: from the base grid, recomputed from queries and keys below the base block, exact at block 1;
-- "zoom <side>, far from the diagonal": the last rows over the first keys.
+- "zoom <side>, far from the diagonal": the last rows over the first keys;
+- "precompute every head and the mean, save": AttentionTiles.precompute for the layer, written to a file (what a
+  capture machine does once), then "open, from saved tiles" and "open, head mean, from saved tiles": a fresh
+  explorer over that file, on another head, as a laptop opens a trace captured elsewhere.
 Memory: the base grids the explorer keeps for the views above, and the process's peak RSS above the trace itself.
 """
 
@@ -23,6 +26,7 @@ import io
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +72,7 @@ def timed(action) -> float:
 
 def child(shape: str, n: int, max_cells: int) -> list[dict]:
     from snapkv_lab.explorer import explore
+    from snapkv_lab.tiles import AttentionTiles
 
     torch.set_num_threads(torch.get_num_threads())
     trace, kinds = synthetic_trace(shape, n)
@@ -89,10 +94,21 @@ def child(shape: str, n: int, max_cells: int) -> list[dict]:
         steps.append(("zoom 1024, far from the diagonal", lambda: ex.zoom(rows=slice(n - 1024, n), cols=slice(0, 1024))))
         steps.append(("overview again", lambda: ex.overview()))
         steps.append(("open, head mean", lambda: ex.select(head="mean")))
-        for name, action in steps:
-            seconds = timed(action)
-            rows.append(dict(shape=shape, tokens=n, layer=kind, view=name, block=ex.block,
-                             cells=f"{ex.tile.max.shape[0]} x {ex.tile.max.shape[1]}", seconds=seconds))
+        with tempfile.TemporaryDirectory() as folder:
+            saved = Path(folder) / "tiles.safetensors"
+            steps.append(("precompute every head and the mean, save", lambda: AttentionTiles(
+                trace, progress=False).precompute(layers=[layer]).save(saved)))
+
+            def open_saved(head):
+                nonlocal ex
+                ex = explore(trace, layer=layer, head=head, max_cells=max_cells, tiles=saved, progress=False)
+                ex.widget  # noqa: B018
+            steps.append(("open, from saved tiles", lambda: open_saved(1)))
+            steps.append(("open, head mean, from saved tiles", lambda: ex.select(head="mean")))
+            for name, action in steps:
+                seconds = timed(action)
+                rows.append(dict(shape=shape, tokens=n, layer=kind, view=name, block=ex.block,
+                                 cells=f"{ex.tile.max.shape[0]} x {ex.tile.max.shape[1]}", seconds=seconds))
         grids = sum(b.max.nbytes + b.sum.nbytes + b.lse.nbytes for b in ex.tiles._bases.values())
         for row in rows:
             if row["layer"] == kind:

@@ -38,21 +38,27 @@ class Explorer:
     """The state of a map view and the widget that draws it; every widget action has a Python method.
 
     trace: an AttentionTrace, or the path of a saved one (read lazily: only the layers drawn are loaded).
-    kept: a GenerationResult of the same prompt, or its kept_indices (one (batch, kv_heads or heads, k) tensor per
+    kept: a GenerationResult of the same prompt (`generate(..., policy=...)`, or a `compare` row's:
+        `table.result(prompt, policy_label)`), or its kept_indices (one (batch, kv_heads or heads, k) tensor per
         trace layer), for the kept-positions strip.
     window: the observation window drawn by its overlay (the last `window` prompt rows).
     sinks: the first positions drawn as sinks. spans: {name: (start, end)} position ranges drawn as bands.
+    tiles: an AttentionTiles of this trace, or the path of one saved (`AttentionTiles.save`, e.g. after `precompute`
+        where the trace was captured): every head in it opens without its exact pass.
     max_cells: the most cells a view draws per side. stat: "max" (block maxima: nothing sharp disappears) or
         "mean" (block means) for pooled views.
     """
 
     def __init__(self, trace, layer: int | None = None, head: int | str = 0, *, kept=None, window: int = 32,
                  sinks: int = 4, spans: dict | None = None, max_cells: int = 512, stat: str = "max",
-                 tiles: AttentionTiles | None = None, progress: bool = True):
+                 tiles=None, progress: bool = True):
         if not isinstance(trace, AttentionTrace):
             trace = AttentionTrace.load(trace, lazy=True)
         self.trace = trace
-        self.tiles = tiles or AttentionTiles(trace, progress=progress)
+        if tiles is None or isinstance(tiles, AttentionTiles):
+            self.tiles = tiles or AttentionTiles(trace, progress=progress)
+        else:
+            self.tiles = AttentionTiles.load(trace, tiles, progress=progress)
         self.max_cells = max_cells
         self.window, self.sinks, self.spans = window, sinks, dict(spans or {})
         self.kept = None if kept is None else self._kept_masks(kept)

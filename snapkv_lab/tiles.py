@@ -14,17 +14,23 @@ zoom, which is what makes pooled levels exact poolings of each other. Keys a row
 
 from __future__ import annotations
 
+import hashlib
+import json
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .attention import BLOCK_ELEMENTS, attention_logits
 from .progress import progress_bar
 
 HEAD_MEAN = "mean"  # the head value that averages a layer's query heads' probabilities before pooling
+_FORMAT = "snapkv_lab.AttentionTiles/1"
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,10 @@ class AttentionTiles:
     base_cells: cells per side of the stored base grid (the finest pooled level); base_block is the smallest
         power of two with n_tokens / base_block <= base_cells. Views finer than that are recomputed.
     keep: how many (layer, head) base grids stay in memory.
+
+    The exact pass is the one slow step (seconds per full-attention head at 32k tokens on 2 CPU cores): `precompute`
+    pays it up front for every head, e.g. where the trace was captured, and `save` / `AttentionTiles.load` carry the
+    grids beside the trace file, so that every view on another machine opens from them.
     """
 
     def __init__(self, trace, *, base_cells: int = 2048, keep: int = 8, progress: bool = True):
@@ -128,6 +138,63 @@ class AttentionTiles:
         self.keep = keep
         self.progress = progress
         self._bases: OrderedDict[tuple[int, int | str], _Base] = OrderedDict()
+        self._stored: dict[tuple[int, int | str], str] = {}  # grids in a saved file, read when first viewed
+        self._path: str | None = None
+
+    # ---- paying the exact pass up front, and carrying it -------------------------------------
+    def precompute(self, layers=None, heads=None) -> "AttentionTiles":
+        """Make the exact pass of every given (layer, head) now and keep them all (default: every recorded layer,
+        every head and the head mean)."""
+        layers = self.trace.layers if layers is None else [int(layer) for layer in layers]
+        heads = [*range(self.trace.n_heads), HEAD_MEAN] if heads is None else [as_head(head) for head in heads]
+        self.keep = max(self.keep, len(self._bases) + len(layers) * len(heads))
+        for layer in progress_bar(layers, desc="exact passes (layers)", disable=not self.progress):
+            for head in heads:
+                self._base(layer, head)
+        return self
+
+    def fingerprint(self) -> str:
+        """What a saved grid must match: the tokens, the model, the recorded layers and heads, the base block."""
+        trace = self.trace
+        digest = hashlib.sha256(trace.token_ids.cpu().numpy().tobytes())
+        digest.update(json.dumps([trace.meta.get("model"), trace.layers, trace.n_heads, trace.n_kv_heads,
+                                  trace.head_dim, self.base_block]).encode())
+        return digest.hexdigest()[:16]
+
+    def save(self, path) -> Path:
+        """Write every base grid held (computed or read) to one safetensors file; returns the path."""
+        for key in list(self._stored):
+            self._base(*key)  # a grid read lazily from another file is carried over
+        tensors = {}
+        for (layer, head), base in self._bases.items():
+            for part in ("max", "sum", "lse"):
+                tensors[f"layers.{layer}.heads.{head}.{part}"] = getattr(base, part).contiguous()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"snapkv_lab": json.dumps(dict(
+            format=_FORMAT, fingerprint=self.fingerprint(), base_block=self.base_block))})
+        return path
+
+    @classmethod
+    def load(cls, trace, path, **options) -> "AttentionTiles":
+        """Tiles of `trace` whose base grids come from a file written by `save` (each read when its head is first
+        viewed; heads not in the file are computed as usual). A file of another trace is refused."""
+        with safe_open(str(path), framework="pt") as f:
+            header = json.loads((f.metadata() or {}).get("snapkv_lab", "{}"))
+            names = list(f.keys())
+        if header.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a file of snapkv_lab tiles (format {header.get('format')!r})")
+        n = trace.n_tokens
+        tiles = cls(trace, base_cells=-(-n // header["base_block"]), **options)
+        if tiles.base_block != header["base_block"] or tiles.fingerprint() != header["fingerprint"]:
+            raise ValueError(f"{path} holds the tiles of another trace (another prompt, model or layers) than this one")
+        for name in names:
+            if name.endswith(".max"):
+                _, layer, _, head, _ = name.split(".")
+                tiles._stored[(int(layer), as_head(head if head == HEAD_MEAN else int(head)))] = name[: -len(".max")]
+        tiles._path = str(path)
+        tiles.keep = max(tiles.keep, len(tiles._stored))
+        return tiles
 
     # ---- public views ------------------------------------------------------------------------
     def block_for(self, rows: range, cols: range, max_cells: int) -> int:
@@ -216,6 +283,11 @@ class AttentionTiles:
         if key in self._bases:
             self._bases.move_to_end(key)
             return self._bases[key]
+        if key in self._stored:
+            with safe_open(self._path, framework="pt") as f:
+                prefix = self._stored.pop(key)
+                base = _Base(self.base_block, *(f.get_tensor(f"{prefix}.{part}") for part in ("max", "sum", "lse")))
+            return self._remember(key, base)
         query, keys, kv_index, settings = self._operands(layer, head)
         n, block = self.trace.n_tokens, self.base_block
         cells = -(-n // block)
@@ -232,6 +304,9 @@ class AttentionTiles:
             cell_rows, cell_cols = slice(rows.start // block, -(-rows.stop // block)), slice(first // block, -(-last // block))
             base.max[cell_rows, cell_cols] = _pool(probs, block, block, "max")
             base.sum[cell_rows, cell_cols] = _pool(probs, block, block, "sum")
+        return self._remember(key, base)
+
+    def _remember(self, key, base: _Base) -> _Base:
         self._bases[key] = base
         while len(self._bases) > self.keep:
             self._bases.popitem(last=False)

@@ -79,6 +79,15 @@ def test_cache_length_after_prefill_equals_capacity(policy, byte_tokenizer):
     assert result.kv_bytes == 2 * 2 * model.config.num_key_value_heads * budget * 16 * 4  # 2 layers x (K, V) fp32
 
 
+def test_a_result_prints_in_one_line(byte_tokenizer):
+    ids = torch.randint(2, 256, (1, 90), generator=torch.Generator().manual_seed(2))
+    policy = sl.SnapKV(capacity=40, window_size=WINDOW)
+    line = repr(sl.generate(tiny(), byte_tokenizer, ids, policy=policy, max_new_tokens=3))
+    assert "\n" not in line and "tensor" not in line and len(line) < 300, line
+    assert line.startswith(f"GenerationResult({policy.label}: a 90-token prompt, 40 cache positions per layer"), line
+    assert "3 new tokens" in line
+
+
 @pytest.mark.parametrize("capacity", [64, 100])
 def test_capacity_at_or_above_prompt_is_identical_to_uncompressed(capacity, byte_tokenizer):
     model = tiny()

@@ -119,6 +119,15 @@ def test_a_saved_trace_opens_lazily(trace, tmp_path):
     np.testing.assert_allclose(ex.drawn(), explore(trace, layer=1, head=2, progress=False).drawn())
 
 
+def test_saved_tiles_open_every_head_without_its_pass(trace, tmp_path):
+    from snapkv_lab.tiles import AttentionTiles
+
+    path = AttentionTiles(trace, progress=False).precompute(layers=[1]).save(tmp_path / "tiles.safetensors")
+    ex = explore(trace, layer=1, head=3, tiles=path, progress=False)
+    assert ex.tiles._stored and (1, 3) in ex.tiles._bases  # read from the file, not recomputed
+    np.testing.assert_allclose(ex.drawn(), explore(trace, layer=1, head=3, progress=False).drawn())
+
+
 def test_html_export_holds_the_overview_and_zoom_levels(trace, tmp_path):
     ex = explore(trace, layer=1, head=0, max_cells=64, progress=False)
     path = ex.to_html(tmp_path / "view.html")

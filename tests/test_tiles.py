@@ -104,3 +104,24 @@ def test_bad_views_are_refused(trace):
         tiles.view(0, 0, slice(300, 400))
     with pytest.raises(TypeError, match="consecutive"):
         tiles.view(0, 0, [1, 2, 3])
+
+
+def test_precomputed_tiles_travel_with_the_trace(trace, tmp_path):
+    tiles = AttentionTiles(trace, base_cells=16, progress=False).precompute(layers=[3])
+    assert set(tiles._bases) == {(3, h) for h in [*range(HEADS), HEAD_MEAN]}
+    path = tiles.save(tmp_path / "tiles.safetensors")
+    loaded = AttentionTiles.load(trace, path, progress=False)
+    assert loaded.base_block == 16 and loaded._bases == {}  # nothing read until viewed
+    for head in (1, HEAD_MEAN):
+        expected = tiles.view(3, head, slice(20, 203), slice(0, 150), block=32)
+        got = loaded.view(3, head, slice(20, 203), slice(0, 150), block=32)
+        assert torch.equal(got.max, expected.max) and torch.equal(got.mean, expected.mean)
+    assert (3, 1) in loaded._bases and (3, 2) not in loaded._bases  # read lazily, head by head
+    exact = loaded.exact(3, 2, slice(100, 140), slice(90, 140))  # the stored log-sum-exp serves exact views
+    torch.testing.assert_close(exact, trace.attention(3, heads=2, queries=slice(100, 140), keys=slice(90, 140))[0])
+    loaded.view(0, 0)  # a head the file lacks is computed as usual
+    other = AttentionTrace(token_ids=trace.token_ids.flip(0), tokens=trace.tokens, prompt_len=trace.prompt_len,
+                           queries=trace.queries, keys=trace.keys, attention_settings=trace.attention_settings,
+                           layers=trace.layers)
+    with pytest.raises(ValueError, match="another trace"):
+        AttentionTiles.load(other, path)

@@ -47,6 +47,17 @@ class GenerationResult:
     prompt_mask: torch.Tensor | None = None
     row_cache_lengths: list[list[int]] | None = None
 
+    def __repr__(self) -> str:
+        """One line: the policy, the prompt, the cache, the answer (printing every layer's kept positions helps no one)."""
+        batch, n = self.prompt_ids.shape
+        texts = self.text if isinstance(self.text, list) else [self.text]
+        shown = ", ".join(repr(t if len(t) <= 60 else t[:57] + "...") for t in texts[:2]) + (", ..." if batch > 2 else "")
+        prompts = f"{batch} prompts of up to {n} tokens" if batch > 1 else f"a {n}-token prompt"
+        cache = sum(self.cache_lengths) / max(1, len(self.cache_lengths))
+        asked = "" if self.question is None else f", question {self.question!r}"
+        return (f"GenerationResult({self.policy.label}: {prompts}{asked}, {cache:.0f} cache positions per layer on "
+                f"average, {self.token_ids.shape[1]} new tokens, {self.kv_bytes / 2**20:.2f} MiB of KV; text {shown})")
+
     def rows(self, eos=()) -> list[GenerationResult]:
         """One result per batch row, as its batch-1 run would report it: the prompt without pads, kept positions
         without the -1 columns that only other rows fill, tokens up to and including the first of `eos` (a batch
