@@ -297,13 +297,14 @@ class AttentionTiles:
         for rows in progress_bar(chunks, desc=f"layer {layer} head {head}: exact pass", disable=not self.progress,
                                  leave=False):
             first, last = self._visible(rows, range(n), settings, block)
-            logits = self._logits(query, keys, kv_index, settings, rows, first, last).cpu()
+            # on the trace's device (a GPU for a trace loaded there); only pooled cells come back to the host
+            logits = self._logits(query, keys, kv_index, settings, rows, first, last)
             lse = torch.logsumexp(logits, dim=-1)
-            base.lse[:, rows.start:rows.stop] = lse
+            base.lse[:, rows.start:rows.stop] = lse.cpu()
             probs = torch.exp_(logits.sub_(lse[..., None])).mean(0)
             cell_rows, cell_cols = slice(rows.start // block, -(-rows.stop // block)), slice(first // block, -(-last // block))
-            base.max[cell_rows, cell_cols] = _pool(probs, block, block, "max")
-            base.sum[cell_rows, cell_cols] = _pool(probs, block, block, "sum")
+            base.max[cell_rows, cell_cols] = _pool(probs, block, block, "max").cpu()
+            base.sum[cell_rows, cell_cols] = _pool(probs, block, block, "sum").cpu()
         return self._remember(key, base)
 
     def _remember(self, key, base: _Base) -> _Base:
@@ -331,14 +332,15 @@ class AttentionTiles:
             first, last = self._visible(chunk, cols, settings, align)
             if first >= last:
                 continue  # the chunk sees none of these keys
-            logits = self._logits(query, keys, kv_index, settings, chunk, first, last).cpu()
-            yield chunk, first, last, torch.exp_(logits.sub_(base.lse[:, chunk.start:chunk.stop, None])).mean(0)
+            logits = self._logits(query, keys, kv_index, settings, chunk, first, last)
+            lse = base.lse[:, chunk.start:chunk.stop, None].to(logits.device)
+            yield chunk, first, last, torch.exp_(logits.sub_(lse)).mean(0)
 
     def _probs(self, layer, head, rows: range, cols: range) -> torch.Tensor:
         """Exact probabilities of rows x cols, averaged over the view's heads."""
         out = torch.zeros(len(rows), len(cols))
         for chunk, first, last, probs in self._exact_chunks(layer, head, rows, cols, 1):
-            out[chunk.start - rows.start: chunk.stop - rows.start, first - cols.start: last - cols.start] = probs
+            out[chunk.start - rows.start: chunk.stop - rows.start, first - cols.start: last - cols.start] = probs.cpu()
         return out
 
     def _recomputed(self, layer, head, rows: range, cols: range, block: int):
@@ -350,6 +352,6 @@ class AttentionTiles:
         for chunk, first, last, probs in self._exact_chunks(layer, head, rows, cols, block):
             cell_rows = slice((chunk.start - rows.start) // block, -(-(chunk.stop - rows.start) // block))
             cell_cols = slice((first - cols.start) // block, -(-(last - cols.start) // block))
-            block_max[cell_rows, cell_cols] = _pool(probs, block, block, "max")
-            block_sum[cell_rows, cell_cols] = _pool(probs, block, block, "sum")
+            block_max[cell_rows, cell_cols] = _pool(probs, block, block, "max").cpu()
+            block_sum[cell_rows, cell_cols] = _pool(probs, block, block, "sum").cpu()
         return block_max, block_sum

@@ -167,6 +167,21 @@ def test_load_onto_cuda_round_trip(tmp_path, cuda_trace):
     torch.testing.assert_close(loaded.attention(1), cuda_trace.attention(1), atol=0, rtol=0)
 
 
+def test_explorer_on_a_cuda_trace_equals_a_cpu_copy(tmp_path, cuda_trace):
+    """The exact passes and zooms run on the trace's device; what is drawn equals a CPU trace's, lazily loaded too."""
+    from snapkv_lab.explorer import explore
+
+    lazy = AttentionTrace.load(cuda_trace.save(tmp_path / "trace.safetensors"), device="cuda", lazy=True)
+    cpu_view = explore(on_cpu(cuda_trace), layer=1, head="mean", max_cells=16, progress=False)
+    for trace in (cuda_trace, lazy):
+        view = explore(trace, layer=1, head="mean", max_cells=16, progress=False)
+        np.testing.assert_allclose(view.drawn(), cpu_view.drawn(), atol=ATOL, rtol=0)
+        rows, cols = slice(trace.prompt_len - 8, trace.n_tokens), slice(0, 12)
+        np.testing.assert_allclose(view.zoom(rows=rows, cols=cols).drawn(),
+                                   cpu_view.zoom(rows=rows, cols=cols).drawn(), atol=ATOL, rtol=0)
+        assert view.block == 1
+
+
 # ---- compression on CUDA (fp32) -----------------------------------------------------------------------------
 @pytest.mark.parametrize("per_query_head", [False, True])
 def test_snapkv_generate_on_cuda_equals_cpu(per_query_head):
