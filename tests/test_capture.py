@@ -146,7 +146,7 @@ def test_stops_at_eos(prompt_ids, byte_tokenizer, tiny_model):
 # What "exact" means in bf16. The recompute is the float32 softmax of the model's own stored bf16 q/k:
 # it matches a float64 computation from the same q/k to float32 rounding (1.2e-6 measured). Eager bf16 attention rounds its logits and
 # probabilities to bf16, so it differs from the recompute by a model-dependent amount: measured max |dp|
-# 0.0035 on this tiny model (init 0.1) and 0.080 on SmolLM2-135M (README, "What exact means").
+# 0.0035 on this tiny model (init 0.1) and 0.080 on SmolLM2-135M (docs/capture.md, "What exact means").
 BF16_RECOMPUTE_ATOL = 2e-6
 BF16_EAGER_ATOL = {"tiny": 0.01, "smollm2": 0.1}
 

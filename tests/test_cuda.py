@@ -24,7 +24,7 @@ from snapkv_lab.selection import select_from_trace
 ATOL = 1e-5  # fp32: CUDA vs CPU
 FP32_RECOMPUTE_ATOL = 1e-6  # a bf16 trace's maps vs the same stored queries and keys written out in fp32
 # Recomputing in fp32 from bf16 queries and keys vs eager bf16 output_attentions, whose probabilities are rounded
-# to bf16: the README states up to 0.026 (measured on CPU with SmolLM2); on the tiny model below it is about 0.005.
+# to bf16: docs/capture.md states up to 0.026 (measured on CPU with SmolLM2); on the tiny model below it is about 0.005.
 BF16_EAGER_ATOL = 0.03
 WINDOW, CAPACITY = 8, 40
 

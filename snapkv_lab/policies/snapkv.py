@@ -50,7 +50,7 @@ FACT_TOKENS = 31  # about one sentence of SmolLM2 tokens: the needle sentences a
 @dataclass
 class SnapKVFactKernel(SnapKV):
     """SnapKV with a pooling kernel as long as a fact sentence (31 tokens), so that a vote peak anywhere in a
-    fact keeps all of it: the small-budget setting founded on the ablations (README, "Why compression fails").
+    fact keeps all of it: the small-budget setting founded on the ablations (docs/pressure.md, "Why compression fails").
 
     Measured on SmolLM2-135M at 1024 of 4000 tokens, query-aware: SnapKV's votes peak on a few tokens of the
     needle; kernel 7 keeps fragments of its 7-digit value and the answer is a corrupted number. Whether a run

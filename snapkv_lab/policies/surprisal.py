@@ -1,6 +1,6 @@
 """Surprisal: keep what the context could not predict, pooled over a fact. Needs no question.
 
-Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; README "Why compression fails"):
+Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; docs/pressure.md, "Why compression fails"):
 - Without the question, SnapKV's window (the context's last tokens) keeps the needle only where it sits in the
   window. (KVzip's reconstruction attention, as its authors define it, keeps 14 of 15: `--suites question-free`;
   a former, simplified KVzip kept half, which is what this scorer was first built against.)
