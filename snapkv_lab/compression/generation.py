@@ -20,14 +20,14 @@ class GenerationResult:
     """Output of `generate`.
 
     text: the answer (a list for a batch). token_ids: (batch, new_tokens). prompt_ids: (batch, n) of the
-    compressed prompt (the context alone in query-agnostic mode). kept_indices[layer]: (batch, kv_heads,
+    compressed prompt (the context alone in query-agnostic mode). `kept_indices[layer]`: (batch, kv_heads,
     kept) token positions the layer's cache holds, sorted ascending: the kept prompt positions, or with
     eviction while decoding those held at the end (a sliding-window layer: the last ones, its own bounded
     cache; a head-wise budget: rows padded with -1). cache_lengths[layer]: positions per head right after
     prefill (the mean over heads for head-wise budgets). kv_bytes: keys and values held after prefill.
     A padded batch (prompts of different lengths): prompt_ids are left-padded, prompt_mask (batch, n) is 0 on the
     pads, kept_indices hold -1 on the slots of pads and of rows keeping fewer than the widest, cache_lengths
-    count the batch's slots and row_cache_lengths[row][layer] each row's own; `rows()` splits the result into
+    count the batch's slots and `row_cache_lengths[row][layer]` each row's own; `rows()` splits the result into
     one per prompt, each as its batch-1 run reports it.
     Timings are wall-clock seconds read after synchronising the device; prefill_seconds includes scoring
     (selection_seconds) and any extra scoring pass (KVzip).
