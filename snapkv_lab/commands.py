@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,11 @@ def figures(args) -> int:
     for path in written:
         print(path)
     print(f"{len(written)} files written in {time.perf_counter() - start:.0f} s")
+    if Path(args.data_dir) == Path("data") and Path("docs").is_dir():  # the repository's own tables: its docs follow
+        from .docs_tables import write
+
+        for page in write("docs", "data"):
+            print(f"{page} (its generated tables)")
     return 0
 
 

@@ -50,3 +50,20 @@ def test_docs_site_builds_strictly(tmp_path):
     assert (site / "index.html").exists() and (site / "reference" / "index.html").exists()
     assert (site / "figures" / "findings_b.png").exists()  # the figures travel with the pages that show them
     assert "AttentionTrace" in (site / "reference" / "index.html").read_text()
+
+
+def test_the_docs_say_what_the_committed_tables_say(tmp_path):
+    """Every generated block of docs/ equals what snapkv_lab.docs_tables writes from data/; a hand edit is caught
+    and undone by write()."""
+    import shutil
+
+    from snapkv_lab import docs_tables
+
+    assert docs_tables.stale(ROOT / "docs", ROOT / "data") == []
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs", docs)
+    page = docs / docs_tables.BLOCKS["leaderboard"].page
+    page.write_text(page.read_text().replace("| FullCache |", "| FullCache (edited) |", 1))
+    assert docs_tables.stale(docs, ROOT / "data") == ["leaderboard"]
+    assert docs_tables.write(docs, ROOT / "data") == [page]
+    assert page.read_text() == (ROOT / "docs" / docs_tables.BLOCKS["leaderboard"].page).read_text()

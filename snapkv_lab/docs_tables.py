@@ -1,0 +1,132 @@
+"""The docs' tables that come from data/: each written by code between markers in its page, so that a page never
+says other numbers than the committed tables (tests/test_docs.py checks every block; `snapkv-lab figures` rewrites
+them whenever it draws).
+
+In a page a block reads
+
+    <!-- generated: NAME (snapkv_lab.docs_tables; do not edit by hand) -->
+    ...
+    <!-- /generated: NAME -->
+
+and `BLOCKS[NAME]` says which page holds it and how it is written from a data folder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Block:
+    """A generated part of a docs page: the page (relative to the docs folder), the tables it reads (relative to the
+    data folder; a block whose tables are missing is left as it is) and how it is written."""
+
+    page: str
+    reads: tuple[str, ...]
+    render: Callable[[Path], str]
+
+
+def _findings(data_dir: Path) -> str:
+    from .findings_report import markdown, report
+
+    return markdown(report(data_dir))
+
+
+def _findings_side_by_side(data_dir: Path) -> str:
+    from .findings_report import report, side_by_side
+
+    return side_by_side({"SmolLM2-135M": report(data_dir), "Gemma 3 270M": report(data_dir / "gemma-3-270m")})
+
+
+def _interval_cell(score: float, low: float, high: float) -> str:
+    return f"{score:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
+
+
+def _leaderboard(data_dir: Path) -> str:
+    """The committed RULER-4k run: its size, the score per policy, mode and ratio, and the full cache per task."""
+    from .evaluation import full_cache_fails, leaderboard, read_results, task_scores
+
+    table = read_results(data_dir / "eval_ruler.csv")
+    board = leaderboard(table)
+    full, compressed = board[board.policy == "FullCache"], board[board.policy != "FullCache"]
+    columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware") for ratio in sorted(compressed.ratio.unique())]
+    examples = table.drop_duplicates(["task", "example"]).groupby("task", sort=False).size()
+    lines = [f"{len(examples)} tasks, {int(examples.sum())} examples ({examples.min()} to {examples.max()} per task); "
+             "score (0-100) per policy, mode and compression ratio, the mean over tasks, [95% interval] over examples "
+             "where a task has two or more:", "",
+             "| policy | " + " | ".join(f"{mode.removeprefix('query-')} {ratio:g}" for mode, ratio in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    base = full.iloc[0]
+    lines.append("| FullCache | " + " | ".join(_interval_cell(base.score, base.low, base.high) for _ in columns) + " |")
+    for policy, part in compressed.groupby("policy", sort=False):
+        part = part.set_index(["mode", "ratio"])
+        lines.append(f"| {policy} | " + " | ".join(
+            _interval_cell(*part.loc[c, ["score", "low", "high"]]) if c in part.index else "-" for c in columns) + " |")
+    fails = full_cache_fails(table)
+    lines += ["", "The full cache per task (what compression can be judged on: "
+              + ("it fails " + ", ".join(fails) if fails else "it fails none") + "):", "",
+              "| task | full cache | examples |", "|---|---|---|"]
+    for _, row in task_scores(table[table["mode"] == "full"]).iterrows():
+        lines.append(f"| {row.task} | {_interval_cell(row.score, row.low, row.high)} | {row.examples} |")
+    return "\n".join(lines)
+
+
+BLOCKS = {
+    "findings": Block("findings.md", ("findings_a.csv",), _findings),
+    "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
+                                   _findings_side_by_side),
+    "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
+}
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- generated: {name} (snapkv_lab.docs_tables; do not edit by hand) -->", f"<!-- /generated: {name} -->"
+
+
+def _span(text: str, name: str, page: Path) -> tuple[int, int]:
+    start, end = _markers(name)
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"{page} must hold the markers of block {name!r} once each: {start} ... {end}")
+    return text.index(start) + len(start), text.index(end)
+
+
+def rendered(name: str, data_dir="data") -> str | None:
+    """Block `name` as written from `data_dir`, or None when its tables are not there."""
+    block = BLOCKS[name]
+    data_dir = Path(data_dir)
+    if not all((data_dir / table).exists() for table in block.reads):
+        return None
+    return "\n" + block.render(data_dir).strip() + "\n"
+
+
+def stale(docs_dir="docs", data_dir="data") -> list[str]:
+    """Names of the blocks whose page says something else than their tables do now."""
+    out = []
+    for name, block in BLOCKS.items():
+        page = Path(docs_dir) / block.page
+        text = page.read_text()
+        start, end = _span(text, name, page)
+        new = rendered(name, data_dir)
+        if new is not None and text[start:end] != new:
+            out.append(name)
+    return out
+
+
+def write(docs_dir="docs", data_dir="data") -> list[Path]:
+    """Rewrite every block from its tables; returns the pages changed."""
+    changed = []
+    for name, block in BLOCKS.items():
+        page = Path(docs_dir) / block.page
+        if not page.exists():
+            continue  # outside the repository (e.g. a figures run elsewhere): no docs to keep
+        text = page.read_text()
+        start, end = _span(text, name, page)
+        new = rendered(name, data_dir)
+        if new is not None and text[start:end] != new:
+            page.write_text(text[:start] + new + text[end:])
+            changed.append(page)
+    return changed
+
