@@ -16,7 +16,9 @@ redraw includes sending the drawn array to the figure):
 - "precompute every head and the mean, save": AttentionTiles.precompute for the layer, written to a file (what a
   capture machine does once), then "open, from saved tiles" and "open, head mean, from saved tiles": a fresh
   explorer over that file, on another head, as a laptop opens a trace captured elsewhere.
-Memory: the base grids the explorer keeps for the views above, and the process's peak RSS above the trace itself.
+Memory: the base grids the explorer keeps for the views above, and the process's peak RSS above the trace itself,
+after each step (peak_so_far_above_trace_mib: the full layer's "open, head mean" row is the explorer's own peak, before
+any precompute) and at the end.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def child(shape: str, n: int, max_cells: int) -> list[dict]:
             for name, action in steps:
                 seconds = timed(action)
                 rows.append(dict(shape=shape, tokens=n, layer=kind, view=name, block=ex.block,
-                                 cells=f"{ex.tile.max.shape[0]} x {ex.tile.max.shape[1]}", seconds=seconds))
+                                 cells=f"{ex.tile.max.shape[0]} x {ex.tile.max.shape[1]}", seconds=seconds,
+                                 peak_so_far_above_trace_mib=peak_rss_mib() - before))
         grids = sum(b.max.nbytes + b.sum.nbytes + b.lse.nbytes for b in ex.tiles._bases.values())
         for row in rows:
             if row["layer"] == kind:

@@ -41,7 +41,8 @@ def test_token_surprisal_from_the_prefill_equals_the_loss_of_every_position(spli
     """The hidden states the prefill keeps (of both chunks, context then question) give every position's loss."""
     model = make_tiny_llama(initializer_range=0.3)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(surprisal, "CHUNK", 10)  # several chunks, the last one short
+    # several chunks of 10 rows (the tiny vocabulary's rows are short), the last one short
+    monkeypatch.setattr(surprisal, "LOGIT_ELEMENTS", 10 * model.get_output_embeddings().weight.shape[0])
     policies = [sl.Surprisal(capacity=CAPACITY, window_size=WINDOW)]
     shared = SharedPrefill.run(model, byte_tokenizer, ids, policies) if split is None else \
         SharedPrefill.run(model, byte_tokenizer, ids[:, :split], policies).extend(ids[:, split:])

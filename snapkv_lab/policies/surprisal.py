@@ -15,7 +15,7 @@ Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; d
 One set of positions serves every layer and KV head. Cost: no second forward. The prefill that fills the cache
 already computes every position's final hidden states and drops all but the last before its output head
 (`logits_to_keep=1`); SharedPrefill keeps them (hooks.capture_final_hidden) when a policy reads them, and the
-scores are the output head over them, CHUNK rows of logits at a time. That head pass is Surprisal's one extra pass
+scores are the output head over them, LOGIT_ELEMENTS logits at a time. That head pass is Surprisal's one extra pass
 (`extra_passes`). It needs the whole prompt's hidden states, so Surprisal scores after the prefill (snapkv_lab.generate,
 compare, SharedPrefill), never live at a layer's attention call (`compress` refuses it).
 """
@@ -31,7 +31,9 @@ import torch
 from .base import Policy
 from .snapkv import FACT_TOKENS
 
-CHUNK = 1024  # rows of logits at a time: the (n, vocab) logits of a long context would take GBs
+# Logits held at a time (256 MiB in float32): the (n, vocab) logits of a long context would take GBs, and rows of a
+# large vocabulary are long (Gemma 3's 262k: 1024 rows were a 1 GiB chunk, 3x the full cache's peak at 8k tokens).
+LOGIT_ELEMENTS = 1 << 26
 
 
 def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -39,8 +41,9 @@ def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Ten
     hidden_size) over ids; 0 at position 0 (nothing predicts it)."""
     head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    for start in range(0, ids.shape[1] - 1, CHUNK):
-        stop = min(start + CHUNK, ids.shape[1] - 1)
+    rows = max(1, LOGIT_ELEMENTS // (ids.shape[0] * head.weight.shape[0]))
+    for start in range(0, ids.shape[1] - 1, rows):
+        stop = min(start + rows, ids.shape[1] - 1)
         logits = head(hidden[:, start:stop]).float()  # (batch, rows, vocab): row i predicts token i + 1
         if cap:
             logits = logits.div_(cap).tanh_().mul_(cap)
