@@ -185,9 +185,11 @@ class Quiet:
         self._wall, (self._all, self._ours) = time.perf_counter(), self._busy()
 
     def others(self) -> float:
-        """Others' CPU since start(), as a fraction of the whole machine (1.0: every core busy)."""
+        """Others' CPU since start(), as a fraction of the whole machine (1.0: every core busy). /proc counts in
+        ticks (10 ms), so over a stretch of a few ticks the share is coarse and is capped at 1."""
         wall, (busy, ours) = time.perf_counter() - self._wall, self._busy()
-        return max(0.0, (busy - self._all) - (ours - self._ours)) / self.tick / max(wall, 1e-9) / (os.cpu_count() or 1)
+        share = max(0.0, (busy - self._all) - (ours - self._ours)) / self.tick / max(wall, 1e-9) / (os.cpu_count() or 1)
+        return min(1.0, share)
 
     def wait(self, threshold: float, patience: float = 600.0) -> float:
         """Wait (up to `patience` seconds) for a second in which others use less than `threshold`; their share."""
