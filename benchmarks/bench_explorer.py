@@ -76,7 +76,6 @@ def child(shape: str, n: int, max_cells: int) -> list[dict]:
     from snapkv_lab.explorer import explore
     from snapkv_lab.tiles import AttentionTiles
 
-    torch.set_num_threads(torch.get_num_threads())
     trace, kinds = synthetic_trace(shape, n)
     before = rss_mib()
     rows = []

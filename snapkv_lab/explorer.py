@@ -22,7 +22,7 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from .tiles import HEAD_MEAN, AttentionTiles, as_head, as_span, cell_counts
+from .tiles import HEAD_MEAN, AttentionTiles, as_head, as_span, cell_counts, pool_blocks
 from .trace import AttentionTrace
 
 LABELLED_TOKENS = 64  # at block 1 and at most this many tokens per side, the axes show the tokens' text
@@ -96,7 +96,8 @@ class Explorer:
         return self
 
     def show(self, stat: str | None = None, **overlays: bool) -> "Explorer":
-        """Switch the pooled statistic ("max" or "mean") and overlays on or off, e.g. show(kept=False, sinks=True)."""
+        """Switch the pooled statistic ("max" or "mean") and overlays on or off, e.g. show(kept=False, sinks=True).
+        The tile in view holds both statistics: nothing is recomputed, only redrawn."""
         if stat is not None:
             self._check_stat(stat)
             self.stat = stat
@@ -106,7 +107,8 @@ class Explorer:
         if overlays.get("kept") and self.kept is None:
             raise ValueError("no kept positions to draw: pass kept=<GenerationResult or kept_indices> to explore()")
         self.overlays.update(overlays)
-        self._draw()
+        if self._widget is not None:
+            self._sync_widget()
         return self
 
     @property
@@ -245,17 +247,14 @@ class Explorer:
         kept = per_head.mean(0) if self.head == HEAD_MEAN else per_head[self.head]
         columns = torch.zeros(trace.n_tokens)
         columns[: trace.prompt_len] = kept
-        blocks = columns[tile.cols.start: tile.cols.stop]
-        blocks = torch.nn.functional.pad(blocks, (0, -len(blocks) % tile.block)).reshape(-1, tile.block)
-        counts = cell_counts(tile.cols, tile.block)
-        return (blocks.sum(1) / counts).numpy()
+        sums = pool_blocks(columns[None, tile.cols.start: tile.cols.stop], 1, tile.block, "sum")[0]
+        return (sums / cell_counts(tile.cols, tile.block)).numpy()
 
     # ---- checks ------------------------------------------------------------------------------
     def _check_head(self, layer, head) -> None:
         if layer not in self.trace.layers:
             raise ValueError(f"layer {layer} was not captured; the trace holds layers {self.trace.layers}")
-        if head != HEAD_MEAN and not 0 <= head < self.trace.n_heads:
-            raise ValueError(f"head must be 0..{self.trace.n_heads - 1} or {HEAD_MEAN!r}, got {head!r}")
+        self.tiles.query_heads(head)
 
     @staticmethod
     def _check_stat(stat) -> None:

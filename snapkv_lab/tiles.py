@@ -49,14 +49,6 @@ class Tile:
     max: torch.Tensor
     mean: torch.Tensor
 
-    @property
-    def row_starts(self) -> range:
-        return range(self.rows.start, self.rows.stop, self.block)
-
-    @property
-    def col_starts(self) -> range:
-        return range(self.cols.start, self.cols.stop, self.block)
-
 
 @dataclass
 class _Base:
@@ -105,7 +97,7 @@ def _snap(span: range, block: int, n: int) -> range:
     return range(span.start // block * block, min(n, -(-span.stop // block) * block))
 
 
-def _pool(x: torch.Tensor, rows: int, cols: int, how: str) -> torch.Tensor:
+def pool_blocks(x: torch.Tensor, rows: int, cols: int, how: str) -> torch.Tensor:
     """(R, C) -> (ceil(R / rows), ceil(C / cols)) by max or sum over blocks; zero padding is harmless because
     probabilities are never negative."""
     pad_r, pad_c = -x.shape[0] % rows, -x.shape[1] % cols
@@ -231,21 +223,23 @@ class AttentionTiles:
         return self._probs(layer, head, rows, cols)
 
     # ---- the exact pass ----------------------------------------------------------------------
-    def _heads(self, head) -> list[int]:
+    def query_heads(self, head) -> range:
+        """The query heads a view of `head` averages: that one, or all of them for HEAD_MEAN (checked)."""
         head = as_head(head)
         if head == HEAD_MEAN:
-            return list(range(self.trace.n_heads))
+            return range(self.trace.n_heads)
         if not 0 <= head < self.trace.n_heads:
             raise ValueError(f"head must be 0..{self.trace.n_heads - 1} or {HEAD_MEAN!r}, got {head!r}")
-        return [head]
+        return range(head, head + 1)
 
     def _operands(self, layer: int, head):
         trace = self.trace
         entry = trace._entry(layer)
-        heads = torch.tensor(self._heads(head))
-        query = trace.queries[entry].index_select(0, heads.to(trace.queries[entry].device))
+        heads = self.query_heads(head)
+        # consecutive heads: a view of the queries, not a copy of them at every zoom
+        query = trace.queries[entry][heads.start:heads.stop]
         settings = trace.attention_settings[entry]
-        kv_index = heads // (trace.n_heads // trace.n_kv_heads)
+        kv_index = torch.tensor(heads) // (trace.n_heads // trace.n_kv_heads)
         return query, trace.keys[entry], kv_index, settings
 
     @staticmethod
@@ -303,8 +297,8 @@ class AttentionTiles:
             base.lse[:, rows.start:rows.stop] = lse.cpu()
             probs = torch.exp_(logits.sub_(lse[..., None])).mean(0)
             cell_rows, cell_cols = slice(rows.start // block, -(-rows.stop // block)), slice(first // block, -(-last // block))
-            base.max[cell_rows, cell_cols] = _pool(probs, block, block, "max").cpu()
-            base.sum[cell_rows, cell_cols] = _pool(probs, block, block, "sum").cpu()
+            base.max[cell_rows, cell_cols] = pool_blocks(probs, block, block, "max").cpu()
+            base.sum[cell_rows, cell_cols] = pool_blocks(probs, block, block, "sum").cpu()
         return self._remember(key, base)
 
     def _remember(self, key, base: _Base) -> _Base:
@@ -319,8 +313,8 @@ class AttentionTiles:
         factor = block // base.block
         cells_r = slice(rows.start // base.block, -(-rows.stop // base.block))
         cells_c = slice(cols.start // base.block, -(-cols.stop // base.block))
-        return (_pool(base.max[cells_r, cells_c], factor, factor, "max"),
-                _pool(base.sum[cells_r, cells_c], factor, factor, "sum"))
+        return (pool_blocks(base.max[cells_r, cells_c], factor, factor, "max"),
+                pool_blocks(base.sum[cells_r, cells_c], factor, factor, "sum"))
 
     def _exact_chunks(self, layer, head, rows: range, cols: range, align: int):
         """Yield (row range, first col, last col, probs (rows, last - first)) over consecutive row chunks, rows
@@ -352,6 +346,6 @@ class AttentionTiles:
         for chunk, first, last, probs in self._exact_chunks(layer, head, rows, cols, block):
             cell_rows = slice((chunk.start - rows.start) // block, -(-(chunk.stop - rows.start) // block))
             cell_cols = slice((first - cols.start) // block, -(-(last - cols.start) // block))
-            block_max[cell_rows, cell_cols] = _pool(probs, block, block, "max").cpu()
-            block_sum[cell_rows, cell_cols] = _pool(probs, block, block, "sum").cpu()
+            block_max[cell_rows, cell_cols] = pool_blocks(probs, block, block, "max").cpu()
+            block_sum[cell_rows, cell_cols] = pool_blocks(probs, block, block, "sum").cpu()
         return block_max, block_sum
