@@ -216,6 +216,32 @@ def test_gap_to_the_full_cache_is_paired_by_example():
     assert gap.full == pytest.approx(100 * full.mean())
 
 
+def test_the_committed_leaderboard_resumes_under_todays_code():
+    """Every committed row's example and policy is a cell today's code would run, so `snapkv-lab figures
+    --recompute --only eval` grows the committed run instead of starting a new one beside it (a policy field
+    added without ADDED_LATER, or a changed default, breaks this)."""
+    from pathlib import Path
+
+    from snapkv_lab.evaluation import LEADERBOARD, leaderboard_policies
+
+    table = read_results(Path(__file__).parent.parent / "data" / "eval_ruler.csv")
+    cells = eval_cells(None, LEADERBOARD["datasets"], None, leaderboard_policies(), LEADERBOARD["ratios"], None,
+                       LEADERBOARD["modes"], int(table.groupby("task").example.nunique().max()), None,
+                       LEADERBOARD["lengths"], 0, None, None)
+
+    def canonical(config):  # the cells hold each policy at its default capacity; the rows, at their budget
+        config = {k: canonical(v) if isinstance(v, dict) else v for k, v in config.items() if k != "capacity"}
+        return json.dumps(config, sort_keys=True)
+
+    examples = {json.dumps(cell.config["example"], sort_keys=True) for cell in cells}
+    policies = {canonical(policy) for cell in cells for policy in cell.config["policies"]}
+    assert set(table.spec.map(lambda spec: json.dumps(json.loads(spec), sort_keys=True))) <= examples
+    compressed = table[table.policy != "FullCache"]
+    missing = set(compressed.policy_config.map(lambda c: canonical(json.loads(c)))) - policies
+    assert not missing, f"committed rows no cell of today's leaderboard would run: {sorted(missing)[:2]}"
+    assert set(compressed.policy) == set(leaderboard_policies())
+
+
 @pytest.mark.slow
 def test_cli_eval_runs_ruler_on_the_bundled_model_and_a_rerun_resumes(tmp_path, capsys):
     from snapkv_lab.cli import main

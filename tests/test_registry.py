@@ -109,6 +109,20 @@ def test_a_policy_config_keeps_a_wrapped_policys_settings_and_refuses_unknown_na
         policy_from_config({"name": "Snapkv"})
 
 
+def test_a_field_added_later_is_left_out_at_its_default_so_stored_cells_keep_their_keys():
+    from snapkv_lab.policies import policy_config, policy_from_config
+    from snapkv_lab.sweep import Cell
+
+    default, variant = snapkv_lab.KVzip(capacity=256), snapkv_lab.KVzip(capacity=256, repeat_prompts="kvpress")
+    assert "repeat_prompts" not in policy_config(default) and policy_config(variant)["repeat_prompts"] == "kvpress"
+    assert policy_from_config(policy_config(default)) == default and policy_from_config(policy_config(variant)) == variant
+    # a key written before the field existed (the config of commit bd58935) is the key of today's default
+    before = {"name": "KVzip", "capacity": 256, "window_size": 0, "per_query_head": False, "pooling": None,
+              "kernel_size": 1, "gqa": "mean", "chunk_size": 2000, "sinks": None, "allocation": "global"}
+    assert Cell("eval", {"policies": [policy_config(default)]}).key == Cell("eval", {"policies": [before]}).key
+    assert Cell("eval", {"policies": [policy_config(variant)]}).key != Cell("eval", {"policies": [before]}).key
+
+
 WRAPPERS = ("AdaKV", "ChunkKV", "CriticalKV")
 INNER = [name for name in NAMES if name not in ("FullCache", "DecodingEviction")]
 

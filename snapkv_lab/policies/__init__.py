@@ -9,7 +9,7 @@ and the tests parametrise over it, so a new method is tested the moment it is re
 import ast
 import dataclasses
 
-from .base import NO_POSITION, AttentionCall, FullCache, Policy
+from .base import ADDED_LATER, NO_POSITION, AttentionCall, FullCache, Policy
 from .adakv import AdaKV
 from .baselines import RandomKeep, StreamingLLM
 from .chunkkv import ChunkKV
@@ -33,10 +33,16 @@ POLICIES: dict[str, type[Policy]] = {cls.__name__: cls for cls in (
 
 def policy_config(policy: Policy) -> dict:
     """Every field of the policy, defaults included, as JSON-able values: {"name": class name, field: value, ...};
-    a wrapped policy (AdaKV's, ChunkKV's, ...) as a nested config of its own."""
+    a wrapped policy (AdaKV's, ChunkKV's, ...) as a nested config of its own.
+
+    Defaults are written so that a changed default changes every grid cell's key. The one exception is a field
+    added after results were stored whose default reproduces the former behaviour (`ADDED_LATER` in its
+    metadata): at its default it is left out, so the stored cells keep their keys and resume."""
     config = {"name": type(policy).__name__}
     for field in dataclasses.fields(policy):
         value = getattr(policy, field.name)
+        if field.metadata.get(ADDED_LATER) and value == field.default:
+            continue
         config[field.name] = policy_config(value) if isinstance(value, Policy) else value
     return config
 
@@ -84,5 +90,5 @@ def _policy_from_node(node, text: str) -> Policy:
         raise ValueError(f"{text!r}: {error}; {config['name']} takes {', '.join(fields)}") from error
 
 
-__all__ = ["NO_POSITION", "POLICIES", "AttentionCall", "Policy", "parse_policy", "policy_config", "policy_from_config",
+__all__ = ["ADDED_LATER", "NO_POSITION", "POLICIES", "AttentionCall", "Policy", "parse_policy", "policy_config", "policy_from_config",
            *POLICIES]

@@ -33,6 +33,9 @@ from ..attention import AttentionSettings
 from ..selection import GQA_REDUCTIONS, POOLINGS, pool_votes, votes_per_kv_head
 
 SELECTION = ("pooling", "kernel_size", "gqa", "per_query_head")  # applied to scores by `keep`, with the budget
+# A field's metadata flag: added after results were stored, with the former behaviour as its default, so that
+# policy_config leaves it out at that default and the stored grid cells keep their keys.
+ADDED_LATER = "added_later"
 NO_POSITION = -1  # fills the kept positions of heads that keep fewer than the layer's widest head
 _ABSENT = object()  # a field the default being compared with lacks: always a difference
 

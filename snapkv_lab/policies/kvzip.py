@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -49,7 +49,7 @@ from ..attention import BLOCK_ELEMENTS, AttentionSettings
 from ..framing import chat_frame
 from ..hooks import intercept_attention
 from ..tokens import encode
-from .base import Policy, top_positions
+from .base import ADDED_LATER, Policy, top_positions
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # model/wrapper.py:211
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "  # model/wrapper.py:214
@@ -170,7 +170,7 @@ class KVzip(Policy):
     chunk_size: int = 2000
     sinks: int | None = None
     allocation: str = "global"
-    repeat_prompts: str = "official"
+    repeat_prompts: str = field(default="official", metadata={ADDED_LATER: True})
 
     extra_passes: ClassVar[int] = 1
     scores_query_heads: ClassVar[bool] = False  # the largest attention over each KV head's query heads
