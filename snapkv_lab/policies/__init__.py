@@ -4,40 +4,52 @@ POLICIES maps each shipped policy's plain name to its class; every one can be bu
 and the tests parametrise over it, so a new method is tested the moment it is registered here.
 `policy_config` writes a policy as JSON-able values (a grid cell's key), `policy_from_config` builds it back;
 `parse_policy` reads one from the command line: "SnapKV", "SnapKV(window_size=64)", "AdaKV(ExpectedAttention)".
+
+The classes are imported on first use (they need torch); `POLICY_NAMES` and `policy_spec` do not, so that the
+command line refuses a misspelt policy before it pays for importing torch.
 """
+
+from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 
-from .base import ADDED_LATER, NO_POSITION, AttentionCall, FullCache, Policy
-from .adakv import AdaKV
-from .baselines import RandomKeep, StreamingLLM
-from .chunkkv import ChunkKV
-from .criticalkv import CriticalKV
-from .decoding import DecodingEviction
-from .expected_attention import ExpectedAttention
-from .h2o import H2O
-from .knorm import KNorm
-from .kvzip import KVzip
-from .pyramidkv import PyramidKV
-from .snapkv import SnapKV, SnapKVFactKernel, SnapKVNoPooling
-from .surprisal import Surprisal
-from .tova import TOVA
-
-POLICIES: dict[str, type[Policy]] = {cls.__name__: cls for cls in (
-    FullCache, SnapKV, SnapKVNoPooling, SnapKVFactKernel, H2O, StreamingLLM, RandomKeep, TOVA, KNorm, PyramidKV, AdaKV, ChunkKV,
-    CriticalKV, ExpectedAttention, KVzip, Surprisal, DecodingEviction,
-)}
+# The registry, in its order: each policy's name and the module that holds it.
+_MODULES = {
+    "FullCache": "base", "SnapKV": "snapkv", "SnapKVNoPooling": "snapkv", "SnapKVFactKernel": "snapkv", "H2O": "h2o",
+    "StreamingLLM": "baselines", "RandomKeep": "baselines", "TOVA": "tova", "KNorm": "knorm", "PyramidKV": "pyramidkv",
+    "AdaKV": "adakv", "ChunkKV": "chunkkv", "CriticalKV": "criticalkv", "ExpectedAttention": "expected_attention",
+    "KVzip": "kvzip", "Surprisal": "surprisal", "DecodingEviction": "decoding",
+}
+POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
+_FROM_BASE = ("ADDED_LATER", "NO_POSITION", "AttentionCall", "Policy")
 
 
+def __getattr__(name: str):
+    if name == "POLICIES":
+        value = {policy: __getattr__(policy) for policy in POLICY_NAMES}
+    elif name in _MODULES or name in _FROM_BASE:
+        value = getattr(importlib.import_module(f".{_MODULES.get(name, 'base')}", __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-def policy_config(policy: Policy) -> dict:
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+def policy_config(policy) -> dict:
     """Every field of the policy, defaults included, as JSON-able values: {"name": class name, field: value, ...};
     a wrapped policy (AdaKV's, ChunkKV's, ...) as a nested config of its own.
 
     Defaults are written so that a changed default changes every grid cell's key. The one exception is a field
     added after results were stored whose default reproduces the former behaviour (`ADDED_LATER` in its
     metadata): at its default it is left out, so the stored cells keep their keys and resume."""
+    from .base import ADDED_LATER, Policy
+
     config = {"name": type(policy).__name__}
     for field in dataclasses.fields(policy):
         value = getattr(policy, field.name)
@@ -47,48 +59,62 @@ def policy_config(policy: Policy) -> dict:
     return config
 
 
-def policy_from_config(config: dict) -> Policy:
+def policy_from_config(config: dict):
     """The policy `config` describes ({"name": "SnapKV"} alone gives the defaults); an unknown name is refused
     with the list of registered names."""
     fields = {k: policy_from_config(v) if isinstance(v, dict) else v for k, v in config.items() if k != "name"}
-    name = config.get("name")
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; registered policies (snapkv_lab.POLICIES): {', '.join(POLICIES)}")
-    return POLICIES[name](**fields)
+    _check_name(config.get("name"))
+    return __getattr__(config["name"])(**fields)
 
 
-def parse_policy(text: str) -> Policy:
-    """A policy written as a call: a registered name, with keyword settings of literal values and at most one
-    positional argument, the wrapped policy (itself written the same way): "SnapKV", "SnapKV(window_size=64,
-    kernel_size=7)", "AdaKV(ExpectedAttention)", "ChunkKV(AdaKV(SnapKV(window_size=16)))". Nothing is evaluated:
-    anything else is refused with the registered names."""
+def _check_name(name) -> None:
+    if name not in _MODULES:
+        raise ValueError(f"unknown policy {name!r}; registered policies (snapkv_lab.POLICIES): {', '.join(POLICY_NAMES)}")
+
+
+def policy_spec(text: str) -> dict:
+    """The config (as `policy_from_config` takes it) of a policy written as a call: a registered name, with keyword
+    settings of literal values and at most one positional argument, the wrapped policy (itself written the same
+    way): "SnapKV", "SnapKV(window_size=64, kernel_size=7)", "AdaKV(ExpectedAttention)",
+    "ChunkKV(AdaKV(SnapKV(window_size=16)))". Nothing is evaluated and no policy is built (torch is not imported):
+    a syntax or a name outside the registry is refused; the settings' values are checked by `parse_policy`."""
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as error:
         raise ValueError(f"cannot read the policy {text!r}: write Name or Name(setting=value, ...)") from error
-    return _policy_from_node(tree, text)
+    return _spec_from_node(tree, text)
 
 
-def _policy_from_node(node, text: str) -> Policy:
+def _spec_from_node(node, text: str) -> dict:
     if isinstance(node, ast.Name):
-        return policy_from_config({"name": node.id})
-    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or len(node.args) > 1:
+        _check_name(node.id)
+        return {"name": node.id}
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or len(node.args) > 1 or \
+            any(keyword.arg is None for keyword in node.keywords):
         raise ValueError(f"cannot read the policy {text!r}: write Name or Name(inner policy, setting=value, ...), "
-                         f"with names among {', '.join(POLICIES)}")
+                         f"with names among {', '.join(POLICY_NAMES)}")
+    _check_name(node.func.id)
     config = {"name": node.func.id}
     if node.args:
-        config["policy"] = policy_config(_policy_from_node(node.args[0], text))
+        config["policy"] = _spec_from_node(node.args[0], text)
     for keyword in node.keywords:
         try:
             config[keyword.arg] = ast.literal_eval(keyword.value)
         except ValueError as error:
             raise ValueError(f"the setting {keyword.arg} of {text!r} must be a literal (number, string, None, ...)") from error
+    return config
+
+
+def parse_policy(text: str):
+    """The policy `policy_spec(text)` describes, built: a setting the policy does not take, or a value it refuses,
+    is refused with the settings it takes."""
+    config = policy_spec(text)
     try:
         return policy_from_config(config)
     except TypeError as error:  # an unknown setting: name the ones there are
-        fields = [f.name for f in dataclasses.fields(POLICIES[config["name"]])]
+        fields = [f.name for f in dataclasses.fields(__getattr__(config["name"]))]
         raise ValueError(f"{text!r}: {error}; {config['name']} takes {', '.join(fields)}") from error
 
 
-__all__ = ["ADDED_LATER", "NO_POSITION", "POLICIES", "AttentionCall", "Policy", "parse_policy", "policy_config", "policy_from_config",
-           *POLICIES]
+__all__ = ["ADDED_LATER", "NO_POSITION", "POLICIES", "POLICY_NAMES", "AttentionCall", "Policy", "parse_policy",
+           "policy_config", "policy_from_config", "policy_spec", *POLICY_NAMES]
