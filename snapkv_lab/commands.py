@@ -70,9 +70,15 @@ def needle(args) -> int:
 
     start = time.perf_counter()
     data_dir, figures_dir = model_folders(args.data_dir, args.figures_dir, args.model)
+    suites = args.suites or [NEEDLE_SUITE]
+    if not args.suites:  # the grid the options describe; the other suites (hours here) only when named
+        from .pressure import SUITES
+
+        print(f"snapkv-lab needle: running the needle grid; the other suites ({', '.join(s for s in SUITES if s != NEEDLE_SUITE)}) "
+              f"run when named: --suites NAME ...", file=sys.stderr)
     options = dict(data_dir=data_dir, model=args.model, framing=args.framing, samples=args.samples, first_sample=args.first_sample,
                    lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths,
-                   suites=args.suites, policies=args.policies, capacities=args.capacities, modes=args.modes,
+                   suites=suites, policies=args.policies, capacities=args.capacities, modes=args.modes,
                    executor=args.executor, ray_address=args.ray_address)
     try:  # bad names, budgets and modes, and a missing Ray, are said at once, before any model loads
         grid_cells(options)
@@ -86,6 +92,9 @@ def needle(args) -> int:
         print(path)
     print(f"done in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+NEEDLE_SUITE = "needle"  # what `snapkv-lab needle` runs unless --suites names others
 
 
 def evaluate(args) -> int:
@@ -209,8 +218,9 @@ def _needle_arguments(p) -> None:
     p.add_argument("--lines-lengths", type=_positive_int, nargs="*", default=None, help="lines-task record lengths (default 2000)")
     p.add_argument("--skip-lines", action="store_true", help="leave the lines task out")
     p.add_argument("--suites", nargs="*", default=None,
-                   help="which pressure tests to run, by name in snapkv_lab.pressure.SUITES (default all: needle, the "
-                        "needle grid; lines, the lines task; windows, the SnapKV window ablation; ablations, SnapKV's settings and "
+                   help="which pressure tests to run, by name in snapkv_lab.pressure.SUITES (default needle: the "
+                        "needle grid that --lengths, --depths, --policies and --capacities describe; all of them are "
+                        "rerun by `snapkv-lab figures --recompute --only pressure`). needle, the needle grid; lines, the lines task; windows, the SnapKV window ablation; ablations, SnapKV's settings and "
                         "the other methods with coverage; fact-kernel, SnapKV with a fact-long pooling kernel on the 15 dev needles; "
                         "question-free, KVzip's variants and the fact kernel on them, query-agnostic; "
                         "surprisal, the Surprisal policy on them, both modes; "
@@ -218,9 +228,10 @@ def _needle_arguments(p) -> None:
                         "haystacks, SnapKV, SnapKVFactKernel and Surprisal on needles in code, logs and lists of keys "
                         "beside the essays; "
                         "ruler, the RULER-style suite)")
-    p.add_argument("--policies", type=_policy, nargs="+", default=None, metavar="NAME",
-                   help="compression policies by name in snapkv_lab.POLICIES, e.g. SnapKV H2O TOVA (default SnapKV "
-                        "SnapKVNoPooling H2O StreamingLLM RandomKeep); suites that ablate a policy keep their own")
+    p.add_argument("--policies", type=_policy, nargs="+", default=None, metavar="POLICY",
+                   help="compression policies by name in snapkv_lab.POLICIES or wrapped, with settings: SnapKV H2O "
+                        "'AdaKV(SnapKV)' 'SnapKV(window_size=64)' (default SnapKV SnapKVNoPooling H2O StreamingLLM "
+                        "RandomKeep); suites that ablate a policy keep their own")
     p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="KV budgets in tokens per head (default 256 512 1024 2048); suites that fix a budget keep theirs")
     p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"], default=None,
@@ -267,7 +278,8 @@ COMMANDS: dict[str, Command] = {
                        _model_argument, convert),
     "figures": Command("Regenerate every figure into figures/ from the tables in data/ (--recompute reruns the model first).",
                        _figures_arguments, figures),
-    "needle": Command("Run the pressure tests (needle grid, lines retrieval, RULER-style needles) for every policy and budget, then draw them.",
+    "needle": Command("Run the needle grid for the policies and budgets given (or the pressure suites named by --suites: "
+                      "lines retrieval, ablations, RULER-style needles, ...), then draw them.",
                       _needle_arguments, needle),
     "eval": Command("Run benchmarks (RULER generated here; LongBench, InfiniteBench, ... from the Hub) through the "
                     "policies at several compression ratios, with the full cache as baseline; write the table and the "

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -350,7 +348,8 @@ def findings_cell(model, tokenizer, config: dict) -> pd.DataFrame:
 def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=None, executor="local", ray_address=None,
                  **options) -> dict[str, pd.DataFrame]:
     """Run every findings cell not yet stored (<data_dir>/cells/findings/) and write data/findings_{a,b,
-    b_variants,c,d}.csv and data/findings_run.json.
+    b_variants,c,d}.csv and data/findings_run.json (the settings and sample counts; the run's time and machine load go
+    to the cells' manifest, not to a committed file).
 
     model: a model name for `models.load_model` (None: the bundled SmolLM2), loaded only if a cell is left to
     run; or a loaded model, with its `tokenizer`. options: see DEFAULTS (splits, samples, documents, window
@@ -376,11 +375,8 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), options={k: str(v) for k, v in o.items()},
                     model=name, seeds=[recipes["seed"]])
     everything = [cell for cell_list in cells.values() for cell in cell_list]
-    pending = sum(not store.done(cell) for cell in everything)
-    began, cpu = time.perf_counter(), time.process_time()
     run_cells(everything, findings_cell, store, model=None if loaded else model, executor=executor, ray_address=ray_address,
               desc="findings cells", manifest=manifest, loader=(lambda _: (model, tokenizer)) if loaded else None)
-    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     out = findings_tables({key: store.table(cell_list) for key, cell_list in cells.items()}, o["obs_window"])
     data_dir.mkdir(parents=True, exist_ok=True)
     for key, table in out.items():
@@ -390,9 +386,7 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     run = {**{k: list(v) if isinstance(v, tuple) else v for k, v in o.items()}, "model": str(out["a"]["model"].iloc[0]),
            # the report gives verdicts for sliding-window and global layers apart (findings_report.verdicts)
            "sliding_layers": sliding_layers(config), "sliding_window": getattr(config.get_text_config(), "sliding_window", None),
-           "samples_per_table": counts, "cells": len(everything), "cells_run": pending, "seconds": round(seconds),
-           "cpu_seconds": round(cpu), "torch_threads": torch.get_num_threads(),
-           "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
+           "samples_per_table": counts, "cells": len(everything)}
     (data_dir / "findings_run.json").write_text(json.dumps(run, indent=1) + "\n")
     return out
 

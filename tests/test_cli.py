@@ -108,6 +108,23 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
                      ("draw", ("data", "figures"), dict(only=["pressure"], options=dict(model="some/model")))]
 
 
+def test_needle_without_suites_runs_the_grid_its_options_describe_and_names_the_others(monkeypatch, capsys):
+    import snapkv_lab.figures
+    import snapkv_lab.pressure
+
+    ran = []
+    monkeypatch.setattr(snapkv_lab.figures, "make_figures", lambda *a, **k: [])
+    monkeypatch.setattr(snapkv_lab.pressure, "recompute", ran.append)
+    assert main(["needle", "--lengths", "1000", "--policies", "SnapKV", "AdaKV(SnapKV(window_size=16))",
+                 "--capacities", "256"]) == 0
+    assert ran[0]["suites"] == ["needle"]
+    err = capsys.readouterr().err
+    assert all(name in err for name in snapkv_lab.pressure.SUITES if name != "needle") and "--suites" in err
+    (cells,) = snapkv_lab.pressure.grid_cells(ran[0]).values()  # a wrapped policy with settings is a grid policy
+    assert [p["name"] for p in cells[0].config["policies"]] == ["SnapKV", "AdaKV"]
+    assert cells[0].config["policies"][1]["policy"]["window_size"] == 16 and cells[0].config["capacities"] == [256]
+
+
 def refused(args, capsys) -> str:
     """What the parser says refusing `args` (exit status 2, before any run function starts)."""
     with pytest.raises(SystemExit) as exited:

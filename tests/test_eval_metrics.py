@@ -13,7 +13,7 @@ import math
 import pytest
 
 from snapkv_lab.evaluation.metrics import (
-    METRICS, NOT_REPRODUCED, cloze_counts, extract_choice, first_line,
+    METRICS, cloze_counts, extract_choice, first_line,
     fuzz_ratio, normalize_answer, normalize_zh_answer, rouge_l, rouge_lsum, rouge_n, ruler_postprocess, score,
     sentence_bleu)
 

@@ -3,7 +3,6 @@ eager attention maps and its own cache (post-RoPE keys, values), on the tiny ran
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -133,7 +132,7 @@ def ref_criticalkv(run, capacity, window, kv_heads, ratio=0.5, eps=1e-4, kernel=
     the window (snapkv_press.py line 95), the scale epsilon is set on."""
     kept = []
     for attn, values, weight in zip(run["attentions"], run["values"], run["o_proj"]):
-        n, heads, d = attn.shape[-1], attn.shape[1], values.shape[-1]
+        heads, d = attn.shape[1], values.shape[-1]
         score = snapkv_scores(attn, window, kv_heads, kernel) / window  # (batch, kv_heads, prefix)
         score = F.pad(score, (0, window), value=float(score.max()) + 1)  # the window: max + 1
         norms = torch.stack([  # (batch, heads, n): head h's value through its slice of W_o, (hidden, d)

@@ -82,6 +82,22 @@ def test_manifest_appends_each_run_with_versions(tmp_path):
     assert runs[0]["git"] is None or len(runs[0]["git"]["commit"]) == 40
 
 
+def test_a_runs_log_goes_to_the_manifest_when_it_finishes(tmp_path):
+    store = ResultStore(tmp_path)
+    manifest = dict(command="snapkv-lab needle", options={}, model=None, seeds=[0])
+    run_cells(cells([1, 2]), square, store, loader=no_model, manifest=manifest)
+    run_cells(cells([1, 2, 3]), square, store, loader=no_model, manifest=manifest)
+    runs = json.loads((tmp_path / "manifest.json").read_text())["runs"]
+    assert [(r["cells"], r["cells_run"]) for r in runs] == [(2, 2), (3, 1)]
+    assert all(r["finished"] >= r["started"] and r["seconds"] >= 0 and len(r["load_average_at_end"]) == 3 for r in runs)
+    with pytest.raises(RuntimeError, match="x=3"):  # a failed run has started, not finished
+        run_cells(cells([3, 4], scale=2), square_until_three, store, loader=no_model, manifest=manifest)
+    runs = json.loads((tmp_path / "manifest.json").read_text())["runs"]
+    assert len(runs) == 3 and "finished" not in runs[-1]
+    with pytest.raises(ValueError, match="no run to finish"):
+        ResultStore(tmp_path / "empty").finish_manifest(seconds=1)
+
+
 def test_local_run_skips_finished_cells_and_returns_the_same_table(tmp_path, capsys):
     store = ResultStore(tmp_path)
     first = run_cells(cells([1, 2]), square, store, loader=no_model)

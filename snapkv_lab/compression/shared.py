@@ -26,7 +26,7 @@ from ..hooks import capture_final_hidden, intercept_attention
 from ..policies.base import Policy
 from ..timing import SectionTimer, stopwatch
 from ..policies.decoding import prefill_seeds, seeded
-from ..inputs import extended_mask, padded_positions
+from ..inputs import padded_positions
 from .compressor import CompressionState, refuse_unseen_layers
 from .layers import compressed_copy, fork, held_positions, padded_layer, row_cache, stack_rows
 from .recorder import ScoreRecorder, kept_from_scores

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pandas as pd
 
@@ -33,7 +34,8 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     executor: "local" or "ray"; ray_address: an existing cluster ("auto", "ray://head:10001", ...), else Ray
     starts a local one for this run and stops it after.
     manifest: the arguments of `store.write_manifest` (command, options, model, seeds), written once the options
-    are checked, before any cell runs.
+    are checked, before any cell runs; when every cell has finished, the run's log is added to it (cells, cells
+    run, wall and CPU seconds of this process, torch threads, load average: `store.finish_manifest`).
     Returns every cell's table, read back from the store, concatenated in the order of `cells`, so a resumed run
     returns the same table as an uninterrupted one.
     """
@@ -55,6 +57,7 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     skipped = len(unique) - len(pending)
     print(f"{desc}: {len(unique)} cells, {skipped} already in {store.root} (skipped), {len(pending)} to run "
           f"({executor})", file=sys.stderr, flush=True)
+    began, cpu = time.perf_counter(), time.process_time()
     bar = progress_bar(total=len(unique), desc=desc)
     bar.update(skipped)
     counts = dict(done=0, skipped=skipped, remaining=len(pending))
@@ -78,6 +81,12 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
                 _run_ray(pending, work, model, load, ray_address, finished)
     finally:
         bar.close()
+    if manifest is not None:
+        import torch
+
+        store.finish_manifest(cells=len(unique), cells_run=len(pending), seconds=round(time.perf_counter() - began),
+                              cpu_seconds=round(time.process_time() - cpu), torch_threads=torch.get_num_threads(),
+                              load_average_at_end=[round(x, 2) for x in os.getloadavg()])
     return store.table(cells)
 
 

@@ -110,10 +110,27 @@ class ResultStore:
     def write_manifest(self, command: str, options: dict, model, seeds) -> Path:
         """Append this run to <root>/manifest.json: command, options, model, seeds, library versions and the git
         commit of the code (with a `dirty` flag for uncommitted changes). Returns the manifest's path."""
-        path = self.root / "manifest.json"
-        runs = json.loads(path.read_text())["runs"] if path.exists() else []
+        runs = self._runs()
         runs.append(dict(started=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), command=command,
                          options=options, model=model, seeds=seeds, versions=versions(), git=git_commit()))
+        return self._write_runs(runs)
+
+    def finish_manifest(self, **log) -> Path:
+        """Add to the manifest's last run how it went (`log`: seconds, cells run, machine load, ...) and when it
+        ended. A run's log lives here, beside its cells, not in the tables it writes: a rerun that changes no
+        result changes no committed file."""
+        runs = self._runs()
+        if not runs:
+            raise ValueError(f"{self.root / 'manifest.json'} holds no run to finish")
+        runs[-1].update(finished=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), **log)
+        return self._write_runs(runs)
+
+    def _runs(self) -> list[dict]:
+        path = self.root / "manifest.json"
+        return json.loads(path.read_text())["runs"] if path.exists() else []
+
+    def _write_runs(self, runs: list[dict]) -> Path:
+        path = self.root / "manifest.json"
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".partial")
         tmp.write_text(json.dumps({"runs": runs}, indent=1, default=str) + "\n")
