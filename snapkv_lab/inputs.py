@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -10,16 +11,22 @@ import torch.nn.functional as F
 from .framing import plain_prompt
 
 
+_RAW_TEXT_NOTICED: set[str] = set()  # tokenizers already told that a str prompt skips their chat template
+
+
 def encode_prompt(tokenizer, prompt) -> torch.Tensor:
     """Prompt -> (1, n) input ids.
 
-    str: tokenised as is (with the tokenizer's special tokens, e.g. BOS).
+    str: tokenised as is (with the tokenizer's special tokens, e.g. BOS), also for a chat model: text is text,
+        as a trace of an essay needs it. A chat model's tokenizer gets a one-time notice (a UserWarning) saying
+        so; pass [{"role": "user", "content": text}] for a chat turn.
     list of {"role", "content"} dicts: the model's chat template, with the generation prompt appended; for a
     tokenizer without one (a base model), the turns as plain text with speaker labels (framing.plain_prompt).
     list of ints, or a 1-D / (1, n) tensor: used as given.
     """
     if isinstance(prompt, str):
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        _notice_raw_text(tokenizer)
     elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=True,
@@ -38,6 +45,14 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
     return ids
+
+
+def _notice_raw_text(tokenizer) -> None:
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if getattr(tokenizer, "chat_template", None) and name not in _RAW_TEXT_NOTICED:
+        _RAW_TEXT_NOTICED.add(name)
+        warnings.warn(f"a str prompt is tokenised as plain text, without {name}'s chat template; for a chat turn pass "
+                      "[{'role': 'user', 'content': text}] (this notice shows once)", UserWarning, stacklevel=4)
 
 
 def encode_continuation(tokenizer, continuation) -> torch.Tensor:

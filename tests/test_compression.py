@@ -88,6 +88,28 @@ def test_a_result_prints_in_one_line(byte_tokenizer):
     assert "3 new tokens" in line
 
 
+def test_text_is_text_and_a_chat_models_tokenizer_is_told_once(byte_tokenizer, monkeypatch):
+    """A str prompt is tokenised as is (the documented default), never silently wrapped in a chat template; a
+    tokenizer that has a template gets one notice saying how to ask for a chat turn."""
+    import warnings
+
+    from snapkv_lab import inputs
+
+    monkeypatch.setattr(inputs, "_RAW_TEXT_NOTICED", set())
+    model = make_tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no template: nothing to say
+        plain = sl.generate(model, byte_tokenizer, "hi", max_new_tokens=2)
+    assert plain.prompt_ids.tolist() == [list(b"hi")]
+    monkeypatch.setattr(byte_tokenizer, "chat_template", "{{ messages }}", raising=False)
+    with pytest.warns(UserWarning, match="without .*chat template.*'role': 'user'.*once"):
+        chat = sl.generate(model, byte_tokenizer, "hi", max_new_tokens=2)
+    assert chat.prompt_ids.tolist() == plain.prompt_ids.tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        sl.generate(model, byte_tokenizer, "hi", max_new_tokens=2)
+
+
 @pytest.mark.parametrize("capacity", [64, 100])
 def test_capacity_at_or_above_prompt_is_identical_to_uncompressed(capacity, byte_tokenizer):
     model = tiny()
