@@ -6,7 +6,9 @@
     intervals.py  Wilson intervals of accuracies (both grades)
     ablations.py  SnapKV's settings and the other methods at 25%, each run explained by attention coverage
     grid.py     the suites (needle grid, lines, window and method ablations, RULER) as one table, SUITES; each context
-                is a cell of a resumable grid (snapkv_lab.sweep); the `pressure` figure set (`snapkv-lab needle`)
+                is a cell of a resumable grid (snapkv_lab.sweep), run by `snapkv-lab needle`
+    tables.py   the suites' tables summarised: accuracy by policy, budget and length; RULER grades per task
+    figures.py  their figures; with grid.recompute, the `pressure` figure set registered here
 
 Query-aware: the question is part of the prompt, so SnapKV's window votes with the question.
 Query-agnostic (kvpress's protocol): the context alone is compressed, the question appended after.
@@ -15,11 +17,16 @@ The full cache is the same in both modes. The prefill logits are the full cache'
 Results are tidy tables (one row per question x policy x budget x mode) in data/pressure_*.csv.
 """
 
-from .grid import SUITES, Suite, accuracy_table, draw, grid_cells, recompute, ruler_table, run_context
+from ..figures import FigureSet, register
+from .figures import draw
+from .grid import SUITES, Suite, grid_cells, recompute, run_context
 from .intervals import accuracy_intervals, wilson
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
+from .tables import accuracy_table, budget_labels, ruler_table, run_label
 from .tasks import Context, Query, found, found_exactly, lines_context, needle_context
 
+register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))
+
 __all__ = ["SUITES", "Suite", "grid_cells", "run_context", "CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
-           "needle_context", "recompute", "ruler_table", "run_retrieval", "accuracy_intervals", "wilson"]
+           "needle_context", "recompute", "ruler_table", "run_label", "budget_labels", "run_retrieval", "accuracy_intervals", "wilson"]

@@ -16,10 +16,11 @@ import numpy as np
 import pandas as pd
 
 from ..figures import write_html
-from .ablations import draw as draw_ablations
-from .grid import RULER_CAPACITY, RULER_LENGTH, _run_label
+from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ablation_table, retrieval_predictors
+from .grid import RULER_CAPACITY, RULER_LENGTH
 from .intervals import wilson
 from .runner import MODES
+from .tables import run_label
 
 HEATMAP_COLOURS = "viridis"
 # Okabe-Ito: distinguishable with any colour vision.
@@ -77,7 +78,7 @@ def _dodge(budgets: pd.Series, index: int, count: int) -> pd.Series:
 
 def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
     """Every pressure figure whose table exists in data_dir: needle heatmaps per mode, accuracy vs budget,
-    the ablations (`ablations.draw`), the RULER-style suite and the lines ablation."""
+    the ablations (`draw_ablations`), the RULER-style suite and the lines ablation."""
     data_dir, figures_dir = Path(data_dir), Path(figures_dir)
     written = []
     if (data_dir / "pressure_needle.csv").exists():
@@ -233,7 +234,7 @@ def ruler_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     from matplotlib.figure import Figure
     import plotly.express as px
 
-    table = table.assign(run=_run_label(table))
+    table = table.assign(run=run_label(table))
     runs = ["FullCache", *sorted(set(table.run) - {"FullCache"})]
     counts = found_counts(table, ["task", "value_kind", "run"])
     cells = counts.pivot_table(index=["task", "value_kind"], columns="run", values=["accuracy", "found", "asked"])
@@ -323,3 +324,72 @@ def lines_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     bars.update_yaxes(range=[0, 1.1])
     bars.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
     return [png, write_html(bars, stem.with_suffix(".html"))]
+
+
+def draw_ablations(data_dir, figures_dir) -> list[Path]:
+    """figures/pressure_ablations.png (found / asked with Wilson intervals per axis and setting, both modes) and
+    figures/pressure_coverage_retrieval.{png,html} (each run's coverage against the needle attention it served,
+    found vs missed), from data/pressure_ablations.csv; nothing when the table is absent."""
+    import plotly.express as px
+    from matplotlib.figure import Figure
+
+    path = Path(data_dir) / "pressure_ablations.csv"
+    if not path.exists():
+        return []
+    table = pd.read_csv(path)
+    summary = ablation_table(table)
+    figures_dir = Path(figures_dir)
+    modes = ("query-aware", "query-agnostic")
+    labels = summary[summary["mode"] == modes[0]][["axis", "setting"]].apply(lambda r: f"{r.axis}: {r.setting}", axis=1)
+    fig = Figure(figsize=(10, 0.24 * len(labels) + 1.6))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, mode in zip(axes, modes):
+        part = summary[summary["mode"] == mode].reset_index(drop=True)
+        y = range(len(part))[::-1]
+        share = part.correct / part.asked
+        ax.errorbar(share, y, xerr=[share - part.correct_low, part.correct_high - share], fmt="o", ms=3,
+                    color="tab:blue", ecolor="0.6", capsize=2, clip_on=False)  # points at 0 and 1 drawn whole
+        for row, first in enumerate(part.axis != part.axis.shift()):
+            if first and row:
+                ax.axhline(len(part) - row - 0.5, color="0.85", lw=0.8)
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_xlabel(f"needles found ({mode}), 95% Wilson interval")
+        ax.set_yticks(list(y))
+        ax.set_title(f"{mode}: {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens, n = {int(part.asked.max())} per row",
+                     fontsize=9)
+    axes[0].set_yticklabels(labels, fontsize=7)  # shared y: label the left panel only
+    models = ", ".join(sorted(table.model.dropna().astype(str).unique())) if "model" in table else "?"
+    fig.suptitle(f"SnapKV's settings and the other methods at {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens: "
+                 f"needle retrieval, {models}", fontsize=10)
+    fig.tight_layout()
+    bars = figures_dir / "pressure_ablations.png"
+    fig.savefig(bars, dpi=110)
+
+    runs = table[table["mode"] != "full"].assign(coverage_of_oracle=lambda t: t.coverage / t.oracle,
+                                                 value_served=lambda t: t.value_attention_kept / t.value_attention,
+                                                 outcome=lambda t: t.correct.map({True: "found", False: "missed"}))
+    auc = {mode: retrieval_predictors(table[table["mode"].isin(["full", mode])]).set_index("predictor").auc
+           for mode in modes}
+    fig = Figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2, sharex=True, sharey=True)
+    for ax, mode in zip(axes, modes):
+        part = runs[runs["mode"] == mode]
+        for outcome, marker, colour in (("missed", "x", "tab:orange"), ("found", "o", "tab:blue")):
+            sel = part[part.outcome == outcome]
+            ax.scatter(sel.coverage_of_oracle, sel.value_served, marker=marker, s=18, color=colour,
+                       label=f"{outcome} ({len(sel)})")
+        ax.set_xlabel("coverage / oracle (sinks excluded)")
+        ax.set_title(f"{mode}: AUC coverage {auc[mode]['coverage_of_oracle']:.2f}, "
+                     f"needle served {auc[mode]['value_served']:.2f}", fontsize=9)
+        ax.legend(fontsize=8, loc="upper left")
+    axes[0].set_ylabel("share of the answer's needle-value attention served")
+    fig.suptitle("Does coverage predict retrieval? Each point a compressed run of the ablations", fontsize=10)
+    fig.tight_layout()
+    scatter = figures_dir / "pressure_coverage_retrieval.png"
+    fig.savefig(scatter, dpi=110)
+    interactive = px.scatter(runs, x="coverage_of_oracle", y="value_served", color="outcome", facet_col="mode",
+                             hover_data=["policy", "depth", "sample", "output"],
+                             labels=dict(coverage_of_oracle="coverage / oracle (sinks excluded)",
+                                         value_served="needle-value attention served"),
+                             title="Does coverage predict retrieval? (ablation runs)")
+    return [bars, scatter, write_html(interactive, figures_dir / "pressure_coverage_retrieval.html")]

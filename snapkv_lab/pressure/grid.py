@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..figures import FigureSet, register
 from ..policies import (AdaKV, KVzip, PyramidKV, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, Surprisal, TOVA,
                         parse_policy, policy_config, policy_from_config)
 from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
@@ -232,47 +231,3 @@ def recompute(options: dict) -> None:
               ray_address=options.get("ray_address"), desc="pressure cells", manifest=manifest)
     for name, suite_cells in by_suite.items():
         store.table(suite_cells).to_csv(data_dir / SUITES[name].table, index=False)
-
-
-def _run_label(table: pd.DataFrame) -> pd.Series:
-    """"FullCache" for the full cache's rows, else "<policy> <mode>"."""
-    return table.policy.where(table["mode"] == "full", table.policy + " " + table["mode"])
-
-
-def ruler_table(table: pd.DataFrame) -> pd.DataFrame:
-    """Accuracy (RULER's substring grade and the strict one) per task and value kind (rows) for the full cache
-    and each policy and mode (columns); `full_cache_fails` marks the tasks the uncompressed model already fails."""
-    table = table.assign(run=_run_label(table))
-    grades = table.pivot_table(index=["task", "value_kind"], columns="run", values=["correct", "exact"], aggfunc="mean")
-    full = table[table["mode"] == "full"].groupby(["task", "value_kind"]).correct.mean()
-    return grades.assign(full_cache_fails=full.reindex(grades.index) < 1)
-
-
-def accuracy_table(table: pd.DataFrame) -> pd.DataFrame:
-    """Accuracy by mode, policy and budget (rows; budgets in numeric order, "full" first) and prompt length
-    (columns, numeric order), the full cache expanded into every mode."""
-    table = table.copy()
-    full = table[table.policy == "FullCache"]
-    expanded = pd.concat([full.assign(mode=m) for m in MODES if m in set(table["mode"])] + [table[table.policy != "FullCache"]],
-                         ignore_index=True)
-    expanded["budget"] = budget_labels(expanded.capacity)
-    return expanded.pivot_table(index=["mode", "policy", "budget"], columns="length", values="correct", aggfunc="mean",
-                                observed=True)
-
-
-def budget_labels(capacity: pd.Series) -> pd.Series:
-    """Capacities as labels ("full" where there is none) that sort in numeric order, full first: an ordered
-    categorical, so that tables and figures never order budgets as text (1024 before 256)."""
-    budgets = sorted(int(c) for c in capacity.dropna().unique())
-    labels = capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
-    return pd.Series(pd.Categorical(labels, categories=["full", *map(str, budgets)], ordered=True), index=capacity.index)
-
-
-def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
-    """Every pressure figure whose table exists in data_dir (`pressure.figures`, imported when drawing)."""
-    from .figures import draw as draw_figures
-
-    return draw_figures(data_dir, figures_dir)
-
-
-register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))

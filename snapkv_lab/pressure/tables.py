@@ -1,0 +1,44 @@
+"""The pressure suites' tables read as tables: accuracy by policy, budget and length; RULER-style grades per task.
+
+Experiment code (grid.py) writes the tidy tables; this module summarises them; figures.py draws them.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from .runner import MODES
+
+
+def run_label(table: pd.DataFrame) -> pd.Series:
+    """"FullCache" for the full cache's rows, else "<policy> <mode>"."""
+    return table.policy.where(table["mode"] == "full", table.policy + " " + table["mode"])
+
+
+def ruler_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy (RULER's substring grade and the strict one) per task and value kind (rows) for the full cache
+    and each policy and mode (columns); `full_cache_fails` marks the tasks the uncompressed model already fails."""
+    table = table.assign(run=run_label(table))
+    grades = table.pivot_table(index=["task", "value_kind"], columns="run", values=["correct", "exact"], aggfunc="mean")
+    full = table[table["mode"] == "full"].groupby(["task", "value_kind"]).correct.mean()
+    return grades.assign(full_cache_fails=full.reindex(grades.index) < 1)
+
+
+def accuracy_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy by mode, policy and budget (rows; budgets in numeric order, "full" first) and prompt length
+    (columns, numeric order), the full cache expanded into every mode."""
+    table = table.copy()
+    full = table[table.policy == "FullCache"]
+    expanded = pd.concat([full.assign(mode=m) for m in MODES if m in set(table["mode"])] + [table[table.policy != "FullCache"]],
+                         ignore_index=True)
+    expanded["budget"] = budget_labels(expanded.capacity)
+    return expanded.pivot_table(index=["mode", "policy", "budget"], columns="length", values="correct", aggfunc="mean",
+                                observed=True)
+
+
+def budget_labels(capacity: pd.Series) -> pd.Series:
+    """Capacities as labels ("full" where there is none) that sort in numeric order, full first: an ordered
+    categorical, so that tables and figures never order budgets as text (1024 before 256)."""
+    budgets = sorted(int(c) for c in capacity.dropna().unique())
+    labels = capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
+    return pd.Series(pd.Categorical(labels, categories=["full", *map(str, budgets)], ordered=True), index=capacity.index)
