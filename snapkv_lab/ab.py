@@ -18,18 +18,9 @@ import torch
 from .compression import GenerationResult, SharedPrefill
 from .compression.generation import answers, encode_questions
 from .inputs import encode_batch, eos_ids
+from .kept import kept_mask
 from .policies import FullCache, SnapKV
 from .progress import progress_bar
-
-
-def kept_mask(kept_indices: list[torch.Tensor], n_tokens: int, batch: int = 0) -> torch.Tensor:
-    """(layers, heads, n_tokens) bool: which prompt positions each layer's head kept. Padding of head-wise
-    budgets (-1) and generated positions held after eviction while decoding (>= n_tokens) are not prompt."""
-    mask = torch.zeros(len(kept_indices), kept_indices[0].shape[1], n_tokens + 1, dtype=torch.bool)
-    for layer, kept in enumerate(kept_indices):
-        rows = kept[batch].cpu()
-        mask[layer].scatter_(-1, torch.where((rows >= 0) & (rows < n_tokens), rows, n_tokens), True)
-    return mask[..., :n_tokens]
 
 
 # The highlighted span gets one box around all its tokens. A border, unlike an outline, takes its own room in the

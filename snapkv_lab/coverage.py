@@ -23,7 +23,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from .ab import kept_mask
+from .kept import kept_mask
 from .metrics import SinkRule
 from .trace import AttentionTrace
 
@@ -43,6 +43,8 @@ def attention_coverage(trace, kept, *, sinks: SinkRule = SinkRule()) -> pd.DataF
         A GenerationResult's prompt must equal the trace's; plain kept_indices cannot be checked, so kept
         positions of a longer prompt that fall at or past trace.prompt_len would be silently dropped
         (in query-agnostic mode the kept positions are the context's: the question's count as not kept).
+        Or a mask from `kept.kept_mask` ((layers, rows, prompt) bool), e.g. of a CompressionState with
+        whole_from= the compressed length, which counts the appended question as held.
     sinks: the SinkRule of the "excluded" rows (that of the GenerationAttention when one is passed).
     Returns a DataFrame with COLUMNS, rows ordered by layer, head, sinks ("kept", then "excluded"). A head
     whose generated rows see no eligible prompt position (a sliding-window layer) gets NaN coverage and
@@ -50,7 +52,7 @@ def attention_coverage(trace, kept, *, sinks: SinkRule = SinkRule()) -> pd.DataF
     Memory: per layer the (heads, generated, prompt) attention block, recomputed blockwise by the trace.
     """
     attention = GenerationAttention.of(trace, sinks)
-    selected_all = _kept_masks(attention.trace, kept)  # (layers, rows, prompt) bool, batch row 0
+    selected_all = kept_mask_for(attention.trace, kept)  # (layers, rows, prompt) bool, batch row 0
     heads = attention.trace.n_heads
     kv_head = torch.arange(heads) // (heads // attention.trace.n_kv_heads)
     out = []
@@ -143,9 +145,16 @@ def _per_query_head(selected: torch.Tensor, heads: int) -> torch.Tensor:
     return selected[torch.arange(heads) // (heads // selected.shape[0])]
 
 
-def _kept_masks(trace: AttentionTrace, kept) -> torch.Tensor:
-    """(layers, kv_heads or heads, prompt) bool kept prompt positions of batch row 0, from a GenerationResult or
-    its kept_indices, checked against the trace (layers, shapes, the result's prompt)."""
+def kept_mask_for(trace: AttentionTrace, kept) -> torch.Tensor:
+    """(layers, kv_heads or heads, prompt) bool: `kept.kept_mask` of batch row 0 of a GenerationResult or its
+    kept_indices, checked against the trace (layers, shapes, the result's prompt); a mask already made (bool,
+    that shape) is checked for its shape only."""
+    if isinstance(kept, torch.Tensor) and kept.dtype == torch.bool:
+        if kept.ndim != 3 or kept.shape[0] != trace.n_layers or kept.shape[1] not in (trace.n_kv_heads, trace.n_heads) \
+                or kept.shape[2] != trace.prompt_len:
+            raise ValueError(f"a kept mask has shape {tuple(kept.shape)}; expected ({trace.n_layers}, "
+                             f"{trace.n_kv_heads} or {trace.n_heads}, {trace.prompt_len}) for this trace")
+        return kept.cpu()
     kept_indices, batch_rows = _kept_indices(trace, kept)
     if len(kept_indices) != trace.n_layers:
         raise ValueError(f"kept has {len(kept_indices)} layers but the trace records {trace.n_layers} "
@@ -156,10 +165,6 @@ def _kept_masks(trace: AttentionTrace, kept) -> torch.Tensor:
                              f"{trace.n_kv_heads} or {trace.n_heads}, k)")
         if rows.is_floating_point():
             raise TypeError(f"kept[{layer}] must hold integer positions, got {rows.dtype}")
-    # per_query_head selections on a model with sliding layers: the compressed layers keep one set per query head,
-    # the sliding ones (never compressed) one per KV head; each query head reads its KV head's set.
-    rows = max(k.shape[1] for k in kept_indices)
-    kept_indices = [k.repeat_interleave(rows // k.shape[1], dim=1) for k in kept_indices]
     return kept_mask(kept_indices, trace.prompt_len)
 
 
@@ -202,7 +207,7 @@ def span_attention(trace, span: tuple[int, int], kept=None, *,
     start, end = span
     if not 0 <= start < end <= trace.prompt_len:
         raise ValueError(f"span {span} is not a non-empty range of the {trace.prompt_len}-token prompt")
-    selected_all = None if kept is None else _kept_masks(trace, kept)
+    selected_all = None if kept is None else kept_mask_for(trace, kept)
     heads = trace.n_heads
     kv_head = torch.arange(heads) // (heads // trace.n_kv_heads)
     in_span = torch.zeros(heads, trace.prompt_len, dtype=torch.bool)

@@ -234,9 +234,9 @@ class Explorer:
         return shapes
 
     def _kept_masks(self, kept) -> torch.Tensor:
-        from .coverage import _kept_masks
+        from .coverage import kept_mask_for
 
-        return _kept_masks(self.trace, kept)  # (layers, kv_heads or heads, prompt) bool
+        return kept_mask_for(self.trace, kept)  # (layers, kv_heads or heads, prompt) bool
 
     def _kept_share(self) -> np.ndarray:
         """The share of each drawn block of key positions that the policy kept for this head (its KV head's

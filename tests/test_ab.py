@@ -12,7 +12,8 @@ import torch
 from conftest import make_tiny_llama
 import snapkv_lab as sl
 from snapkv_lab import FullCache, H2O, SnapKV, StreamingLLM, compare, generate
-from snapkv_lab.ab import kept_mask, kept_tokens_html
+from snapkv_lab.ab import kept_tokens_html
+from snapkv_lab.kept import kept_mask
 from snapkv_lab.pressure import Context, Query, accuracy_table, run_retrieval
 
 POLICIES = [FullCache(), SnapKV(capacity=40, window_size=8), StreamingLLM(capacity=40, window_size=8)]

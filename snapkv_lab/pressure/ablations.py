@@ -16,8 +16,8 @@ import pandas as pd
 import torch
 
 from ..capture import capture
-from ..compression.layers import held_positions
 from ..coverage import GenerationAttention, attention_coverage, sinks_rows, span_attention
+from ..kept import kept_mask
 from ..policies import AdaKV, ChunkKV, CriticalKV, ExpectedAttention, KNorm, PyramidKV, SnapKV, StreamingLLM, TOVA
 from .intervals import accuracy_intervals
 from .tasks import Context, Query
@@ -49,24 +49,6 @@ def ablation_policies() -> list:
     return list({p.scorer_label: p for settings in AXES.values() for p in settings.values()}.values())
 
 
-def held_prompt_positions(state, n_compressed: int, n_prompt: int) -> list[torch.Tensor]:
-    """Per layer (batch, rows, k) the prompt positions a compression state's cache holds before decoding: the kept
-    positions of compressed layers, all positions of uncompressed ones, and every position from n_compressed to
-    n_prompt (the question, appended in full after a query-agnostic compression). rows: the compressed layers' head
-    count (KV heads, or query heads in the per-query-head layout)."""
-    rows = next((kept.shape[1] for kept in state.kept_indices.values()), None)
-    held = []
-    for layer in range(state.n_layers):
-        if layer in state.kept_indices:
-            positions = state.kept_indices[layer]
-        else:
-            positions = held_positions(state.cache.layers[layer], n_compressed)
-            positions = positions[:, :1].expand(-1, rows or positions.shape[1], -1)  # one set shared by every head
-        appended = torch.arange(n_compressed, n_prompt, device=positions.device).expand(*positions.shape[:2], -1)
-        held.append(torch.cat([positions, appended], dim=-1))
-    return held
-
-
 def coverage_describer(model, tokenizer):
     """A `run_retrieval(describe=...)` function: coverage columns (module doc) of each run, from one full-cache
     capture per question (its prompt and greedy answer), made when the question is first described."""
@@ -79,7 +61,7 @@ def coverage_describer(model, tokenizer):
             trace = capture(model, tokenizer, prompt, max_new_tokens=ANSWER_TOKENS, progress=False)
             reduced[id(query)] = GenerationAttention(trace)
         attention = reduced[id(query)]
-        kept = held_prompt_positions(state, n_compressed, attention.trace.prompt_len)
+        kept = kept_mask(state, attention.trace.prompt_len, whole_from=n_compressed)
         covered = sinks_rows(attention_coverage(attention, kept), "excluded")
         on_value = span_attention(attention, query.value_span, kept)
         return dict(coverage=covered.coverage.mean(), oracle=covered.oracle.mean(), chance=covered.chance.mean(),

@@ -19,6 +19,7 @@ from ..compression.compressor import CompressionState
 from ..inputs import check_context_length
 from ..policies import H2O, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
 from .tasks import Context, found, found_exactly
+from ..kept import kept_mask
 from ..progress import progress_bar
 from ..timing import ms_per_token
 
@@ -29,8 +30,8 @@ CAPACITIES = (256, 512, 1024, 2048)
 def kept_fraction(state: CompressionState, span: tuple[int, int]) -> float:
     """Fraction of the span's token positions held, averaged over the compressed layers and their KV heads."""
     start, end = span
-    kept = [k for layer, k in state.kept_indices.items() if layer not in state.sliding_layers]
-    return float(sum(((k[0] >= start) & (k[0] < end)).sum() for k in kept)) / (len(kept) * kept[0].shape[1] * (end - start))
+    compressed = [i for i, layer in enumerate(sorted(state.kept_indices)) if layer not in state.sliding_layers]
+    return float(kept_mask(state, end)[compressed, :, start:end].float().mean())
 
 
 @torch.inference_mode()
