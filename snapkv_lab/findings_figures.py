@@ -38,6 +38,11 @@ class Grid:
     hue_label: dict = field(default_factory=dict)  # hue value -> legend text
     notes: dict = field(default_factory=dict)  # (split, sinks) -> text under that column's panel titles
     columns: list = field(default_factory=list)  # [(split, sinks)]; default every pair in the summary
+    x_ticks: tuple = ()  # x values that must be ticks (the observation window's -1), beside the automatic ones
+
+
+# A point resting on little support is drawn hollow: defined (>= MIN_SUPPORT) but not a finding to read alone.
+LOW_SUPPORT = 4 * metrics.MIN_SUPPORT
 
 
 def layer_ranges(layers) -> str:
@@ -78,11 +83,30 @@ def _metrics(grid: Grid) -> list[str]:
 def _panel_title(grid: Grid, split: str, sinks: str, metric: str) -> str:
     part = grid.summary[(grid.summary.split == split) & (grid.summary.sinks == sinks) & (grid.summary.metric == metric)]
     title = f"{SPLIT_NAMES.get(split, split)}, sinks {sinks}"
-    undefined = sorted(set(part.loc[~part["defined"].astype(bool), grid.x])) if grid.x == "layer" else []
-    if undefined:  # gaps in a line are cells with too little support, not missing data: say so
-        title += "\n" + _wrap(f"undefined (support < {metrics.MIN_SUPPORT}): layers {layer_ranges(undefined)}", 42)
+    if grid.x == "layer":  # gaps in a line are cells with too little support, not missing data: say whose
+        gaps = {}
+        for hue, line in part[~part["defined"].astype(bool)].groupby(grid.hue):
+            gaps.setdefault(layer_ranges(line[grid.x]), []).append(grid.hue_label.get(hue, str(hue)))
+        if gaps:
+            whose = "; ".join(f"{' & '.join(names) if len(names) < part[grid.hue].nunique() else 'all'}: layers {layers}"
+                              for layers, names in gaps.items())
+            title += "\n" + _wrap(f"undefined (support < {metrics.MIN_SUPPORT}), not drawn: {whose}", 46)
     note = grid.notes.get((split, sinks))
-    return title + (f"\n{_wrap(note, 42)}" if note else "")
+    return title + (f"\n{_wrap(note, 46)}" if note else "")
+
+
+def _coinciding(lines: dict[str, pd.Series]) -> list[list[str]]:
+    """Groups of two or more series (label -> values on a shared x) drawn on top of each other (within 0.005)."""
+    groups: list[list[str]] = []
+    for label, values in lines.items():
+        for group in groups:
+            other = lines[group[0]]
+            if values.index.equals(other.index) and np.allclose(values, other, atol=0.005, equal_nan=True):
+                group.append(label)
+                break
+        else:
+            groups.append([label])
+    return [group for group in groups if len(group) > 1]
 
 
 def _wrap(text: str, width: int) -> str:
@@ -92,6 +116,7 @@ def _wrap(text: str, width: int) -> str:
 
 def draw_png(grid: Grid, path: Path) -> Path:
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     metric_names, columns = _metrics(grid), _columns(grid)
@@ -103,24 +128,44 @@ def draw_png(grid: Grid, path: Path) -> Path:
         for c, (split, sinks) in enumerate(columns):
             ax = axes[r][c]
             part = grid.summary[(grid.summary.metric == metric) & (grid.summary.split == split) & (grid.summary.sinks == sinks)]
+            drawn = {}
             for hue in hues:
                 line = part[part[grid.hue] == hue].sort_values(grid.x)
                 if line.empty:
                     continue
-                ax.plot(line[grid.x], line["value"], marker=".", color=colours[hue], label=grid.hue_label.get(hue, str(hue)))
-                if "ci_low" in line:
-                    ax.fill_between(line[grid.x], line["ci_low"], line["ci_high"], color=colours[hue], alpha=0.18, linewidth=0)
+                line = line.assign(**{c: line[c].where(line["defined"].astype(bool)) for c in ("value", "ci_low", "ci_high")
+                                      if c in line})  # no point and no band at an undefined cell
+                label = grid.hue_label.get(hue, str(hue))
+                ax.plot(line[grid.x], line["value"], marker=".", color=colours[hue], label=label)
+                thin = line[line["support"] < LOW_SUPPORT]
+                ax.plot(thin[grid.x], thin["value"], "o", ms=6, markerfacecolor="white", color=colours[hue])
+                if "ci_low" in line:  # a band with its own edges: overlapping bands stay apart from their lines
+                    ax.fill_between(line[grid.x], line["ci_low"], line["ci_high"], color=colours[hue], alpha=0.12, linewidth=0)
+                    for edge in ("ci_low", "ci_high"):
+                        ax.plot(line[grid.x], line[edge], color=colours[hue], linewidth=0.6, linestyle=":", alpha=0.8)
+                drawn[label] = line.set_index(grid.x)["value"]
+            for group in _coinciding(drawn):  # series hidden under another: say so on the panel
+                ax.text(0.5, 0.22, _wrap(f"{len(group)} series coincide (drawn on top of each other): {', '.join(group)}", 40),
+                        transform=ax.transAxes, ha="center", va="center", fontsize=7,
+                        bbox=dict(boxstyle="round", facecolor="white", alpha=0.85, edgecolor="0.7"))
             chance = part.groupby(grid.x)["chance"].mean()
             ax.plot(chance.index, chance.values, "k--", linewidth=1, label="chance")
             ax.set_ylim(-0.02, 1.02)
             ax.set_ylabel(Y_LABELS[metric])
             ax.set_title(_panel_title(grid, split, sinks, metric), fontsize=9)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if grid.x_ticks:
+                low, high = part[grid.x].min(), part[grid.x].max()
+                ticks = [t for t in MaxNLocator(integer=True).tick_values(low, high) if low <= t <= high
+                         and all(abs(t - forced) > 1 for forced in grid.x_ticks)]  # no tick crowding a forced one
+                ax.set_xticks(sorted({*ticks, *grid.x_ticks}))
             ax.grid(alpha=0.3)
-            if r == len(metric_names) - 1:
-                ax.set_xlabel(grid.xlabel)
+    figure.supxlabel(grid.xlabel, fontsize=10)  # once: a long label per panel runs into its neighbours
     handles, labels = axes[0][0].get_legend_handles_labels()
     unique = dict(zip(labels, handles))
+    unique[f"hollow: support < {LOW_SUPPORT}"] = Line2D([], [], marker="o", markerfacecolor="white", color="0.4",
+                                                        linestyle="none")
+    unique["dotted: interval edges"] = Line2D([], [], color="0.4", linestyle=":", linewidth=0.8)
     figure.legend(unique.values(), unique.keys(), loc="outside right center", fontsize=8)
     figure.suptitle(_wrap(grid.title, int(figure.get_figwidth() * 13)), fontsize=10)
     figure.savefig(path, dpi=100)
@@ -208,7 +253,7 @@ def figure_a(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     size = info.get("prompt_window", "?")
     return Grid(summary, "window", "hue", _title("(a) Each prompt window votes; does the last one (-1, the observation window) "
                                                   "agree best with generation?", table, mode, "prompts"),
-                f"prompt window of {size} tokens (-1 = the observation window)")
+                f"prompt window of {size} tokens (-1 = the observation window)", x_ticks=(-1,))
 
 
 def figure_b(table: pd.DataFrame, mode: str, info: dict) -> Grid:
@@ -284,7 +329,10 @@ def head_figure(table: pd.DataFrame, mode: str, info: dict):
     for ax, split in zip(axes, splits):
         h, lay = heads[heads.split == split], layers[layers.split == split]
         offset = (h["head"] - (n_heads - 1) / 2) * 0.6 / max(1, n_heads)
-        points = ax.scatter(h["layer"] + offset, h["value"], c=h["head"], cmap="viridis", s=12, vmin=0, vmax=n_heads - 1)
+        for head in sorted(h["head"].unique()):  # heads are categories: one colour each, named in the legend
+            one = h["head"] == head
+            ax.scatter(h["layer"][one] + offset[one], h["value"][one], color=f"C{int(head) % 10}", s=12,
+                       label=f"query head {head}")
         ax.plot(lay["layer"], lay["value"], color="black", linewidth=1, label="layer (all heads pooled)")
         ax.plot(lay["layer"], lay["chance"], "k--", linewidth=1, label="chance")
         ax.set_ylim(-0.02, 1.02)
@@ -293,8 +341,8 @@ def head_figure(table: pd.DataFrame, mode: str, info: dict):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(SPLIT_NAMES.get(split, split), fontsize=9)
         ax.grid(alpha=0.3)
-    figure.colorbar(points, ax=list(axes), label="query head", ticks=range(n_heads))
-    axes[0].legend(fontsize=8, loc="upper right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside right center", fontsize=8)
     figure.suptitle(_wrap(title, int(figure.get_figwidth() * 13)), fontsize=10)
     html = px.scatter(heads.assign(head=heads["head"].astype(str)), x="layer", y="value", color="head", facet_col="split",
                       hover_data=["chance", "support"], title=title.replace("\n", "<br>"),

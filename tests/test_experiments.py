@@ -173,6 +173,19 @@ def test_figure_d_merges_identical_sink_panels_and_names_its_lines():
     assert not any("window" in label for label in grid.hue_label.values())
 
 
+def test_figure_panels_name_the_series_they_leave_out_and_the_ones_they_hide(tmp_path):
+    from snapkv_lab.findings_figures import Grid, _coinciding, _panel_title, draw_png
+
+    summary = pd.DataFrame([dict(split="dev", sinks="kept", metric="recall", layer=layer, window=w,
+                                 defined=not (w == 2 and layer == 1), support=3 if (w == 2 and layer == 1) else 100,
+                                 value=0.5, chance=0.1) for layer in range(4) for w in (1, 2)])
+    grid = Grid(summary, "layer", "window", "t", "layer", {1: "first", 2: "second"})
+    assert "not drawn: second: layers 1" in _panel_title(grid, "dev", "kept", "recall").replace("\n", " ")
+    lines = {"a": pd.Series([1.0, 1.0]), "b": pd.Series([1.0, 0.999]), "c": pd.Series([0.2, 0.3])}
+    assert _coinciding(lines) == [["a", "b"]]
+    assert draw_png(grid, tmp_path / "f.png").stat().st_size > 0  # the two series coincide: drawn with that note
+
+
 def test_layer_helpers():
     assert layer_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert set(layer_groups(range(30)).values()) == {"layers 0-9", "layers 10-19", "layers 20-29"}
