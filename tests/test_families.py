@@ -116,7 +116,7 @@ def test_attention_outside_the_registry_is_refused(byte_tokenizer):
     refused = "without calling an attention function from transformers' registry"
     with pytest.raises(RuntimeError, match=refused):
         snapkv_lab.generate(model, byte_tokenizer, prompt(), policy=snapkv(), max_new_tokens=1)
-    # The one-prefill engines (compare, the pressure runner, a scorer with an extra pass) refuse it too, instead of
+    # The one-prefill engines (compare, the pressure runner, a scorer that scores after the prefill) refuse it too, instead of
     # the full cache labelled SnapKV@40 (cache_length 64 of 64, kv_ratio 1.0).
     with pytest.raises(RuntimeError, match=refused):
         snapkv_lab.compare(model, byte_tokenizer, [prompt()], policies=[snapkv()], max_new_tokens=1, progress=False)

@@ -60,12 +60,12 @@ def test_budget_covering_the_prompt_is_the_plain_model(name, model, byte_tokeniz
 @pytest.mark.parametrize("name", NAMES)
 def test_generate_compress_and_compare_agree(name, model, byte_tokenizer):
     """Live compression at each layer's prefill call, model.generate under it, and compare's compressed copies
-    of one full prefill: the same kept positions and tokens (KVzip, which needs an extra pass, is refused
+    of one full prefill: the same kept positions and tokens (KVzip and Surprisal, which score after the prefill, are refused
     inside model.generate)."""
     policy = build(name, capacity=40, window_size=8)
     ids = prompt(batch=2, seed=2)
     ours = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
-    if policy.extra_passes:
+    if policy.scores_after_prefill:
         with pytest.raises(NotImplementedError, match="scores after the prefill"):
             with snapkv_lab.compress(model, policy):
                 pass

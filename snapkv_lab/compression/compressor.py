@@ -420,7 +420,8 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     The cache must start empty and be passed to the model. A left-padded batch (model.generate(ids,
     attention_mask=mask)) is compressed row by row as each row's batch-1 run (see the module doc); padding elsewhere,
     assisted and prompt-lookup decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
-    Policies that need extra passes over the prompt (KVzip) cannot run inside one forward: use `generate`.
+    Policies that score after the prefill (KVzip, Surprisal: `scores_after_prefill`) cannot run inside one forward:
+    use `generate`.
 
     prefill_chunk=N: compress as you go. The prompt is fed in chunks of at most N tokens
     (`model.generate(..., prefill_chunk_size=N)`, or `snapkv_lab.generate(..., prefill_chunk=N)`), and after each
@@ -435,9 +436,9 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     compression). A call of one token ends the chunks (model.generate's first decode step).
     """
     policy = policy or FullCache()
-    if policy.extra_passes:
+    if policy.scores_after_prefill:
         raise NotImplementedError(f"{policy.label} scores after the prefill, from the whole prompt's cache or final hidden "
-                                  "states (extra passes or the output head over every position), which cannot run "
+                                  "states (a reconstruction forward or the output head over every position), which cannot run "
                                   "inside model.generate's prefill: use snapkv_lab.generate")
     if prefill_chunk is not None:
         check_chunking(policy, prefill_chunk)

@@ -169,7 +169,7 @@ def chunk_sizes(n: int, chunk: int) -> list[int]:
 def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int) -> tuple[CompressionState, torch.Tensor, float]:
     """Prefill ids (batch, n) in chunks of `chunk` tokens, compressing as it goes (see `compress`): (state, last
     logits, seconds). A capacity ratio is a budget of the whole prompt, fixed in tokens before the first chunk."""
-    if policy.extra_passes:
+    if policy.scores_after_prefill:
         raise NotImplementedError(f"{policy.label} scores after the prefill, from the whole prompt's cache or final hidden "
                                   "states, which a chunked prefill never holds: run it without prefill_chunk")
     n = ids.shape[1]
@@ -196,7 +196,7 @@ def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy, prefill_chunk: 
             raise NotImplementedError("a chunked prefill of a padded batch is not supported (each row's chunks "
                                       "would start at different positions): prefill it whole, or row by row")
         return chunked_prefill(model, ids, policy, prefill_chunk)
-    if not policy.extra_passes:
+    if not policy.scores_after_prefill:
         with compress(model, policy) as state, stopwatch(model.device) as elapsed:
             logits = forward(model, ids, state.cache, 0, mask)
             state.check_prefill_seen()

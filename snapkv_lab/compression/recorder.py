@@ -39,7 +39,7 @@ class ScoreRecorder:
     """
 
     def __init__(self, policies, n_layers: int):
-        self.policies = {p.scorer_label: p for p in policies if not p.extra_passes}
+        self.policies = {p.scorer_label: p for p in policies if not p.scores_after_prefill}
         self.n_layers = n_layers
         self.window = max((p.voters for p in self.policies.values()), default=0)
         self.scores: dict[str, dict[int, torch.Tensor]] = {label: {} for label in self.policies}

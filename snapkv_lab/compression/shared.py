@@ -43,8 +43,9 @@ class SharedPrefill:
     logits: torch.Tensor
     recorder: ScoreRecorder
     seconds: float  # the forward that fed the last chunk
-    # Extra-pass scores by Policy.scoring_key: paid once per prefill, by the first state that needs them.
-    extra_scores: dict = field(default_factory=dict)
+    # Scores made after the prefill (Policy.scores_after_prefill) by scoring_key: paid once per prefill, by the first
+    # state that needs them.
+    after_prefill_scores: dict = field(default_factory=dict)
     keeps_final_hidden: bool = False  # some policy reads them (Policy.reads_final_hidden): cache.final_hidden
     # (batch, slots) 0 on a padded batch's left pads (every policy's rows are scored on their own tokens), else None
     mask: torch.Tensor | None = None
@@ -87,24 +88,24 @@ class SharedPrefill:
     def n_tokens(self) -> int:
         return self.ids.shape[1]
 
-    def _extra_scores(self, policy: Policy) -> dict:
+    def _after_prefill_scores(self, policy: Policy) -> dict:
         key = policy.scoring_key
-        if key not in self.extra_scores:
+        if key not in self.after_prefill_scores:
             pads = self.pads
             if pads is None:
-                self.extra_scores[key] = policy.prompt_scores(self.model, self.tokenizer, self.ids, self.cache)
+                self.after_prefill_scores[key] = policy.prompt_scores(self.model, self.tokenizer, self.ids, self.cache)
             else:  # row by row, each on its batch-1 slice (its own tokens and cache), left-padded back to the slots
                 n = self.n_tokens
                 rows = [policy.prompt_scores(self.model, self.tokenizer, self.ids[b:b + 1, int(p):],
                                              row_cache(self.cache, b, int(p))) for b, p in enumerate(pads.tolist())]
-                self.extra_scores[key] = {layer: torch.cat([F.pad(row[layer], (n - row[layer].shape[-1], 0)) for row in rows])
+                self.after_prefill_scores[key] = {layer: torch.cat([F.pad(row[layer], (n - row[layer].shape[-1], 0)) for row in rows])
                                           for layer in rows[0]}
-        return self.extra_scores[key]
+        return self.after_prefill_scores[key]
 
     @torch.inference_mode()
     def state(self, policy: Policy) -> CompressionState:
         """The compressor's state after prefill under `policy`: a compressed copy of the full cache (or a fork
-        when the prompt fits), kept_indices for every layer, the selection time (extra passes included)."""
+        when the prompt fits), kept_indices for every layer, the selection time (scoring after the prefill included)."""
         n, n_layers = self.n_tokens, self.model.config.num_hidden_layers
         if self.pads is not None:
             return self._padded_state(policy)
@@ -116,7 +117,7 @@ class SharedPrefill:
         with timer.section():
             scores = {}
             if policy.budget(n) is not None or seeded(policy):
-                scores = self._extra_scores(policy) if policy.extra_passes else self.recorder.scores[policy.scorer_label]
+                scores = self._after_prefill_scores(policy) if policy.scores_after_prefill else self.recorder.scores[policy.scorer_label]
             kept = {} if policy.budget(n) is None else \
                 kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers)
             cache = compressed_copy(self.cache, kept)
@@ -139,7 +140,7 @@ class SharedPrefill:
         with timer.section():
             scores = {}
             if compresses or seeded(policy):
-                scores = self._extra_scores(policy) if policy.extra_passes else self.recorder.scores[policy.scorer_label]
+                scores = self._after_prefill_scores(policy) if policy.scores_after_prefill else self.recorder.scores[policy.scorer_label]
             rows = kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers, pads) or {}
             cache = fork(self.cache)
             for layer, kept in rows.items():

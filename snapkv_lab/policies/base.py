@@ -98,8 +98,10 @@ class Policy:
     gqa: str = "mean"  # how a KV head's query heads' pooled scores combine into its one selection: "mean" or "max"
     # True: scores of successive prompt chunks add up (accumulated attention); False: the last chunk's stand.
     accumulates: ClassVar[bool] = False
-    # Extra forward passes over the prompt that scoring needs (0: the prefill's own attention calls suffice).
-    extra_passes: ClassVar[int] = 0
+    # True: scores need the whole prompt, so they are made after the prefill (KVzip's reconstruction forward,
+    # Surprisal's output head over every final hidden state), never inside a layer's attention call; False: the
+    # prefill's own attention calls suffice.
+    scores_after_prefill: ClassVar[bool] = False
     # True: scores from the decoder's final hidden states over the whole prompt (Surprisal), which the prefill's
     # forward keeps only when a policy of it needs them (compression.shared.SharedPrefill, hooks.capture_final_hidden).
     reads_final_hidden: ClassVar[bool] = False

@@ -172,7 +172,7 @@ class KVzip(Policy):
     allocation: str = "global"
     repeat_prompts: str = field(default="official", metadata={ADDED_LATER: True})
 
-    extra_passes: ClassVar[int] = 1
+    scores_after_prefill: ClassVar[bool] = True  # a reconstruction forward over the cached prompt
     scores_query_heads: ClassVar[bool] = False  # the largest attention over each KV head's query heads
 
     def __post_init__(self):

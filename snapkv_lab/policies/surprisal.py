@@ -15,8 +15,8 @@ Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; d
 One set of positions serves every layer and KV head. Cost: no second forward. The prefill that fills the cache
 already computes every position's final hidden states and drops all but the last before its output head
 (`logits_to_keep=1`); SharedPrefill keeps them (hooks.capture_final_hidden) when a policy reads them, and the
-scores are the output head over them, LOGIT_ELEMENTS logits at a time. That head pass is Surprisal's one extra pass
-(`extra_passes`). It needs the whole prompt's hidden states, so Surprisal scores after the prefill (snapkv_lab.generate,
+scores are the output head over them, LOGIT_ELEMENTS logits at a time. It needs the whole prompt's hidden states, so
+Surprisal scores after the prefill (`scores_after_prefill`; snapkv_lab.generate,
 compare, SharedPrefill), never live at a layer's attention call (`compress` refuses it).
 """
 
@@ -64,7 +64,7 @@ class Surprisal(Policy):
     kernel_size: int = FACT_TOKENS
     sinks: int = 4
 
-    extra_passes: ClassVar[int] = 1  # the output head over every prompt position's final hidden states: no second forward
+    scores_after_prefill: ClassVar[bool] = True  # the output head over every prompt position's final hidden states: no second forward
     reads_final_hidden: ClassVar[bool] = True
     scores_query_heads: ClassVar[bool] = False  # one set of positions serves every head
 

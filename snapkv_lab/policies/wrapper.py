@@ -47,7 +47,7 @@ class Wrapper(Policy):
 
     # Everything the inner policy decides about scoring is the wrapper's too.
     accumulates = _inner("accumulates")
-    extra_passes = _inner("extra_passes")
+    scores_after_prefill = _inner("scores_after_prefill")
     reads_final_hidden = _inner("reads_final_hidden")
     scores_query_heads = _inner("scores_query_heads")
     voters = _inner("voters")
