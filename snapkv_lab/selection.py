@@ -6,7 +6,7 @@ prefill), so the two can never disagree:
     votes = window_votes(query_window, key, scaling, window_positions, prefix_len)   # (heads, prefix)
     indices = select(votes, k, pooling="max", kernel_size=7, kv_heads=None)           # (heads, k) sorted
 
-`select_from_trace(trace, layer, window, ...)` is the same on a trace.
+`select_from_trace(trace, layer, voters, ...)` is the same on a trace.
 """
 
 from __future__ import annotations
@@ -79,26 +79,26 @@ def select(votes: torch.Tensor, k: int | float, *, pooling: str | None = "max", 
     return torch.topk(scores, count, dim=-1).indices.sort(dim=-1).values
 
 
-def select_from_trace(trace, layer: int, window, k: int | float, *, prefix_len: int | None = None,
+def select_from_trace(trace, layer: int, voters: slice, k: int | float, *, prefix_len: int | None = None,
                       pooling: str | None = None, kernel_size: int = 7, kv_heads: int | None = None,
                       gqa: str = "mean") -> torch.Tensor:
-    """`select` with the votes of the query rows `window` (a slice of token positions) of a trace.
+    """`select` with the votes of the query rows `voters` (a slice of consecutive token positions) of a trace.
 
-    prefix_len defaults to the window's first position: the window votes on what precedes it. A smaller
-    prefix_len votes on a common prefix (several windows compared); a larger one would let the window vote
-    on its own positions, which it attends to by construction, and is refused.
+    prefix_len defaults to the voters' first position: they vote on what precedes them. A smaller prefix_len votes
+    on a common prefix (several blocks of voters compared); a larger one would let the voters vote on their own
+    positions, which they attend to by construction, and is refused.
     Pooling defaults to None here (the observation experiments vote without pooling).
     """
-    if not isinstance(window, slice) or window.step not in (None, 1):
-        raise TypeError(f"window must be a slice of consecutive token positions, got {window!r}")
-    rows = range(trace.n_tokens)[window]
+    if not isinstance(voters, slice) or voters.step not in (None, 1):
+        raise TypeError(f"voters must be a slice of consecutive token positions, got {voters!r}")
+    rows = range(trace.n_tokens)[voters]
     if len(rows) == 0:
-        raise ValueError(f"window {window} holds no token of the trace ({trace.n_tokens} tokens)")
+        raise ValueError(f"voters {voters} hold no token of the trace ({trace.n_tokens} tokens)")
     prefix_len = rows.start if prefix_len is None else prefix_len
     if prefix_len <= 0:
-        raise ValueError(f"window {window} leaves no prefix to vote on")
+        raise ValueError(f"voters {voters} leave no prefix to vote on")
     if prefix_len > rows.start:
-        raise ValueError(f"prefix_len {prefix_len} reaches into the window {window} (starting at {rows.start}): "
-                         "a window cannot vote on its own positions")
-    votes = trace.column_sums(layer, queries=window)[:, :prefix_len]
+        raise ValueError(f"prefix_len {prefix_len} reaches into the voters {voters} (starting at {rows.start}): "
+                         "voters cannot vote on their own positions")
+    votes = trace.column_sums(layer, queries=voters)[:, :prefix_len]
     return select(votes, k, pooling=pooling, kernel_size=kernel_size, kv_heads=kv_heads, gqa=gqa)
