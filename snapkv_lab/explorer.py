@@ -383,8 +383,9 @@ class Explorer:
             label = "overview" if i == 0 else f"zoom {i}: {len(range(self.trace.n_tokens)[zooms[i - 1][0]])} rows"
             buttons.append(dict(label=label, method="update", args=[{"visible": visible}, change]))
         figure.update_layout(**levels[0][1])
-        figure.update_layout(updatemenus=[dict(type="buttons", direction="right", x=0, y=1.12, xanchor="left",
-                                               buttons=buttons)], margin=dict(t=110))
+        # The level buttons under the map: above it they ran into the title.
+        figure.update_layout(updatemenus=[dict(type="buttons", direction="right", x=0, y=-0.14, xanchor="left",
+                                               yanchor="top", buttons=buttons)], margin=dict(b=110))
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         figure.write_html(path, include_plotlyjs=True, full_html=True,
