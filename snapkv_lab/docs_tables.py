@@ -1,5 +1,5 @@
-"""The docs' tables that come from data/: each written by code between markers in its page, so that a page never
-says other numbers than the committed tables (tests/test_docs.py checks every block; `snapkv-lab figures` rewrites
+"""The docs' tables that come from data/ (and the benchmarks' committed results beside it): each written by code
+between markers in its page, so that a page never says other numbers than the committed tables (tests/test_docs.py checks every block; `snapkv-lab figures` rewrites
 them whenever it draws).
 
 In a page a block reads
@@ -74,11 +74,41 @@ def _leaderboard(data_dir: Path) -> str:
     return "\n".join(lines)
 
 
+# The benchmark scripts' committed results sit beside data/ in the repository: blocks read them from there.
+RESULTS = "../benchmarks/results"
+
+
+def _kvpress_timing(data_dir: Path) -> str:
+    import pandas as pd
+
+    table = pd.read_csv(data_dir / RESULTS / "kvpress_timing.csv")
+    lines = ["| method | tokens | kept | lab s | kvpress s | lab / kvpress | same answers |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in table.itertuples():
+        ratio = f"{row.lab_over_kvpress:.2f}"  # the script's own (from unrounded times)
+        lines.append(f"| {row.method} | {row.tokens} | {row.kept} | {row.lab_s:.2f} | {row.kvpress_s:.2f} | "
+                     f"{f'**{ratio}**' if row.lab_s <= row.kvpress_s else ratio} | {row.same_answers:.2f} |")
+    return "\n".join(lines)
+
+
+def _kvpress_timing_summary(data_dir: Path) -> str:
+    import pandas as pd
+
+    table = pd.read_csv(data_dir / RESULTS / "kvpress_timing.csv")
+    ratios = table.pivot(index="method", columns="tokens", values="lab_over_kvpress").reindex(table.method.unique())
+    lines = ["| lab time / kvpress time | " + " | ".join(f"{n} tokens" for n in ratios.columns) + " |",
+             "|---|" + "---:|" * len(ratios.columns)]
+    lines += [f"| {method} | " + " | ".join(f"{value:.2f}" for value in row) + " |" for method, row in ratios.iterrows()]
+    return "\n".join(lines)
+
+
 BLOCKS = {
     "findings": Block("findings.md", ("findings_a.csv",), _findings),
     "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
                                    _findings_side_by_side),
     "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
+    "kvpress-timing": Block("performance.md", (f"{RESULTS}/kvpress_timing.csv",), _kvpress_timing),
+    "kvpress-timing-summary": Block("../README.md", (f"{RESULTS}/kvpress_timing.csv",), _kvpress_timing_summary),
 }
 
 
@@ -107,6 +137,8 @@ def stale(docs_dir="docs", data_dir="data") -> list[str]:
     out = []
     for name, block in BLOCKS.items():
         page = Path(docs_dir) / block.page
+        if not page.exists():
+            continue  # as in write: a docs folder without that page has nothing to keep
         text = page.read_text()
         start, end = _span(text, name, page)
         new = rendered(name, data_dir)
