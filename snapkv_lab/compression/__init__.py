@@ -6,6 +6,8 @@
     generation.py   generate(): greedy decoding over a compressed cache, one context and many questions
     shared.py       SharedPrefill: one full prefill serving many policies (compare, the pressure tests)
     answering.py    answer_runs: the full cache and every policy x mode answering each question of one prefilled context
+    reference.py    masked_decode: the plain definition the fast path is tested against (the full cache, each head's
+                    evicted positions hidden, eager attention)
 """
 
 from .compressor import CompressionState, applied, compress
