@@ -170,7 +170,7 @@ class Policy:
     def scoring_key(self) -> str:
         """The scorer alone: policies with equal keys score identically, since the budget, pooling, GQA reduction
         and layout act after scoring (in `keep`), and a subclass that only changes those defaults (FactKV of KVzip)
-        scores as the class that defines the scoring. Lets extra scoring passes be shared between such variants."""
+        scores as the class that defines the scoring. Lets scores made after the prefill be shared between such variants."""
         scorer = next(c for c in type(self).__mro__ if "score" in vars(c) or "prompt_scores" in vars(c))
         settings = ", ".join(self._differences(scorer(), skip=("capacity", *SELECTION)))
         return f"{scorer.__name__}({settings})" if settings else scorer.__name__
