@@ -1,0 +1,76 @@
+"""Which heads retrieve: Wu et al.'s retrieval score of every (layer, query head), measured on the model itself.
+
+    table = retrieval_heads(model, tokenizer)       # one row per (layer, head), pooled over needle prompts
+    heads_grid_figure(table, "retrieval_score")     # the layer x head grid (snapkv_lab.heads)
+
+The protocol of the official detection (nightdessert/Retrieval_Head, retrieval_head_detection.py at commit
+3ac171a), on the lab's own needles (`pressure.needle_context`: a 7-digit value in Paul Graham's essays, asked for
+by its key) instead of the official needle sentences:
+    - the model answers each needle prompt greedily (the official decodes up to 50 tokens, lines 235-246);
+    - a prompt counts only if the model found the needle (the official keeps answers whose ROUGE-1 recall of the
+      needle is above 50, lines 298-300; here the answer must hold the value);
+    - in each counted answer, a copy step is an emitted token found in the needle's tokens, and a head hits when
+      its top-attended key holds that token inside the needle (`heads.head_table`, lines 221-229).
+The score pools the prompts as hits over copy steps (the official averages per-test scores normalised by the
+needle's length: the two agree when every answer copies the needle once). Results are cached per model and
+settings in the cache folder (`models.cache_dir()`), so a policy built from them (DuoAttention, HeadKV) pays the
+captures once per model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from .capture import capture
+from .heads import head_table
+from .models import cache_dir
+from .pressure.tasks import needle_context
+from .progress import progress_bar
+
+LENGTHS = (1000, 2000)
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+COLUMNS = ["layer", "head", "kv_head", "prompts", "copy_steps", "retrieval_hits", "retrieval_score"]
+
+
+def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples: int = 1, max_new_tokens: int = 16,
+                    found_only: bool = True, cache: bool = True, progress: bool = True) -> pd.DataFrame:
+    """One row per (layer, query head): prompts (needle prompts counted), copy_steps and retrieval_hits summed
+    over them, retrieval_score = hits / copy steps (NaN with no copy step). Needle prompts: every length x depth x
+    sample (`pressure.needle_context`). found_only=False counts every prompt, found or not (not the official
+    filter). cache: read and write <cache folder>/retrieval_heads/<model>-<settings hash>.csv."""
+    settings = dict(model=str(getattr(model.config, "name_or_path", "")), lengths=list(lengths), depths=list(depths),
+                    samples=samples, max_new_tokens=max_new_tokens, found_only=found_only)
+    path = _cache_path(settings)
+    if cache and path.exists():
+        return pd.read_csv(path)
+    tables = []
+    specs = [(n, depth, sample) for n in lengths for depth in depths for sample in range(samples)]
+    for n, depth, sample in progress_bar(specs, desc="retrieval heads", disable=not progress):
+        context = needle_context(tokenizer, n, depth, sample)
+        query = context.queries[0]
+        trace = capture(model, tokenizer, context.context_ids + query.question_ids, max_new_tokens=max_new_tokens,
+                        progress=False)
+        if found_only and query.answer not in trace.generated_text:
+            continue
+        tables.append(head_table(trace, span=query.span))
+    if not tables:
+        raise ValueError(f"the model found no needle in {len(specs)} prompts: no copy step to score (found_only=False "
+                         "counts every prompt)")
+    pooled = pd.concat(tables).groupby(["layer", "head", "kv_head"], as_index=False)[["copy_steps", "retrieval_hits"]].sum()
+    pooled.insert(3, "prompts", len(tables))
+    pooled["retrieval_score"] = (pooled.retrieval_hits / pooled.copy_steps).where(pooled.copy_steps > 0)
+    pooled = pooled[COLUMNS]
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pooled.to_csv(path, index=False)
+    return pooled
+
+
+def _cache_path(settings: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    name = settings["model"].strip("/").replace("/", "--") or "model"
+    return cache_dir() / "retrieval_heads" / f"{Path(name).name}-{digest}.csv"
