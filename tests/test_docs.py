@@ -68,3 +68,11 @@ def test_the_docs_say_what_the_committed_tables_say(tmp_path):
     assert docs_tables.stale(docs, ROOT / "data") == ["leaderboard"]
     assert docs_tables.write(docs, ROOT / "data") == [page]
     assert page.read_text() == (ROOT / "docs" / docs_tables.BLOCKS["leaderboard"].page).read_text()
+
+
+def test_every_notebook_opens_with_what_it_needs_and_how_long_it_takes():
+    import json
+
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        first = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        assert "**Needs:**" in first and "**Time on 2 CPU cores:**" in first, path.name

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from reference import eager_maps
 
 from snapkv_lab import capture
