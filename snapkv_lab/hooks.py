@@ -42,7 +42,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
-def _model_eager_function(module) -> Callable:
+def model_eager_function(module) -> Callable:
     """The eager attention function of a module's model family (not in the registry: each family has its own)."""
     function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if function is None:
@@ -65,7 +65,7 @@ class _Dispatcher:
         registry[name] = self
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        function = self.original if self.original is not None else _model_eager_function(module)
+        function = self.original if self.original is not None else model_eager_function(module)
         attend = None
         for modules, callback, override in list(self.entries):
             if id(module) in modules:

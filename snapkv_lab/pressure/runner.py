@@ -17,9 +17,9 @@ from ..compression import SharedPrefill
 from ..compression.answering import MODES, answer_runs
 from ..compression.compressor import CompressionState
 from ..inputs import check_context_length
+from ..kept import kept_mask
 from ..policies import H2O, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
 from .tasks import Context, found, found_exactly
-from ..kept import kept_mask
 from ..progress import progress_bar
 from ..timing import ms_per_token
 
