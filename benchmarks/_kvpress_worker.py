@@ -159,6 +159,16 @@ def run_shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple[dict, t
     return kept, logits
 
 
+def given_filters(press, path: str | None) -> None:
+    """QFilterPress with the filters snapkv_lab calibrated (saved at `path`, (layers, kv_heads, head_dim)) instead of
+    the authors' published ones, which it would fetch from the Hub: negated, as the press keeps the lowest <f, k>
+    (qfilter_press.py:176-178) and ours point along the queries."""
+    if path is None:
+        raise ValueError("QFilterPress needs the request's q_filters (the Hub is out of reach)")
+    press.q_filters = -torch.load(path).float()
+    press.post_init_from_model = lambda model: None
+
+
 def run_kvzip(model, ids: torch.Tensor, press) -> dict:
     """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks."""
     from transformers import DynamicCache
@@ -194,6 +204,8 @@ def main(request_path: str, out_path: str) -> None:
         except Exception as err:
             results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
             continue
+        if isinstance(press, kvpress.QFilterPress):
+            given_filters(press, request.get("q_filters"))
         if isinstance(press, kvpress.KVzipPress):
             try:
                 start = time.perf_counter()

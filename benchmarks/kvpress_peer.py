@@ -151,6 +151,19 @@ ROWS = [
         "AdaKV's head budgets (as the AdaKV row, criticalkv_press.py:153-171), then CriticalKV's two stages inside "
         "each head's budget, the window in its stage 1 (:173-186); epsilon as in the CriticalKV row.",
         expect={"policy.allocation": "safeguard"}),
+    Row("KeyDiff", "KeyDiff()", "KeyDiffPress(compression_ratio={ratio})",
+        "Same definition and defaults: minus the cosine similarity of each post-RoPE key to the mean of the layer's "
+        "unit-normalised keys, per KV head (keydiff_press.py:45-46), every position competing, no window."),
+    Row("LagKV", "LagKV(sinks=4)", "LagKVPress(compression_ratio={ratio})",
+        "Same definition: partitions of 128 after the sinks, each judged against the next by the softmax of its "
+        "min-max normalised channels' std, keys and values together (lagkv_press.py:65-97); ranked within each "
+        "partition (:77-78), so each judged partition keeps an equal share; the sinks and the tail (the last whole "
+        "partition and the rest) always kept (:81-85). By design kvpress keeps 4 sinks where the authors' code keeps "
+        "16: ours sinks=4. At 1000 tokens: 7 partitions, 6 judged, 232 sinks and tail, 3 tokens per partition."),
+    Row("QFilters", "QFilters()", "QFilterPress(compression_ratio={ratio})",
+        "Same scoring given the same filters: kvpress loads the authors' published filters from the Hub (out of reach "
+        "here), so the worker is handed ours, negated (it keeps the lowest <f, k>, qfilter_press.py:176-178); the row "
+        "checks the selection, not the calibration (tests/test_attention_free.py checks that against an SVD)."),
 ]
 
 
@@ -229,13 +242,15 @@ def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, to
     return kept, shared.logits[0].float().cpu()
 
 
-def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str]) -> dict:
+def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], q_filters: Path | None = None) -> dict:
     """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression} on the model in
-    `checkpoint`; RuntimeError with the worker's last output lines if it fails."""
+    `checkpoint`; RuntimeError with the worker's last output lines if it fails. q_filters: the query filters our
+    QFilters calibrated, for QFilterPress (which would load the authors' from the Hub)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
-                                       "threads": torch.get_num_threads()}))
+                                       "threads": torch.get_num_threads(),
+                                       "q_filters": None if q_filters is None else str(q_filters)}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                "HF_HUB_OFFLINE": "1"}
         done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
@@ -377,6 +392,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     prefill, every press in one worker run on the same checkpoint."""
     import snapkv_lab
     from snapkv_lab.models import bundled_checkpoint
+    from snapkv_lab.query_filters import filters_path
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
     ids = prompt_ids(tokenizer, n_tokens)
@@ -385,7 +401,8 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     start = time.perf_counter()
     ours, logits = run_ours(model, tokenizer, ids, {label: policy for label, (policy, _) in built.items()})
     middle = time.perf_counter()
-    theirs = run_kvpress(venv, bundled_checkpoint(), ids, {row.label: row.press.format(ratio=ratio) for row in rows})
+    theirs = run_kvpress(venv, bundled_checkpoint(), ids, {row.label: row.press.format(ratio=ratio) for row in rows},
+                         q_filters=filters_path(model))  # calibrated by run_ours's QFilters
     seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
     agreements = {}
     for row in rows:

@@ -12,7 +12,8 @@ _EXPORTS = {  # public name -> its module
     "SnapKV": "policies", "SnapKVNoPooling": "policies", "SnapKVFactKernel": "policies", "StreamingLLM": "policies",
     "KVzip": "policies", "Surprisal": "policies", "DecodingEviction": "policies",
     "PyramidKV": "policies", "AdaKV": "policies", "ExpectedAttention": "policies",
-    "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies",
+    "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies", "KeyDiff": "policies",
+    "LagKV": "policies", "QFilters": "policies",
     "compress": "compression", "generate": "compression", "compare": "ab",
     "attention_coverage": "coverage", "explore": "explorer",
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -70,6 +71,19 @@ class ModelNotFoundError(OSError):
 def cache_dir() -> Path:
     """Folder holding converted checkpoints (override with the SNAPKV_LAB_CACHE environment variable)."""
     return Path(os.environ.get("SNAPKV_LAB_CACHE", Path.home() / ".cache" / "snapkv_lab"))
+
+
+def measured_cache_path(kind: str, model, settings: dict, suffix: str) -> Path:
+    """Where something measured on a model once (retrieval heads, query filters) is cached:
+    <cache folder>/<kind>/<model name>-<hash>.<suffix>, the hash over `settings` and a sample of the model's weights,
+    so that two models of one name (random test models, a fine-tune saved under its base's name) never share it."""
+    sample = list(model.parameters())
+    sample = sample[:: max(1, len(sample) // 8)]
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    for parameter in sample:
+        digest.update(parameter.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    name = str(getattr(model.config, "name_or_path", "")).strip("/").replace("/", "--") or "model"
+    return cache_dir() / kind / f"{Path(name).name}-{digest.hexdigest()[:12]}.{suffix}"
 
 
 def bundled_model(name: str | None) -> BundledModel | None:

@@ -20,16 +20,12 @@ captures once per model.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
-
 import pandas as pd
 import torch
 
 from .capture import capture
 from .heads import copy_steps, retrieval_hits
-from .models import cache_dir
+from .models import measured_cache_path
 from .pressure.tasks import needle_context
 from .progress import progress_bar
 
@@ -46,7 +42,7 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
     filter). cache: read and write <cache folder>/retrieval_heads/<model>-<settings hash>.csv."""
     settings = dict(model=str(getattr(model.config, "name_or_path", "")), lengths=list(lengths), depths=list(depths),
                     samples=samples, max_new_tokens=max_new_tokens, found_only=found_only)
-    path = _cache_path(settings)
+    path = measured_cache_path("retrieval_heads", model, settings, "csv")
     if cache and path.exists():
         return pd.read_csv(path)
     tables, counted = [], 0  # per counted prompt and layer: copy steps and hits (no other statistic of head_table's)
@@ -76,9 +72,3 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
         path.parent.mkdir(parents=True, exist_ok=True)
         pooled.to_csv(path, index=False)
     return pooled
-
-
-def _cache_path(settings: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    name = settings["model"].strip("/").replace("/", "--") or "model"
-    return cache_dir() / "retrieval_heads" / f"{Path(name).name}-{digest}.csv"

@@ -410,7 +410,7 @@ def check_chunking(policy: Policy, prefill_chunk: int) -> None:
 
 
 @contextmanager
-def compress(model, policy: Policy | None = None, prefill_chunk: int | None = None):
+def compress(model, policy: Policy | None = None, prefill_chunk: int | None = None, tokenizer=None):
     """Compress the prompt's cache with `policy` at the next prefill inside the block.
 
         with compress(model, SnapKV(capacity=1024)) as state:
@@ -434,6 +434,8 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     one chunk covers the prompt. Refused: capacity ratios (the prompt's length is unknown here), extra scoring
     passes over the whole prompt (KVzip, Surprisal), per_query_head, and head-wise budgets (AdaKV, at the first
     compression). A call of one token ends the chunks (model.generate's first decode step).
+
+    tokenizer: needed only by a policy calibrated on the model (QFilters) whose calibration is not cached yet.
     """
     policy = policy or FullCache()
     if policy.scores_after_prefill:
@@ -442,6 +444,7 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
                                   "inside model.generate's prefill: use snapkv_lab.generate")
     if prefill_chunk is not None:
         check_chunking(policy, prefill_chunk)
+    policy.prepare(model, tokenizer)
     state = CompressionState(policy, DynamicCache(config=model.config), model.config.num_hidden_layers,
                              prefill_chunk=prefill_chunk)
     with applied(model, state):

@@ -166,7 +166,7 @@ def chunk_sizes(n: int, chunk: int) -> list[int]:
 
 
 @torch.inference_mode()
-def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int) -> tuple[CompressionState, torch.Tensor, float]:
+def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int, tokenizer=None) -> tuple[CompressionState, torch.Tensor, float]:
     """Prefill ids (batch, n) in chunks of `chunk` tokens, compressing as it goes (see `compress`): (state, last
     logits, seconds). A capacity ratio is a budget of the whole prompt, fixed in tokens before the first chunk."""
     if policy.scores_after_prefill:
@@ -174,7 +174,7 @@ def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int) -> tup
                                   "states, which a chunked prefill never holds: run it without prefill_chunk")
     n = ids.shape[1]
     tokens = dataclasses.replace(policy, capacity=policy.budget(n)) if isinstance(policy.capacity, float) else policy
-    with compress(model, tokens, prefill_chunk=chunk) as state, stopwatch(model.device) as elapsed:
+    with compress(model, tokens, prefill_chunk=chunk, tokenizer=tokenizer) as state, stopwatch(model.device) as elapsed:
         start = 0
         for size in chunk_sizes(n, chunk):
             logits = forward(model, ids[:, start:start + size], state.cache, start)
@@ -195,9 +195,9 @@ def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy, prefill_chunk: 
         if mask is not None:
             raise NotImplementedError("a chunked prefill of a padded batch is not supported (each row's chunks "
                                       "would start at different positions): prefill it whole, or row by row")
-        return chunked_prefill(model, ids, policy, prefill_chunk)
+        return chunked_prefill(model, ids, policy, prefill_chunk, tokenizer)
     if not policy.scores_after_prefill:
-        with compress(model, policy) as state, stopwatch(model.device) as elapsed:
+        with compress(model, policy, tokenizer=tokenizer) as state, stopwatch(model.device) as elapsed:
             logits = forward(model, ids, state.cache, 0, mask)
             state.check_prefill_seen()
         return state, logits, elapsed.seconds

@@ -54,6 +54,8 @@ class SharedPrefill:
     @torch.inference_mode()
     def run(cls, model, tokenizer, ids: torch.Tensor, policies, mask: torch.Tensor | None = None) -> SharedPrefill:
         policies = list(policies)
+        for policy in policies:
+            policy.prepare(model, tokenizer)
         recorder = ScoreRecorder(policies, model.config.num_hidden_layers)
         empty = None if mask is None else mask[:, :0]
         return cls(model, tokenizer, ids[:, :0], DynamicCache(config=model.config), None, recorder, 0.0,

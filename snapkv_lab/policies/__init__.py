@@ -20,7 +20,8 @@ _MODULES = {
     "FullCache": "base", "SnapKV": "snapkv", "SnapKVNoPooling": "snapkv", "SnapKVFactKernel": "snapkv", "H2O": "h2o",
     "StreamingLLM": "baselines", "RandomKeep": "baselines", "TOVA": "tova", "KNorm": "knorm", "PyramidKV": "pyramidkv",
     "AdaKV": "adakv", "ChunkKV": "chunkkv", "CriticalKV": "criticalkv", "ExpectedAttention": "expected_attention",
-    "KVzip": "kvzip", "Surprisal": "surprisal", "DecodingEviction": "decoding",
+    "KVzip": "kvzip", "Surprisal": "surprisal", "DecodingEviction": "decoding", "KeyDiff": "keydiff", "LagKV": "lagkv",
+    "QFilters": "qfilters",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 _FROM_BASE = ("ADDED_LATER", "NO_POSITION", "AttentionCall", "Policy")

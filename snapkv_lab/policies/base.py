@@ -189,6 +189,11 @@ class Policy:
             )
         return budget
 
+    def prepare(self, model, tokenizer) -> None:
+        """Make what scoring needs from the model itself before its first prefill (QFilters: its query directions,
+        calibrated once per model and cached). Called by every entry point (generate, compress, compare's shared
+        prefill); tokenizer may be None (compress), which such a policy refuses only if nothing is cached yet."""
+
     def window(self, budget: int) -> int:
         """The last prompt tokens always kept under a budget of `budget` positions (H2O: its recent half)."""
         return self.window_size

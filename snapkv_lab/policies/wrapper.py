@@ -59,6 +59,9 @@ class Wrapper(Policy):
     def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
         return self.policy.prompt_scores(model, tokenizer, ids, cache)
 
+    def prepare(self, model, tokenizer) -> None:
+        self.policy.prepare(model, tokenizer)
+
     def window(self, budget: int) -> int:
         return self.policy.window(budget)
 
