@@ -223,3 +223,15 @@ def test_qfilters_prepared_under_inference_mode_score_a_plain_forward(byte_token
     with C.compress(model, policy) as state:
         model(ids, past_key_values=state.cache)
     assert state.cache.get_seq_length() == 20
+
+
+@pytest.mark.parametrize("wrapper", ["AdaKV", "ChunkKV", "CriticalKV", "DecodingEviction"])
+def test_wrapped_attention_free_scorers_are_prepared_through_their_wrapper(wrapper, byte_tokenizer, tmp_path, monkeypatch):
+    """A wrapper hands `prepare` to the policy it wraps (unprepared, QFilters refuses to score): the wrapped scorer
+    runs on a model it has never met and the cache is cut to the budget."""
+    monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path))
+    model = make_tiny_llama(seed=5)
+    ids = torch.randint(2, 256, (1, 120), generator=torch.Generator().manual_seed(11))
+    policy = C.POLICIES[wrapper](policy=C.QFilters(calibration_tokens=256), capacity=40)
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
+    assert result.cache_lengths == [40, 40]  # per head on average (AdaKV's heads differ), each layer

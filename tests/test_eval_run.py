@@ -217,29 +217,49 @@ def test_gap_to_the_full_cache_is_paired_by_example():
 
 
 def test_the_committed_leaderboard_resumes_under_todays_code():
-    """Every committed row's example and policy is a cell today's code would run, so `snapkv-lab figures
-    --recompute --only eval` grows the committed run instead of starting a new one beside it (a policy field
-    added without ADDED_LATER, or a changed default, breaks this)."""
+    """Every committed row's example and policy is a cell today's code would run, in its policy group, so `snapkv-lab
+    figures --recompute --only eval` grows the committed run instead of starting a new one beside it (a policy field
+    added without ADDED_LATER, a changed default, or a group widened, breaks this)."""
     from pathlib import Path
 
-    from snapkv_lab.evaluation import LEADERBOARD, leaderboard_policies
+    from snapkv_lab.evaluation import LEADERBOARD, LEADERBOARD_GROUPS
 
     table = read_results(Path(__file__).parent.parent / "data" / "eval_ruler.csv")
-    cells = eval_cells(None, LEADERBOARD["datasets"], None, leaderboard_policies(), LEADERBOARD["ratios"], None,
-                       LEADERBOARD["modes"], int(table.groupby("task").example.nunique().max()), None,
-                       LEADERBOARD["lengths"], 0, None, None)
 
     def canonical(config):  # the cells hold each policy at its default capacity; the rows, at their budget
         config = {k: canonical(v) if isinstance(v, dict) else v for k, v in config.items() if k != "capacity"}
         return json.dumps(config, sort_keys=True)
 
-    examples = {json.dumps(cell.config["example"], sort_keys=True) for cell in cells}
-    policies = {canonical(policy) for cell in cells for policy in cell.config["policies"]}
-    assert set(table.spec.map(lambda spec: json.dumps(json.loads(spec), sort_keys=True))) <= examples
     compressed = table[table.policy != "FullCache"]
-    missing = set(compressed.policy_config.map(lambda c: canonical(json.loads(c)))) - policies
-    assert not missing, f"committed rows no cell of today's leaderboard would run: {sorted(missing)[:2]}"
-    assert set(compressed.policy) == set(leaderboard_policies())
+    assert (table[table.policy == "FullCache"].groupby(["task", "example", "question", "mode"]).size() == 1).all()
+    for group in LEADERBOARD_GROUPS:
+        rows = compressed[compressed.policy.isin(group)]
+        if rows.empty:  # a group whose cells have not run yet
+            continue
+        cells = eval_cells(None, LEADERBOARD["datasets"], None, list(group), LEADERBOARD["ratios"], None,
+                           LEADERBOARD["modes"], int(table.groupby("task").example.nunique().max()), None,
+                           LEADERBOARD["lengths"], 0, None, None)
+        examples = {json.dumps(cell.config["example"], sort_keys=True) for cell in cells}
+        policies = {canonical(policy) for cell in cells for policy in cell.config["policies"]}
+        assert set(rows.spec.map(lambda spec: json.dumps(json.loads(spec), sort_keys=True))) <= examples
+        missing = set(rows.policy_config.map(lambda c: canonical(json.loads(c)))) - policies
+        assert not missing, f"committed rows no cell of today's leaderboard would run: {sorted(missing)[:2]}"
+        assert set(rows.policy) == set(group)
+    assert set(compressed.policy) <= {name for group in LEADERBOARD_GROUPS for name in group}
+
+
+def test_joined_tables_keep_each_examples_full_cache_rows_once():
+    from snapkv_lab.evaluation import joined_tables
+
+    def rows(policies, examples):
+        return pd.DataFrame([dict(dataset="ruler", task=task, example="0", policy=p, score=1.0)
+                             for task in examples for p in policies])
+
+    joined = joined_tables([rows(["FullCache", "SnapKV"], ["a", "b"]), rows(["FullCache", "KeyDiff"], ["a", "c"]),
+                            rows(["FullCache", "LagKV"], ["c"])])
+    full = joined[joined.policy == "FullCache"]
+    assert sorted(full.task) == ["a", "b", "c"]  # the same example id in another task is another example
+    assert sorted(joined.policy[joined.policy != "FullCache"]) == ["KeyDiff", "KeyDiff", "LagKV", "SnapKV", "SnapKV"]
 
 
 @pytest.mark.slow

@@ -15,6 +15,8 @@
 
 from pathlib import Path
 
+import pandas as pd
+
 from ..figures import FigureSet, register
 from .examples import Benchmark, Example, Question
 from .explain import Explanation, explain
@@ -47,23 +49,40 @@ def draw(data_dir, figures_dir, names=None) -> list[Path]:
 LEADERBOARD = dict(datasets=["ruler"], lengths=[4096], ratios=list(RATIOS), modes=["query-aware", "query-agnostic"])
 
 
-# The committed run's policies. A policy registered later joins through its own cells (the cells' keys name their
-# policies, so widening this list would start the committed run over).
-LEADERBOARD_POLICIES = ("SnapKV", "SnapKVNoPooling", "SnapKVFactKernel", "H2O", "StreamingLLM", "RandomKeep", "TOVA",
-                        "KNorm", "PyramidKV", "AdaKV", "ChunkKV", "CriticalKV", "ExpectedAttention", "KVzip", "Surprisal",
-                        "DecodingEviction")
+# The committed run's policies, in the groups they joined it in. A cell's key names its policies, so a policy
+# registered later joins through cells of its own over the same examples instead of starting the run over.
+LEADERBOARD_GROUPS = (
+    ("SnapKV", "SnapKVNoPooling", "SnapKVFactKernel", "H2O", "StreamingLLM", "RandomKeep", "TOVA", "KNorm", "PyramidKV",
+     "AdaKV", "ChunkKV", "CriticalKV", "ExpectedAttention", "KVzip", "Surprisal", "DecodingEviction"),
+    ("KeyDiff", "LagKV", "QFilters"),
+)
 
 
 def leaderboard_policies() -> list[str]:
-    return list(LEADERBOARD_POLICIES)
+    return [name for group in LEADERBOARD_GROUPS for name in group]
 
 
 def recompute(options: dict) -> None:
-    """Rerun the committed leaderboard (LEADERBOARD, every policy) into options' data_dir (the model's own folder),
-    resuming from its cells; options["samples"]: examples per task (default the generated sets' 10)."""
-    evaluate(options.get("model"), **LEADERBOARD, policies=leaderboard_policies(), limit=options.get("samples"),
-             data_dir=options.get("data_dir", "data"), name="ruler", executor=options.get("executor") or "local",
-             ray_address=options.get("ray_address"))
+    """Rerun the committed leaderboard (LEADERBOARD, every group of LEADERBOARD_GROUPS) into options' data_dir (the
+    model's own folder), resuming from its cells; options["samples"]: examples per task (default the generated
+    sets' 10). The groups' tables are joined into eval_ruler.csv, the full cache's rows (every group's cells answer
+    with it) once."""
+    tables = [evaluate(options.get("model"), **LEADERBOARD, policies=list(group), limit=options.get("samples"),
+                       data_dir=options.get("data_dir", "data"), name="ruler", executor=options.get("executor") or "local",
+                       ray_address=options.get("ray_address"))
+              for group in LEADERBOARD_GROUPS]
+    joined_tables(tables).to_csv(Path(options.get("data_dir", "data")) / "eval_ruler.csv", index=False)
+
+
+def joined_tables(tables) -> pd.DataFrame:
+    """evaluate's tables of one set of examples under different policies, as one: each example's full-cache rows from
+    the first table that has them (the others answered the same prompts with the same model)."""
+    seen, parts = set(), []
+    for table in tables:
+        examples = pd.Series(list(zip(table.dataset, table.task, table.example)), index=table.index)
+        parts.append(table[(table.policy != "FullCache") | ~examples.isin(seen)])
+        seen |= set(examples[table.policy == "FullCache"])
+    return pd.concat(parts, ignore_index=True)
 
 
 register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_default=False))
