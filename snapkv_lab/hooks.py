@@ -52,6 +52,11 @@ def model_eager_function(module) -> Callable:
     return function
 
 
+def attention_modules(model) -> dict[int, object]:
+    """{layer index: attention module} of a transformers model (the modules whose calls the hooks see)."""
+    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
+
+
 class _Dispatcher:
     """Stands in the registry under one backend name while any interception of that name is active:
     calls the callbacks registered for the calling module's model, then the backend's own function."""

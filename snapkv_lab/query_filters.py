@@ -36,8 +36,8 @@ def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQ
     """(layers, kv_heads, head_dim) float32 unit vectors on the model's device: per layer and KV head, the main
     direction of its query heads' post-RoPE queries over `tokens` calibration tokens (module doc). cache: read and
     write <cache folder>/query_filters/<model>-<hash>.pt."""
+    sequence = _sequence(model, tokens, sequence)
     path = filters_path(model, tokens, sequence)
-    sequence = min(sequence, tokens, getattr(model.config, "max_position_embeddings", None) or sequence)
     if cache and path.exists():
         return torch.load(path).to(model.device)
     gram, total = {}, {}  # per layer: (kv_heads, d, d) sum of q q^T, (kv_heads, d) sum of q
@@ -62,8 +62,13 @@ def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQ
 
 def filters_path(model, tokens: int = TOKENS, sequence: int = SEQUENCE) -> Path:
     """Where `query_filters(model, ..., tokens=tokens, sequence=sequence)` is cached (it may not exist yet)."""
-    sequence = min(sequence, tokens, getattr(model.config, "max_position_embeddings", None) or sequence)
-    return measured_cache_path("query_filters", model, dict(tokens=tokens, sequence=sequence), "pt")
+    settings = dict(tokens=tokens, sequence=_sequence(model, tokens, sequence))
+    return measured_cache_path("query_filters", model, settings, "pt")
+
+
+def _sequence(model, tokens: int, sequence: int) -> int:
+    """The calibration's sequence length: no longer than the tokens, nor than the model's positions."""
+    return min(sequence, tokens, getattr(model.config, "max_position_embeddings", None) or sequence)
 
 
 def _main_direction(gram: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

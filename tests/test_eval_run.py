@@ -283,3 +283,22 @@ def test_cli_eval_runs_ruler_on_the_bundled_model_and_a_rerun_resumes(tmp_path, 
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "2 already in" in err and "0 to run" in err
+
+
+def test_recompute_runs_each_group_and_writes_one_joined_table(tmp_path, monkeypatch):
+    """The leaderboard's groups each run as their own cells and none writes the table alone: only the joined one is
+    written, each example's full-cache rows once."""
+    import snapkv_lab.evaluation as evaluation
+
+    calls = []
+
+    def fake_evaluate(model, *, policies, write=True, **options):
+        calls.append((list(policies), write))
+        return pd.DataFrame([dict(dataset="ruler", task="niah_single_1", example="0", policy=p, score=1.0)
+                             for p in ["FullCache", *policies]])
+
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
+    evaluation.recompute(dict(data_dir=str(tmp_path)))
+    assert calls == [(list(group), False) for group in evaluation.LEADERBOARD_GROUPS]
+    table = pd.read_csv(tmp_path / "eval_ruler.csv")
+    assert sorted(table.policy) == sorted(["FullCache", *evaluation.leaderboard_policies()])

@@ -67,11 +67,12 @@ def recompute(options: dict) -> None:
     model's own folder), resuming from its cells; options["samples"]: examples per task (default the generated
     sets' 10). The groups' tables are joined into eval_ruler.csv, the full cache's rows (every group's cells answer
     with it) once."""
+    data_dir = Path(options.get("data_dir", "data"))
     tables = [evaluate(options.get("model"), **LEADERBOARD, policies=list(group), limit=options.get("samples"),
-                       data_dir=options.get("data_dir", "data"), name="ruler", executor=options.get("executor") or "local",
-                       ray_address=options.get("ray_address"))
+                       data_dir=data_dir, executor=options.get("executor") or "local",
+                       ray_address=options.get("ray_address"), write=False)
               for group in LEADERBOARD_GROUPS]
-    joined_tables(tables).to_csv(Path(options.get("data_dir", "data")) / "eval_ruler.csv", index=False)
+    joined_tables(tables).to_csv(data_dir / "eval_ruler.csv", index=False)
 
 
 def joined_tables(tables) -> pd.DataFrame:

@@ -157,8 +157,10 @@ def score_answer(example: Example, question: Question, prediction: str) -> float
 def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, policies=("SnapKV",), ratios=None,
              capacities=None, modes=MODES, limit: int | None = None, max_context: int | None = None, lengths=(),
              seed: int = 0, source: str | None = None, framing: str | None = None, data_dir="data",
-             name: str | None = None, executor: str = "local", ray_address: str | None = None) -> pd.DataFrame:
-    """Run benchmarks through policies; returns the tidy table, also written to <data_dir>/eval_<name>.csv.
+             name: str | None = None, executor: str = "local", ray_address: str | None = None,
+             write: bool = True) -> pd.DataFrame:
+    """Run benchmarks through policies; returns the tidy table, also written to <data_dir>/eval_<name>.csv unless
+    write=False (the leaderboard joins its policy groups' tables before writing one).
 
     model: a bundled name, hub id or folder (None: the default bundled model); datasets and tasks by name
     (evaluation.DATASETS); ratios (default 0.25 0.5 0.75 unless capacities are given) or capacities; modes; limit:
@@ -191,7 +193,8 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
                     seeds=[seed])
     table = run_cells(cells, run_example, store, model=model, executor=executor, ray_address=ray_address,
                       desc="eval cells", manifest=manifest)
-    table.to_csv(data_dir / f"eval_{name or '+'.join(datasets)}.csv", index=False)
+    if write:
+        table.to_csv(data_dir / f"eval_{name or '+'.join(datasets)}.csv", index=False)
     return table
 
 

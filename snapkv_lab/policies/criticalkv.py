@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..hooks import attention_modules
 from ..selection import votes_per_kv_head
 from .base import AttentionCall, prefix_share
 from .wrapper import Wrapper
@@ -34,11 +35,6 @@ def output_norms(module, value: torch.Tensor, heads: int) -> torch.Tensor:
     group = heads // kv_heads
     # One head at a time: the projected values (n_keys, hidden) of all heads at once could outgrow the cache itself.
     return torch.stack([(value[h // group].float() @ per_head[h].float()).abs().sum(dim=-1) for h in range(heads)])
-
-
-def attention_modules(model) -> dict[int, object]:
-    """{layer index: attention module} of a transformers model (the modules whose calls the hooks see)."""
-    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
 
 
 @dataclass

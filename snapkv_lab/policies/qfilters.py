@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from ..hooks import attention_modules
 from ..query_filters import TOKENS, filters_path, query_filters
 from .base import AttentionCall, Policy
 
@@ -41,16 +42,16 @@ class QFilters(Policy):
             raise ValueError(f"calibration_tokens must be a positive int, got {self.calibration_tokens!r}")
 
     def prepare(self, model, tokenizer) -> None:
-        modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
-        if all(self.calibration_tokens in _FILTERS.get(m, {}) for m in modules):
+        modules = attention_modules(model)
+        if all(self.calibration_tokens in _FILTERS.get(m, {}) for m in modules.values()):
             return
         if tokenizer is None and not filters_path(model, self.calibration_tokens).exists():
             raise ValueError(f"{self.label} calibrates its query directions on text the first time it meets a model: "
                              "pass tokenizer= to compress, or run snapkv_lab.generate / compare once")
         with torch.inference_mode(False):  # prepared inside generate, scored later perhaps under autograd too
             filters = query_filters(model, tokenizer, tokens=self.calibration_tokens).clone()
-        for module in modules:
-            _FILTERS.setdefault(module, {})[self.calibration_tokens] = filters[module.layer_idx]
+        for layer, module in modules.items():
+            _FILTERS.setdefault(module, {})[self.calibration_tokens] = filters[layer]
 
     def score(self, call: AttentionCall):
         filters = _FILTERS.get(call.module, {}).get(self.calibration_tokens)
@@ -58,4 +59,3 @@ class QFilters(Policy):
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its query "
                                "directions are unknown")
         return torch.einsum("hnd,hd->hn", call.key.float(), filters)
-
