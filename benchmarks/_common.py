@@ -140,6 +140,9 @@ def load_subject(args: argparse.Namespace, attn: str | None = None) -> Subject:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     # Built on the device itself: 8B parameters initialised on a CPU first would take minutes and 32 GB of RAM.
+    # Seeded: every process, and a second model in the same process (an eager twin), gets the same weights, so
+    # rows that compare tokens or maps across runs compare one model.
+    torch.manual_seed(0)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**RANDOM_SHAPES[args.shape]), dtype=DTYPES[args.dtype],
                                                  attn_implementation=attn)

@@ -10,7 +10,9 @@ token ids. Each (length, policy) runs `--repeats` times, alternating full and Sn
 "selection" is the time spent inside the compressor (scoring, top-k, gathering), the direct measure of its
 prefill overhead; the prefill-time ratio also carries run-to-run noise. Decode ms/token averages the steps
 after the first token. These three times are the ones `snapkv_lab.generate` measures: right on a GPU only if it
-synchronises (snapkv_lab.timing) before reading its clock. On CUDA, `peak_gpu_mib` is the most memory torch allocated during a run (the largest
+synchronises (snapkv_lab.timing) before reading its clock. On CUDA each (length, policy) first runs once untimed:
+sdpa's cuDNN backend builds a plan for every new (query, key) length it meets, which made a cold decode step of an
+8B model 2-3x slower than a warm one, and 60x for PyramidKV, whose layers hold different lengths (docs/performance.md). On CUDA, `peak_gpu_mib` is the most memory torch allocated during a run (the largest
 of the repeats); a run that runs out of memory is reported in `status`. Other processes on the machine inflate
 (and add noise to) every timing.
 """
@@ -56,6 +58,9 @@ def run(subject, device, lengths, capacity: int, new_tokens: int, repeats: int) 
             ids = subject.prompt(length)
             runs = {name: [] for name in policies}
             status = dict.fromkeys(policies, "ok")
+            if torch.device(device).type == "cuda":
+                for policy in policies.values():  # untimed: the shapes' kernel plans (see the module docstring)
+                    attempt(lambda: generate(model, tokenizer, ids, policy=policy, max_new_tokens=new_tokens), device)
             for _ in range(repeats):
                 for name, policy in policies.items():
                     if status[name] == "ok":  # a run that ran out of memory would again

@@ -13,7 +13,8 @@ part, decode_ms the mean decode step (one token for every row), kv_mib the keys 
 peak_mb the process's peak (RSS on CPU, torch's allocations on a GPU) and extra_mb its growth over the loaded model,
 and the same relative to the full cache's row. The default length is the longest the model's positions hold with
 the new tokens. Rows are appended to benchmarks/results/end_to_end_<model>.csv as they finish; a rerun skips the
-rows already there (--fresh starts over). Other processes on the machine inflate the times, not the memory.
+rows already there (--fresh starts over). On CUDA the measured run follows an untimed one of the same shapes.
+Other processes on the machine inflate the times, not the memory.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def child(args, length: int, batch: int, name: str) -> dict:
         with mock.patch.object(generation, "eos_ids", lambda model, tokenizer: ()):
             return generate(subject.model, subject.tokenizer, ids, policy=policy, max_new_tokens=args.new_tokens)
 
+    if device.type == "cuda":
+        attempt(run, device)  # untimed: cuDNN's plans for these shapes (bench_compression.py's docstring)
     with PeakMemory(device) as memory:
         result, status = attempt(run, device)
     row = dict(tokens=length, batch=batch, policy=name, label=policy.label if result is None else result.policy.label,

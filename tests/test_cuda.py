@@ -119,10 +119,35 @@ def test_capture_keeps_the_trace_on_cuda_and_matches_a_cpu_run(cuda_trace, promp
     pytest.param(lambda t: t.column_sums(0, queries=t.generated, heads=[1, 2]), id="column_sums-heads"),
     pytest.param(lambda t: t.row_topk(1, 4, queries=[0, 2, 60]), id="row_topk"),
     pytest.param(lambda t: select_from_trace(t, 1, slice(49, 57), 10), id="select_from_trace"),
-    pytest.param(lambda t: select_from_trace(t, 0, slice(49, 57), 0.25, pooling="max", kv_heads=2), id="select-gqa"),
 ])
 def test_trace_computations_on_cuda_equal_a_cpu_copy(cuda_trace, compute):
     torch.testing.assert_close(to_cpu(compute(cuda_trace)), compute(on_cpu(cuda_trace)), atol=ATOL, rtol=0)
+
+
+def pooled_scores(trace: AttentionTrace, layer: int, voters: slice, kv_heads: int | None = None) -> torch.Tensor:
+    """SnapKV's ranking of the prefix before voters, as the paper defines it: window votes, max-pooled (kernel 7),
+    averaged over each KV head's query heads: (heads or kv_heads, prefix)."""
+    votes = trace.attention(layer, queries=voters)[..., :voters.start].sum(1)
+    pooled = torch.nn.functional.max_pool1d(votes[:, None], 7, stride=1, padding=3)[:, 0]
+    return pooled if kv_heads is None else pooled.unflatten(0, (kv_heads, -1)).mean(1)
+
+
+def assert_top_k_of(scores: torch.Tensor, kept: torch.Tensor) -> None:
+    """`kept` (rows, k) holds a top k of `scores` (rows, n): the k largest scores, whichever members of a tied
+    plateau (max pooling makes them) a device's torch.topk took at the boundary."""
+    torch.testing.assert_close(scores.gather(-1, kept.cpu()).sort(-1).values,
+                               scores.topk(kept.shape[-1]).values.sort(-1).values, atol=ATOL, rtol=0)
+
+
+def test_max_pooled_gqa_selection_on_cuda_is_a_top_k_of_the_cpu_scores(cuda_trace):
+    """Max pooling makes plateaus of equal scores; torch.topk (the official code's and kvpress's choice, kept here)
+    breaks ties differently on CUDA and CPU, so the kept scores, not the positions, must agree."""
+    cpu_trace, voters = on_cpu(cuda_trace), slice(49, 57)
+    scores = pooled_scores(cpu_trace, 0, voters, kv_heads=2)
+    mine = select_from_trace(cuda_trace, 0, voters, 0.25, pooling="max", kv_heads=2)
+    assert mine.is_cuda
+    assert_top_k_of(scores, mine)
+    assert_top_k_of(scores, select_from_trace(cpu_trace, 0, voters, 0.25, pooling="max", kv_heads=2))
 
 
 def test_metrics_on_a_cuda_trace_equal_a_cpu_copy(cuda_trace):
@@ -172,21 +197,23 @@ def test_explorer_on_a_cuda_trace_equals_a_cpu_copy(tmp_path, cuda_trace):
     from snapkv_lab.explorer import explore
 
     lazy = AttentionTrace.load(cuda_trace.save(tmp_path / "trace.safetensors"), device="cuda", lazy=True)
-    cpu_view = explore(on_cpu(cuda_trace), layer=1, head="mean", max_cells=16, progress=False)
     for trace in (cuda_trace, lazy):
+        cpu_view = explore(on_cpu(cuda_trace), layer=1, head="mean", max_cells=16, progress=False)  # a zoom moves it
         view = explore(trace, layer=1, head="mean", max_cells=16, progress=False)
         np.testing.assert_allclose(view.drawn(), cpu_view.drawn(), atol=ATOL, rtol=0)
         rows, cols = slice(trace.prompt_len - 8, trace.n_tokens), slice(0, 12)
+        overview = view.block
         np.testing.assert_allclose(view.zoom(rows=rows, cols=cols).drawn(),
                                    cpu_view.zoom(rows=rows, cols=cols).drawn(), atol=ATOL, rtol=0)
-        assert view.block == 1
+        assert view.block == cpu_view.block < overview  # 21 x 12 tokens in at most 16 cells: blocks of 2
 
 
 # ---- compression on CUDA (fp32) -----------------------------------------------------------------------------
 @pytest.mark.parametrize("per_query_head", [False, True])
 def test_snapkv_generate_on_cuda_equals_cpu(per_query_head):
+    """Without pooling (no tied scores) every kept position and token is the CPU run's."""
     ids = torch.randint(2, 256, (2, 96), generator=torch.Generator().manual_seed(1))
-    policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=per_query_head)
+    policy = sl.SnapKVNoPooling(capacity=CAPACITY, window_size=WINDOW, per_query_head=per_query_head)
     cpu = sl.generate(peaked_llama(), ByteTokenizer(), ids, policy=policy, max_new_tokens=16)
     gpu = sl.generate(peaked_llama().to("cuda"), ByteTokenizer(), ids, policy=policy, max_new_tokens=16)
     assert torch.equal(gpu.token_ids, cpu.token_ids)
@@ -194,6 +221,23 @@ def test_snapkv_generate_on_cuda_equals_cpu(per_query_head):
     assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu.kept_indices, cpu.kept_indices))
     assert gpu.cache_lengths == cpu.cache_lengths == [CAPACITY] * 2
     assert gpu.kv_bytes == cpu.kv_bytes
+
+
+def test_max_pooled_snapkv_on_cuda_keeps_a_top_k_of_the_cpu_scores():
+    """SnapKV as the paper defines it (max pooling): per layer and row, the CUDA run keeps the window and a top k of
+    the prefix scores that a CPU trace of the same prompt gives (the prefill attends to the whole prompt, so each
+    layer's scores do not depend on what earlier layers kept)."""
+    ids = torch.randint(2, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+    gpu = sl.generate(peaked_llama().to("cuda"), ByteTokenizer(), ids, policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW),
+                      max_new_tokens=4)
+    prefix, model = ids.shape[1] - WINDOW, peaked_llama()
+    for row in range(ids.shape[0]):
+        trace = run_capture(model, ids[row])
+        for layer in trace.layers:
+            kept = gpu.kept_indices[layer][row].cpu()  # (kv_heads, CAPACITY) sorted
+            assert torch.equal(kept[:, -WINDOW:], torch.arange(prefix, ids.shape[1]).expand(kept.shape[0], -1))
+            scores = pooled_scores(trace, layer, slice(prefix, ids.shape[1]), kv_heads=kept.shape[0])
+            assert_top_k_of(scores, kept[:, :-WINDOW])
 
 
 def test_compress_and_model_generate_on_cuda_equal_generate():
