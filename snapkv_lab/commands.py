@@ -115,8 +115,11 @@ def evaluate(args) -> int:
     except (ValueError, ImportError, FileNotFoundError, ConnectionError) as err:
         print(f"snapkv-lab eval: error: {err}", file=sys.stderr)
         return 2
+    if args.reuse is not None and not Path(args.reuse).is_file():
+        print(f"snapkv-lab eval: error: --reuse {args.reuse}: no such table", file=sys.stderr)
+        return 2
     table = run(args.model, **options, data_dir=data_dir, name=args.name, executor=args.executor,
-                ray_address=args.ray_address)
+                ray_address=args.ray_address, reuse=args.reuse)
     figures_dir.mkdir(parents=True, exist_ok=True)
     for path in draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)]):
         print(path)
@@ -191,6 +194,9 @@ def _figures_arguments(p) -> None:
     p.add_argument("--samples", type=_positive_int, default=None,
                    help="chat prompts per split for findings (a) and (b) (default 8); examples per task for the eval "
                         "leaderboard (default 10)")
+    p.add_argument("--reuse", action="store_true",
+                   help="eval leaderboard: take the examples the existing eval_ruler.csv answers whole as done (a fresh "
+                        "clone then runs only the examples --samples adds)")
     p.add_argument("--obs-window", type=_positive_int, default=None, help="observation window in tokens (default 32)")
     p.add_argument("--prompt-window", type=_positive_int, default=None, help="prompt-window size for experiment (a) (default 128)")
     p.add_argument("--gen-window", type=_positive_int, default=None,
@@ -270,6 +276,9 @@ def _eval_arguments(p) -> None:
                    help="a local folder of a Hub set's rows, <task>.jsonl in the set's own schema, instead of the Hub")
     p.add_argument("--name", default=None,
                    help="the run's table and figures: <data-dir>/eval_<name>.csv (default the datasets joined by +)")
+    p.add_argument("--reuse", default=None, metavar="CSV",
+                   help="an earlier eval table (e.g. a committed one): the examples it answers whole, under the same "
+                        "model, policies, budgets and modes, are taken from it instead of run")
     _executor_arguments(p)
 
 

@@ -302,3 +302,67 @@ def test_recompute_runs_each_group_and_writes_one_joined_table(tmp_path, monkeyp
     assert calls == [(list(group), False) for group in evaluation.LEADERBOARD_GROUPS]
     table = pd.read_csv(tmp_path / "eval_ruler.csv")
     assert sorted(table.policy) == sorted(["FullCache", *evaluation.leaderboard_policies()])
+
+
+def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tmp_path, monkeypatch, capsys):
+    """reuse: the examples an earlier (joined) table answers whole are stored from its rows, each group's cells
+    alike; a new example runs; another budget, or a missing answer, leaves the cell to run."""
+    from snapkv_lab.evaluation import joined_tables
+
+    from snapkv_lab.models import model_name
+
+    def default_model(name):  # the tiny model stands in for the default bundled one, under its name (rows match by it)
+        model = make_tiny_llama()
+        model.config.name_or_path = model_name(None)
+        return model, ByteTokenizer()
+
+    monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", default_model)
+    groups = (["SnapKV(window_size=8)"], ["StreamingLLM(window_size=8)"])
+    options = dict(datasets=["toy"], tasks=["twice"], ratios=[0.5], modes=["query-agnostic", "query-aware"], write=False)
+    first = [evaluate(policies=group, limit=2, data_dir=tmp_path / "first", **options) for group in groups]
+    earlier = joined_tables(first)
+    earlier.to_csv(tmp_path / "earlier.csv", index=False)
+    earlier = read_results(tmp_path / "earlier.csv")  # as a fresh clone reads the committed table
+    capsys.readouterr()
+    grown = [evaluate(policies=group, limit=3, data_dir=tmp_path / "grown", reuse=earlier, **options) for group in groups]
+    err = capsys.readouterr().err
+    assert err.count("2 taken whole") == 2 and err.count("1 to run") == 2
+    for before, after in zip(first, grown):
+        old = after[after.example != "2"]
+        pd.testing.assert_frame_equal(old[old.policy != "FullCache"].reset_index(drop=True),
+                                      before[before.policy != "FullCache"].reset_index(drop=True), check_dtype=False)
+        assert set(after.example) == {"0", "1", "2"}
+    timings = ["prefill_s", "selection_s", "decode_ms_per_token"]
+    joined = joined_tables(grown)
+    assert (joined[joined.example != "2"].drop(columns=timings).to_csv(index=False)
+            == earlier.drop(columns=timings).to_csv(index=False))  # the reused rows as written, in their order
+
+    evaluate(policies=groups[0], limit=2, data_dir=tmp_path / "other", reuse=earlier,
+             **{**options, "ratios": [0.25]})
+    assert "0 taken whole" in capsys.readouterr().err
+    gap = earlier.drop(index=earlier.index[(earlier.example == "1") & earlier.policy.str.startswith("SnapKV")][0])
+    evaluate(policies=groups[0], limit=2, data_dir=tmp_path / "gap", reuse=gap, **options)
+    assert "1 taken whole" in capsys.readouterr().err
+
+
+def test_the_committed_leaderboard_is_reused_whole_by_a_fresh_clone(tmp_path):
+    """The committed eval_ruler.csv answers every cell of its examples under today's leaderboard, so `--reuse` grows
+    it by new examples only, and the table rebuilt from the reused cells is the committed file, byte for byte."""
+    from pathlib import Path
+
+    from snapkv_lab.evaluation import LEADERBOARD, LEADERBOARD_GROUPS, joined_tables, reuse_rows
+    from snapkv_lab.sweep import ResultStore
+
+    path = Path(__file__).parent.parent / "data" / "eval_ruler.csv"
+    committed = read_results(path)
+    per_task = int(committed.groupby("task").example.nunique().max())
+    store, tables = ResultStore(tmp_path), []
+    for group in LEADERBOARD_GROUPS:
+        if not committed.policy.isin(group).any():
+            continue
+        cells = eval_cells(None, LEADERBOARD["datasets"], None, list(group), LEADERBOARD["ratios"], None,
+                           LEADERBOARD["modes"], per_task, None, LEADERBOARD["lengths"], 0, None, None)
+        examples = committed.groupby(["task", "example"]).ngroups
+        assert reuse_rows(cells, store, committed) == examples
+        tables.append(store.table([cell for cell in cells if store.done(cell)]))
+    assert joined_tables(tables).to_csv(index=False) == path.read_text()

@@ -21,7 +21,7 @@ from ..figures import FigureSet, register
 from .examples import Benchmark, Example, Question
 from .explain import Explanation, explain
 from .prompting import EncodedExample, encode_example
-from .run import RATIOS, budgets, eval_cells, evaluate, read_results, run_example
+from .run import RATIOS, budgets, eval_cells, evaluate, read_results, reuse_rows, run_example
 from .summary import full_cache_fails, gap_to_full, leaderboard, task_scores
 
 
@@ -65,12 +65,15 @@ def leaderboard_policies() -> list[str]:
 def recompute(options: dict) -> None:
     """Rerun the committed leaderboard (LEADERBOARD, every group of LEADERBOARD_GROUPS) into options' data_dir (the
     model's own folder), resuming from its cells; options["samples"]: examples per task (default the generated
-    sets' 10). The groups' tables are joined into eval_ruler.csv, the full cache's rows (every group's cells answer
+    sets' 10); options["reuse"]: the examples the existing eval_ruler.csv answers whole count as done (run.reuse_rows).
+    The groups' tables are joined into eval_ruler.csv, the full cache's rows (every group's cells answer
     with it) once."""
     data_dir = Path(options.get("data_dir", "data"))
+    committed = data_dir / "eval_ruler.csv"
+    reuse = read_results(committed) if options.get("reuse") and committed.exists() else None
     tables = [evaluate(options.get("model"), **LEADERBOARD, policies=list(group), limit=options.get("samples"),
                        data_dir=data_dir, executor=options.get("executor") or "local",
-                       ray_address=options.get("ray_address"), write=False)
+                       ray_address=options.get("ray_address"), write=False, reuse=reuse)
               for group in LEADERBOARD_GROUPS]
     joined_tables(tables).to_csv(data_dir / "eval_ruler.csv", index=False)
 
@@ -90,4 +93,4 @@ register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_def
 
 __all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Explanation",
            "Question", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
-           "leaderboard", "read_results", "recompute", "run_example", "task_scores"]
+           "leaderboard", "read_results", "recompute", "reuse_rows", "run_example", "task_scores"]

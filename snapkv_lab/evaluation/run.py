@@ -158,7 +158,7 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
              capacities=None, modes=MODES, limit: int | None = None, max_context: int | None = None, lengths=(),
              seed: int = 0, source: str | None = None, framing: str | None = None, data_dir="data",
              name: str | None = None, executor: str = "local", ray_address: str | None = None,
-             write: bool = True) -> pd.DataFrame:
+             write: bool = True, reuse=None) -> pd.DataFrame:
     """Run benchmarks through policies; returns the tidy table, also written to <data_dir>/eval_<name>.csv unless
     write=False (the leaderboard joins its policy groups' tables before writing one).
 
@@ -167,7 +167,10 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     the first N examples per task (and length); max_context: tokens of context + question, the context cut from
     its middle (None: the model's own limit less the answer's tokens); lengths and seed: of generated sets (RULER);
     source: a local folder of a Hub set's rows (JSONL per task) instead of the Hub; name: the table's name
-    (default the datasets joined by "+"). Cells are stored in <data_dir>/cells/eval/.
+    (default the datasets joined by "+"). Cells are stored in <data_dir>/cells/eval/. reuse: an earlier table
+    of this run's kind (a path or a DataFrame, e.g. a committed eval_ruler.csv): the cells it answers whole are
+    stored from its rows instead of being run (reuse_rows), so a fresh clone grows a committed run by its new
+    examples only.
 
     Columns: model, dataset, task, example, spec and policy_config (JSON: what rebuilds the example and the policy,
     see evaluation.explain), question, metric, policy, ratio (0 for the full cache), capacity,
@@ -191,11 +194,47 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
                    lengths=list(lengths), seed=seed, source=source, framing=framing)
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=model, options=options,
                     seeds=[seed])
+    if reuse is not None:
+        reused = reuse_rows(cells, store, read_results(reuse) if isinstance(reuse, (str, Path)) else reuse)
+        print(f"eval cells: {reused} taken whole from an earlier table's rows", file=sys.stderr, flush=True)
     table = run_cells(cells, run_example, store, model=model, executor=executor, ray_address=ray_address,
                       desc="eval cells", manifest=manifest)
     if write:
         table.to_csv(data_dir / f"eval_{name or '+'.join(datasets)}.csv", index=False)
     return table
+
+
+def reuse_rows(cells, store, table: pd.DataFrame) -> int:
+    """Store each cell of `cells` that `store` lacks from the rows of `table` (an earlier `evaluate` table) that
+    answer it whole; returns how many were stored. A cell is answered whole when the table holds, for its model
+    and example, every policy x budget x mode of the cell's config, each for the same questions as the full
+    cache's rows; anything less (another model, budget or policy setting, a missing answer) leaves the cell to run.
+
+    A joined leaderboard keeps each example's full-cache rows once (evaluation.joined_tables), so a later group's
+    cell takes them from the first group's: the same prompts answered by the same model; only their timings are the
+    other cell's, and a join drops them again.
+    """
+    from ..models import model_name
+
+    table = table.astype({"ratio": "Float64", "capacity": "Int64", "length": "Int64"})
+    by_example = dict(list(table.groupby(["model", "spec"], sort=False)))
+    stored = 0
+    for cell in cells:
+        config = cell.config
+        rows = by_example.get((model_name(config["model"]), json.dumps(config["example"], sort_keys=True)))
+        if rows is None or store.done(cell):
+            continue
+        full = (rows["mode"] == "full") & ~rows.duplicated(["mode", "question"])
+        questions = sorted(rows.question[full])
+        wanted = {(json.dumps(policy_config(dataclasses.replace(policy_from_config(entry), capacity=_capacity(b)))), mode)
+                  for entry in config["policies"] for b in config["budgets"] for mode in config["modes"]}
+        answer = pd.Series([pair in wanted for pair in zip(rows.policy_config, rows["mode"])], index=rows.index)
+        answered = rows[answer].groupby(["policy_config", "mode"]).question.agg(lambda q: sorted(q) == questions)
+        if not questions or set(answered.index) != wanted or not answered.all():
+            continue
+        store.put(cell, rows[full | answer].reset_index(drop=True))  # in the table's order: a rewrite moves no row
+        stored += 1
+    return stored
 
 
 TEXT_COLUMNS = ("example", "prediction", "references", "spec", "policy_config")
