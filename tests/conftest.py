@@ -45,6 +45,25 @@ def eager_twin(model):
     return twin.to(model.device)
 
 
+def synthetic_retrieval_scores(config) -> torch.Tensor:
+    """(layers, heads) fixed, uneven retrieval scores for a random model: head h of layer l scores (l + h) % 3, so each
+    layer has heads of 0, 1 and 2 and budgets differ across heads and layers."""
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    return ((torch.arange(layers)[:, None] + torch.arange(heads)[None]) % 3).double()
+
+
+@pytest.fixture(autouse=True)
+def random_models_have_retrieval_scores(monkeypatch):
+    """A random model copies no needle, so HeadKV (budgets from measured retrieval scores) would refuse it: in tests a
+    model without a name (a random one) gets `synthetic_retrieval_scores`; a real model is measured
+    (tests/test_retrieval_heads.py checks the measurement, tests/test_headkv.py what HeadKV does with scores)."""
+    from snapkv_lab.policies import headkv
+
+    measured = headkv.measured_head_scores
+    monkeypatch.setattr(headkv, "measured_head_scores", lambda model, tokenizer: measured(model, tokenizer)
+                        if getattr(model.config, "name_or_path", "") else synthetic_retrieval_scores(model.config))
+
+
 @pytest.fixture
 def tiny_model():
     return make_tiny_llama()

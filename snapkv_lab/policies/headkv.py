@@ -1,0 +1,106 @@
+"""HeadKV (Fu et al. 2024, arXiv 2410.19258): head-level budgets from how much each head retrieves.
+
+Retrieval heads copy from the context; the others can live on a few positions. HeadKV shares one budget across every
+head of every layer by a per-head importance score, then each head keeps its own top positions by a scorer (SnapKV
+in the paper) plus the observation window. The official code (FYYFU/HeadKV at 3ec9653, headkv/snapkv_utils.py,
+ReasonSnapKVCluster.__init__) with b = base_capacity - window, the per-head prefix budget of the uniform method:
+
+    p = s / sum(s);  p = p ** temp / sum(p ** temp)            over all L x H (layer, head) scores s
+    pool = (b // beta) * L * H;  floor = b - b // beta
+    capacity[l, h] = round(p[l, h] * pool + floor)            prefix positions, the window besides
+
+and head h of layer l keeps its top capacity[l, h] positions (a head whose capacity passes its prefix keeps the whole
+prefix: the rest of its share is unused, as in the official slicing). Its scripts run beta = 1.005 and temp = 1
+(head_start_llama3.sh), which hands almost the whole budget to the scores.
+
+The scores here are Wu et al.'s retrieval scores measured on the model itself (`snapkv_lab.retrieval_heads`, cached
+per model): the paper's HeadKV-R. Its HeadKV-R2 adds reasoning needles to the detection (retrieval_head_detection_r2.py),
+which the lab does not run. The official code selects per query head over keys repeated for each (Llama-3's 4
+query heads per KV head hold 4 copies); here, as for AdaKV, a KV head ranks by its query heads' mean votes (SnapKV's
+GQA reduction) and keeps the mean of their capacities, so the total is the same and the GQA saving stays real.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..hooks import attention_modules
+from .base import Policy
+from .wrapper import Wrapper
+
+# model -> (L, H) retrieval scores, measured by `prepare`; keyed weakly so a freed model frees its scores
+_SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def measured_head_scores(model, tokenizer) -> torch.Tensor:
+    """(layers, query heads) Wu et al.'s retrieval score of every head of `model` (`retrieval_heads`, cached)."""
+    from ..retrieval_heads import retrieval_heads
+
+    table = retrieval_heads(model, tokenizer)
+    grid = table.pivot(index="layer", columns="head", values="retrieval_score").sort_index()
+    return torch.tensor(grid.to_numpy(), dtype=torch.float64)
+
+
+def head_shares(scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(L, H) scores -> (L, H) shares of the pooled budget, summing to 1: normalised, raised to `temperature`,
+    normalised again (the official order)."""
+    scores = scores.double()
+    if scores.isnan().all() or not scores.nan_to_num(0.0).sum() > 0:
+        raise ValueError("HeadKV shares its budget by retrieval scores, and every head scored 0 or none was measured "
+                         "(the model copied no needle token)")
+    shares = scores.nan_to_num(0.0) / scores.nan_to_num(0.0).sum()
+    shares = shares ** temperature
+    return shares / shares.sum()
+
+
+def head_capacities(shares: torch.Tensor, prefix_budget: int, beta: float) -> torch.Tensor:
+    """(L, H) shares and the uniform per-head prefix budget b -> (L, H) long prefix positions per head:
+    round(share * (b // beta) * L * H + b - b // beta)."""
+    pooled = prefix_budget // beta
+    return torch.round(shares * (pooled * shares.numel()) + (prefix_budget - pooled)).long()
+
+
+@dataclass
+class HeadKV(Wrapper):
+    """Per-head prefix budgets from retrieval scores, shared across all layers, over `policy`'s ranking (SnapKV by
+    default). beta: how much of each head's budget is pooled (b // beta of it; the official 1.005 pools almost all);
+    temperature: the exponent on the normalised scores (1: proportional). The scores are measured on the model at
+    the first prefill (`retrieval_heads`: needle prompts, so the first use of a model costs about ten captures)."""
+
+    beta: float = 1.005
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.per_query_head:
+            raise ValueError("HeadKV's budgets are per head and the cache stores ragged budgets per KV head: "
+                             "per_query_head=True is not supported")
+        if not self.beta >= 1:
+            raise ValueError(f"beta must be at least 1 (b // beta of each head's budget is pooled), got {self.beta!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature!r}")
+
+    def prepare(self, model, tokenizer) -> None:
+        super().prepare(model, tokenizer)
+        if model not in _SCORES:
+            scores = measured_head_scores(model, tokenizer)
+            if scores.shape[0] != len(attention_modules(model)):
+                raise ValueError(f"{self.label}: retrieval scores for {scores.shape[0]} layers, the model has "
+                                 f"{len(attention_modules(model))}")
+            _SCORES[model] = scores
+        self._shares = head_shares(_SCORES[model], self.temperature)
+
+    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
+        shares = getattr(self, "_shares", None)
+        if shares is None:
+            raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
+                               "heads' retrieval scores are unknown")
+        uniform = Policy.head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers)  # b per row, whatever the inner
+        capacities = head_capacities(shares, uniform[0], self.beta)[layer]  # (query heads,)
+        if len(uniform) != capacities.numel():  # one row per KV head: the mean of its query heads'
+            capacities = torch.round(capacities.view(len(uniform), -1).double().mean(-1)).long()
+        prefix = self.prefix_len(n_tokens, layer, n_layers)
+        return capacities.clamp(max=prefix).tolist()
