@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from .attention import AttentionSettings
-from .hooks import intercept_attention
+from .hooks import intercept_attention, with_cache
 from .inputs import check_context_length, encode_continuation, encode_prompt, eos_ids
 from .trace import AttentionTrace
 from .progress import progress_bar
@@ -95,7 +95,7 @@ def capture(
 
     def forward(ids):
         # logits_to_keep=1: a full-vocabulary logit matrix for a long prompt would cost more than the trace.
-        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return model(input_ids=ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
 
     # The prefill (one forward over the whole prompt) is the long part of a long prompt: count its layers.
     prefill_bar = progress_bar(total=model.config.num_hidden_layers, desc="prefill (layers)", disable=not progress, leave=False)

@@ -34,12 +34,24 @@ run with `logits_to_keep=1`, so that scores needing every position's logits cost
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+def with_cache(model, cache) -> dict:
+    """`cache` as the keyword argument `model`'s forward takes it by: `cache` from transformers 5.24 on, whose
+    `past_key_values` warns that it is deprecated, `past_key_values` before."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
+def returned_cache(output):
+    """The cache a forward returned: `output.cache` from transformers 5.24 on, `output.past_key_values` before."""
+    return output.cache if "cache" in output else output.past_key_values
 
 
 def model_eager_function(module) -> Callable:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from ..inputs import (check_context_length, encode_batch, encode_continuation, eos_ids, extended_mask,
                       padded_positions)
+from ..hooks import with_cache
 from ..policies.base import FullCache, Policy
 from ..timing import ms_per_token, stopwatch
 from .compressor import CompressionState, applied, compress
@@ -107,7 +108,7 @@ def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids
         with stopwatch(model.device) as elapsed:
             position = padded_positions(pads, start + step, 1, model.device).expand(logits.shape[0], 1)
             padding = None if mask is None else extended_mask(mask, start + step + 1)
-            out = model(next_token[:, None], past_key_values=cache, position_ids=position, use_cache=True,
+            out = model(next_token[:, None], **with_cache(model, cache), position_ids=position, use_cache=True,
                         attention_mask=padding)
             next_token = out.logits[:, -1].argmax(-1)
         seconds.append(elapsed.seconds)
@@ -131,7 +132,7 @@ def forward(model, ids: torch.Tensor, cache, start: int, mask: torch.Tensor | No
     pads = None if mask is None else (mask == 0).sum(-1)
     positions = padded_positions(pads, start, ids.shape[1], model.device)
     padding = None if mask is None else extended_mask(mask, start + ids.shape[1]).to(model.device)
-    return model(ids, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1,
+    return model(ids, **with_cache(model, cache), position_ids=positions, use_cache=True, logits_to_keep=1,
                  attention_mask=padding).logits[:, -1]
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hooks import model_eager_function, intercept_attention
+from ..hooks import intercept_attention, model_eager_function, returned_cache, with_cache
 from ..kept import kept_mask
 from ..policies.decoding import EvictsWhileDecoding
 
@@ -56,11 +56,11 @@ def masked_decode(model, ids: torch.Tensor, kept, max_new_tokens: int) -> torch.
 
     with intercept_attention(model, None, attend=attend):
         out = model(ids, use_cache=True)
-        cache, tokens = out.past_key_values, []
+        cache, tokens = returned_cache(out), []
         token = out.logits[:, -1].argmax(-1)
         for step in range(max_new_tokens):
             tokens.append(token)
-            out = model(token[:, None], past_key_values=cache, use_cache=True,
+            out = model(token[:, None], **with_cache(model, cache), use_cache=True,
                         position_ids=torch.tensor([[n + step]], device=model.device))
             token = out.logits[:, -1].argmax(-1)
     return torch.stack(tokens, 1)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..hooks import capture_final_hidden, intercept_attention
+from ..hooks import capture_final_hidden, intercept_attention, with_cache
 from ..policies.base import Policy
 from ..timing import SectionTimer, stopwatch
 from ..policies.decoding import prefill_seeds, seeded
@@ -75,7 +75,7 @@ class SharedPrefill:
         positions = padded_positions(None if mask is None else (mask == 0).sum(-1), start, ids.shape[1], self.model.device)
         capture = capture_final_hidden(self.model) if self.keeps_final_hidden else nullcontext()
         with intercept_attention(self.model, recorder), capture as hidden, stopwatch(self.model.device) as elapsed:
-            logits = self.model(ids, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1,
+            logits = self.model(ids, **with_cache(self.model, cache), position_ids=positions, use_cache=True, logits_to_keep=1,
                                 attention_mask=mask).logits[:, -1]
         if self.keeps_final_hidden:  # every fed id's: the earlier chunks', then these
             cache.final_hidden = torch.cat([self.cache.final_hidden, *hidden], 1) if start else hidden[0]

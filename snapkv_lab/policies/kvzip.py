@@ -47,7 +47,7 @@ from einops import rearrange
 
 from ..attention import BLOCK_ELEMENTS, AttentionSettings
 from ..framing import chat_frame
-from ..hooks import intercept_attention
+from ..hooks import intercept_attention, with_cache
 from ..tokens import encode
 from .base import ADDED_LATER, Policy, top_positions
 
@@ -222,7 +222,8 @@ class KVzip(Policy):
 
             positions = torch.arange(n, n + feed.shape[1], device=ids.device)[None]
             with intercept_attention(model, record):
-                model.get_decoder()(input_ids=feed, past_key_values=fork(cache), position_ids=positions, use_cache=True)
+                decoder = model.get_decoder()
+                decoder(input_ids=feed, **with_cache(decoder, fork(cache)), position_ids=positions, use_cache=True)
         for layer_scores in scores.values():
             layer_scores[..., :layout.protected] = math.inf
         return scores
