@@ -20,6 +20,8 @@ captures once per model.
 
 from __future__ import annotations
 
+import weakref
+
 import pandas as pd
 import torch
 
@@ -72,3 +74,17 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
         path.parent.mkdir(parents=True, exist_ok=True)
         pooled.to_csv(path, index=False)
     return pooled
+
+
+# model -> (layers, query heads) retrieval scores: measured once per model object (the table itself is cached on disk)
+_GRIDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def retrieval_score_grid(model, tokenizer) -> torch.Tensor:
+    """(layers, query heads) float64 retrieval scores of `model` (`retrieval_heads` with its defaults), kept per model
+    object: what the policies that budget by heads (HeadKV, DuoAttention) read. NaN where no copy step was seen."""
+    if model not in _GRIDS:
+        table = retrieval_heads(model, tokenizer)
+        grid = table.pivot(index="layer", columns="head", values="retrieval_score").sort_index()
+        _GRIDS[model] = torch.tensor(grid.to_numpy(), dtype=torch.float64)
+    return _GRIDS[model]

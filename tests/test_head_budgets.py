@@ -1,6 +1,8 @@
-"""HeadKV against a plain reference written from its official code (FYYFU/HeadKV at 3ec9653, headkv/snapkv_utils.py,
+"""The policies that budget by heads from the model's retrieval scores, each against a plain reference written from
+its official code, with the scores handed to it: HeadKV (FYYFU/HeadKV at 3ec9653, headkv/snapkv_utils.py,
 ReasonSnapKVCluster: the capacities in __init__, the per-head top-k plus window in update_kv) over transformers'
-eager attention maps, with retrieval scores handed to it."""
+eager attention maps, and DuoAttention (mit-han-lab/duo-attention at 03dca84: full heads by their scores over all
+layers, streaming heads' sink_size + recent_size tokens)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,18 @@ import torch.nn.functional as F
 from conftest import ByteTokenizer, make_tiny_llama
 from reference import eager_attentions
 import snapkv_lab as C
+from snapkv_lab import retrieval_heads
 from snapkv_lab.policies import headkv
 
 WINDOW, CAPACITY, N = 8, 40, 96
+
+
+def scored(model, scores):
+    """`model` with retrieval scores (layers, query heads) handed in, as if measured (a named model: conftest's
+    synthetic scores are for unnamed ones)."""
+    model.config.name_or_path = "tiny-with-scores"
+    retrieval_heads._GRIDS[model] = torch.as_tensor(scores, dtype=torch.float64)
+    return model
 
 
 def official_capacities(scores: list[list[float]], base_capacity: int, window: int, beta: float, temp: float):
@@ -65,9 +76,8 @@ def test_capacities_are_the_official_allocation(beta, temperature):
 
 @pytest.mark.parametrize("beta", [1.005, 1.5])
 def test_each_head_keeps_its_top_positions_under_its_capacity(beta):
-    model = make_tiny_llama(initializer_range=0.3)  # peaked attention: few ties among votes
     scores = torch.tensor([[0.05, 0.6, 0.0, 0.2], [0.3, 0.1, 0.45, 0.0]], dtype=torch.float64)
-    headkv._SCORES[model] = scores
+    model = scored(make_tiny_llama(initializer_range=0.3), scores)  # peaked attention: few ties among votes
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
     policy = C.HeadKV(capacity=CAPACITY, window_size=WINDOW, beta=beta)
     state_kept = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1).kept_indices
@@ -79,8 +89,7 @@ def test_each_head_keeps_its_top_positions_under_its_capacity(beta):
 
 
 def test_kv_bytes_stay_within_the_uniform_budget():
-    model = make_tiny_llama()
-    headkv._SCORES[model] = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]], dtype=torch.float64)
+    model = scored(make_tiny_llama(), [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
     run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=1)
     uniform = C.generate(model, ByteTokenizer(), ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
@@ -95,8 +104,7 @@ def test_kv_bytes_stay_within_the_uniform_budget():
 
 
 def test_a_model_whose_heads_score_nothing_is_refused():
-    model = make_tiny_llama()
-    headkv._SCORES[model] = torch.zeros(2, 4, dtype=torch.float64)
+    model = scored(make_tiny_llama(), torch.zeros(2, 4))
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(5))
     with pytest.raises(ValueError, match="retrieval scores"):
         C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=1)
@@ -105,3 +113,57 @@ def test_a_model_whose_heads_score_nothing_is_refused():
     with pytest.raises(ValueError, match="per_query_head"):
         C.HeadKV(capacity=CAPACITY, per_query_head=True)
     assert math.isclose(float(headkv.head_shares(torch.tensor([[1.0, float("nan")]])).sum()), 1.0)
+
+
+def official_duo_kept(scores, n, budget, sink, recent, kv_heads):
+    """Per layer (kv_heads, widest) kept positions, -1 padded: a KV head's gate is its query heads' mean score; the F
+    best gates of all layers (F as many as L K budget positions pay for beside s = min(sink + recent, budget) per
+    streaming head, ties to the earlier head) keep every position, the others their first sinks and last recent."""
+    layers = len(scores)
+    gates = [[sum(row[k * (len(row) // kv_heads):(k + 1) * (len(row) // kv_heads)]) / (len(row) // kv_heads)
+              for k in range(kv_heads)] for row in scores]
+    streaming = min(sink + recent, budget)
+    count = (layers * kv_heads * (budget - streaming)) // (n - streaming)
+    ranked = sorted(((-gates[l][k], l, k) for l in range(layers) for k in range(kv_heads)))[:count]
+    full = {(l, k) for _, l, k in ranked}
+    kept = []
+    for layer in range(layers):
+        rows = []
+        for k in range(kv_heads):
+            if (layer, k) in full:
+                rows.append(list(range(n)))
+            else:  # a budget short of sink + recent: sinks and recent tokens in proportion
+                sinks = sink if streaming == sink + recent else (streaming * sink) // (sink + recent)
+                rows.append(list(range(sinks)) + list(range(n - (streaming - sinks), n)))
+        widest = max(map(len, rows))
+        kept.append(torch.tensor([r + [-1] * (widest - len(r)) for r in rows]))
+    return kept
+
+
+@pytest.mark.parametrize("capacity,sink,recent", [(48, 4, 12), (0.5, 4, 20), (12, 4, 12), (20, 16, 0), (30, 128, 256)])
+def test_duoattention_keeps_everything_in_its_best_heads_and_sinks_and_recent_in_the_others(capacity, sink, recent):
+    scores = [[0.0, 0.7, 0.2, 0.1], [0.4, 0.5, 0.0, 0.0]]  # KV-head gates: layer 0 0.35 / 0.15, layer 1 0.45 / 0.0
+    model = scored(make_tiny_llama(), scores)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(6))
+    policy = C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent)
+    run = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=2)
+    budget = capacity if isinstance(capacity, int) else int(capacity * N)
+    for layer, reference in enumerate(official_duo_kept(scores, N, budget, sink, recent, 2)):
+        assert torch.equal(run.kept_indices[layer][0], reference), layer
+    held = sum(int((k[0] >= 0).sum()) for k in run.kept_indices)
+    assert held <= 2 * 2 * budget  # layers x KV heads x budget: never more than the label's budget
+
+
+def test_duoattention_at_a_budget_that_pays_for_full_heads_gives_them_to_the_best_scores():
+    model = scored(make_tiny_llama(), [[0.0, 0.7, 0.2, 0.1], [0.4, 0.5, 0.0, 0.0]])
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(7))
+    run = C.generate(model, ByteTokenizer(), ids, policy=C.DuoAttention(capacity=48, sink_size=4, recent_size=12),
+                     max_new_tokens=2)
+    # (4 x (48 - 16)) // (96 - 16) = 1 full head: layer 1's first KV head (gate 0.45), the others stream.
+    full = [[int((k[0, h] >= 0).sum()) == N for h in range(2)] for k in run.kept_indices]
+    assert full == [[False, False], [True, False]]
+    with pytest.raises(ValueError, match="per_query_head"):
+        C.DuoAttention(capacity=48, per_query_head=True)
+    tail = C.generate(model, ByteTokenizer(), ids, policy=C.DuoAttention(capacity=48, sink_size=4, recent_size=12,
+                                                                         window_size=8), max_new_tokens=2)
+    assert all(torch.equal(a, b) for a, b in zip(tail.kept_indices, run.kept_indices))  # the tail is recent anyway

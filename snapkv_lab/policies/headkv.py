@@ -22,26 +22,22 @@ GQA reduction) and keeps the mean of their capacities, so the total is the same 
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
+from .. import retrieval_heads
 from ..hooks import attention_modules
 from .base import Policy
 from .wrapper import Wrapper
 
-# model -> (L, H) retrieval scores, measured by `prepare`; keyed weakly so a freed model frees its scores
-_SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def measured_head_scores(model, tokenizer) -> torch.Tensor:
-    """(layers, query heads) Wu et al.'s retrieval score of every head of `model` (`retrieval_heads`, cached)."""
-    from ..retrieval_heads import retrieval_heads
-
-    table = retrieval_heads(model, tokenizer)
-    grid = table.pivot(index="layer", columns="head", values="retrieval_score").sort_index()
-    return torch.tensor(grid.to_numpy(), dtype=torch.float64)
+def model_head_scores(model, tokenizer, label: str) -> torch.Tensor:
+    """(layers, query heads) the model's retrieval scores (`retrieval_heads.retrieval_score_grid`), one row per layer."""
+    scores = retrieval_heads.retrieval_score_grid(model, tokenizer)
+    if scores.shape[0] != len(attention_modules(model)):
+        raise ValueError(f"{label}: retrieval scores for {scores.shape[0]} layers, the model has "
+                         f"{len(attention_modules(model))}")
+    return scores
 
 
 def head_shares(scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -85,13 +81,7 @@ class HeadKV(Wrapper):
 
     def prepare(self, model, tokenizer) -> None:
         super().prepare(model, tokenizer)
-        if model not in _SCORES:
-            scores = measured_head_scores(model, tokenizer)
-            if scores.shape[0] != len(attention_modules(model)):
-                raise ValueError(f"{self.label}: retrieval scores for {scores.shape[0]} layers, the model has "
-                                 f"{len(attention_modules(model))}")
-            _SCORES[model] = scores
-        self._shares = head_shares(_SCORES[model], self.temperature)
+        self._shares = head_shares(model_head_scores(model, tokenizer, self.label), self.temperature)
 
     def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
         shares = getattr(self, "_shares", None)

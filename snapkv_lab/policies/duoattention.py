@@ -1,0 +1,98 @@
+"""DuoAttention (Xiao et al. 2024, arXiv 2410.10819): retrieval heads keep the whole context, streaming heads keep
+attention sinks and recent tokens.
+
+The paper learns a gate per (layer, KV head) by optimisation on synthetic passkey data; the official code
+(mit-han-lab/duo-attention at 03dca84, duo_attn/utils.py) loads them (`load_attn_pattern`, clipped to [0, 1]) and
+turns them into full and streaming heads by a quantile over all layers (`sparsify_attention_heads`: the heads below
+the `sparsity` quantile stream; ties broken by random noise of 1e-6), the streaming heads keeping `sink_size` and
+`recent_size` tokens (128 and 256 in its Llama-3.1-8B pattern's config.json). kvpress's DuoAttentionPress does the
+same with `head_compression_ratio` the share of streaming heads, and masks the middle of their keys at attention time.
+
+snapkv_lab, what differs (docs/faithfulness.md): the gates are Wu et al.'s retrieval scores measured on the model
+itself (`snapkv_lab.retrieval_heads`, a KV head scoring the mean of its query heads', kvpress's on-the-fly reduction),
+not learned; the share of streaming heads follows from the budget instead of being given: with n prompt tokens, a
+budget B = capacity (a share of n, or positions) per head and s = min(sink_size + recent_size, B) per streaming head,
+the floor(L K (B - s) / (n - s)) best-scoring KV heads of all L layers x K KV heads keep all n positions and the
+others s, so the cache holds at most L K B positions; ties between equal scores go to the earlier (layer, head).
+Streaming heads really drop their middle (the cache is stored ragged), instead of masking it. A budget below
+sink_size + recent_size positions (the official never meets one: it sets no budget) makes every head stream, with
+sinks and recent tokens in the proportion sink_size : recent_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import AttentionCall, Policy
+from .headkv import model_head_scores
+
+
+def full_heads(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """(L, K) scores -> (L, K) bool: the `count` best-scoring heads, ties to the earlier (layer, head)."""
+    flat = scores.flatten().nan_to_num(-torch.inf)
+    order = torch.sort(-flat, stable=True).indices[:count]
+    full = torch.zeros(flat.numel(), dtype=torch.bool)
+    full[order] = True
+    return full.view(scores.shape)
+
+
+@dataclass
+class DuoAttention(Policy):
+    """Full cache for the best-scoring KV heads, sinks + recent tokens for the others, as many full heads as the
+    budget pays for (module docstring). score: the first `sink_size` positions first (in order), then recency.
+    window_size=w (default 0) only names the last w tokens as the always-kept tail: they are the most recent anyway."""
+
+    window_size: int = 0
+    sink_size: int = 128
+    recent_size: int = 256
+
+    scores_query_heads: ClassVar[bool] = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.per_query_head:
+            raise ValueError("DuoAttention picks full and streaming KV heads: per_query_head=True is not supported")
+        if self.sink_size < 0 or self.recent_size < 0:
+            raise ValueError(f"sink_size and recent_size must be at least 0, got {self.sink_size}, {self.recent_size}")
+
+    def prepare(self, model, tokenizer) -> None:
+        scores = model_head_scores(model, tokenizer, self.label)  # (L, query heads)
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or scores.shape[1]
+        self._kv_scores = scores.view(scores.shape[0], kv_heads, -1).mean(-1)
+
+    def score(self, call: AttentionCall):
+        order = torch.arange(call.n_keys, dtype=torch.float32, device=call.key.device)
+        sinks = self.sinks_kept(call.n_keys)
+        order[:sinks] = call.n_keys + sinks - order[:sinks]  # above every recency, the first sink highest
+        return order.expand(call.key.shape[0], -1)
+
+    def streaming_budget(self, n_tokens: int) -> int:
+        """Positions a streaming head keeps: sink_size + recent_size, or the whole budget if smaller."""
+        return min(self.sink_size + self.recent_size, self.budget(n_tokens))
+
+    def sinks_kept(self, n_tokens: int) -> int:
+        """A streaming head's sinks: sink_size, or, when the budget holds less than sink_size + recent_size, its
+        share sink_size / (sink_size + recent_size) of the budget (so recent tokens stay: 1 in 3 with 128 and 256)."""
+        budget = self.budget(n_tokens)
+        if budget is None:
+            return min(self.sink_size, n_tokens)
+        whole = self.sink_size + self.recent_size
+        return self.sink_size if budget >= whole else (budget * self.sink_size) // whole
+
+    def full_count(self, n_tokens: int, n_heads: int) -> int:
+        """How many of the model's n_heads KV heads keep all n_tokens within n_heads x budget positions."""
+        budget, streaming = self.budget(n_tokens), self.streaming_budget(n_tokens)
+        return (n_heads * (budget - streaming)) // (n_tokens - streaming)
+
+    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
+        kv_scores = getattr(self, "_kv_scores", None)
+        if kv_scores is None:
+            raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
+                               "heads' retrieval scores are unknown")
+        full = full_heads(kv_scores, self.full_count(n_tokens, kv_scores.numel()))[layer]
+        prefix = self.prefix_len(n_tokens, layer, n_layers)
+        streaming = self.streaming_budget(n_tokens) - (n_tokens - prefix)  # the window is part of the recent tokens
+        return [prefix if is_full else streaming for is_full in full.tolist()]
