@@ -13,6 +13,7 @@ and `BLOCKS[NAME]` says which page holds it and how it is written from a data fo
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,11 +103,35 @@ def _kvpress_timing_summary(data_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _head_types(data_dir: Path, model: str = "") -> str:
+    """Finding (b) on retrieval heads and the others, per split: value [95% interval] per metric and sinks rule, from
+    the model's folder of data_dir ("" for the default model)."""
+    import pandas as pd
+
+    from .head_types import findings_by_head_type
+
+    data_dir = data_dir / model
+    table = findings_by_head_type(pd.read_csv(data_dir / "findings_b.csv"), pd.read_csv(data_dir / "retrieval_heads.csv"))
+    heads = table.dropna(subset=["n_heads"]).drop_duplicates("head_type").set_index("head_type").n_heads
+    lines = [f"Retrieval heads (score > 0.1): {heads.get('retrieval', 0):.0f} of {heads.sum():.0f}; value [95% interval "
+             "over prompts], chance in parentheses:", "",
+             "| split | metric | sinks | retrieval heads | other heads | retrieval - other |", "|---|---|---|---|---|---|"]
+    for (split, metric, sinks), part in table.groupby(["split", "metric", "sinks"], sort=True):
+        cells = part.set_index("head_type")
+        shown = [f"{r.value:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]" + ("" if pd.isna(r.chance) else f" ({r.chance:.3f})")
+                 for r in (cells.loc[t] for t in ("retrieval", "other", "retrieval - other"))]
+        lines.append(f"| {split} | {metric} | {sinks} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
 BLOCKS = {
     "findings": Block("findings.md", ("findings_a.csv",), _findings),
     "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
                                    _findings_side_by_side),
     "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
+    "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
+    "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),
+                              functools.partial(_head_types, model="gemma-3-270m")),
     "kvpress-timing": Block("performance.md", (f"{RESULTS}/kvpress_timing.csv",), _kvpress_timing),
     "kvpress-timing-summary": Block("../README.md", (f"{RESULTS}/kvpress_timing.csv",), _kvpress_timing_summary),
 }

@@ -25,6 +25,7 @@ FIGURE_MODULES = {
     "pressure": ("snapkv_lab.pressure", "needle grid heatmaps, accuracy vs budget, RULER-style suite, lines ablation"),
     "eval": ("snapkv_lab.evaluation", "benchmark runs (snapkv-lab eval): score vs compression ratio, task x policy, gap to "
                                       "the full cache"),
+    "heads": ("snapkv_lab.retrieval_heads", "which heads retrieve: Wu et al.'s retrieval score per layer and head"),
 }
 
 

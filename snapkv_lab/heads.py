@@ -187,7 +187,8 @@ def _grid(table: pd.DataFrame, column: str) -> pd.DataFrame:
 
 
 def heads_grid_figure(table: pd.DataFrame, metric: str = "retrieval_score") -> go.Figure:
-    """Heatmap of one metric of a `head_table`: layers on y, heads on x; hover shows every column of the cell.
+    """Heatmap of one metric of a `head_table` or a `retrieval_heads` table: layers on y, heads on x; hover shows
+    every column of the cell.
 
     The colour scale runs from 0 to at least 1 (the shares' range), so that grids of one metric compare;
     NaN cells (undefined) are left blank.
@@ -195,7 +196,7 @@ def heads_grid_figure(table: pd.DataFrame, metric: str = "retrieval_score") -> g
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
     z = _grid(table, metric)
-    shown = [c for c in COLUMNS if c not in ("layer", "head")]
+    shown = [c for c in table.columns if c not in ("layer", "head")]  # a head_table's or retrieval_heads' columns
     custom = np.stack([_grid(table, c).to_numpy(dtype=float) for c in shown], axis=-1)  # (layers, heads, columns)
     lines = [f"{c} %{{customdata[{i}]:.4f}}" if table[c].dtype.kind == "f" else f"{c} %{{customdata[{i}]}}"
              for i, c in enumerate(shown)]

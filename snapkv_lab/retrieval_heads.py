@@ -21,11 +21,13 @@ captures once per model.
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import pandas as pd
 import torch
 
 from .capture import capture
+from .figures import FigureSet, register
 from .heads import copy_steps, retrieval_hits
 from .models import measured_cache_path
 from .pressure.tasks import needle_context
@@ -88,3 +90,34 @@ def retrieval_score_grid(model, tokenizer) -> torch.Tensor:
         grid = table.pivot(index="layer", columns="head", values="retrieval_score").sort_index()
         _GRIDS[model] = torch.tensor(grid.to_numpy(), dtype=torch.float64)
     return _GRIDS[model]
+
+
+TABLE = "retrieval_heads.csv"
+
+
+def recompute(options: dict) -> None:
+    """Measure the retrieval heads of options["model"] (None: the default bundled model) afresh, into
+    <data_dir>/retrieval_heads.csv (the figure set "heads")."""
+    from .models import load_model
+
+    model, tokenizer = load_model(options.get("model"), device="cpu")
+    table = retrieval_heads(model, tokenizer, cache=False)
+    table.to_csv(Path(options["data_dir"]) / TABLE, index=False)
+
+
+def draw(data_dir, figures_dir) -> list[Path]:
+    """The retrieval-head grid, and finding (b) by head type where data_dir has its findings_b.csv too."""
+    from .head_types import findings_by_head_type
+    from .heads_figures import draw_head_types, draw_retrieval_heads
+
+    data_dir, figures_dir = Path(data_dir), Path(figures_dir)
+    if not (data_dir / TABLE).exists():
+        return []
+    table = pd.read_csv(data_dir / TABLE)
+    written = draw_retrieval_heads(table, figures_dir)
+    if (data_dir / "findings_b.csv").exists():
+        written.append(draw_head_types(findings_by_head_type(pd.read_csv(data_dir / "findings_b.csv"), table), figures_dir))
+    return written
+
+
+register(FigureSet(name="heads", recompute=recompute, draw=draw))

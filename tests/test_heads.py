@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import ByteTokenizer, make_tiny_llama
@@ -189,6 +190,28 @@ def test_figure_z_is_the_table_column(table):
         assert all(column in figure.data[0].hovertemplate for column in heads.COLUMNS[2:])
     with pytest.raises(ValueError, match="metric must be one of"):
         heads_grid_figure(table, "rows")
+
+
+def test_a_retrieval_heads_table_draws_as_a_grid_and_a_figure_set(tmp_path):
+    """retrieval_heads' columns (not a head_table's) draw: the page's grid is the table's score, hover names its
+    columns; the "heads" figure set writes the page and a PNG from data_dir's table, and nothing without one."""
+    from snapkv_lab.retrieval_heads import TABLE, draw
+
+    layers, n_heads = 3, 4
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame(dict(layer=np.repeat(np.arange(layers), n_heads), head=np.tile(np.arange(n_heads), layers),
+                              kv_head=np.tile(np.arange(n_heads) // 2, layers), prompts=7, copy_steps=40,
+                              retrieval_hits=rng.integers(0, 40, layers * n_heads)))
+    table["retrieval_score"] = table.retrieval_hits / table.copy_steps
+    figure = heads_grid_figure(table, "retrieval_score")
+    np.testing.assert_array_equal(np.array(figure.data[0].z, dtype=float),
+                                  table.retrieval_score.to_numpy().reshape(layers, n_heads))
+    assert "prompts" in figure.data[0].hovertemplate and "sink_share" not in figure.data[0].hovertemplate
+    assert draw(tmp_path, tmp_path / "figures") == []
+    table.to_csv(tmp_path / TABLE, index=False)
+    written = draw(tmp_path, tmp_path / "figures")
+    assert [p.name for p in written] == ["retrieval_heads.html", "retrieval_heads.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
 
 
 def test_grid_selects_heads_and_switches_metrics(table):
