@@ -169,6 +169,16 @@ def given_filters(press, path: str | None) -> None:
     press.post_init_from_model = lambda model: None
 
 
+def given_pattern(press, pattern: dict | None) -> None:
+    """DuoAttentionPress with the head pattern snapkv_lab chose (its streaming KV heads per layer, sink and recent
+    sizes) instead of the published gates it would fetch from the web (duo_attention_press.py, load_attention_pattern)."""
+    if pattern is None:
+        raise ValueError("DuoAttentionPress needs the request's duo_pattern (the web is out of reach)")
+    press.sink_size, press.recent_size = pattern["sink_size"], pattern["recent_size"]
+    press.streaming_mask = torch.tensor(pattern["streaming"], dtype=torch.bool)
+    press.post_init_from_model = lambda model: None
+
+
 def run_kvzip(model, ids: torch.Tensor, press) -> dict:
     """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks."""
     from transformers import DynamicCache
@@ -206,6 +216,8 @@ def main(request_path: str, out_path: str) -> None:
             continue
         if isinstance(press, kvpress.QFilterPress):
             given_filters(press, request.get("q_filters"))
+        if isinstance(press, kvpress.DuoAttentionPress):
+            given_pattern(press, request.get("duo_pattern"))
         if isinstance(press, kvpress.KVzipPress):
             try:
                 start = time.perf_counter()

@@ -164,6 +164,12 @@ ROWS = [
         "Same scoring given the same filters: kvpress loads the authors' published filters from the Hub (out of reach "
         "here), so the worker is handed ours, negated (it keeps the lowest <f, k>, qfilter_press.py:176-178); the row "
         "checks the selection, not the calibration (tests/test_attention_free.py checks that against an SVD)."),
+    Row("DuoAttention", "DuoAttention(sink_size=16, recent_size=64)", "DuoAttentionPress()",
+        "Same head pattern, same positions: kvpress loads the published gates from the web (out of reach here), so the "
+        "worker is handed our choice of streaming heads (from the retrieval scores and the budget: 250 positions pay "
+        "for 16 of 90 KV heads in full beside 80 per streaming head), and masks [sink_size:-recent_size] of the "
+        "streaming heads' keys (duo_attention_press.py:113-115) where ours drops them; the row checks the positions, "
+        "not the choice of heads (tests/test_head_budgets.py checks that against the official rule)."),
 ]
 
 
@@ -228,6 +234,16 @@ def our_policy(row: Row, capacity: int):
     return policy, "; ".join(reasons) or None
 
 
+def duo_pattern(policy, n_tokens: int) -> dict:
+    """Our prepared DuoAttention's choice on an n-token prompt, as DuoAttentionPress takes it: the streaming KV heads
+    (layers x KV heads, bool), sink and recent sizes."""
+    from snapkv_lab.policies.duoattention import full_heads
+
+    scores = policy._kv_scores
+    full = full_heads(scores, policy.full_count(n_tokens, scores.numel()))
+    return {"streaming": (~full).tolist(), "sink_size": policy.sink_size, "recent_size": policy.recent_size}
+
+
 def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, torch.Tensor]:
     """({label: per layer (kv_heads, kept) long, -1 padded}, (vocab,) last logits of the uncompressed prefill):
     one SharedPrefill for every policy, each state as `compress` builds it."""
@@ -242,15 +258,18 @@ def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, to
     return kept, shared.logits[0].float().cpu()
 
 
-def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], q_filters: Path | None = None) -> dict:
+def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], q_filters: Path | None = None,
+                duo_pattern: dict | None = None) -> dict:
     """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression} on the model in
     `checkpoint`; RuntimeError with the worker's last output lines if it fails. q_filters: the query filters our
-    QFilters calibrated, for QFilterPress (which would load the authors' from the Hub)."""
+    QFilters calibrated, for QFilterPress (which would load the authors' from the Hub); duo_pattern: our
+    DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would load the published gates)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
                                        "threads": torch.get_num_threads(),
-                                       "q_filters": None if q_filters is None else str(q_filters)}))
+                                       "q_filters": None if q_filters is None else str(q_filters),
+                                       "duo_pattern": duo_pattern}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                "HF_HUB_OFFLINE": "1"}
         done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
@@ -401,8 +420,10 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     start = time.perf_counter()
     ours, logits = run_ours(model, tokenizer, ids, {label: policy for label, (policy, _) in built.items()})
     middle = time.perf_counter()
+    duo = next((policy for policy, _ in built.values() if type(policy).__name__ == "DuoAttention"), None)
     theirs = run_kvpress(venv, bundled_checkpoint(), ids, {row.label: row.press.format(ratio=ratio) for row in rows},
-                         q_filters=filters_path(model))  # calibrated by run_ours's QFilters
+                         q_filters=filters_path(model),  # calibrated by run_ours's QFilters
+                         duo_pattern=None if duo is None else duo_pattern(duo, len(ids)))
     seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
     agreements = {}
     for row in rows:
