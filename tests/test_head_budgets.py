@@ -164,6 +164,9 @@ def test_duoattention_at_a_budget_that_pays_for_full_heads_gives_them_to_the_bes
     assert full == [[False, False], [True, False]]
     with pytest.raises(ValueError, match="per_query_head"):
         C.DuoAttention(capacity=48, per_query_head=True)
+    with pytest.raises(ValueError, match="no head scored"):
+        C.generate(scored(make_tiny_llama(), torch.zeros(2, 4)), ByteTokenizer(), ids,
+                   policy=C.DuoAttention(capacity=48, sink_size=4, recent_size=12), max_new_tokens=1)
     tail = C.generate(model, ByteTokenizer(), ids, policy=C.DuoAttention(capacity=48, sink_size=4, recent_size=12,
                                                                          window_size=8), max_new_tokens=2)
     assert all(torch.equal(a, b) for a, b in zip(tail.kept_indices, run.kept_indices))  # the tail is recent anyway

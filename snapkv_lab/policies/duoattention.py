@@ -61,7 +61,11 @@ class DuoAttention(Policy):
     def prepare(self, model, tokenizer) -> None:
         scores = model_head_scores(model, tokenizer, self.label)  # (L, query heads)
         kv_heads = getattr(model.config, "num_key_value_heads", None) or scores.shape[1]
-        self._kv_scores = scores.view(scores.shape[0], kv_heads, -1).mean(-1)
+        kv_scores = scores.view(scores.shape[0], kv_heads, -1).mean(-1)
+        if not bool((kv_scores.nan_to_num(0.0) > 0).any()):
+            raise ValueError(f"{self.label} keeps the whole context in its best retrieval heads, and no head scored above "
+                             "0 (the model copied no needle token): there is nothing to rank them by")
+        self._kv_scores = kv_scores
 
     def score(self, call: AttentionCall):
         order = torch.arange(call.n_keys, dtype=torch.float32, device=call.key.device)
