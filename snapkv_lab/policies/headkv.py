@@ -31,6 +31,7 @@ from ..hooks import attention_modules
 from .base import Policy
 from .wrapper import Wrapper
 
+
 def model_head_scores(model, tokenizer, label: str) -> torch.Tensor:
     """(layers, query heads) the model's retrieval scores (`retrieval_heads.retrieval_score_grid`), one row per layer."""
     scores = retrieval_heads.retrieval_score_grid(model, tokenizer)
