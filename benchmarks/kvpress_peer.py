@@ -240,7 +240,7 @@ def duo_pattern(policy, n_tokens: int) -> dict:
     from snapkv_lab.policies.duoattention import full_heads
 
     scores = policy._kv_scores
-    full = full_heads(scores, policy.full_count(n_tokens, scores.numel()))
+    full = full_heads(scores, policy.full_count(n_tokens, policy._compressed_heads))
     return {"streaming": (~full).tolist(), "sink_size": policy.sink_size, "recent_size": policy.recent_size}
 
 

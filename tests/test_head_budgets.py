@@ -170,3 +170,22 @@ def test_duoattention_at_a_budget_that_pays_for_full_heads_gives_them_to_the_bes
     tail = C.generate(model, ByteTokenizer(), ids, policy=C.DuoAttention(capacity=48, sink_size=4, recent_size=12,
                                                                          window_size=8), max_new_tokens=2)
     assert all(torch.equal(a, b) for a, b in zip(tail.kept_indices, run.kept_indices))  # the tail is recent anyway
+
+
+def test_sliding_layers_share_no_budget(monkeypatch):
+    """The compressor leaves sliding-window layers their own bounded cache, so their heads are out of the shared
+    budget: HeadKV pools over the other layers' heads alone, and DuoAttention never makes a sliding head full."""
+    monkeypatch.setattr(headkv, "sliding_layers", lambda model: [0])  # as if layer 0 slid (Gemma 3: 5 of 6 layers)
+    scores = [[0.9, 0.0, 0.0, 0.0], [0.1, 0.3, 0.0, 0.2]]
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(8))
+    model = scored(make_tiny_llama(initializer_range=0.3), scores)
+    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=1)
+    layer_one = torch.tensor(official_capacities([scores[1]], CAPACITY, WINDOW, 1.005, 1.0)[0], dtype=torch.float64)
+    expected = torch.round(layer_one.view(2, 2).mean(-1)).long().clamp(max=N - WINDOW) + WINDOW
+    assert torch.equal((run.kept_indices[1][0] >= 0).sum(-1), expected)
+    duo = C.generate(model, ByteTokenizer(), ids, policy=C.DuoAttention(capacity=56, sink_size=4, recent_size=12),
+                     max_new_tokens=1)
+    # 2 compressed KV heads: (2 x (56 - 16)) // (96 - 16) = 1 full, layer 1's first (0.2 against 0.1); never layer 0's
+    # first, the best score of all (0.45)
+    full = [[int((k[0, h] >= 0).sum()) == N for h in range(2)] for k in duo.kept_indices]
+    assert full == [[False, False], [True, False]]

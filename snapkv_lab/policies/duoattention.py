@@ -13,10 +13,11 @@ itself (`snapkv_lab.retrieval_heads`, a KV head scoring the mean of its query he
 not learned; the share of streaming heads follows from the budget instead of being given: with n prompt tokens, a
 budget B = capacity (a share of n, or positions) per head and s = min(sink_size + recent_size, B) per streaming head,
 the floor(L K (B - s) / (n - s)) best-scoring KV heads of all L layers x K KV heads keep all n positions and the
-others s, so the cache holds at most L K B positions; ties between equal scores go to the earlier (layer, head).
-Streaming heads really drop their middle (the cache is stored ragged), instead of masking it. A budget below
-sink_size + recent_size positions (the official never meets one: it sets no budget) makes every head stream, with
-sinks and recent tokens in the proportion sink_size : recent_size.
+others s (L: the layers compressed; sliding-window layers keep their own bounded cache), so the cache holds at
+most L K B positions; ties between equal scores go to the earlier (layer, head). Streaming heads really drop their
+middle (the cache is stored ragged), instead of masking it. A budget below sink_size + recent_size positions (the
+official never meets one: it sets no budget) makes every head stream, with sinks and recent tokens in the
+proportion sink_size : recent_size.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class DuoAttention(Policy):
     def prepare(self, model, tokenizer) -> None:
         scores = model_head_scores(model, tokenizer, self.label)  # (L, query heads)
         kv_heads = getattr(model.config, "num_key_value_heads", None) or scores.shape[1]
-        kv_scores = scores.view(scores.shape[0], kv_heads, -1).mean(-1)
-        if not bool((kv_scores.nan_to_num(0.0) > 0).any()):
+        kv_scores = scores.view(scores.shape[0], kv_heads, -1).mean(-1)  # NaN on sliding layers: never full
+        self._compressed_heads = int((~kv_scores.isnan()).sum())
+        if self._compressed_heads and not bool((kv_scores.nan_to_num(0.0) > 0).any()):
             raise ValueError(f"{self.label} keeps the whole context in its best retrieval heads, and no head scored above "
                              "0 (the model copied no needle token): there is nothing to rank them by")
         self._kv_scores = kv_scores
@@ -96,7 +98,7 @@ class DuoAttention(Policy):
         if kv_scores is None:
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
                                "heads' retrieval scores are unknown")
-        full = full_heads(kv_scores, self.full_count(n_tokens, kv_scores.numel()))[layer]
+        full = full_heads(kv_scores, self.full_count(n_tokens, self._compressed_heads))[layer]
         prefix = self.prefix_len(n_tokens, layer, n_layers)
         streaming = self.streaming_budget(n_tokens) - (n_tokens - prefix)  # the window is part of the recent tokens
         return [prefix if is_full else streaming for is_full in full.tolist()]

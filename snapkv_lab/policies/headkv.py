@@ -6,7 +6,7 @@ in the paper) plus the observation window. The official code (FYYFU/HeadKV at 3e
 ReasonSnapKVCluster.__init__) with b = base_capacity - window, the per-head prefix budget of the uniform method:
 
     p = s / sum(s);  p = p ** temp / sum(p ** temp)            over all L x H (layer, head) scores s
-    pool = (b // beta) * L * H;  floor = b - b // beta
+    pool = (b // beta) * L * H;  floor = b - b // beta         (L: the layers compressed; sliding ones keep their own)
     capacity[l, h] = round(p[l, h] * pool + floor)            prefix positions, the window besides
 
 and head h of layer l keeps its top capacity[l, h] positions (a head whose capacity passes its prefix keeps the whole
@@ -28,16 +28,21 @@ import torch
 
 from .. import retrieval_heads
 from ..hooks import attention_modules
+from ..models import sliding_layers
 from .base import Policy
 from .wrapper import Wrapper
 
 
 def model_head_scores(model, tokenizer, label: str) -> torch.Tensor:
-    """(layers, query heads) the model's retrieval scores (`retrieval_heads.retrieval_score_grid`), one row per layer."""
-    scores = retrieval_heads.retrieval_score_grid(model, tokenizer)
+    """(layers, query heads) the model's retrieval scores (`retrieval_heads.retrieval_score_grid`), one row per layer,
+    NaN on the sliding-window layers: the compressor leaves them their own bounded cache, so the budget that heads
+    share is the other layers' alone (Gemma 3's retrieval heads sit in its global layers, and counting the sliding
+    ones would hand those heads a share no cache pays for)."""
+    scores = retrieval_heads.retrieval_score_grid(model, tokenizer).clone()
     if scores.shape[0] != len(attention_modules(model)):
         raise ValueError(f"{label}: retrieval scores for {scores.shape[0]} layers, the model has "
                          f"{len(attention_modules(model))}")
+    scores[sliding_layers(model)] = float("nan")
     return scores
 
 
@@ -53,11 +58,12 @@ def head_shares(scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return shares / shares.sum()
 
 
-def head_capacities(shares: torch.Tensor, prefix_budget: int, beta: float) -> torch.Tensor:
+def head_capacities(shares: torch.Tensor, prefix_budget: int, beta: float, heads: int | None = None) -> torch.Tensor:
     """(L, H) shares and the uniform per-head prefix budget b -> (L, H) long prefix positions per head:
-    round(share * (b // beta) * L * H + b - b // beta)."""
+    round(share * (b // beta) * heads + b - b // beta), heads the number sharing the pool (default L * H)."""
     pooled = prefix_budget // beta
-    return torch.round(shares * (pooled * shares.numel()) + (prefix_budget - pooled)).long()
+    heads = shares.numel() if heads is None else heads
+    return torch.round(shares * (pooled * heads) + (prefix_budget - pooled)).long()
 
 
 @dataclass
@@ -82,7 +88,10 @@ class HeadKV(Wrapper):
 
     def prepare(self, model, tokenizer) -> None:
         super().prepare(model, tokenizer)
-        self._shares = head_shares(model_head_scores(model, tokenizer, self.label), self.temperature)
+        scores = model_head_scores(model, tokenizer, self.label)
+        compressed = ~scores.isnan().all(-1)  # layers whose heads share the pool (not sliding)
+        self._pooled_heads = int(compressed.sum()) * scores.shape[1]
+        self._shares = head_shares(scores, self.temperature) if self._pooled_heads else torch.zeros_like(scores)
 
     def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
         shares = getattr(self, "_shares", None)
@@ -90,7 +99,7 @@ class HeadKV(Wrapper):
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
                                "heads' retrieval scores are unknown")
         uniform = Policy.head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers)  # b per row, whatever the inner
-        capacities = head_capacities(shares, uniform[0], self.beta)[layer]  # (query heads,)
+        capacities = head_capacities(shares, uniform[0], self.beta, self._pooled_heads)[layer]  # (query heads,)
         if len(uniform) != capacities.numel():  # one row per KV head: the mean of its query heads'
             capacities = torch.round(capacities.view(len(uniform), -1).double().mean(-1)).long()
         prefix = self.prefix_len(n_tokens, layer, n_layers)
