@@ -237,11 +237,8 @@ def our_policy(row: Row, capacity: int):
 def duo_pattern(policy, n_tokens: int) -> dict:
     """Our prepared DuoAttention's choice on an n-token prompt, as DuoAttentionPress takes it: the streaming KV heads
     (layers x KV heads, bool), sink and recent sizes."""
-    from snapkv_lab.policies.duoattention import full_heads
-
-    scores = policy._kv_scores
-    full = full_heads(scores, policy.full_count(n_tokens, policy._compressed_heads))
-    return {"streaming": (~full).tolist(), "sink_size": policy.sink_size, "recent_size": policy.recent_size}
+    return {"streaming": (~policy.full_head_mask(n_tokens)).tolist(), "sink_size": policy.sink_size,
+            "recent_size": policy.recent_size}
 
 
 def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, torch.Tensor]:

@@ -181,8 +181,8 @@ def retrieval_hits(trace, layer: int, rows: torch.Tensor, emitted: torch.Tensor,
 
 
 # ---- the grid --------------------------------------------------------------------------------------------
-def _grid(table: pd.DataFrame, column: str) -> pd.DataFrame:
-    """(layers, heads) frame of one column, layers and heads ascending."""
+def layer_head_grid(table: pd.DataFrame, column: str) -> pd.DataFrame:
+    """(layers, heads) frame of one column of a per-(layer, head) table, layers and heads ascending."""
     return table.pivot(index="layer", columns="head", values=column).sort_index().sort_index(axis=1)
 
 
@@ -195,9 +195,9 @@ def heads_grid_figure(table: pd.DataFrame, metric: str = "retrieval_score") -> g
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
-    z = _grid(table, metric)
+    z = layer_head_grid(table, metric)
     shown = [c for c in table.columns if c not in ("layer", "head")]  # a head_table's or retrieval_heads' columns
-    custom = np.stack([_grid(table, c).to_numpy(dtype=float) for c in shown], axis=-1)  # (layers, heads, columns)
+    custom = np.stack([layer_head_grid(table, c).to_numpy(dtype=float) for c in shown], axis=-1)  # (layers, heads, columns)
     lines = [f"{c} %{{customdata[{i}]:.4f}}" if table[c].dtype.kind == "f" else f"{c} %{{customdata[{i}]}}"
              for i, c in enumerate(shown)]
     high = np.nanmax(z.to_numpy(), initial=1.0)

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .figures import write_html
-from .heads import heads_grid_figure
+from .heads import heads_grid_figure, layer_head_grid
 
 
 def draw_retrieval_heads(table: pd.DataFrame, figures_dir: Path) -> list[Path]:
@@ -18,7 +18,7 @@ def draw_retrieval_heads(table: pd.DataFrame, figures_dir: Path) -> list[Path]:
 
     figures_dir.mkdir(parents=True, exist_ok=True)
     html = write_html(heads_grid_figure(table, "retrieval_score"), figures_dir / "retrieval_heads.html")
-    grid = table.pivot(index="layer", columns="head", values="retrieval_score").sort_index().sort_index(axis=1)
+    grid = layer_head_grid(table, "retrieval_score")
     layers, heads = grid.shape
     figure = Figure(figsize=(max(6.5, 2.5 + 0.45 * heads), 2 + 0.18 * layers))
     axes = figure.subplots()

@@ -34,6 +34,7 @@ run with `logits_to_keep=1`, so that scores needing every position's logits cost
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -46,7 +47,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 def with_cache(model, cache) -> dict:
     """`cache` as the keyword argument `model`'s forward takes it by: `cache` from transformers 5.24 on, whose
     `past_key_values` warns that it is deprecated, `past_key_values` before."""
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class) -> str:
+    # Read once per class: a signature costs about 50 us, and every decode step passes its cache.
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def returned_cache(output):

@@ -28,7 +28,7 @@ import torch
 
 from .capture import capture
 from .figures import FigureSet, register
-from .heads import copy_steps, retrieval_hits
+from .heads import copy_steps, layer_head_grid, retrieval_hits
 from .models import measured_cache_path
 from .pressure.tasks import needle_context
 from .progress import progress_bar
@@ -86,8 +86,7 @@ def retrieval_score_grid(model, tokenizer) -> torch.Tensor:
     """(layers, query heads) float64 retrieval scores of `model` (`retrieval_heads` with its defaults), kept per model
     object: what the policies that budget by heads (HeadKV, DuoAttention) read. NaN where no copy step was seen."""
     if model not in _GRIDS:
-        table = retrieval_heads(model, tokenizer)
-        grid = table.pivot(index="layer", columns="head", values="retrieval_score").sort_index()
+        grid = layer_head_grid(retrieval_heads(model, tokenizer), "retrieval_score")
         _GRIDS[model] = torch.tensor(grid.to_numpy(), dtype=torch.float64)
     return _GRIDS[model]
 

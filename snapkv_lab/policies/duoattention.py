@@ -93,12 +93,16 @@ class DuoAttention(Policy):
         budget, streaming = self.budget(n_tokens), self.streaming_budget(n_tokens)
         return (n_heads * (budget - streaming)) // (n_tokens - streaming)
 
-    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
+    def full_head_mask(self, n_tokens: int) -> torch.Tensor:
+        """(layers, KV heads) bool: the heads that keep all of an n-token prompt (after `prepare`)."""
         kv_scores = getattr(self, "_kv_scores", None)
         if kv_scores is None:
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
                                "heads' retrieval scores are unknown")
-        full = full_heads(kv_scores, self.full_count(n_tokens, self._compressed_heads))[layer]
+        return full_heads(kv_scores, self.full_count(n_tokens, self._compressed_heads))
+
+    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
+        full = self.full_head_mask(n_tokens)[layer]
         prefix = self.prefix_len(n_tokens, layer, n_layers)
         streaming = self.streaming_budget(n_tokens) - (n_tokens - prefix)  # the window is part of the recent tokens
         return [prefix if is_full else streaming for is_full in full.tolist()]
