@@ -36,7 +36,7 @@ import torch
 WORKER = Path(__file__).resolve().parent / "_kvpress_worker.py"
 N_TOKENS, RATIO = 1000, 0.75
 WINDOW, KERNEL = 64, 5  # kvpress's SnapKVPress defaults (snapkv_press.py:38-39), given to both sides
-SNAP = f"SnapKV(pooling='avg', kernel_size={KERNEL})"  # inner scorer of wrappers: kvpress's SnapKVPress
+SNAP = f"SnapKV(pooling='avg', kernel_size={KERNEL}, window_size={WINDOW})"  # inner scorer of wrappers: kvpress's SnapKVPress
 SNAP_PRESS = f"SnapKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})"
 _ABSENT = object()
 
@@ -74,11 +74,11 @@ ROWS = [
         "(streaming_llm_press.py:50-52); ours splits the recent ones into prefix picks and the window, the same set."),
     Row("KNorm", "KNorm()", "KnormPress(compression_ratio={ratio})",
         "Same definition and defaults: the keys of lowest L2 norm per KV head (knorm_press.py:46), every position "
-        "competing, no window (the paper keeps none).", expect={"window_size": 0}),
-    Row("TOVA", "TOVA(window_size=1, interval=None)", "TOVAPress(compression_ratio={ratio})",
+        "competing, no window (the paper keeps none).", expect={"kept_tail": 0}),
+    Row("TOVA", "TOVA(kept_tail=1, interval=None)", "TOVAPress(compression_ratio={ratio})",
         "Same definition: the last query's attention averaged over all query heads, one selection per layer shared "
         "by its KV heads (tova_press.py:53-54; TOVA's code, per_layer=True). By design kvpress keeps the last token "
-        "(padded with max+1, :59): ours window_size=1; and compresses once, after prefill: ours interval=None.",
+        "(padded with max+1, :59): ours kept_tail=1; and compresses once, after prefill: ours interval=None.",
         expect={"per_layer": True}),
     Row("PyramidKV", f"PyramidKV(pooling='avg', window_size={WINDOW}, kernel_size={KERNEL}, schedule='kvpress')",
         f"PyramidKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})",
@@ -92,20 +92,20 @@ ROWS = [
         "As the row above with beta 3, where kvpress's pyramid applies: the smallest layer budget 250 / 3 = 83 holds "
         "the window; layer totals round(max_num - l * steps), 417 down to 83 (pyramidkv_press.py:72-86).",
         expect={"schedule": "kvpress"}),
-    Row("AdaKV", f"AdaKV(policy={SNAP}, window_size={WINDOW}, allocation='safeguard')", f"AdaKVPress(press={SNAP_PRESS})",
+    Row("AdaKV", f"AdaKV(policy={SNAP}, allocation='safeguard')", f"AdaKVPress(press={SNAP_PRESS})",
         "kvpress's allocation by design (ours allocation='safeguard'): each head's top int(alpha * n_kept) scores "
         "first, then one top-k of kv_heads * n_kept over the layer's heads (adakv_press.py:64-80), the window "
         "winning through the inner press's max+1 pad. kvpress's safeguard counts the window: int(0.2 * 250) = 50 "
         "positions, all inside the 64-token window, so it protects no prefix position: ours max(0, int(alpha * B) - W).",
         expect={"allocation": "safeguard"}),
-    Row("ChunkKV", f"ChunkKV(policy={SNAP}, window_size={WINDOW}, chunk_size=20)",
+    Row("ChunkKV", f"ChunkKV(policy={SNAP}, chunk_size=20)",
         f"ChunkKVPress(press={SNAP_PRESS}, chunk_length=20)",
         "Same definition (kvpress's is the authors' code): chunks tile the whole prompt from position 0, ranked by "
         "the mean of the inner scores summed over KV heads (chunkkv_press.py:86-100), one choice for every head; "
         "max(1, int(n_chunks * (1 - ratio))) whole chunks kept (:103), the window's first: 12 of 50 = 240 "
         "positions. kvpress's chunk_length 20 where the paper's is 10: ours chunk_size=20.",
         expect={"per_head": False, "exact_budget": False}),
-    Row("CriticalKV", f"CriticalKV(policy={SNAP}, window_size={WINDOW})", f"CriticalKVPress(press={SNAP_PRESS})",
+    Row("CriticalKV", f"CriticalKV(policy={SNAP})", f"CriticalKVPress(press={SNAP_PRESS})",
         "Same two stages (kvpress's is the authors' code): stage 1 keeps int(first_stage_ratio * n_kept) = 125 "
         "highest scores, the window's 64 among them (criticalkv_press.py:83-88); stage 2 fills n_kept by "
         "(score + epsilon) * ||W_o v||_1 averaged over the GQA group (:59-76, 91-95), epsilon 1e-4 on SnapKV's "
@@ -114,11 +114,11 @@ ROWS = [
         "Same definition and defaults: Gaussian statistics of the pre-RoPE queries after the 4 sinks, RoPE averaged "
         "over the next 512 positions, a softmax over the keys after the sinks (expected_attention_press.py:"
         "136-152) averaged per GQA group, times ||v||; the sinks kept (:163), no window.",
-        expect={"window_size": 0}),
-    Row("RandomPress", "RandomKeep(seed=0, window_size=0, layer_seeds=False)", "RandomPress(compression_ratio={ratio}, seed=0)",
+        expect={"kept_tail": 0}),
+    Row("RandomPress", "RandomKeep(seed=0, kept_tail=0, layer_seeds=False)", "RandomPress(compression_ratio={ratio}, seed=0)",
         "By design kvpress draws torch.rand(batch, kv_heads, n) from a generator seeded with `seed` in every layer "
         "(random_press.py:43-46), the same draw in every layer: ours layer_seeds=False; and every position "
-        "competes: ours window_size=0.", expect={"layer_seeds": False}),
+        "competes: ours kept_tail=0.", expect={"layer_seeds": False}),
     Row("KVzip", "KVzip(sinks=4, chunk_size=2048, repeat_prompts='kvpress')", "KVzipPress(compression_ratio={ratio})",
         "Same scores by design (ours sinks=4, chunk_size=2048; the official code protects the whole system prompt "
         "and reconstructs chunks of 2000): the context after the chat template's head is fed again after "
@@ -130,23 +130,23 @@ ROWS = [
         "at once (:383-387), as the official _threshold (snu-mllab/KVzip attention/score.py). Later chunks are "
         "fed after '...starting with' and the previous chunk's last 8 tokens (:259-268): kvpress drops the space "
         "the official instruction has after 'with' (model/wrapper.py:214): ours repeat_prompts='kvpress'.",
-        expect={"sinks": 4, "chunk_size": 2048, "window_size": 0, "repeat_prompts": "kvpress"}),
+        expect={"sinks": 4, "chunk_size": 2048, "kept_tail": 0, "repeat_prompts": "kvpress"}),
     Row("KVzip, chunks of 300", "KVzip(sinks=4, chunk_size=300, repeat_prompts='kvpress')",
         "KVzipPress(compression_ratio={ratio}, chunk_size=300)",
         "As the KVzip row, with the context reconstructed in chunks of 300 on both sides (kvzip_press.py:226-243, "
         "our reconstruction_feeds): every chunk after the first quotes the previous one's last 8 tokens.",
-        expect={"sinks": 4, "chunk_size": 300, "window_size": 0, "repeat_prompts": "kvpress"}),
+        expect={"sinks": 4, "chunk_size": 300, "kept_tail": 0, "repeat_prompts": "kvpress"}),
     Row("KVzip layerwise", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048, repeat_prompts='kvpress'), alpha_safeguard=0.0)",
         "KVzipPress(compression_ratio={ratio}, layerwise=True)",
         "As the row above, but layerwise=True evicts the lowest kv_heads * n * ratio scores of each layer over its "
         "heads (kvzip_press.py:380-405): AdaKV's top-k over the heads, with no safeguard (KVzip has none, :372).",
-        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "policy.repeat_prompts": "kvpress", "window_size": 0}),
-    Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), window_size=0, allocation='safeguard')",
+        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "policy.repeat_prompts": "kvpress", "policy.kept_tail": 0}),
+    Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), allocation='safeguard')",
         "AdaKVPress(press=ExpectedAttentionPress(compression_ratio={ratio}))",
         "AdaKV's allocation (as the AdaKV row) over Expected Attention's scores (as its row), no window: kvpress's "
         "safeguard int(0.2 * n_kept) = 50 per head (adakv_press.py:66), the 4 sinks among them, is ours "
         "max(0, int(0.2 * capacity) - window) = 50, as there is no window.", expect={"allocation": "safeguard"}),
-    Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}, allocation='safeguard'), window_size={WINDOW})",
+    Row("CriticalAdaKV", f"CriticalKV(policy=AdaKV(policy={SNAP}, allocation='safeguard'))",
         f"CriticalAdaKVPress(press={SNAP_PRESS})",
         "AdaKV's head budgets (as the AdaKV row, criticalkv_press.py:153-171), then CriticalKV's two stages inside "
         "each head's budget, the window in its stage 1 (:173-186); epsilon as in the CriticalKV row.",

@@ -45,6 +45,27 @@ def eager_twin(model):
     return twin.to(model.device)
 
 
+def build_with_tail(name: str, tail: int, **settings):
+    """The registered policy `name` with a kept tail of `tail` tokens, for prompts too short for the defaults: SnapKV's
+    family (and a wrapper's default inner SnapKV) votes with that many queries and keeps them, as SnapKV alone; the
+    others keep `tail` last tokens by right. FullCache takes no settings."""
+    import dataclasses
+
+    import snapkv_lab
+
+    cls = snapkv_lab.POLICIES[name]
+    if name == "FullCache":
+        return cls()
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if "policy" in fields:
+        settings.setdefault("policy", snapkv_lab.SnapKV(window_size=tail))
+    elif "window_size" in fields:
+        settings["window_size"] = tail
+    else:
+        settings["kept_tail"] = tail
+    return cls(**settings)
+
+
 def synthetic_retrieval_scores(config) -> torch.Tensor:
     """(layers, heads) fixed, uneven retrieval scores for a random model: head h of layer l scores (l + h) % 3, so each
     layer has heads of 0, 1 and 2 and budgets differ across heads and layers."""

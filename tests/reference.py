@@ -24,8 +24,8 @@ def kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def top_with_window(scores, k, n):
-    """(..., prefix) scores -> (..., k + window) the top-k prefix positions sorted, then the window."""
+def top_with_tail(scores, k, n):
+    """(..., prefix) scores -> (..., k + tail) the top-k prefix positions sorted, then the kept tail."""
     top = scores.topk(k, dim=-1).indices.sort(dim=-1).values
     return torch.cat([top, torch.arange(scores.shape[-1], n).expand(*top.shape[:-1], -1)], dim=-1)
 
@@ -45,7 +45,7 @@ def reference_kept(model, ids, window, capacity, *, pooling, kernel, per_query_h
         if not per_query_head:  # mean (or max) over the query heads of each KV head's group
             grouped = votes.reshape(votes.shape[0], kv_heads(model.config), -1, prefix)
             votes = grouped.mean(dim=2) if gqa == "mean" else grouped.amax(dim=2)
-        kept.append(top_with_window(votes, capacity - window, n))
+        kept.append(top_with_tail(votes, capacity - window, n))
         scores.append(votes)
     return kept, scores
 

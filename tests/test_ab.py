@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from html.parser import HTMLParser
 
@@ -16,7 +17,7 @@ from snapkv_lab.ab import kept_tokens_html
 from snapkv_lab.kept import kept_mask
 from snapkv_lab.pressure import Context, Query, accuracy_table, run_retrieval
 
-POLICIES = [FullCache(), SnapKV(capacity=40, window_size=8), StreamingLLM(capacity=40, window_size=8)]
+POLICIES = [FullCache(), SnapKV(capacity=40, window_size=8), StreamingLLM(capacity=40, kept_tail=8)]
 
 
 def tiny():
@@ -27,7 +28,7 @@ def test_compare_table_and_display(byte_tokenizer):
     prompts = ["x" * 30 + "the answer is here " * 4, {"prompt": "y" * 70, "question": "what?", "answer": "zz", "name": "agnostic"}]
     table = compare(tiny(), byte_tokenizer, prompts, policies=POLICIES, max_new_tokens=6, progress=False)
     assert len(table) == 6 and list(table.policy[:3]) == ["FullCache", "SnapKV(window_size=8)@40",
-                                                           "StreamingLLM(window_size=8)@40"]
+                                                           "StreamingLLM(kept_tail=8)@40"]
     assert set(table["mode"]) == {"query-aware", "query-agnostic"}
     assert table.correct.iloc[:3].isna().all() and table.correct.iloc[3:].map(lambda c: c in (True, False)).all()
     first = table[table.prompt == 0]
@@ -107,13 +108,13 @@ def test_retrieval_runner_reuse_equals_generate(byte_tokenizer):
     context = torch.randint(2, 256, (100,), generator=g).tolist()
     question = torch.randint(2, 256, (12,), generator=g).tolist()
     ctx = Context(context, [Query(question, "7", (40, 50), (45, 47))], dict(task="unit", length=112))
-    policies = [SnapKV(window_size=8), H2O(window_size=8), StreamingLLM(window_size=8)]
+    policies = [SnapKV(window_size=8), H2O(kept_tail=8), StreamingLLM(kept_tail=8)]
     table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), max_new_tokens=6, progress=False)
     assert len(table) == 1 + 3 * 2
     full = generate(model, byte_tokenizer, [context + question], max_new_tokens=6)
     assert table.output.iloc[0] == full.text
     for policy in policies:
-        sized = type(policy)(capacity=40, window_size=8)
+        sized = dataclasses.replace(policy, capacity=40)
         aware = generate(model, byte_tokenizer, [context + question], policy=sized, max_new_tokens=6)
         agnostic = generate(model, byte_tokenizer, [context], question=question, policy=sized, max_new_tokens=6)
         rows = table[table.policy == policy.scorer_label].set_index("mode")
@@ -166,8 +167,8 @@ def test_compare_from_one_prefill_equals_generate(byte_tokenizer):
     prompt = torch.randint(2, 256, (90,), generator=g).tolist()
     questions = [torch.randint(2, 256, (9,), generator=g).tolist() for _ in range(2)]
     # AdaKV: ragged head-wise layers, built under inference mode, then fed the question outside it
-    policies = [FullCache(), SnapKV(capacity=40, window_size=8), SnapKV(capacity=40, window_size=16), H2O(capacity=0.5, window_size=8),
-                sl.AdaKV(capacity=40, window_size=8)]
+    policies = [FullCache(), SnapKV(capacity=40, window_size=8), SnapKV(capacity=40, window_size=16), H2O(capacity=0.5, kept_tail=8),
+                sl.AdaKV(capacity=40, policy=sl.SnapKV(window_size=8))]
     table = compare(model, byte_tokenizer, [[prompt], {"prompt": [prompt], "question": questions, "name": "many"}],
                     policies=policies, max_new_tokens=5, progress=False)
     assert len(table) == len(policies) * 3 and table.policy.nunique() == len(policies)
@@ -191,10 +192,10 @@ def test_policy_identity_is_its_parameters(byte_tokenizer):
     policies = [SnapKV(window_size=8), SnapKV(window_size=8, kernel_size=3)]
     table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), modes=("query-aware",),
                           max_new_tokens=4, progress=False)
-    assert sorted(table.policy) == ["FullCache", "SnapKV(window_size=8)", "SnapKV(window_size=8, kernel_size=3)"]
+    assert sorted(table.policy) == ["FullCache", "SnapKV(kernel_size=3, window_size=8)", "SnapKV(window_size=8)"]
     for policy in policies:
         run = generate(model, byte_tokenizer, [ctx.context_ids + ctx.queries[0].question_ids], max_new_tokens=4,
-                       policy=type(policy)(capacity=40, window_size=8, kernel_size=policy.kernel_size))
+                       policy=dataclasses.replace(policy, capacity=40))
         assert table[table.policy == policy.scorer_label].output.item() == run.text
     with pytest.raises(ValueError, match="share a label"):
         compare(model, byte_tokenizer, [[ctx.context_ids]], policies=[SnapKV(capacity=40), SnapKV(capacity=40)], progress=False)
@@ -207,12 +208,12 @@ def test_window_longer_than_the_question_spans_the_context(byte_tokenizer):
     g = torch.Generator().manual_seed(14)
     ctx = Context(torch.randint(2, 256, (90,), generator=g).tolist(),
                   [Query(torch.randint(2, 256, (6,), generator=g).tolist(), "7", (40, 50), (45, 47))], dict(task="unit", length=96))
-    policies = [SnapKV(window_size=16), H2O(window_size=16)]
+    policies = [SnapKV(window_size=16), H2O(kept_tail=16)]
     table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), modes=("query-aware",),
                           max_new_tokens=5, progress=False)
     for policy in policies:
         one_chunk = generate(model, byte_tokenizer, [ctx.context_ids + ctx.queries[0].question_ids], max_new_tokens=5,
-                             policy=type(policy)(capacity=40, window_size=16))
+                             policy=dataclasses.replace(policy, capacity=40))
         row = table[table.policy == policy.scorer_label]
         assert row.output.item() == one_chunk.text, policy.label
         assert row.fact_kept.item() == pytest.approx(sum(float(((k[0] >= 40) & (k[0] < 50)).sum()) for k in one_chunk.kept_indices)
@@ -265,8 +266,8 @@ def test_extra_scoring_pass_is_shared_by_budgets_and_selection_settings(byte_tok
 
     model = make_tiny_llama("sdpa")
     ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(3))
-    policies = [sl.KVzip(capacity=24, window_size=4), sl.KVzip(capacity=40, window_size=4),
-                sl.KVzip(capacity=40, window_size=4, pooling="max", kernel_size=5)]
+    policies = [sl.KVzip(capacity=24, kept_tail=4), sl.KVzip(capacity=40, kept_tail=4),
+                sl.KVzip(capacity=40, kept_tail=4, pooling="max", kernel_size=5)]
     calls = []
     original = sl.KVzip.prompt_scores
     monkeypatch.setattr(sl.KVzip, "prompt_scores", lambda self, *a: calls.append(self) or original(self, *a))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import snapkv_lab
-from conftest import make_tiny_llama
+from conftest import build_with_tail, make_tiny_llama
 from snapkv_lab.inputs import encode_batch
 
 LENGTHS, NEW = (150, 97, 160), 6
@@ -23,9 +23,8 @@ def prompts(seed=0, lengths=LENGTHS):
 
 
 def build(name, capacity):
-    """Window 8: a 25% budget of the 97-token row (24) must exceed the window."""
-    cls = snapkv_lab.POLICIES[name]
-    return cls() if name == "FullCache" else cls(capacity=capacity, window_size=8)
+    """A tail of 8: a 25% budget of the 97-token row (24) must exceed the kept tail."""
+    return build_with_tail(name, 8, capacity=capacity)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +58,7 @@ def test_batched_rows_equal_their_batch_one_runs(name, capacity, model, byte_tok
 
 def test_eviction_while_decoding_runs_per_row(model, byte_tokenizer):
     """DecodingEviction evicts every 4 steps: each row's tracker sees its own slots, as in its batch-1 run."""
-    policy = snapkv_lab.DecodingEviction(capacity=0.25, window_size=8, interval=8, policy=snapkv_lab.SnapKV(window_size=8))
+    policy = snapkv_lab.DecodingEviction(capacity=0.25, kept_tail=8, interval=8, policy=snapkv_lab.SnapKV(window_size=8))
     rows = prompts(seed=1)
     batched = snapkv_lab.generate(model, byte_tokenizer, [r.tolist() for r in rows], policy=policy, max_new_tokens=20)
     singles = [snapkv_lab.generate(model, byte_tokenizer, r[None], policy=policy, max_new_tokens=20) for r in rows]

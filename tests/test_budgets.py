@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import eager_twin, make_tiny_llama
-from reference import eager_attentions, kv_heads, top_with_window
+from reference import eager_attentions, kv_heads, top_with_tail
 import snapkv_lab as C
 from snapkv_lab.compression.layers import HeadwiseLayer
 
@@ -148,7 +148,7 @@ def test_pyramidkv_kept_matches_reference(attn, byte_tokenizer):
     budgets = pyramid_budgets(CAPACITY, WINDOW, 2, 96)
     assert result.cache_lengths == budgets == [71, 9]  # 96 >= 2 (40 - 8): a pyramid, steps floored
     for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
-        ref = top_with_window(votes, budgets[layer] - WINDOW, 96)
+        ref = top_with_tail(votes, budgets[layer] - WINDOW, 96)
         assert_same_rows(result.kept_indices[layer], ref.tolist(), votes)
 
 
@@ -210,7 +210,7 @@ def masked_decode(model, ids, kept, steps, question=None):
 def test_adakv_kept_matches_reference(byte_tokenizer):
     model = tiny()
     ids = prompt(96, batch=2, seed=3)
-    result = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=2)
     counts = []
     for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
         kept = result.kept_indices[layer]  # (batch, kv_heads, widest), NO_POSITION-padded
@@ -233,10 +233,10 @@ def test_adakv_kept_matches_reference(byte_tokenizer):
 def test_adakv_safeguard_allocation_matches_kvpress_rule(byte_tokenizer):
     model = tiny()
     ids = prompt(96, batch=2, seed=3)
-    policy = C.AdaKV(capacity=CAPACITY, window_size=WINDOW, allocation="safeguard")
-    assert policy.label == "AdaKV(window_size=8, allocation='safeguard')@40"
+    policy = C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), allocation="safeguard")
+    assert policy.label == "AdaKV(policy=SnapKV(window_size=8), allocation='safeguard')@40"
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
-    paper = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+    paper = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=2)
     for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
         ref = [[rows + list(range(88, 96)) for rows in adakv_safeguard_reference(votes[b], CAPACITY, WINDOW)]
                for b in range(2)]
@@ -249,7 +249,7 @@ def test_adakv_safeguard_allocation_matches_kvpress_rule(byte_tokenizer):
 def test_adakv_stores_only_kept_positions(byte_tokenizer):
     model = tiny()
     ids = prompt(96, batch=2, seed=3)
-    policy = C.AdaKV(capacity=CAPACITY, window_size=WINDOW, allocation="safeguard")  # its totals are exact
+    policy = C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), allocation="safeguard")  # its totals are exact
     with C.compress(model, policy) as state, torch.no_grad():
         model(ids, past_key_values=state.cache, use_cache=True)
     n_kept = sum(int((kept >= 0).sum()) for kept in state.kept_indices.values())
@@ -270,7 +270,7 @@ def test_headwise_cache_decodes_as_the_masked_full_cache(attn, byte_tokenizer):
     positions masked; model.generate under compress must equal our loop."""
     model = tiny(attn)
     context, question = prompt(96, batch=2, seed=4), prompt(7, seed=5)[0]  # one question, asked of both rows
-    policy = C.AdaKV(capacity=CAPACITY, window_size=WINDOW)
+    policy = C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW))
     asked = C.generate(model, byte_tokenizer, context, question=question, policy=policy, max_new_tokens=10)
     assert torch.equal(masked_decode(model, context, asked.kept_indices, 10, question=question.expand(2, -1)), asked.token_ids)
     plain = C.generate(model, byte_tokenizer, context, policy=policy, max_new_tokens=10)
@@ -286,7 +286,7 @@ def test_headwise_cache_decodes_as_the_masked_full_cache(attn, byte_tokenizer):
 def test_headwise_attention_keeps_the_model_dtype(byte_tokenizer):
     model = tiny().to(torch.bfloat16)
     ids = prompt(96, seed=6)
-    result = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=6)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=6)
     assert result.token_ids.shape == (1, 6)
     assert result.kv_bytes == sum(int((k >= 0).sum()) for k in result.kept_indices) * 2 * 16 * 2  # bf16
 
@@ -303,7 +303,7 @@ def test_budget_methods_match_references_smollm(smollm):
     assert pyramid.cache_lengths == budgets
     ada = C.generate(model, tokenizer, ids, policy=C.AdaKV(capacity=capacity), max_new_tokens=1)  # SnapKV's window, 32
     for layer, (votes8, votes32) in enumerate(zip(snapkv_votes(model, ids, 8), snapkv_votes(model, ids, 32), strict=True)):
-        ref = top_with_window(votes8, budgets[layer] - 8, n)
+        ref = top_with_tail(votes8, budgets[layer] - 8, n)
         assert_same_rows(pyramid.kept_indices[layer], ref.tolist(), votes8)
         ada_ref = [[rows + list(range(n - 32, n)) for rows in adakv_reference(votes32[0], capacity - 32)]]
         assert_same_pairs(ada.kept_indices[layer], ada_ref, F.pad(votes32, (0, 32), value=math.inf))

@@ -75,7 +75,7 @@ def test_the_cache_never_holds_more_than_capacity_plus_a_chunk(name, model):
 
 def test_streaming_llm_keeps_the_same_positions_in_chunks(model, byte_tokenizer):
     """Sinks plus the most recent: a choice by position alone, the same whatever the chunks."""
-    policy = snapkv_lab.StreamingLLM(capacity=40, window_size=8)
+    policy = snapkv_lab.StreamingLLM(capacity=40, kept_tail=8)
     whole = snapkv_lab.generate(model, byte_tokenizer, prompt(seed=3), policy=policy, max_new_tokens=NEW)
     chunked = snapkv_lab.generate(model, byte_tokenizer, prompt(seed=3), policy=policy, max_new_tokens=NEW, prefill_chunk=32)
     expected = torch.cat([torch.arange(4), torch.arange(N - 36, N)])
@@ -87,7 +87,7 @@ def test_knorm_keeps_the_unchunked_positions_in_the_first_layer(model, byte_toke
     """The first layer's keys are the tokens' own (no attention before them), so the lowest key norms of the whole
     prefix are never evicted by an earlier chunk: a global top-k survives every partial top-k. Deeper layers see
     only what was kept, so they may differ."""
-    policy = snapkv_lab.KNorm(capacity=40, window_size=8)
+    policy = snapkv_lab.KNorm(capacity=40, kept_tail=8)
     ids = prompt(seed=4)
     whole = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
     chunked = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1, prefill_chunk=32)

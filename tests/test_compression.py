@@ -61,8 +61,8 @@ def test_kept_indices_match_eager_reference_smollm(smollm):
 
 
 @pytest.mark.parametrize("policy", [sl.SnapKV(capacity=CAPACITY, window_size=WINDOW), sl.SnapKVNoPooling(capacity=CAPACITY, window_size=WINDOW),
-                                    sl.H2O(capacity=CAPACITY, window_size=WINDOW, interval=None), sl.StreamingLLM(capacity=CAPACITY, window_size=WINDOW),
-                                    sl.RandomKeep(capacity=CAPACITY, window_size=WINDOW), sl.SnapKV(capacity=0.5, window_size=WINDOW)],
+                                    sl.H2O(capacity=CAPACITY, kept_tail=WINDOW, interval=None), sl.StreamingLLM(capacity=CAPACITY, kept_tail=WINDOW),
+                                    sl.RandomKeep(capacity=CAPACITY, kept_tail=WINDOW), sl.SnapKV(capacity=0.5, window_size=WINDOW)],
                          ids=lambda p: p.label)
 def test_cache_length_after_prefill_equals_capacity(policy, byte_tokenizer):
     model = tiny()
@@ -126,7 +126,7 @@ def test_compression_changes_generation(byte_tokenizer):
     model = tiny()
     ids = torch.randint(2, 256, (1, 120), generator=torch.Generator().manual_seed(4))
     full = sl.generate(model, byte_tokenizer, ids, max_new_tokens=20)
-    small = sl.generate(model, byte_tokenizer, ids, policy=sl.StreamingLLM(capacity=16, window_size=4), max_new_tokens=20)
+    small = sl.generate(model, byte_tokenizer, ids, policy=sl.StreamingLLM(capacity=16, kept_tail=4), max_new_tokens=20)
     assert torch.equal(full.token_ids[:, 0], small.token_ids[:, 0])  # the first token comes from the full prefill
     assert not torch.equal(full.token_ids, small.token_ids)
 
@@ -136,7 +136,7 @@ def test_positions_after_compression_match_masked_full_cache(attn, byte_tokenize
     """StreamingLLM keeps the same positions in every head, so decoding on its compressed cache must equal
     decoding on the full cache with the dropped positions masked out: same RoPE positions, same softmax."""
     model = tiny(attn)
-    n, policy = 100, sl.StreamingLLM(capacity=30, window_size=WINDOW, sinks=4)
+    n, policy = 100, sl.StreamingLLM(capacity=30, kept_tail=WINDOW, sinks=4)
     ids = torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(5))
     result = sl.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=12)
     visible = torch.zeros(n, dtype=torch.long)
@@ -212,7 +212,9 @@ def test_query_agnostic_mode(byte_tokenizer):
     (dict(capacity=1.5), "ratio must lie in"),
     (dict(capacity=-3), "capacity must be a positive int"),
     (dict(window_size=0), "window_size must be at least 1"),
-    (dict(window_size=-1), "window_size must be a non-negative int"),
+    (dict(window_size=-1), "window_size must be at least 1"),
+    (dict(kept_tail=-1), "kept_tail must be a non-negative int"),
+    (dict(kept_tail=40, capacity=40), "kept tail \\(40 tokens\\) must be smaller than capacity \\(40\\)"),
     (dict(pooling="median"), "pooling must be one of"),
     (dict(gqa="sum"), "gqa must be one of"),
 ])
@@ -221,8 +223,8 @@ def test_bad_parameters_get_clear_errors(kwargs, message):
         sl.SnapKV(**kwargs)
 
 
-def test_ratio_too_small_for_window_is_refused(byte_tokenizer):
-    with pytest.raises(ValueError, match="no more than the window \\(32\\)"):
+def test_ratio_too_small_for_the_kept_tail_is_refused(byte_tokenizer):
+    with pytest.raises(ValueError, match="no more than the kept tail \\(32\\)"):
         sl.generate(tiny(), byte_tokenizer, torch.randint(2, 256, (1, 100)), policy=sl.SnapKV(capacity=0.2, window_size=32))
 
 
@@ -345,4 +347,4 @@ def test_sliding_window_mask_is_not_taken_for_padding(byte_tokenizer):
             sl.compare(model, byte_tokenizer, [ids], policies=[sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)],
                        max_new_tokens=2, progress=False)
         with pytest.warns(UserWarning, match="every layer of this model uses sliding-window attention"):
-            sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+            sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW), max_new_tokens=2)

@@ -49,7 +49,7 @@ def tiny_runs():
     trace = capture(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False, progress=False)
     runs = {}
     for name, policy in [("SnapKV", SnapKV(capacity=40, window_size=8)),
-                         ("AdaKV", AdaKV(policy=SnapKV(), capacity=40, window_size=8)),
+                         ("AdaKV", AdaKV(policy=SnapKV(window_size=8), capacity=40)),
                          ("SnapKV per query head", SnapKV(capacity=40, window_size=8, per_query_head=True)),
                          ("FullCache", FullCache())]:
         runs[name] = generate(model, tokenizer, PROMPT, policy=policy, max_new_tokens=NEW_TOKENS)
@@ -144,7 +144,7 @@ def test_decoding_eviction_keeps_some_generated_positions(byte_tokenizer):
     prompt = PROMPT[:60]
     trace = capture(model, byte_tokenizer, prompt, max_new_tokens=20, stop_at_eos=False, progress=False)
     run = generate(model, byte_tokenizer, prompt, max_new_tokens=20,
-                   policy=DecodingEviction(policy=SnapKV(), capacity=24, window_size=8, interval=8))
+                   policy=DecodingEviction(policy=SnapKV(window_size=8), capacity=24, interval=8))
     assert any((rows >= trace.prompt_len).any() for rows in run.kept_indices)
     check_against_reference(attention_coverage(trace, run), trace, run.kept_indices)
 
@@ -178,7 +178,7 @@ def test_smollm_snapkv_and_adakv(smollm):
     ids = haystack_ids(tokenizer, 500)
     ids = torch.tensor([ids])
     trace = capture(model, tokenizer, ids, max_new_tokens=16, progress=False)
-    for policy in (SnapKV(capacity=128, window_size=16), AdaKV(policy=SnapKV(), capacity=128, window_size=16)):
+    for policy in (SnapKV(capacity=128, window_size=16), AdaKV(policy=SnapKV(window_size=16), capacity=128)):
         run = generate(model, tokenizer, ids, policy=policy, max_new_tokens=16)
         table = attention_coverage(trace, run)
         assert len(table) == trace.n_layers * trace.n_heads * 2

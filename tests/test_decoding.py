@@ -8,7 +8,7 @@ import torch
 
 import snapkv_lab
 from conftest import eager_twin, make_tiny_llama
-from reference import assert_same_selection, eager_attentions, top_with_window
+from reference import assert_same_selection, eager_attentions, top_with_tail
 
 N, WINDOW, CAPACITY, INTERVAL, NEW = 48, 4, 20, 5, 24
 
@@ -88,7 +88,7 @@ def test_decoding_eviction_scores_at_token_positions(byte_tokenizer):
         seen.append((call.slots.tolist(), call.positions.tolist(), call.n_keys))
         return original(self, call)
 
-    policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.ExpectedAttention(), capacity=CAPACITY, window_size=WINDOW,
+    policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.ExpectedAttention(), capacity=CAPACITY, kept_tail=WINDOW,
                                          interval=8)
     snapkv_lab.ExpectedAttention.score = spy
     try:
@@ -106,8 +106,8 @@ def test_decoding_eviction_scores_at_token_positions(byte_tokenizer):
 def test_eviction_bounds_the_cache_under_model_generate(byte_tokenizer):
     model = make_tiny_llama(initializer_range=0.3)
     prompt = ids(4, batch=2)
-    policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.SnapKV(), capacity=CAPACITY, window_size=WINDOW, interval=8)
-    assert policy.label == "DecodingEviction(window_size=4, interval=8)@20"
+    policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.SnapKV(window_size=WINDOW), capacity=CAPACITY, interval=8)
+    assert policy.label == "DecodingEviction(policy=SnapKV(window_size=4), interval=8)@20"
     with snapkv_lab.compress(model, policy) as state:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=state.cache, max_new_tokens=40,
                        do_sample=False, eos_token_id=None)
@@ -115,7 +115,7 @@ def test_eviction_bounds_the_cache_under_model_generate(byte_tokenizer):
     ours = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=40)
     assert all(torch.equal(state.kept_indices[i], kept) for i, kept in enumerate(ours.kept_indices))
     with pytest.raises(ValueError, match="interval"):
-        snapkv_lab.DecodingEviction(policy=snapkv_lab.SnapKV(), capacity=CAPACITY, window_size=WINDOW, interval=2)
+        snapkv_lab.DecodingEviction(policy=snapkv_lab.SnapKV(window_size=WINDOW), capacity=CAPACITY, interval=2)
 
 
 def test_compress_once_ask_many(byte_tokenizer):
@@ -148,5 +148,5 @@ def test_h2o_matches_reference_smollm(smollm):
     scores = [a.sum(2).reshape(1, kv_heads, -1, n).mean(2) for a in eager_attentions(model, prompt)]
     run = snapkv_lab.generate(model, tokenizer, prompt, policy=snapkv_lab.H2O(capacity=budget), max_new_tokens=1)
     window = budget - budget // 2  # H2O's recent half (FMInference/H2O: heavy_ratio = recent_ratio)
-    reference = [top_with_window(s[..., : n - window], budget - window, n) for s in scores]
+    reference = [top_with_tail(s[..., : n - window], budget - window, n) for s in scores]
     assert_same_selection(run.kept_indices, reference, [s[..., : n - window] for s in scores], window)

@@ -121,7 +121,7 @@ def _config(policies, ratios=(0.5,), modes=("query-aware", "query-agnostic"), ta
 
 def test_one_example_gives_the_full_cache_and_every_policy_budget_and_mode_per_question(toy):
     model, tokenizer = make_tiny_llama(), ByteTokenizer()
-    table = run_example(model, tokenizer, _config([SnapKV(window_size=8), StreamingLLM(window_size=8)],
+    table = run_example(model, tokenizer, _config([SnapKV(window_size=8), StreamingLLM(kept_tail=8)],
                                                   ratios=(0.25, 0.75), task="twice"))
     assert len(table) == 2 * (1 + 2 * 2 * 2)  # questions x (full + policies x ratios x modes)
     full = table[table["mode"] == "full"]
@@ -317,7 +317,7 @@ def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tmp_path
         return model, ByteTokenizer()
 
     monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", default_model)
-    groups = (["SnapKV(window_size=8)"], ["StreamingLLM(window_size=8)"])
+    groups = (["SnapKV(window_size=8)"], ["StreamingLLM(kept_tail=8)"])
     options = dict(datasets=["toy"], tasks=["twice"], ratios=[0.5], modes=["query-agnostic", "query-aware"], write=False)
     first = [evaluate(policies=group, limit=2, data_dir=tmp_path / "first", **options) for group in groups]
     earlier = joined_tables(first)

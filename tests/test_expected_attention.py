@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ByteTokenizer, make_tiny_llama
 from families import FAMILIES, TINY, make, sliding_layers
-from reference import kv_heads, top_with_window
+from reference import kv_heads, top_with_tail
 from transformers import DeepseekV3Config, DynamicCache, LlamaConfig, SmolLM3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -137,7 +137,7 @@ def assert_matches_reference(model, ids, layers, rtol=1e-4, **reference):
     kept = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1).kept_indices
     for layer, ref in expected_attention_reference(model, ids, layers, **reference).items():
         torch.testing.assert_close(mine[layer].double(), ref, rtol=rtol, atol=0, msg=lambda m: f"layer {layer}: {m}")
-        ref_kept = top_with_window(ref, CAPACITY, ids.shape[1])
+        ref_kept = top_with_tail(ref, CAPACITY, ids.shape[1])
         assert bool((kept[layer][..., :N_SINK] == torch.arange(N_SINK)).all())
         if not torch.equal(kept[layer], ref_kept):  # a swap at the boundary only between scores tied within rtol
             picked = lambda k: ref.gather(-1, k).sort(-1).values[..., :-N_SINK]  # the sinks (inf) sort last
@@ -150,7 +150,7 @@ def test_defaults_are_kvpress():
     """kvpress 0.5.5 ExpectedAttentionPress (expected_attention_press.py:55-60) keeps no window."""
     policy = C.ExpectedAttention()
     assert (policy.n_future_positions, policy.n_sink, policy.use_covariance, policy.use_vnorm, policy.epsilon,
-            policy.window_size) == (512, 4, True, True, 0.0, 0)
+            policy.kept_tail) == (512, 4, True, True, 0.0, 0)
     assert policy.label == "ExpectedAttention@1024"
 
 
@@ -293,7 +293,7 @@ def test_matches_reference_smollm(smollm):
     theta = model.config.rope_parameters["rope_theta"]
     for layer, ref in expected_attention_reference(model, ids, range(model.config.num_hidden_layers), theta=theta).items():
         torch.testing.assert_close(mine[layer].double(), ref, rtol=1e-3, atol=0, msg=lambda m: f"layer {layer}: {m}")
-        ref_kept = top_with_window(ref, 200, ids.shape[1])
+        ref_kept = top_with_tail(ref, 200, ids.shape[1])
         shared = torch.isin(kept[layer], ref_kept).float().mean()
         assert shared > 0.99, f"layer {layer}: {shared:.3f}"
 
@@ -392,7 +392,7 @@ def test_decoding_eviction_takes_the_voters_at_their_token_positions():
     C.ExpectedAttention.score = spy
     try:
         C.generate(model, ByteTokenizer(), ids, policy=C.DecodingEviction(policy=C.ExpectedAttention(), capacity=20,
-                                                                          window_size=4, interval=8), max_new_tokens=26)
+                                                                          kept_tail=4, interval=8), max_new_tokens=26)
     finally:
         C.ExpectedAttention.score = original
         hook.remove()

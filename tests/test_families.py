@@ -120,7 +120,7 @@ def test_attention_outside_the_registry_is_refused(byte_tokenizer):
     # the full cache labelled SnapKV@40 (cache_length 64 of 64, kv_ratio 1.0).
     with pytest.raises(RuntimeError, match=refused):
         snapkv_lab.compare(model, byte_tokenizer, [prompt()], policies=[snapkv()], max_new_tokens=1, progress=False)
-    for extra_pass in (snapkv_lab.KVzip(capacity=40), snapkv_lab.Surprisal(capacity=40, window_size=8)):
+    for extra_pass in (snapkv_lab.KVzip(capacity=40), snapkv_lab.Surprisal(capacity=40, kept_tail=8)):
         with pytest.raises(RuntimeError, match=refused):
             snapkv_lab.generate(model, byte_tokenizer, prompt(), policy=extra_pass, max_new_tokens=1)
     from snapkv_lab.pressure import Context, Query, run_retrieval

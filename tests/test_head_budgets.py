@@ -79,7 +79,7 @@ def test_each_head_keeps_its_top_positions_under_its_capacity(beta):
     scores = torch.tensor([[0.05, 0.6, 0.0, 0.2], [0.3, 0.1, 0.45, 0.0]], dtype=torch.float64)
     model = scored(make_tiny_llama(initializer_range=0.3), scores)  # peaked attention: few ties among votes
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
-    policy = C.HeadKV(capacity=CAPACITY, window_size=WINDOW, beta=beta)
+    policy = C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), beta=beta)
     state_kept = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1).kept_indices
     capacities = official_capacities(scores.tolist(), CAPACITY, WINDOW, beta, 1.0)
     for layer, reference in enumerate(official_kept(model, ids, capacities)):
@@ -91,7 +91,7 @@ def test_each_head_keeps_its_top_positions_under_its_capacity(beta):
 def test_kv_bytes_stay_within_the_uniform_budget():
     model = scored(make_tiny_llama(), [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
-    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=1)
+    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
     uniform = C.generate(model, ByteTokenizer(), ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
                          max_new_tokens=1)
     # b = 32: 31 of it pooled over 8 heads (248), a floor of 1. Query heads: layer 0 head 0 gets round(248 / 4 + 1) = 63,
@@ -107,7 +107,7 @@ def test_a_model_whose_heads_score_nothing_is_refused():
     model = scored(make_tiny_llama(), torch.zeros(2, 4))
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(5))
     with pytest.raises(ValueError, match="retrieval scores"):
-        C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=1)
+        C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
     with pytest.raises(ValueError, match="beta"):
         C.HeadKV(capacity=CAPACITY, beta=0.5)
     with pytest.raises(ValueError, match="per_query_head"):
@@ -168,7 +168,7 @@ def test_duoattention_at_a_budget_that_pays_for_full_heads_gives_them_to_the_bes
         C.generate(scored(make_tiny_llama(), torch.zeros(2, 4)), ByteTokenizer(), ids,
                    policy=C.DuoAttention(capacity=48, sink_size=4, recent_size=12), max_new_tokens=1)
     tail = C.generate(model, ByteTokenizer(), ids, policy=C.DuoAttention(capacity=48, sink_size=4, recent_size=12,
-                                                                         window_size=8), max_new_tokens=2)
+                                                                         kept_tail=8), max_new_tokens=2)
     assert all(torch.equal(a, b) for a, b in zip(tail.kept_indices, run.kept_indices))  # the tail is recent anyway
 
 
@@ -179,7 +179,7 @@ def test_sliding_layers_share_no_budget(monkeypatch):
     scores = [[0.9, 0.0, 0.0, 0.0], [0.1, 0.3, 0.0, 0.2]]
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(8))
     model = scored(make_tiny_llama(initializer_range=0.3), scores)
-    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=1)
+    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
     layer_one = torch.tensor(official_capacities([scores[1]], CAPACITY, WINDOW, 1.005, 1.0)[0], dtype=torch.float64)
     expected = torch.round(layer_one.view(2, 2).mean(-1)).long().clamp(max=N - WINDOW) + WINDOW
     assert torch.equal((run.kept_indices[1][0] >= 0).sum(-1), expected)

@@ -41,7 +41,7 @@ def run():
     """(model, tokenizer, ids of 2 prompts, their AdaKV result): built once for the module."""
     model, tokenizer = make_tiny_llama(initializer_range=0.3), ByteTokenizer()
     ids = torch.randint(2, 256, (2, 90), generator=torch.Generator().manual_seed(4))
-    policy = AdaKV(policy=SnapKV(), capacity=40, window_size=8)
+    policy = AdaKV(policy=SnapKV(window_size=8), capacity=40)
     return model, tokenizer, ids, generate(model, tokenizer, ids, policy=policy, max_new_tokens=3)
 
 

@@ -226,7 +226,7 @@ def test_global_budget_is_one_top_count_over_layers_and_heads(window):
     ids, budget = random_ids(8, n=96), 30
     reference = reference_scores(model, tokenizer, ids, sinks=4, start=4, protected=4,
                                  suffix=text_ids(tokenizer, "\n\nAnswer: "), chunk_size=2000)
-    policy = snapkv_lab.KVzip(capacity=budget, window_size=window)
+    policy = snapkv_lab.KVzip(capacity=budget, kept_tail=window)
     run = snapkv_lab.generate(model, tokenizer, ids, policy=policy, max_new_tokens=2)
     kept = kept_sets(run.kept_indices)
     window_positions = set(range(96 - window, 96))
@@ -275,7 +275,7 @@ def test_adakv_over_kvzip_is_head_adaptive_per_layer():
 def test_parameters_are_checked_and_labelled():
     assert snapkv_lab.KVzip().label == "KVzip@1024" and snapkv_lab.KVzip(capacity=0.3).label == "KVzip@0.3"
     assert snapkv_lab.KVzip(chunk_size=2048).label == "KVzip(chunk_size=2048)@1024"
-    assert snapkv_lab.KVzip(window_size=8).scoring_key == "KVzip"  # the window acts after scoring
+    assert snapkv_lab.KVzip(kept_tail=8).scoring_key == "KVzip"  # the window acts after scoring
     for bad in (dict(chunk_size=0), dict(sinks=-1), dict(allocation="layer"), dict(per_query_head=True)):
         with pytest.raises(ValueError):
             snapkv_lab.KVzip(**bad)

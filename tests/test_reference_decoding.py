@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import build_with_tail, make_tiny_llama
 
 import snapkv_lab
 from snapkv_lab.compression.reference import masked_decode
@@ -27,7 +27,7 @@ def prompt(seed=0):
 
 @pytest.mark.parametrize("name", FIXED)
 def test_every_fixed_policy_decodes_as_its_definition(name, model, byte_tokenizer):
-    policy = snapkv_lab.POLICIES[name]() if name == "FullCache" else snapkv_lab.POLICIES[name](capacity=40, window_size=8)
+    policy = build_with_tail(name, 8, capacity=40)
     ids = prompt(seed=3)
     fast = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
     assert torch.equal(fast.token_ids, masked_decode(model, ids, fast, NEW)), policy.label
@@ -37,7 +37,7 @@ def test_every_fixed_policy_decodes_as_its_definition(name, model, byte_tokenize
 def test_layouts_decode_as_their_definition(layout, model, byte_tokenizer):
     policy = {"per KV head": snapkv_lab.SnapKV(capacity=40, window_size=8),
               "per query head": snapkv_lab.SnapKV(capacity=40, window_size=8, per_query_head=True),
-              "ragged (AdaKV)": snapkv_lab.AdaKV(policy=snapkv_lab.SnapKV(), capacity=40, window_size=8)}[layout]
+              "ragged (AdaKV)": snapkv_lab.AdaKV(policy=snapkv_lab.SnapKV(window_size=8), capacity=40)}[layout]
     for seed in range(3):
         ids = prompt(seed)
         fast = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
@@ -47,7 +47,7 @@ def test_layouts_decode_as_their_definition(layout, model, byte_tokenizer):
 def test_the_definition_is_not_the_full_cache_and_refuses_what_it_cannot_describe(model, byte_tokenizer):
     ids = prompt(seed=1)
     full = snapkv_lab.generate(model, byte_tokenizer, ids, max_new_tokens=NEW)
-    few = snapkv_lab.generate(model, byte_tokenizer, ids, policy=snapkv_lab.StreamingLLM(capacity=12, window_size=8),
+    few = snapkv_lab.generate(model, byte_tokenizer, ids, policy=snapkv_lab.StreamingLLM(capacity=12, kept_tail=8),
                               max_new_tokens=NEW)
     assert torch.equal(masked_decode(model, ids, full, NEW), full.token_ids)
     assert not torch.equal(masked_decode(model, ids, few, NEW), full.token_ids)  # hiding positions changes answers

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import snapkv_lab
-from conftest import make_tiny_llama
+from conftest import build_with_tail, make_tiny_llama
 from snapkv_lab.policies import NO_POSITION
 
 N, NEW = 160, 6  # a 25% budget (40) exceeds the default window (32)
@@ -62,7 +62,7 @@ def test_generate_compress_and_compare_agree(name, model, byte_tokenizer):
     """Live compression at each layer's prefill call, model.generate under it, and compare's compressed copies
     of one full prefill: the same kept positions and tokens (KVzip and Surprisal, which score after the prefill, are refused
     inside model.generate)."""
-    policy = build(name, capacity=40, window_size=8)
+    policy = build_with_tail(name, 8, capacity=40)
     ids = prompt(batch=2, seed=2)
     ours = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
     if policy.scores_after_prefill:
@@ -109,16 +109,67 @@ def test_a_policy_config_keeps_a_wrapped_policys_settings_and_refuses_unknown_na
         policy_from_config({"name": "Snapkv"})
 
 
+def test_the_voters_and_the_kept_tail_are_separate_settings():
+    """SnapKV's observation window votes; its kept tail is what it keeps by right (by default the same tokens, as the
+    authors'). kept_tail=0 keeps the top `capacity` of the same votes over the whole prompt, the voters included."""
+    from snapkv_lab.policies import SnapKVNoPooling
+
+    scores = torch.rand(6, 100, generator=torch.Generator().manual_seed(5))  # 6 query heads, 2 KV heads
+    group_mean = scores.view(2, 3, 100).mean(1)
+    authors = SnapKVNoPooling(capacity=40, window_size=8)
+    variant = SnapKVNoPooling(capacity=40, window_size=8, kept_tail=0)
+    assert (authors.voters, authors.tail(40), variant.voters, variant.tail(40)) == (8, 8, 8, 0)
+    assert variant.label == "SnapKVNoPooling(kept_tail=0, window_size=8)@40"
+    kept = authors.keep(scores, 100, 2, 0, 1)
+    expected = torch.cat([group_mean[:, :92].topk(32).indices.sort().values, torch.arange(92, 100).expand(2, -1)], 1)
+    assert torch.equal(kept, expected)
+    assert torch.equal(variant.keep(scores, 100, 2, 0, 1), group_mean.topk(40).indices.sort().values)
+    # a wrapper leaves the inner policy's tail alone unless told; the window is the inner policy's own
+    assert snapkv_lab.AdaKV(policy=snapkv_lab.TOVA()).tail(40) == 0
+    assert snapkv_lab.AdaKV(policy=snapkv_lab.TOVA(), kept_tail=4).policy.kept_tail == 4
+    assert snapkv_lab.AdaKV(policy=snapkv_lab.SnapKV(window_size=16), capacity=40).policy.voters == 16
+    with pytest.raises(ValueError, match="window_size is the observation window"):
+        snapkv_lab.policies.parse_policy("TOVA(window_size=1)")
+
+
+def test_configs_stored_under_the_former_window_size_read_as_today(tmp_path):
+    """Before the kept tail had its own name, `window_size` named it on every policy, and a wrapper copied its inner
+    SnapKV's window: such configs, and eval tables holding them, read as the same policies today."""
+    import json
+
+    import pandas as pd
+
+    from snapkv_lab.evaluation import read_results
+    from snapkv_lab.policies import policy_config, policy_from_config, upgrade_config
+
+    old_tova = {"name": "TOVA", "capacity": 40, "window_size": 1, "per_query_head": False, "pooling": None,
+                "kernel_size": 1, "gqa": "mean", "per_layer": True, "interval": None}
+    old_ada = {"name": "AdaKV", "capacity": 40, "window_size": 8, "per_query_head": False, "pooling": None,
+               "kernel_size": 1, "gqa": "mean", "alpha_safeguard": 0.2, "allocation": "paper",
+               "policy": {"name": "SnapKV", "capacity": 40, "window_size": 8, "per_query_head": False,
+                          "pooling": "max", "kernel_size": 7, "gqa": "mean"}}
+    today = [snapkv_lab.TOVA(capacity=40, kept_tail=1, interval=None),
+             snapkv_lab.AdaKV(policy=snapkv_lab.SnapKV(window_size=8), capacity=40)]
+    for old, policy in zip((old_tova, old_ada), today):
+        assert policy_from_config(upgrade_config(old)) == policy
+        assert upgrade_config(policy_config(policy)) == policy_config(policy)  # today's configs pass unchanged
+    path = tmp_path / "old.csv"
+    pd.DataFrame({"policy": [p.label for p in today], "policy_config": [json.dumps(c) for c in (old_tova, old_ada)],
+                  "prediction": ["7", "8"]}).to_csv(path, index=False)
+    assert list(read_results(path).policy_config) == [json.dumps(policy_config(p)) for p in today]
+
+
 def test_a_field_added_later_is_left_out_at_its_default_so_stored_cells_keep_their_keys():
-    from snapkv_lab.policies import policy_config, policy_from_config
+    from snapkv_lab.policies import policy_config, policy_from_config, upgrade_config
     from snapkv_lab.sweep import Cell
 
     default, variant = snapkv_lab.KVzip(capacity=256), snapkv_lab.KVzip(capacity=256, repeat_prompts="kvpress")
     assert "repeat_prompts" not in policy_config(default) and policy_config(variant)["repeat_prompts"] == "kvpress"
     assert policy_from_config(policy_config(default)) == default and policy_from_config(policy_config(variant)) == variant
-    # a key written before the field existed (the config of commit bd58935) is the key of today's default
-    before = {"name": "KVzip", "capacity": 256, "window_size": 0, "per_query_head": False, "pooling": None,
-              "kernel_size": 1, "gqa": "mean", "chunk_size": 2000, "sinks": None, "allocation": "global"}
+    # a config written before the field existed (commit bd58935), read as today's (its kept tail was then called
+    # window_size: upgrade_config), is the key of today's default
+    before = upgrade_config({"name": "KVzip", "capacity": 256, "window_size": 0, "per_query_head": False, "pooling": None,
+                             "kernel_size": 1, "gqa": "mean", "chunk_size": 2000, "sinks": None, "allocation": "global"})
     assert Cell("eval", {"policies": [policy_config(default)]}).key == Cell("eval", {"policies": [before]}).key
     assert Cell("eval", {"policies": [policy_config(variant)]}).key != Cell("eval", {"policies": [before]}).key
 

@@ -206,7 +206,7 @@ def test_tova_evicts_at_every_step_as_its_code(tiny_run, byte_tokenizer):
 
 def test_knorm_matches_key_norms(tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
-    result = C.generate(model, byte_tokenizer, ids, policy=C.KNorm(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.KNorm(capacity=CAPACITY, kept_tail=WINDOW), max_new_tokens=2)
     ref_kept, ref_scores = ref_knorm(run, CAPACITY, WINDOW)
     assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
 
@@ -214,7 +214,7 @@ def test_knorm_matches_key_norms(tiny_run, byte_tokenizer):
 @pytest.mark.parametrize("chunk", [10, 7])  # 96 tokens: 9 chunks of 10 and one of 6; 13 of 7 and one of 5
 def test_chunkkv_matches_its_official_code(chunk, tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
-    policy = C.ChunkKV(capacity=CAPACITY, window_size=WINDOW, chunk_size=chunk)
+    policy = C.ChunkKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), chunk_size=chunk)
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
     assert_equal_kept(result.kept_indices, ref_chunkkv_official(run, CAPACITY, WINDOW, chunk, 2))
     for kept in result.kept_indices:  # one set of whole chunks for every head, the window's among them
@@ -225,7 +225,7 @@ def test_chunkkv_matches_its_official_code(chunk, tiny_run, byte_tokenizer):
 @pytest.mark.parametrize("chunk", [10, 7])  # 88-token prefix: 8 chunks of 10 and one of 8; 12 of 7 and one of 4
 def test_chunkkv_exact_budget_matches_chunk_ranking(chunk, tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
-    policy = C.ChunkKV(capacity=CAPACITY, window_size=WINDOW, chunk_size=chunk, per_head=True, exact_budget=True)
+    policy = C.ChunkKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), chunk_size=chunk, per_head=True, exact_budget=True)
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     assert_equal_kept(result.kept_indices, ref_chunkkv(run, CAPACITY, WINDOW, chunk, 2))
     for kept in result.kept_indices:  # whole chunks, but for at most one cut chunk per head
@@ -238,19 +238,19 @@ def test_chunkkv_exact_budget_matches_chunk_ranking(chunk, tiny_run, byte_tokeni
 @pytest.mark.parametrize("ratio", [0.5, 0.25])  # stage 1 holds the window (8 of 40): see CriticalKV
 def test_criticalkv_matches_two_stage_selection(ratio, tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
-    policy = C.CriticalKV(capacity=CAPACITY, window_size=WINDOW, first_stage_ratio=ratio)
+    policy = C.CriticalKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), first_stage_ratio=ratio)
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     assert_equal_kept(result.kept_indices, ref_criticalkv(run, CAPACITY, WINDOW, 2, ratio=ratio))
     snapkv = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
     assert any(not torch.equal(a, b) for a, b in zip(result.kept_indices, snapkv.kept_indices))  # the norms matter
 
 
-VARIANTS = [C.TOVA(capacity=CAPACITY), C.KNorm(capacity=CAPACITY, window_size=WINDOW),
-            C.ChunkKV(capacity=CAPACITY, window_size=WINDOW, exact_budget=True),
-            C.ChunkKV(policy=C.H2O(), capacity=CAPACITY, window_size=WINDOW, exact_budget=True),
-            C.CriticalKV(capacity=CAPACITY, window_size=WINDOW), C.CriticalKV(policy=C.H2O(), capacity=CAPACITY, window_size=WINDOW),
-            C.CriticalKV(policy=C.KNorm(), capacity=CAPACITY, window_size=WINDOW),
-            C.CriticalKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True), C.ChunkKV(capacity=0.5, window_size=WINDOW, exact_budget=True)]
+VARIANTS = [C.TOVA(capacity=CAPACITY), C.KNorm(capacity=CAPACITY, kept_tail=WINDOW),
+            C.ChunkKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), exact_budget=True),
+            C.ChunkKV(policy=C.H2O(), capacity=CAPACITY, kept_tail=WINDOW, exact_budget=True),
+            C.CriticalKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), C.CriticalKV(policy=C.H2O(), capacity=CAPACITY, kept_tail=WINDOW),
+            C.CriticalKV(policy=C.KNorm(), capacity=CAPACITY, kept_tail=WINDOW),
+            C.CriticalKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), per_query_head=True), C.ChunkKV(capacity=0.5, policy=C.SnapKV(window_size=WINDOW), exact_budget=True)]
 
 
 @pytest.mark.parametrize("policy", VARIANTS, ids=lambda p: p.label)
@@ -264,7 +264,8 @@ def test_cache_length_equals_budget(policy, byte_tokenizer):
         assert kept.shape == (1, rows, budget)
         assert all(row.unique().numel() == budget for row in kept.reshape(-1, budget))  # sorted, no position twice
         assert torch.equal(kept, kept.sort(dim=-1).values)
-        assert torch.equal(kept[0, 0, budget - policy.window_size:], torch.arange(90 - policy.window_size, 90))
+        tail = policy.tail(budget)
+        assert torch.equal(kept[0, 0, budget - tail:], torch.arange(90 - tail, 90))
 
 
 @pytest.mark.parametrize("policy", VARIANTS[:-1], ids=lambda p: p.label)
@@ -280,27 +281,27 @@ def test_context_then_question_scores_equal_one_prefill(policy, byte_tokenizer):
 
 
 def test_wrappers_propagate_budget_and_name_settings():
-    chunk = C.ChunkKV(capacity=40, window_size=8, chunk_size=5, per_head=True)
+    chunk = C.ChunkKV(capacity=40, policy=C.SnapKV(window_size=8), chunk_size=5, per_head=True)
     assert (chunk.policy.capacity, chunk.policy.window_size) == (40, 8)
-    assert chunk.label == "ChunkKV(window_size=8, chunk_size=5, per_head=True)@40"
+    assert chunk.label == "ChunkKV(policy=SnapKV(window_size=8), chunk_size=5, per_head=True)@40"
     assert C.CriticalKV(policy=C.SnapKV(kernel_size=5), capacity=64).label == "CriticalKV(policy=SnapKV(kernel_size=5))@64"
     assert C.CriticalKV(policy=C.H2O()).scorer_label != C.CriticalKV().scorer_label
     assert C.ChunkKV(capacity=64).scorer_label == C.ChunkKV(capacity=128).scorer_label  # budgets share scores
-    assert C.TOVA(capacity=2).window_size == 0 and C.KNorm(capacity=2).window_size == 0  # as their papers: no window
+    assert C.TOVA(capacity=2).kept_tail == 0 and C.KNorm(capacity=2).kept_tail == 0  # as their papers: no kept tail
     with pytest.raises(ValueError, match="inner policy"):
         C.ChunkKV(pooling="max")
     with pytest.raises(ValueError, match="chunk_size"):
         C.ChunkKV(chunk_size=0)
     with pytest.raises(TypeError, match="wraps"):
         C.CriticalKV(policy=C.FullCache())
-    # Wrappers compose, and the label spells the composition; window_size=None takes the inner policy's window.
+    # Wrappers compose, and the label spells the composition; kept_tail=None leaves the inner policy's own tail.
     critical_ada = C.CriticalKV(policy=C.AdaKV(policy=C.SnapKV(pooling="avg")), capacity=64)
     assert critical_ada.label == "CriticalKV(policy=AdaKV(policy=SnapKV(pooling='avg')))@64"
-    assert critical_ada.policy.policy.capacity == 64 and critical_ada.window_size == 32
+    assert critical_ada.policy.policy.capacity == 64 and critical_ada.tail(64) == 32  # SnapKV's observation window
     ada_knorm = C.AdaKV(policy=C.KNorm())
-    assert (ada_knorm.label, ada_knorm.window_size) == ("AdaKV(policy=KNorm)@1024", 0)
-    assert C.AdaKV(policy=C.KNorm(), window_size=4).label == "AdaKV(policy=KNorm, window_size=4)@1024"
-    assert C.AdaKV(window_size=8).label == "AdaKV(window_size=8)@1024"
+    assert (ada_knorm.label, ada_knorm.tail(1024)) == ("AdaKV(policy=KNorm)@1024", 0)
+    assert C.AdaKV(policy=C.KNorm(), kept_tail=4).label == "AdaKV(policy=KNorm, kept_tail=4)@1024"
+    assert C.AdaKV(policy=C.SnapKV(window_size=8)).label == "AdaKV(policy=SnapKV(window_size=8))@1024"
 
 
 def test_criticalkv_refuses_attention_without_o_proj():
@@ -309,7 +310,7 @@ def test_criticalkv_refuses_attention_without_o_proj():
                          value=torch.randn(2, 8, 16, generator=g), slots=torch.arange(8),
                          attention=AttentionSettings(scaling=0.25), module=torch.nn.Module(), layer=0, n_layers=1)
     with pytest.raises(TypeError, match="o_proj"):
-        C.CriticalKV(capacity=6, window_size=2).score(call)
+        C.CriticalKV(capacity=6, policy=C.SnapKV(window_size=2)).score(call)
 
 
 # ------------------------------------------------------------------------------------------------- SmolLM2

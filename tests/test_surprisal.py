@@ -43,7 +43,7 @@ def test_token_surprisal_from_the_prefill_equals_the_loss_of_every_position(spli
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(0))
     # several chunks of 10 rows (the tiny vocabulary's rows are short), the last one short
     monkeypatch.setattr(surprisal, "LOGIT_ELEMENTS", 10 * model.get_output_embeddings().weight.shape[0])
-    policies = [sl.Surprisal(capacity=CAPACITY, window_size=WINDOW)]
+    policies = [sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW)]
     shared = SharedPrefill.run(model, byte_tokenizer, ids, policies) if split is None else \
         SharedPrefill.run(model, byte_tokenizer, ids[:, :split], policies).extend(ids[:, split:])
     assert shared.cache.final_hidden.shape == (1, N, model.config.hidden_size)
@@ -72,7 +72,7 @@ def test_scores_without_a_second_forward(byte_tokenizer):
     calls = []
     handle = model.get_decoder().register_forward_hook(lambda module, args, output: calls.append(output[0].shape[1]))
     try:
-        sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, window_size=WINDOW),
+        sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW),
                     max_new_tokens=2)
     finally:
         handle.remove()
@@ -84,7 +84,7 @@ def test_only_prefills_with_a_reader_keep_the_final_hidden_states(byte_tokenizer
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(2))
     snapkv = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
     assert not hasattr(SharedPrefill.run(model, byte_tokenizer, ids, [snapkv]).extend(ids[:, :5]).cache, "final_hidden")
-    wrapped = sl.AdaKV(policy=sl.Surprisal(), capacity=CAPACITY, window_size=WINDOW)
+    wrapped = sl.AdaKV(policy=sl.Surprisal(), capacity=CAPACITY, kept_tail=WINDOW)
     assert wrapped.reads_final_hidden
     assert SharedPrefill.run(model, byte_tokenizer, ids, [snapkv, wrapped]).cache.final_hidden.shape[1] == N
     with pytest.raises(ValueError, match="final hidden states of the prefill"):  # a cache no prefill left them on
@@ -95,7 +95,7 @@ def test_only_prefills_with_a_reader_keep_the_final_hidden_states(byte_tokenizer
 def test_kept_positions_match_the_plain_rule(kernel, byte_tokenizer):
     model = make_tiny_llama(initializer_range=0.3)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(kernel))
-    policy = sl.Surprisal(capacity=CAPACITY, window_size=WINDOW, kernel_size=kernel)
+    policy = sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW, kernel_size=kernel)
     result = sl.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     ref, pooled = reference_kept(reference_surprisal(model, ids), N, WINDOW, CAPACITY, kernel, policy.sinks)
     kv_heads = model.config.num_key_value_heads
@@ -112,7 +112,7 @@ def test_kept_positions_of_context_then_question_match_the_plain_rule(kernel, by
     as one plain forward over context + question gives them."""
     model = make_tiny_llama(initializer_range=0.3)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(10 + kernel))
-    policy = sl.Surprisal(capacity=CAPACITY, window_size=WINDOW, kernel_size=kernel)
+    policy = sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW, kernel_size=kernel)
     state = SharedPrefill.run(model, byte_tokenizer, ids[:, :70], [policy]).extend(ids[:, 70:]).state(policy)
     ref, pooled = reference_kept(reference_surprisal(model, ids), N, WINDOW, CAPACITY, kernel, policy.sinks)
     kept = [state.kept_indices[layer][0, :1] for layer in sorted(state.kept_indices)]
@@ -127,7 +127,7 @@ def test_keeps_exactly_its_sinks_however_wide_the_pooling(byte_tokenizer):
     kernel and every score zero but one token's, the rest of the budget goes to that token's neighbourhood."""
     model = make_tiny_llama(initializer_range=0.3)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
-    policy = sl.Surprisal(capacity=CAPACITY, window_size=WINDOW)
+    policy = sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW)
     cache = SharedPrefill.run(model, byte_tokenizer, ids, [policy]).cache
     flat = torch.zeros(1, N)
     flat[:, 50] = 1.0  # one surprising token: its 31 neighbours rank next, the sinks' neighbours do not

@@ -41,9 +41,9 @@ class ScoreRecorder:
     def __init__(self, policies, n_layers: int):
         self.policies = {p.scorer_label: p for p in policies if not p.scores_after_prefill}
         self.n_layers = n_layers
-        self.window = max((p.voters for p in self.policies.values()), default=0)
+        self.voters = max((p.voters for p in self.policies.values()), default=0)  # the most any policy votes with
         self.scores: dict[str, dict[int, torch.Tensor]] = {label: {} for label in self.policies}
-        self.recent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> last `window` queries, their slots
+        self.recent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> last `voters` queries, their slots
         self.carry: dict[tuple[str, int, int], dict] = {}  # (policy label, layer, batch row) -> AttentionCall.carry
         self.seen_layers: set[int] = set()  # layers whose attention calls reached the recorder
         self.sliding_layers: set[int] = set()  # of those, the sliding-window ones (never scored)
@@ -63,12 +63,12 @@ class ScoreRecorder:
         pads = self.pads
         new_calls = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
         spanning = new_calls
-        if layer in self.recent and rows < self.window:  # (batch, heads, rows, d) with earlier chunks' last queries
+        if layer in self.recent and rows < self.voters:  # (batch, heads, rows, d) with earlier chunks' last queries
             earlier, earlier_slots = self.recent[layer]
-            query, slots = torch.cat([earlier, query], 2)[:, :, -self.window:], torch.cat([earlier_slots, slots])[-self.window:]
+            query, slots = torch.cat([earlier, query], 2)[:, :, -self.voters:], torch.cat([earlier_slots, slots])[-self.voters:]
             spanning = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
-        if self.window:
-            self.recent[layer] = (query[:, :, -self.window:], slots[-self.window:])
+        if self.voters:
+            self.recent[layer] = (query[:, :, -self.voters:], slots[-self.voters:])
         for label, policy in self.policies.items():
             calls = spanning if policy.voters else new_calls
             scored = [policy.score(dataclasses.replace(call, carry=self.carry.setdefault((label, layer, b), {})))

@@ -1,7 +1,7 @@
 """One call from a benchmark score to its explanation: rerun one (example, policy) row of an `evaluate` table with the
 full cache's attention captured, and show the answers, the attention coverage and the kept tokens side by side.
 
-    table = evaluate(...)                                  # or pd.read_csv("data/eval_ruler.csv")
+    table = evaluate(...)                                  # or read_results("data/eval_ruler.csv")
     why = explain(model, tokenizer, table.iloc[12])        # the row's example, policy, budget and mode
     why                                                    # in a notebook: answers, coverage, kept tokens
     why.coverage                                           # attention_coverage(trace, run): per layer and head
@@ -25,7 +25,7 @@ from ..capture import capture
 from ..compression import SharedPrefill
 from ..compression.answering import AnswerRun, answer_runs
 from ..coverage import attention_coverage, coverage_summary
-from ..policies import FullCache, policy_from_config
+from ..policies import FullCache, policy_from_config, upgrade_config
 from ..tokens import token_span
 from ..trace import AttentionTrace
 from .examples import Example
@@ -124,7 +124,7 @@ def explain(model, tokenizer, row: pd.Series, *, progress: bool = False) -> Expl
     encoded = encode_example(tokenizer, example, framing=framing, max_context=max_context)
     question = encoded.questions[int(row["question"])]
     prompt_ids = torch.tensor([encoded.context_ids + question])
-    policy = policy_from_config(config)
+    policy = policy_from_config(upgrade_config(config))  # a table written before a field was renamed too
     policies = [] if isinstance(policy, FullCache) else [policy]
     shared = SharedPrefill.run(model, tokenizer, torch.tensor([encoded.context_ids], device=model.device), policies)
     modes = [row["mode"]] if policies else ["query-aware"]

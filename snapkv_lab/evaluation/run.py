@@ -25,7 +25,7 @@ import torch
 from ..compression import SharedPrefill
 from ..compression.answering import MODES, answer_runs
 from ..inputs import check_context_length
-from ..policies import parse_policy, policy_config, policy_from_config
+from ..policies import parse_policy, policy_config, policy_from_config, upgrade_config
 from ..timing import ms_per_token
 from .examples import Example, Question
 from .prompting import encode_example
@@ -242,9 +242,15 @@ TEXT_COLUMNS = ("example", "prediction", "references", "spec", "policy_config")
 
 def read_results(path) -> pd.DataFrame:
     """A table `evaluate` wrote, read back as written: answers, ids and JSON stay text (an answer "8957682" is not a
-    number, an empty answer not a missing value)."""
+    number, an empty answer not a missing value). Policy configs stored under former field names are rewritten as
+    today's code writes them (policies.upgrade_config), so an older table still resumes and explains its rows."""
     table = pd.read_csv(path, dtype={column: str for column in TEXT_COLUMNS})
-    return table.fillna({column: "" for column in TEXT_COLUMNS if column in table})
+    table = table.fillna({column: "" for column in TEXT_COLUMNS if column in table})
+    if "policy_config" in table:
+        current = {text: json.dumps(policy_config(policy_from_config(upgrade_config(json.loads(text))))) if text else text
+                   for text in table.policy_config.unique()}
+        table["policy_config"] = table.policy_config.map(current)
+    return table
 
 
 def _check_lengths(model: str | None, lengths) -> None:

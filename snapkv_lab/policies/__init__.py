@@ -2,7 +2,8 @@
 
 POLICIES maps each shipped policy's plain name to its class; every one can be built from `capacity=` alone,
 and the tests parametrise over it, so a new method is tested the moment it is registered here.
-`policy_config` writes a policy as JSON-able values (a grid cell's key), `policy_from_config` builds it back;
+`policy_config` writes a policy as JSON-able values (a grid cell's key), `policy_from_config` builds it back
+(`upgrade_config` reads a config stored under former field names);
 `parse_policy` reads one from the command line: "SnapKV", "SnapKV(window_size=64)", "AdaKV(ExpectedAttention)".
 
 The classes are imported on first use (they need torch); `POLICY_NAMES` and `policy_spec` do not, so that the
@@ -68,6 +69,23 @@ def policy_from_config(config: dict):
     return __getattr__(config["name"])(**fields)
 
 
+def upgrade_config(config: dict) -> dict:
+    """A config stored before the kept tail had its own name (2026-11-26), as it reads today. Then `window_size` named
+    both SnapKV's voters and the last tokens every policy keeps by right: it stays `window_size` on SnapKV's family
+    (whose tail is that window) and becomes `kept_tail` elsewhere; a wrapper's copy of its inner policy's window is
+    dropped (a wrapper now leaves the inner policy's tail alone unless told). Today's configs come back unchanged."""
+    config = {k: upgrade_config(v) if isinstance(v, dict) else v for k, v in config.items()}
+    if "window_size" not in config:
+        return config
+    fields = {f.name for f in dataclasses.fields(__getattr__(config["name"]))}
+    if "window_size" in fields:
+        return config
+    value = config.pop("window_size")
+    if "policy" not in config:
+        config["kept_tail"] = value
+    return config
+
+
 def _check_name(name) -> None:
     if name not in _MODULES:
         raise ValueError(f"unknown policy {name!r}; registered policies (snapkv_lab.POLICIES): {', '.join(POLICY_NAMES)}")
@@ -114,8 +132,10 @@ def parse_policy(text: str):
         return policy_from_config(config)
     except TypeError as error:  # an unknown setting: name the ones there are
         fields = [f.name for f in dataclasses.fields(__getattr__(config["name"]))]
-        raise ValueError(f"{text!r}: {error}; {config['name']} takes {', '.join(fields)}") from error
+        hint = ("; window_size is the observation window of SnapKV's family, the last tokens kept by right are "
+                "kept_tail") if "window_size" in str(error) else ""
+        raise ValueError(f"{text!r}: {error}; {config['name']} takes {', '.join(fields)}{hint}") from error
 
 
 __all__ = ["ADDED_LATER", "NO_POSITION", "POLICIES", "POLICY_NAMES", "AttentionCall", "Policy", "parse_policy",
-           "policy_config", "policy_from_config", "policy_spec", *POLICY_NAMES]
+           "policy_config", "policy_from_config", "policy_spec", "upgrade_config", *POLICY_NAMES]

@@ -1,7 +1,7 @@
 """AdaKV (Feng et al. 2024, arXiv 2407.11550): head-wise adaptive budgets over any scorer.
 
 Heads differ in how concentrated their attention is: a few positions serve a focused head, a diffuse one needs
-many. AdaKV keeps a layer's total prefix budget kv_heads * b (b = B - W, the window outside it) but lets the heads
+many. AdaKV keeps a layer's total prefix budget kv_heads * b (b = B - W, the kept tail W outside it) but lets the heads
 compete for it. The official code (FFY0/AdaKV, adaptive_snapkv/monkeypatch/snapkv_utils.py, lines 303-305 and
 445-460) takes one top-k of kv_heads * b over all heads' scores together, counts each head's share c_h, and blends
 it with a floor: head h keeps round((1 - alpha) c_h + floor(alpha b)) positions (alpha_safeguard = 0.2, its LongBench
@@ -9,8 +9,8 @@ scripts' floor_alpha), so that no head is starved. Heads then keep different cou
 NO_POSITION and the compressor stores the layer ragged (compression.layers.HeadwiseLayer), so the saving is real.
 
 allocation="safeguard" is kvpress 0.5.5's rule instead (AdaKVPress.compress, adakv_press.py lines 64-80): each head's
-own top int(alpha B) scores are taken first, counted over the whole budget B, window included (kvpress's inner
-scores give the window the maximum, so the window takes the first W of them: max(0, int(alpha B) - W) prefix
+own top int(alpha B) scores are taken first, counted over the whole budget B, kept tail included (kvpress's inner
+scores give the tail the maximum, so the tail takes the first W of them: max(0, int(alpha B) - W) prefix
 positions are protected), then the heads compete for the rest of kv_heads * b; a wrapper around it (CriticalKV, as
 kvpress's CriticalAdaKV) keeps those safeguard positions first.
 """
@@ -31,7 +31,7 @@ ALLOCATIONS = ("paper", "safeguard")
 @dataclass
 class AdaKV(Wrapper):
     """Head-adaptive budgets over `policy`'s ranking (SnapKV by default): its pooling, its GQA reduction. keep
-    returns (kv_heads, widest) positions: each row the head's picked prefix positions (ascending), the window, then
+    returns (kv_heads, widest) positions: each row the head's picked prefix positions (ascending), the kept tail, then
     NO_POSITION padding."""
 
     alpha_safeguard: float = 0.20
@@ -48,12 +48,12 @@ class AdaKV(Wrapper):
 
     def _floor(self, scores, n_tokens, kv_heads, layer, n_layers) -> int:
         """The prefix positions a head is guaranteed: int(alpha * b), b the inner policy's (uniform) prefix budget per
-        head (the official code); under allocation="safeguard", kvpress's int(alpha * B) less the window W."""
+        head (the official code); under allocation="safeguard", kvpress's int(alpha * B) less the kept tail W."""
         share = min(self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers))
         if self.allocation == "paper":
             return int(self.alpha_safeguard * share)
-        window = self.policy.window(self.policy.layer_budget(n_tokens, layer, n_layers))
-        return prefix_share(self.alpha_safeguard, share, window)
+        tail = self.policy.tail(self.policy.layer_budget(n_tokens, layer, n_layers))
+        return prefix_share(self.alpha_safeguard, share, tail)
 
     def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
         """The inner ranking; under allocation="safeguard", each head's own top floor(alpha b) positions raised to +inf

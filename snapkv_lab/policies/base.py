@@ -2,14 +2,15 @@
 kept positions.
 
 A policy scores the prompt's key positions once, at prefill, and keeps `capacity` of them per KV head:
-the top-ranked prefix positions plus the last `window_size` prompt tokens (always kept). The pipeline, each step a
+the top-ranked prefix positions plus its kept tail, the last `tail(budget)` prompt tokens (always kept; SnapKV's
+tail is its observation window, the `window_size` queries that vote). The pipeline, each step a
 method that a policy may override:
 
     policy.score(call: AttentionCall) -> (heads or kv_heads, n_keys) float32, higher kept first; None: keep all
     policy.ranked(scores, ...)        -> (kv_heads or heads, prefix) the scores of the prefix as ranked: pooled
                                          along positions, combined over each KV head's query heads
     policy.head_budgets(scores, ...)  -> (rows,) how many prefix positions each row keeps (uniform by default)
-    policy.keep(scores, ...)          -> (rows, kept) sorted positions: each row's top prefix positions, the window
+    policy.keep(scores, ...)          -> (rows, kept) sorted positions: each row's top prefix positions, the tail
     policy.keep_layers({layer: scores}, ...) -> {layer: kept}: every layer at once (budgets shared across layers)
 
 `AttentionCall` holds what the attention call had (queries, keys, values, the module, the layer's own
@@ -81,9 +82,12 @@ class AttentionCall:
 class Policy:
     """Base policy: keep `capacity` positions per KV head after prefill (see module doc).
 
-    capacity: total positions kept per head (prefix picks + window), as tokens (int), or as a ratio of
+    capacity: total positions kept per head (prefix picks + kept tail), as tokens (int), or as a ratio of
         the prompt (float in (0, 1)); None keeps everything. Prompts at or below it are left untouched.
-    window_size: the last prompt tokens, always kept (and, for SnapKV, the voters); 0 keeps none.
+    kept_tail: the last prompt tokens, always kept, outside the scores; 0 keeps none. None is allowed where a
+        policy derives its tail from something else (`tail`): SnapKV's family keeps its observation window
+        (`window_size`, the voters), H2O the recent half of its budget. The base default 32 is the lab's baselines'
+        (StreamingLLM, RandomKeep, Surprisal: SnapKV's tail, for comparison); each published method sets its authors'.
     per_query_head: False (default) pools the scores of each GQA group and keeps one selection per KV
         head, so a GQA cache really shrinks. True reproduces the official SnapKV code: the KV heads are
         repeated and each query head keeps its own selection, a cache of `heads / kv_heads` times more
@@ -91,7 +95,7 @@ class Policy:
     """
 
     capacity: int | float | None = 1024
-    window_size: int = 32
+    kept_tail: int | None = 32
     per_query_head: bool = False
     pooling: str | None = None  # selection.pool_votes over positions, before the GQA reduction
     kernel_size: int = 1
@@ -109,11 +113,11 @@ class Policy:
     scores_query_heads: ClassVar[bool] = True
 
     def __post_init__(self):
-        if self.window_size is None:  # allowed where `window` derives the window from the budget (H2O)
-            if type(self).window is Policy.window:
-                raise ValueError(f"{self.name} needs an int window_size, got None")
-        elif not isinstance(self.window_size, int) or self.window_size < 0:
-            raise ValueError(f"window_size must be a non-negative int, got {self.window_size!r}")
+        if self.kept_tail is None:  # allowed where `tail` derives it (SnapKV: its window; H2O: the recent half)
+            if type(self).tail is Policy.tail:
+                raise ValueError(f"{self.name} needs an int kept_tail, got None")
+        elif not isinstance(self.kept_tail, int) or isinstance(self.kept_tail, bool) or self.kept_tail < 0:
+            raise ValueError(f"kept_tail must be a non-negative int, got {self.kept_tail!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.gqa not in GQA_REDUCTIONS:
@@ -129,10 +133,11 @@ class Policy:
         elif self.capacity is not None:
             if not isinstance(self.capacity, int) or self.capacity < 1:
                 raise ValueError(f"capacity must be a positive int, a ratio in (0, 1) or None, got {self.capacity!r}")
-            if isinstance(self.window_size, int) and self.window_size >= self.capacity:
+            tail = self.tail(self.capacity)
+            if tail >= self.capacity:
                 raise ValueError(
-                    f"window_size ({self.window_size}) must be smaller than capacity ({self.capacity}): the cache keeps "
-                    "the whole window plus at least one selected prefix position."
+                    f"the kept tail ({tail} tokens) must be smaller than capacity ({self.capacity}): the cache keeps "
+                    "the whole tail plus at least one selected prefix position."
                 )
 
     @property
@@ -141,7 +146,7 @@ class Policy:
 
     @property
     def voters(self) -> int:
-        """How many of the last queries `score` votes with (SnapKV: its window; TOVA: the last one); 0 when it
+        """How many of the last queries `score` votes with (SnapKV: its observation window; TOVA: the last one); 0 when it
         reads none of them, or all of a chunk's (accumulated attention). A prompt chunk shorter than this is
         scored with the previous chunks' last queries in front (compression.recorder)."""
         return 0
@@ -182,10 +187,10 @@ class Policy:
         budget = math.floor(self.capacity * n_tokens) if isinstance(self.capacity, float) else self.capacity
         if n_tokens <= budget:
             return None
-        if budget <= self.window(budget):
+        if budget <= self.tail(budget):
             raise ValueError(
                 f"capacity ratio {self.capacity} of a {n_tokens}-token prompt keeps {budget} positions, no more than "
-                f"the window ({self.window(budget)}); use a larger ratio or a token budget."
+                f"the kept tail ({self.tail(budget)}); use a larger ratio or a token budget."
             )
         return budget
 
@@ -194,9 +199,10 @@ class Policy:
         calibrated once per model and cached). Called by every entry point (generate, compress, compare's shared
         prefill); tokenizer may be None (compress), which such a policy refuses only if nothing is cached yet."""
 
-    def window(self, budget: int) -> int:
-        """The last prompt tokens always kept under a budget of `budget` positions (H2O: its recent half)."""
-        return self.window_size
+    def tail(self, budget: int) -> int:
+        """The kept tail under a budget of `budget` positions: the last prompt tokens always kept (H2O: its recent
+        half; SnapKV: its observation window)."""
+        return self.kept_tail
 
     def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
         """Positions kept per head in `layer` (the same in every layer unless a policy says otherwise)."""
@@ -207,8 +213,8 @@ class Policy:
         raise NotImplementedError
 
     def prefix_len(self, n_tokens: int, layer: int, n_layers: int) -> int:
-        """Positions before the kept window of `layer`, among which the budget is chosen."""
-        return n_tokens - self.window(self.layer_budget(n_tokens, layer, n_layers))
+        """Positions before the kept tail of `layer`, among which the budget is chosen."""
+        return n_tokens - self.tail(self.layer_budget(n_tokens, layer, n_layers))
 
     def ranked(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
         """The prefix's scores as `keep` ranks them, (kv_heads, or heads if per_query_head, prefix_len) float32: pooled
@@ -225,11 +231,11 @@ class Policy:
         otherwise): a list of ints, one per row."""
         rows = scores.shape[0] if self._reduce_to(scores, kv_heads) is None else kv_heads
         budget = self.layer_budget(n_tokens, layer, n_layers)
-        return [budget - self.window(budget)] * rows
+        return [budget - self.tail(budget)] * rows
 
     def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
         """Kept positions (kv_heads, or heads if per_query_head, widest) long: each row its top `head_budgets`
-        prefix positions by `ranked` (ascending), then the window, then NO_POSITION padding when rows keep
+        prefix positions by `ranked` (ascending), then the kept tail, then NO_POSITION padding when rows keep
         different counts. Call only when budget(n) is not None."""
         ranked = self.ranked(scores, n_tokens, kv_heads, layer, n_layers)
         budgets = self.head_budgets(scores, n_tokens, kv_heads, layer, n_layers)
@@ -248,29 +254,29 @@ class Policy:
 
 def top_positions(ranked: torch.Tensor, budgets: list[int], n_tokens: int) -> torch.Tensor:
     """(rows, prefix) ranked scores and one prefix budget per row -> (rows, widest) long: each row's top budget
-    prefix positions ascending, then the window prefix..n_tokens-1, then NO_POSITION padding."""
+    prefix positions ascending, then the kept tail prefix..n_tokens-1, then NO_POSITION padding."""
     prefix = ranked.shape[-1]
     widest = max(budgets)
     picked = ranked.topk(widest, dim=-1).indices if widest else ranked.new_zeros(ranked.shape[0], 0, dtype=torch.long)
-    window = torch.arange(prefix, n_tokens, device=ranked.device)
+    tail = torch.arange(prefix, n_tokens, device=ranked.device)
     if all(b == widest for b in budgets):
-        return with_window(picked.sort(dim=-1).values, prefix, n_tokens)
-    rows = [torch.cat([picked[r, :b].sort().values, window, picked.new_full((widest - b,), NO_POSITION)])
+        return with_tail(picked.sort(dim=-1).values, prefix, n_tokens)
+    rows = [torch.cat([picked[r, :b].sort().values, tail, picked.new_full((widest - b,), NO_POSITION)])
             for r, b in enumerate(budgets)]
     return torch.stack(rows)
 
 
-def prefix_share(ratio: float, prefix_budget: int, window: int) -> int:
-    """kvpress's share int(ratio * B) of a head's whole budget B = prefix_budget + window, as prefix positions: its
-    scorers give the window the maximum score, so the window takes the first `window` of the share (AdaKVPress's
+def prefix_share(ratio: float, prefix_budget: int, tail: int) -> int:
+    """kvpress's share int(ratio * B) of a head's whole budget B = prefix_budget + tail, as prefix positions: its
+    scorers give the kept tail the maximum score, so the tail takes the first `tail` of the share (AdaKVPress's
     safeguard, CriticalKVPress's first stage)."""
-    return max(0, int(ratio * (prefix_budget + window)) - window)
+    return max(0, int(ratio * (prefix_budget + tail)) - tail)
 
 
-def with_window(picked: torch.Tensor, prefix_len: int, n_tokens: int) -> torch.Tensor:
-    """(rows, k) picked prefix positions, then the window's positions prefix_len..n_tokens-1: (rows, k + window)."""
-    window = torch.arange(prefix_len, n_tokens, device=picked.device).expand(picked.shape[0], -1)
-    return torch.cat([picked, window], dim=-1)
+def with_tail(picked: torch.Tensor, prefix_len: int, n_tokens: int) -> torch.Tensor:
+    """(rows, k) picked prefix positions, then the kept tail's positions prefix_len..n_tokens-1: (rows, k + tail)."""
+    tail = torch.arange(prefix_len, n_tokens, device=picked.device).expand(picked.shape[0], -1)
+    return torch.cat([picked, tail], dim=-1)
 
 
 @dataclass

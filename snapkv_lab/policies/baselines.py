@@ -14,7 +14,7 @@ from .base import AttentionCall, Policy
 @dataclass
 class StreamingLLM(Policy):
     """StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): `sinks` first tokens plus the most recent ones (the
-    window and the most recent prefix positions together: the same set whatever window_size)."""
+    kept tail and the most recent prefix positions together: the same set whatever kept_tail)."""
 
     sinks: int = 4
 

@@ -41,8 +41,8 @@ def output_norms(module, value: torch.Tensor, heads: int) -> torch.Tensor:
 class CriticalKV(Wrapper):
     """Two-stage selection on an inner policy's scores s (pooled and GQA-reduced as the inner policy ranks), as the
     authors' code (FFY0/AdaKV-in-NVIDIA-kvpress, branch criticalkv; identical in kvpress 0.5.5,
-    presses/criticalkv_press.py, CriticalKVPress.score, lines 75-98): of a head's budget B (the window included),
-    stage 1 keeps the int(first_stage_ratio * B) highest s, the window first (kvpress's inner scores give the window
+    presses/criticalkv_press.py, CriticalKVPress.score, lines 75-98): of a head's budget B (the kept tail included),
+    stage 1 keeps the int(first_stage_ratio * B) highest s, the tail first (kvpress's inner scores give the tail
     the maximum); stage 2 fills the rest of B by (s + epsilon) * ||W_o v||_1 (the norm averaged over each KV head's
     query heads). Over AdaKV (CriticalKV(policy=AdaKV(...)), kvpress's CriticalAdaKV) B is each head's own budget.
 
@@ -97,11 +97,11 @@ class CriticalKV(Wrapper):
         norms = norms[:, : first.shape[-1]].float()
         if norms.shape[0] != first.shape[0]:
             norms = votes_per_kv_head(norms, first.shape[0])
-        budgets = self.policy.head_budgets(inner, n_tokens, kv_heads, layer, n_layers)  # prefix budgets, window apart
-        window = n_tokens - first.shape[-1]
+        budgets = self.policy.head_budgets(inner, n_tokens, kv_heads, layer, n_layers)  # prefix budgets, the kept tail apart
+        tail = n_tokens - first.shape[-1]
         second = (first + self.epsilon) * norms
-        for row, budget in enumerate(budgets):  # each head's stage 1: a share of its whole budget, the window first
-            stage1 = first[row].topk(prefix_share(self.first_stage_ratio, budget, window)).indices
+        for row, budget in enumerate(budgets):  # each head's stage 1: a share of its whole budget, the tail first
+            stage1 = first[row].topk(prefix_share(self.first_stage_ratio, budget, tail)).indices
             second[row, stage1] = math.inf
         return second
 

@@ -3,13 +3,13 @@
 Three policies cut each full-attention layer back to a target while decoding, every `interval` decode steps:
 H2O and TOVA as their papers define them (every step, the budget kept fixed), and `DecodingEviction(policy,
 interval, target)`, kvpress's DecodingPress, around any other scorer. At each eviction the layer keeps `target`
-positions per KV head, the last ones of its window and the rest by the scorer's scores over the cache:
+positions per KV head, its kept tail's last positions and the rest by the scorer's scores over the cache:
 
 - accumulating scorers (H2O) add up, step by step, the attention every generated token pays to each cached
   position, on top of what the prefill gave it (seeded from the prefill's scores, as H2O's code keeps one running
   score per position from the prompt on);
-- the others score the cache with the queries generated since the last eviction as the voters (SnapKV takes its
-  last window of them, TOVA the last one, ExpectedAttention their statistics), each at its own token position.
+- the others score the cache with the queries generated since the last eviction as the voters (SnapKV takes the
+  last `window_size` of them, TOVA the last one, ExpectedAttention their statistics), each at its own token position.
 
 After eviction the cache holds prompt and generated positions; `kept_indices` lists the token positions held at
 the end of the run, `cache_lengths` still the lengths right after prefill.
@@ -95,9 +95,9 @@ class DecodingEviction(EvictsWhileDecoding, Wrapper):
         if self.interval is None:
             raise ValueError("DecodingEviction needs an interval (use the inner policy alone to compress once)")
         self.check_interval()
-        budget = self.window(self.target) if self.target is not None else None
-        if self.target is not None and self.target <= budget:
-            raise ValueError(f"target ({self.target}) must exceed the window ({budget})")
+        tail = self.tail(self.target) if self.target is not None else None
+        if self.target is not None and self.target <= tail:
+            raise ValueError(f"target ({self.target}) must exceed the kept tail ({tail})")
 
     def eviction_scorer(self) -> Policy:
         return self.policy

@@ -44,9 +44,9 @@ def full_heads(scores: torch.Tensor, count: int) -> torch.Tensor:
 class DuoAttention(Policy):
     """Full cache for the best-scoring KV heads, sinks + recent tokens for the others, as many full heads as the
     budget pays for (module docstring). score: the first `sink_size` positions first (in order), then recency.
-    window_size=w (default 0) only names the last w tokens as the always-kept tail: they are the most recent anyway."""
+    kept_tail=w (default 0) only names the last w tokens as the always-kept tail: they are the most recent anyway."""
 
-    window_size: int = 0
+    kept_tail: int = 0
     sink_size: int = 128
     recent_size: int = 256
 
@@ -104,5 +104,5 @@ class DuoAttention(Policy):
     def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
         full = self.full_head_mask(n_tokens)[layer]
         prefix = self.prefix_len(n_tokens, layer, n_layers)
-        streaming = self.streaming_budget(n_tokens) - (n_tokens - prefix)  # the window is part of the recent tokens
+        streaming = self.streaming_budget(n_tokens) - (n_tokens - prefix)  # the kept tail is part of the recent tokens
         return [prefix if is_full else streaming for is_full in full.tolist()]

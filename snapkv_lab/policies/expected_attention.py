@@ -10,9 +10,9 @@ k^T Sigma' k / 2), and a key's expected attention is the softmax over keys of th
 key but the first `n_sink` (:136-139), which are always kept (+inf here; kvpress pads them with max + 1, :163).
 Scores are then (score + epsilon) * ||v|| (:159-160) and averaged over each KV head's query heads (:154-156; here in
 `keep`, the GQA mean of the base pipeline: the value norm is the same for a KV head's query heads, so the order of
-the mean and the product does not matter). No window is kept (kvpress has none): window_size = 0.
+the mean and the product does not matter). No tail is kept by right (kvpress keeps none): kept_tail = 0.
 
-Defaults are kvpress's: n_future_positions 512, n_sink 4, use_covariance, use_vnorm, epsilon 0, no window. Where
+Defaults are kvpress's: n_future_positions 512, n_sink 4, use_covariance, use_vnorm, epsilon 0, no kept tail. Where
 this differs from kvpress, by choice:
 
 - Pre-RoPE queries: kvpress re-projects the layer's input hidden states with q_proj (kvpress utils.py
@@ -59,7 +59,7 @@ from .base import AttentionCall, Policy
 class ExpectedAttention(Policy):
     """Expected attention of future queries (see module doc). score: (heads, n_keys) float32, +inf on the sinks."""
 
-    window_size: int = 0
+    kept_tail: int = 0
     n_future_positions: int = 512
     n_sink: int = 4
     use_covariance: bool = True

@@ -18,14 +18,14 @@ class H2O(EvictsWhileDecoding, Policy):
     hitters, the top half of the budget by score, and the recent half, the last tokens; at every decode step (interval
     1) the layer is cut back to the budget, so it never holds more than budget + 1.
 
-    window_size: None (default) splits the budget in halves as the paper (heavy_ratio = recent_ratio); an int
+    kept_tail: None (default) splits the budget in halves as the paper (heavy_ratio = recent_ratio); an int
     keeps that many recent tokens and gives the rest to heavy hitters. interval: decode steps between evictions;
     None compresses once, after prefill (kvpress's protocol for prefill-only presses).
     Scores are per query head and averaged over each KV head's query heads (the paper's models have no GQA).
     Costs one extra pass of attention over the prompt (every prompt query's row).
     """
 
-    window_size: int | None = None
+    kept_tail: int | None = None
     interval: int | None = 1
 
     accumulates: ClassVar[bool] = True
@@ -34,8 +34,8 @@ class H2O(EvictsWhileDecoding, Policy):
         super().__post_init__()
         self.check_interval()
 
-    def window(self, budget: int) -> int:
-        return budget - budget // 2 if self.window_size is None else self.window_size
+    def tail(self, budget: int) -> int:
+        return budget - budget // 2 if self.kept_tail is None else self.kept_tail
 
     def score(self, call: AttentionCall):
         return attention_column_sums(call.query, call.key, call.attention.scaling, call.slots,

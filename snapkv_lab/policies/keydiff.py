@@ -18,8 +18,8 @@ class KeyDiff(Policy):
     """Keep the keys least similar to the anchor, the mean of the cache's unit-normalised keys, per KV head.
 
     score: (kv_heads, n_keys) = -cos(k_j, mean_i k_i / ||k_i||), post-RoPE keys of everything cached (kvpress 0.5.5
-    presses/keydiff_press.py, lines 45-46). No window and no sinks, as the paper: every position competes;
-    window_size=w keeps the last w tokens besides (our variant, named in the label).
+    presses/keydiff_press.py, lines 45-46). No kept tail and no sinks, as the paper: every position competes;
+    kept_tail=w keeps the last w tokens besides (our variant, named in the label).
 
     The paper evicts block by block while the prompt is read (its "block prompt processing"): that is
     `generate(..., prefill_chunk=block)`, where each chunk's scores are taken over the slots held plus the chunk, so
@@ -27,7 +27,7 @@ class KeyDiff(Policy):
     is scored at once (kvpress's KeyDiffPress alone).
     """
 
-    window_size: int = 0
+    kept_tail: int = 0
 
     scores_query_heads: ClassVar[bool] = False
 

@@ -14,11 +14,11 @@ class KNorm(Policy):
     """Keep the keys of lowest L2 norm, per KV head. Reads no attention (works with any attention kernel).
 
     score: (kv_heads, n_keys) = -||k_j||_2 of the post-RoPE keys (RoPE rotates pairs of dimensions, so it
-    leaves the norm unchanged). No window: as the paper and kvpress's KnormPress, every position competes, the last
-    ones included; window_size=w keeps the last w tokens besides (our variant, named in the label).
+    leaves the norm unchanged). No kept tail: as the paper and kvpress's KnormPress, every position competes, the last
+    ones included; kept_tail=w keeps the last w tokens besides (our variant, named in the label).
     """
 
-    window_size: int = 0
+    kept_tail: int = 0
 
     scores_query_heads: ClassVar[bool] = False
 

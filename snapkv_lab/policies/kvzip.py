@@ -29,10 +29,10 @@ Differences, by design: scores are float32 under the layer's own scaling and sof
 model's dtype, "not fp32", score.py:61, with logits / sqrt(head_dim), score.py:57: equal for Llama, Qwen, SmolLM2).
 The global selection keeps exactly budget x layers x KV heads positions, kvpress's top count (kvzip_press.py:
 384-387); the official threshold keeps the scores strictly above the int(N ratio) - 1-th largest (score.py:94-97),
-one pair fewer (more on ties). The budget counts the whole prompt, system prompt and window included (the
+one pair fewer (more on ties). The budget counts the whole prompt, system prompt and kept tail included (the
 official ratio counts the context alone and keeps the system prompt on top). A question inside the prompt is
 compressed as context: in the paper's protocol (query-agnostic) the question comes after compression, and
-nothing after the context is kept by right (window_size 0).
+nothing after the context is kept by right (kept_tail 0).
 """
 
 from __future__ import annotations
@@ -160,13 +160,13 @@ class KVzip(Policy):
         positions over all of them; "uniform" (official `pair-uniform`): each layer and KV head keeps the budget.
         Head-adaptive budgets within each layer: AdaKV(policy=KVzip()), close to kvpress's layerwise=True with
         alpha_safeguard=0. A wrapper's own allocation replaces this one.
-    window_size: 0: nothing after the context is kept by right (official: the question comes after scoring).
+    kept_tail: 0: nothing after the context is kept by right (official: the question comes after scoring).
     repeat_prompts: "official": the later chunks' instruction ends "starting with " before the quoted tokens
         (model/wrapper.py:214); "kvpress": without that space (kvpress/presses/kvzip_press.py:266). Prompts of one
         chunk never read it.
     """
 
-    window_size: int = 0
+    kept_tail: int = 0
     chunk_size: int = 2000
     sinks: int | None = None
     allocation: str = "global"
@@ -188,8 +188,8 @@ class KVzip(Policy):
 
     @property
     def scoring_key(self) -> str:
-        """The window and the allocation act after scoring: variants differing only in them share one pass."""
-        return Policy.scoring_key.fget(dataclasses.replace(self, window_size=0, allocation="global"))
+        """The kept tail and the allocation act after scoring: variants differing only in them share one pass."""
+        return Policy.scoring_key.fget(dataclasses.replace(self, kept_tail=0, allocation="global"))
 
     def layout(self, tokenizer, ids: torch.Tensor) -> Layout:
         """Where the system prompt, sink keys and context of ids (batch, n) lie (see `sinks`)."""
@@ -247,7 +247,7 @@ class KVzip(Policy):
         if self.allocation == "uniform":
             return super().keep_layers(scores, n_tokens, kv_heads, n_layers)
         layers = sorted(scores)
-        # (layers, rows, prefix): every layer's prefix is as long (one budget and window for all)
+        # (layers, rows, prefix): every layer's prefix is as long (one budget and tail for all)
         ranked = torch.stack([self.ranked(scores[i], n_tokens, kv_heads, i, n_layers) for i in layers])
         total = sum(sum(self.head_budgets(scores[i], n_tokens, kv_heads, i, n_layers)) for i in layers)
         rows = ranked.shape[0] * ranked.shape[1]

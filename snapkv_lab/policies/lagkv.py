@@ -37,7 +37,7 @@ class LagKV(Policy):
     policy of the lab that does not evict while decoding.
     """
 
-    window_size: int = 0
+    kept_tail: int = 0
     sinks: int = 16
     lag_size: int = 128
     value_weight: float = 1.0

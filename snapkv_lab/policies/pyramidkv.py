@@ -47,23 +47,24 @@ class PyramidKV(SnapKV):
         budget = self.budget(n_tokens)
         if n_layers == 1:
             return budget
+        tail = self.tail(budget)
         if self.schedule == "kvpress":
-            return self._kvpress_budget(budget, n_tokens, layer, n_layers)
-        prefix_budget, prefix_len = budget - self.window_size, n_tokens - self.window_size
+            return self._kvpress_budget(budget, tail, n_tokens, layer, n_layers)
+        prefix_budget, prefix_len = budget - tail, n_tokens - tail
         if n_tokens < 2 * prefix_budget:
             return budget
         smallest = prefix_budget // self.beta
         largest = 2 * prefix_budget - smallest
         if largest >= prefix_len:
             largest, smallest = prefix_len, 2 * prefix_budget - prefix_len
-        return self.window_size + largest - layer * ((largest - smallest) // (n_layers - 1))
+        return tail + largest - layer * ((largest - smallest) // (n_layers - 1))
 
-    def _kvpress_budget(self, budget: int, n_tokens: int, layer: int, n_layers: int) -> int:
+    def _kvpress_budget(self, budget: int, tail: int, n_tokens: int, layer: int, n_layers: int) -> int:
         smallest = budget / self.beta
         largest = 2 * budget - smallest
-        if largest >= n_tokens - self.window_size:
-            largest = n_tokens - self.window_size
+        if largest >= n_tokens - tail:
+            largest = n_tokens - tail
             smallest = 2 * budget - largest
-        if not n_tokens >= largest >= smallest >= self.window_size:
+        if not n_tokens >= largest >= smallest >= tail:
             return budget
         return round(largest - layer * (largest - smallest) / (n_layers - 1))

@@ -27,11 +27,11 @@ class QFilters(Policy):
     score: (kv_heads, n_keys) = <k_j, u_h>, post-RoPE keys; u_h from `query_filters(model, tokenizer,
     tokens=calibration_tokens)`, calibrated at the first prefill of a model and cached (kvpress's QFilterPress
     scores -<f, k> with the authors' published filters, which point the other way: kvpress 0.5.5
-    presses/qfilter_press.py, lines 176-178). No window, as kvpress's press: every position competes;
-    window_size=w keeps the last w tokens besides (our variant, named in the label).
+    presses/qfilter_press.py, lines 176-178). No kept tail, as kvpress's press: every position competes;
+    kept_tail=w keeps the last w tokens besides (our variant, named in the label).
     """
 
-    window_size: int = 0
+    kept_tail: int = 0
     calibration_tokens: int = TOKENS
 
     scores_query_heads: ClassVar[bool] = False

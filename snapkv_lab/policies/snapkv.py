@@ -2,27 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..selection import window_votes
-from .base import AttentionCall, Policy
+from .base import ADDED_LATER, AttentionCall, Policy
 
 
 @dataclass
 class SnapKV(Policy):
     """SnapKV: votes of the last `window_size` prompt queries over the prefix, max-pooled (kernel 7).
 
+    window_size: the observation window, the last prompt queries that vote (the authors' name and their LongBench
+        value, 32). kept_tail: None (default) keeps the window itself, as the paper and its code do; an int keeps
+        that many last tokens instead (our variant, named in the label).
     score: (heads, n_keys) the window's attention averaged over its queries (the paper sums them: the same ranking;
     the mean is the scale of kvpress's and the AdaKV/CriticalKV authors' SnapKV, on which CriticalKV's epsilon is
     set)."""
 
+    # Left out of stored configs at None: before it existed, `window_size` named the voters and the kept tail both.
+    kept_tail: int | None = field(default=None, metadata={ADDED_LATER: True})
     pooling: str | None = "max"
     kernel_size: int = 7
+    window_size: int = 32
 
     def __post_init__(self):
+        if not isinstance(self.window_size, int) or isinstance(self.window_size, bool) or self.window_size < 1:
+            raise ValueError(f"{self.name} votes with its observation window: window_size must be at least 1, got "
+                             f"{self.window_size!r}")
+        if self.kept_tail is None and isinstance(self.capacity, int) and 1 <= self.capacity <= self.window_size:
+            raise ValueError(f"window_size ({self.window_size}) must be smaller than capacity ({self.capacity}): "
+                             f"{self.name} keeps its whole observation window plus at least one selected prefix position.")
         super().__post_init__()
-        if self.window_size < 1:
-            raise ValueError(f"{self.name} votes with its observation window: window_size must be at least 1")
+
+    def tail(self, budget: int) -> int:
+        return self.window_size if self.kept_tail is None else self.kept_tail
 
     @property
     def voters(self) -> int:

@@ -14,16 +14,16 @@ class TOVA(EvictsWhileDecoding, Policy):
     """Token Omission Via Attention, as its paper and code define it (schwartz-lab-NLP/TOVA, src/tova_cache.py,
     TOVACache.reduce): a position's score is the last query's softmax attention to it, averaged over all the layer's
     query heads, so one selection serves every KV head of the layer; the top `capacity` positions are kept, the
-    last token competing like any other (no window), at prefill and again at every decode step (interval 1).
+    last token competing like any other (no kept tail), at prefill and again at every decode step (interval 1).
 
     score: (heads, n_keys), the last query's probabilities over every key it sees (itself included, under the layer's
     own scaling, sliding window and soft-cap).
     Variants, named in the label: per_layer=False averages per GQA group instead, one selection per KV head;
-    window_size=1 protects the last token (kvpress's TOVAPress); interval=None compresses once, after prefill
+    kept_tail=1 protects the last token (kvpress's TOVAPress); interval=None compresses once, after prefill
     (kvpress's protocol).
     """
 
-    window_size: int = 0
+    kept_tail: int = 0
     per_layer: bool = True
     interval: int | None = 1
 

@@ -1,8 +1,8 @@
 """What policies that wrap another policy share (AdaKV, ChunkKV, CriticalKV, DecodingEviction).
 
-The wrapper's budget is the one that counts: its capacity, window_size and per_query_head are copied onto the
-inner policy (SnapKV's observation window is then the kept window, as in SnapKV alone; window_size left at None
-takes the inner policy's own). The inner policy's pooling, kernel_size and gqa stay its own. A wrapper changes one
+The wrapper's budget is the one that counts: its capacity and per_query_head are copied onto the inner policy, and
+its kept_tail when set (None, the default, leaves the inner policy's own: SnapKV's is its observation window). The
+inner policy's pooling, kernel_size, gqa and observation window (`SnapKV(window_size=64)`) stay its own. A wrapper changes one
 step of the inner policy's pipeline (see base): AdaKV the budgets per head, ChunkKV and CriticalKV the ranking;
 every other step, scoring included (extra forward passes too, e.g. KVzip's, and the final hidden states Surprisal
 reads), is the inner policy's. So wrappers compose with any scorer and with each other:
@@ -19,7 +19,6 @@ import torch
 from .base import AttentionCall, FullCache, Policy
 from .snapkv import SnapKV
 
-SHARED = ("capacity", "window_size", "per_query_head")  # set on the inner policy by the wrapper
 
 
 def _inner(name: str) -> property:
@@ -32,18 +31,21 @@ class Wrapper(Policy):
     """Base of wrappers: `policy` scores, the subclass decides what is kept from its ranking."""
 
     policy: Policy = field(default_factory=SnapKV)
-    window_size: int | None = None  # None: the inner policy's own window
+    kept_tail: int | None = None  # None: the inner policy's own
 
     def __post_init__(self):
         if not isinstance(self.policy, Policy) or isinstance(self.policy, FullCache):
             raise TypeError(f"{self.name} wraps a scoring policy (SnapKV, H2O, KVzip, AdaKV(...), ...), got {self.policy!r}")
-        if self.window_size is None:
-            self.window_size = self.policy.window_size
-        super().__post_init__()
         if self.pooling is not None or self.kernel_size != 1 or self.gqa != "mean":
             raise ValueError(f"{self.name} ranks positions by its inner policy's pooling and GQA reduction: set them on "
                              f"the inner policy ({self.policy.name}(pooling=..., gqa=...)), not on {self.name}")
-        self.policy = dataclasses.replace(self.policy, **{name: getattr(self, name) for name in SHARED})
+        self.policy = dataclasses.replace(self.policy, **self.shared())
+        super().__post_init__()
+
+    def shared(self) -> dict:
+        """The settings this wrapper sets on its inner policy: its budget, layout and (when set) kept tail."""
+        return dict(capacity=self.capacity, per_query_head=self.per_query_head,
+                    **({} if self.kept_tail is None else {"kept_tail": self.kept_tail}))
 
     # Everything the inner policy decides about scoring is the wrapper's too.
     accumulates = _inner("accumulates")
@@ -62,8 +64,8 @@ class Wrapper(Policy):
     def prepare(self, model, tokenizer) -> None:
         self.policy.prepare(model, tokenizer)
 
-    def window(self, budget: int) -> int:
-        return self.policy.window(budget)
+    def tail(self, budget: int) -> int:
+        return self.policy.tail(budget)
 
     def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
         return self.policy.layer_budget(n_tokens, layer, n_layers)  # same capacity: a per-layer budget carries over
@@ -77,22 +79,17 @@ class Wrapper(Policy):
     def _inner_settings(self) -> str:
         """The inner policy as written: its name and the settings the wrapper does not set for it, e.g.
         `SnapKV(kernel_size=5)` or `AdaKV(policy=KNorm)`."""
-        inner = self.policy
-        defaults = type(inner)(**{name: getattr(inner, name) for name in SHARED})
+        inner, shared = self.policy, self.shared()
+        defaults = type(inner)(**{**shared, "capacity": None})  # skipped below; None fits any default window
         settings = inner._settings_against(defaults) if isinstance(inner, Wrapper) else \
-            ", ".join(inner._differences(defaults, SHARED))
+            ", ".join(inner._differences(defaults, tuple(shared)))
         return f"{inner.name}({settings})" if settings else inner.name
 
     def _settings_against(self, default: Wrapper) -> str:
         parts = [f"policy={self._inner_settings()}"] if type(self.policy) is not type(default.policy) or \
             self._inner_settings() != default._inner_settings() else []
-        skip = ("capacity", "policy") + (("window_size",) if self.window_size == self.policy_default_window() else ())
-        parts += self._differences(default, skip=skip)
+        parts += self._differences(default, skip=("capacity", "policy"))
         return ", ".join(parts)
-
-    def policy_default_window(self) -> int | None:
-        """The window the inner policy's class keeps by default (what window_size=None resolves to)."""
-        return type(self.policy)().window_size
 
     def _settings(self) -> str:
         return self._settings_against(type(self)())
