@@ -16,7 +16,7 @@ from snapkv_lab.compression.generation import chunk_sizes, forward
 N, NEW, CHUNK = 160, 6, 48
 NAMES = sorted(snapkv_lab.POLICIES)
 # No meaning under chunks: a pass over the whole prompt (KVzip, Surprisal), head-wise budgets (ragged layers).
-REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV"}
+REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE"}
 
 
 def prompt(seed=0, n=N):

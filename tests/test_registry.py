@@ -60,13 +60,13 @@ def test_budget_covering_the_prompt_is_the_plain_model(name, model, byte_tokeniz
 @pytest.mark.parametrize("name", NAMES)
 def test_generate_compress_and_compare_agree(name, model, byte_tokenizer):
     """Live compression at each layer's prefill call, model.generate under it, and compare's compressed copies
-    of one full prefill: the same kept positions and tokens (KVzip and Surprisal, which score after the prefill, are refused
-    inside model.generate)."""
+    of one full prefill: the same kept positions and tokens (policies that compress after the prefill, KVzip's and
+    Surprisal's scores from the whole prompt, CAKE's budgets across layers, are refused inside model.generate)."""
     policy = build_with_tail(name, 8, capacity=40)
     ids = prompt(batch=2, seed=2)
     ours = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
-    if policy.scores_after_prefill:
-        with pytest.raises(NotImplementedError, match="scores after the prefill"):
+    if policy.compresses_after_prefill:
+        with pytest.raises(NotImplementedError, match="after the prefill"):
             with snapkv_lab.compress(model, policy):
                 pass
     else:
@@ -187,6 +187,10 @@ def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, by
     if wrapper == inner == "CriticalKV":
         with pytest.raises(TypeError, match="cannot wrap another CriticalKV"):
             snapkv_lab.CriticalKV(policy=snapkv_lab.CriticalKV())
+        return
+    if snapkv_lab.POLICIES[inner].layers_share_budget:  # its own allocation across layers (CAKE): refused, not ignored
+        with pytest.raises(TypeError, match="cannot be wrapped"):
+            snapkv_lab.POLICIES[wrapper](policy=build(inner))
         return
     policy = snapkv_lab.POLICIES[wrapper](policy=build(inner), capacity=0.25)
     assert policy.label.startswith(f"{wrapper}(policy={inner}") or (inner == "SnapKV" and policy.label == f"{wrapper}@0.25")

@@ -395,6 +395,19 @@ def applied(model, state: CompressionState):
         state.restore()
 
 
+def refuse_after_prefill(policy: Policy, consequence: str) -> None:
+    """Refuse a policy that compresses only after the whole prefill (`Policy.compresses_after_prefill`) where the
+    cache is compressed as the prefill runs; `consequence` ends the message."""
+    if policy.scores_after_prefill:
+        reason = ("scores after the prefill, from the whole prompt's cache or final hidden states (a reconstruction "
+                  "forward or the output head over every position)")
+    elif policy.layers_share_budget:
+        reason = "compresses after the prefill: each layer's budget depends on every layer's scores"
+    else:
+        return
+    raise NotImplementedError(f"{policy.label} {reason}, which {consequence}")
+
+
 def check_chunking(policy: Policy, prefill_chunk: int) -> None:
     """Refuse a chunked prefill that has no meaning for `policy` (see `compress`)."""
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 2:
@@ -420,8 +433,8 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     The cache must start empty and be passed to the model. A left-padded batch (model.generate(ids,
     attention_mask=mask)) is compressed row by row as each row's batch-1 run (see the module doc); padding elsewhere,
     assisted and prompt-lookup decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
-    Policies that score after the prefill (KVzip, Surprisal: `scores_after_prefill`) cannot run inside one forward:
-    use `generate`.
+    Policies that compress only after the whole prefill (`compresses_after_prefill`: KVzip and Surprisal score from
+    the whole prompt, CAKE's layer budgets need every layer's scores) cannot run inside one forward: use `generate`.
 
     prefill_chunk=N: compress as you go. The prompt is fed in chunks of at most N tokens
     (`model.generate(..., prefill_chunk_size=N)`, or `snapkv_lab.generate(..., prefill_chunk=N)`), and after each
@@ -438,10 +451,7 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     tokenizer: needed only by a policy calibrated on the model (QFilters) whose calibration is not cached yet.
     """
     policy = policy or FullCache()
-    if policy.scores_after_prefill:
-        raise NotImplementedError(f"{policy.label} scores after the prefill, from the whole prompt's cache or final hidden "
-                                  "states (a reconstruction forward or the output head over every position), which cannot run "
-                                  "inside model.generate's prefill: use snapkv_lab.generate")
+    refuse_after_prefill(policy, "cannot run inside model.generate's prefill: use snapkv_lab.generate")
     if prefill_chunk is not None:
         check_chunking(policy, prefill_chunk)
     policy.prepare(model, tokenizer)

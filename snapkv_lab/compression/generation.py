@@ -11,7 +11,7 @@ from ..inputs import (check_context_length, encode_batch, encode_continuation, e
 from ..hooks import with_cache
 from ..policies.base import FullCache, Policy
 from ..timing import ms_per_token, stopwatch
-from .compressor import CompressionState, applied, compress
+from .compressor import CompressionState, applied, compress, refuse_after_prefill
 from .layers import cache_bytes, cache_lengths, fork, row_cache_lengths, stack_forks
 from .shared import SharedPrefill
 
@@ -170,9 +170,7 @@ def chunk_sizes(n: int, chunk: int) -> list[int]:
 def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int, tokenizer=None) -> tuple[CompressionState, torch.Tensor, float]:
     """Prefill ids (batch, n) in chunks of `chunk` tokens, compressing as it goes (see `compress`): (state, last
     logits, seconds). A capacity ratio is a budget of the whole prompt, fixed in tokens before the first chunk."""
-    if policy.scores_after_prefill:
-        raise NotImplementedError(f"{policy.label} scores after the prefill, from the whole prompt's cache or final hidden "
-                                  "states, which a chunked prefill never holds: run it without prefill_chunk")
+    refuse_after_prefill(policy, "a chunked prefill cannot give: run it without prefill_chunk")
     n = ids.shape[1]
     tokens = dataclasses.replace(policy, capacity=policy.budget(n)) if isinstance(policy.capacity, float) else policy
     with compress(model, tokens, prefill_chunk=chunk, tokenizer=tokenizer) as state, stopwatch(model.device) as elapsed:
@@ -188,8 +186,9 @@ def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int, tokeni
 @torch.inference_mode()
 def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy, prefill_chunk: int | None = None,
             mask: torch.Tensor | None = None) -> tuple[CompressionState, torch.Tensor, float]:
-    """Prefill ids (batch, n) and compress with `policy`: (state, last logits, seconds). Policies with extra
-    scoring passes (KVzip) prefill a full cache, score it with those passes, then keep a compressed copy.
+    """Prefill ids (batch, n) and compress with `policy`: (state, last logits, seconds). Policies that compress
+    after the prefill (KVzip's extra scoring passes, CAKE's budgets across layers) prefill a full cache, score it,
+    then keep a compressed copy.
     prefill_chunk: feed the prompt in chunks, compressing as it goes (`chunked_prefill`).
     mask: (batch, n) 0 on a padded batch's left pads (None: no row is padded)."""
     if prefill_chunk is not None:
@@ -197,7 +196,7 @@ def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy, prefill_chunk: 
             raise NotImplementedError("a chunked prefill of a padded batch is not supported (each row's chunks "
                                       "would start at different positions): prefill it whole, or row by row")
         return chunked_prefill(model, ids, policy, prefill_chunk, tokenizer)
-    if not policy.scores_after_prefill:
+    if not policy.compresses_after_prefill:
         with compress(model, policy, tokenizer=tokenizer) as state, stopwatch(model.device) as elapsed:
             logits = forward(model, ids, state.cache, 0, mask)
             state.check_prefill_seen()

@@ -22,7 +22,7 @@ _MODULES = {
     "StreamingLLM": "baselines", "RandomKeep": "baselines", "TOVA": "tova", "KNorm": "knorm", "PyramidKV": "pyramidkv",
     "AdaKV": "adakv", "ChunkKV": "chunkkv", "CriticalKV": "criticalkv", "ExpectedAttention": "expected_attention",
     "KVzip": "kvzip", "Surprisal": "surprisal", "DecodingEviction": "decoding", "KeyDiff": "keydiff", "LagKV": "lagkv",
-    "QFilters": "qfilters", "HeadKV": "headkv", "DuoAttention": "duoattention",
+    "QFilters": "qfilters", "HeadKV": "headkv", "DuoAttention": "duoattention", "CAKE": "cake",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 _FROM_BASE = ("ADDED_LATER", "NO_POSITION", "AttentionCall", "Policy")

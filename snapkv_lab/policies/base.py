@@ -111,6 +111,9 @@ class Policy:
     reads_final_hidden: ClassVar[bool] = False
     # False: `score` gives one row per KV head (or one row shared by all heads), so per_query_head has no meaning.
     scores_query_heads: ClassVar[bool] = True
+    # True: each layer's budget depends on every layer's scores (CAKE), so the cache is compressed once the whole
+    # prompt is prefilled, from the scores its attention calls recorded, never layer by layer as the prefill runs.
+    layers_share_budget: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.kept_tail is None:  # allowed where `tail` derives it (SnapKV: its window; H2O: the recent half)
@@ -143,6 +146,12 @@ class Policy:
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    @property
+    def compresses_after_prefill(self) -> bool:
+        """Whether the cache can only be compressed after the whole prefill (scores from the whole prompt, or budgets
+        shared across layers): such a policy runs in `generate` and `compare`, never inside `model.generate`."""
+        return self.scores_after_prefill or self.layers_share_budget
 
     @property
     def voters(self) -> int:

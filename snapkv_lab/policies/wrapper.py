@@ -36,6 +36,10 @@ class Wrapper(Policy):
     def __post_init__(self):
         if not isinstance(self.policy, Policy) or isinstance(self.policy, FullCache):
             raise TypeError(f"{self.name} wraps a scoring policy (SnapKV, H2O, KVzip, AdaKV(...), ...), got {self.policy!r}")
+        if self.policy.layers_share_budget:
+            raise TypeError(f"{self.name} keeps each layer's budget as the inner policy's layer_budget gives it, and "
+                            f"{self.policy.name} shares its budget across layers from every layer's scores: it cannot be "
+                            "wrapped")
         if self.pooling is not None or self.kernel_size != 1 or self.gqa != "mean":
             raise ValueError(f"{self.name} ranks positions by its inner policy's pooling and GQA reduction: set them on "
                              f"the inner policy ({self.policy.name}(pooling=..., gqa=...)), not on {self.name}")
