@@ -118,13 +118,31 @@ def evaluate(args) -> int:
     if args.reuse is not None and not Path(args.reuse).is_file():
         print(f"snapkv-lab eval: error: --reuse {args.reuse}: no such table", file=sys.stderr)
         return 2
+    target = data_dir / f"eval_{args.name or '+'.join(args.dataset)}.csv"
+    before = _examples_and_policies(target)
     table = run(args.model, **options, data_dir=data_dir, name=args.name, executor=args.executor,
                 ray_address=args.ray_address, reuse=args.reuse)
+    lost = [what for what, had, has in zip(("examples", "policies"), before, _examples_and_policies(target))
+            if had - has]
+    if lost:  # e.g. a quick look run in the repository, over the committed leaderboard
+        print(f"snapkv-lab eval: note: {target} held {' and '.join(lost)} this run does not have, and was replaced by "
+              "this run's table; `git checkout` it if it was committed, or pass --name or --data-dir to keep runs apart",
+              file=sys.stderr)
     figures_dir.mkdir(parents=True, exist_ok=True)
     for path in draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)]):
         print(path)
     print(f"{len(table)} answers ({table.example.nunique()} examples) in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def _examples_and_policies(path: Path) -> tuple[set, set]:
+    """The (example spec, policy) sets an eval table at `path` holds; empty sets when there is none."""
+    if not path.is_file():
+        return set(), set()
+    import pandas as pd
+
+    table = pd.read_csv(path, usecols=["spec", "policy"], dtype=str)
+    return set(table.spec), set(table.policy)
 
 
 # Option types: a bad value is refused by the parser, before a run imports torch.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -366,3 +367,27 @@ def test_the_committed_leaderboard_is_reused_whole_by_a_fresh_clone(tmp_path):
         assert reuse_rows(cells, store, committed) == examples
         tables.append(store.table([cell for cell in cells if store.done(cell)]))
     assert joined_tables(tables).to_csv(index=False) == path.read_text()
+
+
+def test_cli_eval_says_when_it_replaces_a_table_holding_more(tmp_path, monkeypatch, capsys):
+    """A quick look run in the repository writes data/eval_ruler.csv over the committed leaderboard: said, not silent."""
+    import snapkv_lab.evaluation as evaluation
+    from snapkv_lab.cli import main
+
+    def table(specs, policies):
+        return pd.DataFrame([dict(spec=s, policy=p, score=1.0) for s in specs for p in policies])
+
+    def fake_evaluate(model, *, data_dir, **options):
+        written = table(["a"], ["FullCache", "SnapKV"])
+        written.to_csv(Path(data_dir) / "eval_ruler.csv", index=False)
+        return written.assign(example="0")
+
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
+    monkeypatch.setattr(evaluation, "draw", lambda *args, **kwargs: [])
+    args = ["eval", "--tasks", "niah_single_1", "--limit", "1", "--policies", "SnapKV", "--ratios", "0.5",
+            "--data-dir", str(tmp_path), "--figures-dir", str(tmp_path / "figures")]
+    table(["a", "b"], ["FullCache", "SnapKV", "TOVA"]).to_csv(tmp_path / "eval_ruler.csv", index=False)
+    assert main(args) == 0
+    assert "held examples and policies this run does not have" in capsys.readouterr().err
+    assert main(args) == 0  # the same run again replaces nothing it lacks
+    assert "note:" not in capsys.readouterr().err
