@@ -175,8 +175,9 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     Columns: model, dataset, task, example, spec and policy_config (JSON: what rebuilds the example and the policy,
     see evaluation.explain), question, metric, policy, ratio (0 for the full cache), capacity,
     mode ("full", "query-aware", "query-agnostic"), score (in [0, 1]), prediction, references (JSON),
-    context_tokens, prompt_tokens, kept_tokens, truncated_tokens, framing, length, prefill_s, selection_s,
-    decode_ms_per_token, new_tokens.
+    context_tokens, prompt_tokens, kept_tokens (the longest layer's positions per head before decoding: the budget
+    where every layer and head keeps as many, more where they differ: PyramidKV, CAKE, AdaKV, HeadKV, DuoAttention),
+    truncated_tokens, framing, length, prefill_s, selection_s, decode_ms_per_token, new_tokens.
     """
     from ..sweep import ResultStore, run_cells
 
