@@ -1,0 +1,35 @@
+"""The long-generation pressure test: the list task, its scores (hand-worked), and the runner on the tiny model."""
+
+from __future__ import annotations
+
+import snapkv_lab as C
+from conftest import make_tiny_llama
+from snapkv_lab.pressure.long_generation import list_scores, list_task, long_generation
+
+
+def test_list_task_is_seeded_and_its_codes_distinct():
+    text, codes = list_task(30, seed=4)
+    assert (text, codes) == list_task(30, seed=4) and codes != list_task(30, seed=5)[1]
+    assert len(set(codes)) == 30 and all(len(c) == 5 for c in codes)
+    assert "1. " + codes[0] + "\n" in text and "30. " + codes[29] + "\n" in text
+
+
+def test_scores_count_the_right_codes_and_stop_in_order_at_the_first_mistake():
+    codes = ["11111", "22222", "33333", "44444"]
+    assert list_scores("1. 11111\n2. 22222\n3. 33333\n4. 44444", codes) == {"in_order": 1.0, "correct": 1.0}
+    # line 3 wrong: two in order; lines 1, 2 and 4 right; chatter between lines is skipped
+    assert list_scores("Sure:\n1. 11111\n2. 22222\n3. 99999\n4. 44444", codes) == {"in_order": 0.5, "correct": 0.75}
+    # a skipped number breaks the order, not the later lines' correctness; a repeated number keeps its first code
+    assert list_scores("1. 11111\n3. 33333\n3. 12345", codes) == {"in_order": 0.25, "correct": 0.5}
+    assert list_scores("", codes) == {"in_order": 0.0, "correct": 0.0}
+
+
+def test_every_policy_and_the_full_cache_copy_each_list(byte_tokenizer):
+    model = make_tiny_llama(initializer_range=0.3, num_hidden_layers=2)
+    table = long_generation(model, byte_tokenizer, [C.RKV(capacity=0.5, interval=16), C.H2O(capacity=0.5)],
+                            n_items=4, seeds=(0, 1), tokens_per_item=6, progress=False)
+    assert list(table.policy) == ["FullCache", "RKV(interval=16)@0.5", "H2O@0.5"] * 2
+    assert table.in_order.between(0, 1).all() and table.correct.between(0, 1).all()
+    full = table[table.policy == "FullCache"]
+    assert (full.cache_after_prefill == full.prompt_tokens).all()
+    assert (table[table.policy != "FullCache"].cache_after_prefill < full.prompt_tokens.max()).all()
