@@ -10,6 +10,7 @@
     tables.py   the suites' tables summarised: accuracy by policy, budget and length; RULER grades per task
     figures.py  their figures; with grid.recompute, the `pressure` figure set registered here
     long_generation.py  copy a numbered list from the prompt: what eviction while decoding loses in a long output
+                (imported on its own, and run as `python -m snapkv_lab.pressure.long_generation`)
 
 Query-aware: the question is part of the prompt, so SnapKV's window votes with the question.
 Query-agnostic (kvpress's protocol): the context alone is compressed, the question appended after.
@@ -22,7 +23,6 @@ from ..figures import FigureSet, register
 from .figures import draw
 from .grid import SUITES, Suite, grid_cells, recompute, run_context
 from .intervals import accuracy_intervals, wilson
-from .long_generation import list_scores, list_task, long_generation
 from .ruler import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tables import accuracy_table, budget_labels, ruler_table, run_label
@@ -31,5 +31,4 @@ from .tasks import Context, Query, found, found_exactly, lines_context, needle_c
 register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))
 
 __all__ = ["SUITES", "Suite", "grid_cells", "run_context", "CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
-           "needle_context", "recompute", "ruler_table", "run_label", "budget_labels", "run_retrieval", "accuracy_intervals", "wilson",
-           "list_scores", "list_task", "long_generation"]
+           "needle_context", "recompute", "ruler_table", "run_label", "budget_labels", "run_retrieval", "accuracy_intervals", "wilson"]
