@@ -136,11 +136,10 @@ class Policy:
         elif self.capacity is not None:
             if not isinstance(self.capacity, int) or self.capacity < 1:
                 raise ValueError(f"capacity must be a positive int, a ratio in (0, 1) or None, got {self.capacity!r}")
-            tail = self.tail(self.capacity)
-            if tail >= self.capacity:
+            if self.tail(self.capacity) >= self.capacity:
                 raise ValueError(
-                    f"the kept tail ({tail} tokens) must be smaller than capacity ({self.capacity}): the cache keeps "
-                    "the whole tail plus at least one selected prefix position."
+                    f"{self.tail_setting(self.capacity)} must be smaller than capacity ({self.capacity}): the cache "
+                    "keeps the whole tail plus at least one selected prefix position."
                 )
 
     @property
@@ -212,6 +211,10 @@ class Policy:
         """The kept tail under a budget of `budget` positions: the last prompt tokens always kept (H2O: its recent
         half; SnapKV: its observation window)."""
         return self.kept_tail
+
+    def tail_setting(self, budget: int) -> str:
+        """The kept tail under `budget`, named by the setting that makes it, for messages."""
+        return f"the kept tail ({self.tail(budget)} tokens)"
 
     def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
         """Positions kept per head in `layer` (the same in every layer unless a policy says otherwise)."""

@@ -18,9 +18,10 @@ top budget_l positions by I plus the window.
 
 Differences, named: the official leaves a prompt of up to B + W tokens uncompressed; here, as for every policy, a
 prompt above B is compressed. Preferences that are all 0 or not finite (a window attending only to itself) share the
-budget equally, where the official code would divide by zero. The official code also evicts while decoding, each layer back to its budget by the last
-query's pooled attention (CakeDecodingKVCache_LayerWise); here the kept set is fixed after the prefill, as for the
-lab's prefill-time policies (`DecodingEviction(policy=CAKE(...))` evicts while decoding, with uniform budgets).
+budget equally, where the official code would divide by zero. The official code also evicts while decoding, each
+layer back to its budget by the last query's pooled attention (CakeDecodingKVCache_LayerWise); here the kept set is
+fixed after the prefill, as for the lab's prefill-time policies (no wrapper, DecodingEviction included, takes CAKE:
+its per-layer budgets would replace CAKE's allocation).
 The cascading variant (`--cascading`, budgets recomputed as each layer arrives) is not implemented: its scripts
 default to the non-cascading allocation reproduced here. Sliding-window layers keep their own cache and take no
 share. The budgets need every layer's scores, so the cache is compressed after the prefill (`generate`, `compare`),
@@ -90,11 +91,8 @@ class CAKE(SnapKV):
             raise ValueError(f"gamma must be non-negative, got {self.gamma!r}")
 
     def score(self, call: AttentionCall):
-        if call.query.shape[1] < self.window_size:
-            raise ValueError(f"the last prompt chunk ({call.query.shape[1]} tokens) must hold the whole observation "
-                             f"window ({self.window_size} tokens)")
-        window = call.query[:, -self.window_size:]
-        probs = attention_probs(window, call.key, call.attention.scaling, call.slots[-self.window_size:],
+        query, slots = self.window_queries(call)
+        probs = attention_probs(query, call.key, call.attention.scaling, slots,
                                 **call.attention.options())  # (heads, W, n_keys)
         indicator = probs.mean(1) + self.gamma * probs.var(1)
         preference = self.layer_preference(probs[..., :call.n_keys - self.window_size])
@@ -114,8 +112,9 @@ class CAKE(SnapKV):
 
     def layer_budgets(self, preferences: list[float], n_tokens: int) -> list[int]:
         """Each layer's prefix budget from the layers' preferences, the total (B - W) x layers."""
-        tail = self.tail(self.budget(n_tokens))
-        total = (self.budget(n_tokens) - tail) * len(preferences)
+        budget = self.budget(n_tokens)
+        tail = self.tail(budget)
+        total = (budget - tail) * len(preferences)
         shares = [p / sum(preferences) * total for p in preferences] if sum(preferences) > 0 and \
             all(math.isfinite(p) for p in preferences) else [total / len(preferences)] * len(preferences)
         return [min(b, n_tokens - tail) for b in adjust_budgets(shares, total, n_tokens - tail)]

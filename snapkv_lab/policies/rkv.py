@@ -96,13 +96,10 @@ class RKV(EvictsWhileDecoding, SnapKV):
         self.check_interval()
 
     def score(self, call: AttentionCall):
-        window = self.window_size
-        if call.query.shape[1] < window:
-            raise ValueError(f"the last prompt chunk ({call.query.shape[1]} tokens) must hold the whole observation "
-                             f"window ({window} tokens)")
-        prefix = call.n_keys - window
-        logits = attention_logits(call.query[:, -window:], call.key, call.attention.scaling, call.slots[-window:],
-                                  last=prefix, **call.attention.options())  # (heads, W, prefix)
+        query, slots = self.window_queries(call)
+        window, prefix = self.window_size, call.n_keys - self.window_size
+        logits = attention_logits(query, call.key, call.attention.scaling, slots, last=prefix,
+                                  **call.attention.options())  # (heads, W, prefix)
         kv_heads = call.key.shape[0]
         grouped = rearrange(logits, "(kv g) q k -> kv g q k", kv=kv_heads).amax(1)  # a KV head's max logit
         attention = F.max_pool1d(grouped.softmax(-1).mean(1), self.kernel_size, stride=1,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..selection import window_votes
 from .base import ADDED_LATER, AttentionCall, Policy
 
@@ -29,24 +31,29 @@ class SnapKV(Policy):
         if not isinstance(self.window_size, int) or isinstance(self.window_size, bool) or self.window_size < 1:
             raise ValueError(f"{self.name} votes with its observation window: window_size must be at least 1, got "
                              f"{self.window_size!r}")
-        if self.kept_tail is None and isinstance(self.capacity, int) and 1 <= self.capacity <= self.window_size:
-            raise ValueError(f"window_size ({self.window_size}) must be smaller than capacity ({self.capacity}): "
-                             f"{self.name} keeps its whole observation window plus at least one selected prefix position.")
         super().__post_init__()
 
     def tail(self, budget: int) -> int:
         return self.window_size if self.kept_tail is None else self.kept_tail
 
+    def tail_setting(self, budget: int) -> str:
+        return f"window_size ({self.window_size})" if self.kept_tail is None else super().tail_setting(budget)
+
     @property
     def voters(self) -> int:
         return self.window_size
 
-    def score(self, call: AttentionCall):
+    def window_queries(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """The observation window's queries (heads, window_size, head_dim) and their cache slots (window_size,)."""
         if call.query.shape[1] < self.window_size:
             raise ValueError(f"the last prompt chunk ({call.query.shape[1]} tokens) must hold the whole observation "
                              f"window ({self.window_size} tokens)")
-        return window_votes(call.query[:, -self.window_size:], call.key, call.attention.scaling,
-                            call.slots[-self.window_size:], call.n_keys, **call.attention.options()) / self.window_size
+        return call.query[:, -self.window_size:], call.slots[-self.window_size:]
+
+    def score(self, call: AttentionCall):
+        query, slots = self.window_queries(call)
+        return window_votes(query, call.key, call.attention.scaling, slots, call.n_keys,
+                            **call.attention.options()) / self.window_size
 
 
 @dataclass

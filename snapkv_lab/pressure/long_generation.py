@@ -20,6 +20,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from ..compression import generate
+from ..framing import resolve_framing
 from ..policies import FullCache
 
 LIST_HEAD = "Here is a list of {n} codes, one per line:\n\n"
@@ -62,7 +63,7 @@ def long_generation(model, tokenizer, policies, *, n_items: int = 40, seeds=(0, 
     (the prompt as a user turn), a base model the plain text. max_new_tokens = n_items * tokens_per_item."""
     runs = [FullCache(), *policies]
     rows = []
-    chat = getattr(tokenizer, "chat_template", None) is not None
+    chat = resolve_framing(tokenizer) == "chat"
     bar = tqdm(total=len(runs) * len(seeds), desc="long generation", disable=not progress)
     for seed in seeds:
         text, codes = list_task(n_items, seed)
