@@ -14,7 +14,7 @@ _EXPORTS = {  # public name -> its module
     "PyramidKV": "policies", "AdaKV": "policies", "ExpectedAttention": "policies",
     "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies", "KeyDiff": "policies",
     "LagKV": "policies", "QFilters": "policies", "HeadKV": "policies", "DuoAttention": "policies", "CAKE": "policies",
-    "RKV": "policies",
+    "RKV": "policies", "LookaheadQCache": "policies",
     "compress": "compression", "generate": "compression", "compare": "ab",
     "attention_coverage": "coverage", "explore": "explorer",
 }

@@ -59,6 +59,8 @@ def build_with_tail(name: str, tail: int, **settings):
     fields = {f.name for f in dataclasses.fields(cls)}
     if "policy" in fields:
         settings.setdefault("policy", snapkv_lab.SnapKV(window_size=tail))
+    elif "lookahead_window" in fields:  # LookaheadQCache: its draft SnapKV's window; its own keeps its default
+        settings["lookahead_window"] = tail
     elif "window_size" in fields:
         settings["window_size"] = tail
     else:

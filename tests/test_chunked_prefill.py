@@ -15,8 +15,9 @@ from snapkv_lab.compression.generation import chunk_sizes, forward
 
 N, NEW, CHUNK = 160, 6, 48
 NAMES = sorted(snapkv_lab.POLICIES)
-# No meaning under chunks: a pass over the whole prompt (KVzip, Surprisal), head-wise budgets (ragged layers).
-REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE"}
+# No meaning under chunks: a pass over the whole prompt (KVzip, Surprisal, LookaheadQCache's drafted answer), head-wise
+# budgets (ragged layers).
+REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache"}
 
 
 def prompt(seed=0, n=N):

@@ -359,6 +359,9 @@ def row_cache(cache: DynamicCache, b: int, pads: int) -> DynamicCache:
         row.layers.append(layer)
     if hasattr(cache, "final_hidden"):  # kept by SharedPrefill for a policy that reads them (Surprisal)
         row.final_hidden = cache.final_hidden[b:b + 1, pads:]
+    if hasattr(cache, "voter_queries"):  # the prompt's last queries, as SharedPrefill hands them on (LookaheadQCache)
+        row.voter_queries = {layer: (query[b:b + 1], slots - pads, settings)
+                             for layer, (query, slots, settings) in cache.voter_queries.items()}
     return row
 
 

@@ -39,11 +39,15 @@ class ScoreRecorder:
     """
 
     def __init__(self, policies, n_layers: int):
+        policies = list(policies)
         self.policies = {p.scorer_label: p for p in policies if not p.scores_after_prefill}
         self.n_layers = n_layers
-        self.voters = max((p.voters for p in self.policies.values()), default=0)  # the most any policy votes with
+        # The most any policy votes with; a policy scoring after the prefill reads its voters from `recent`
+        # (LookaheadQCache's draft window), so it counts here although it is not scored at the calls.
+        self.voters = max((p.voters for p in policies), default=0)
         self.scores: dict[str, dict[int, torch.Tensor]] = {label: {} for label in self.policies}
         self.recent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> last `voters` queries, their slots
+        self.settings: dict[int, AttentionSettings] = {}  # layer -> its attention settings (scaling, soft-cap)
         self.carry: dict[tuple[str, int, int], dict] = {}  # (policy label, layer, batch row) -> AttentionCall.carry
         self.seen_layers: set[int] = set()  # layers whose attention calls reached the recorder
         self.sliding_layers: set[int] = set()  # of those, the sliding-window ones (never scored)
@@ -59,6 +63,7 @@ class ScoreRecorder:
             self.sliding_layers.add(module.layer_idx)
             return
         layer, n, rows = module.layer_idx, key.shape[2], query.shape[2]
+        self.settings[layer] = settings
         slots = torch.arange(n - rows, n)  # at prefill a query's cache slot is its position
         pads = self.pads
         new_calls = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
@@ -86,6 +91,7 @@ class ScoreRecorder:
     def copy(self) -> ScoreRecorder:
         """A recorder that goes on from this one's scores (a question chunk after a shared context)."""
         other = ScoreRecorder(self.policies.values(), self.n_layers)
+        other.voters, other.settings = self.voters, dict(self.settings)
         other.scores = {label: dict(layers) for label, layers in self.scores.items()}
         other.recent = dict(self.recent)
         other.carry = {key: dict(carried) for key, carried in self.carry.items()}

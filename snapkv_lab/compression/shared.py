@@ -93,6 +93,10 @@ class SharedPrefill:
     def _after_prefill_scores(self, policy: Policy) -> dict:
         key = policy.scoring_key
         if key not in self.after_prefill_scores:
+            # The prompt's last queries of every full-attention layer, for a policy that votes with them after the
+            # prefill (LookaheadQCache's draft window): {layer: ((batch, heads, voters, head_dim), slots, settings)}
+            self.cache.voter_queries = {layer: (query, slots, self.recorder.settings[layer])
+                                        for layer, (query, slots) in self.recorder.recent.items()}
             pads = self.pads
             if pads is None:
                 self.after_prefill_scores[key] = policy.prompt_scores(self.model, self.tokenizer, self.ids, self.cache)

@@ -23,7 +23,7 @@ _MODULES = {
     "AdaKV": "adakv", "ChunkKV": "chunkkv", "CriticalKV": "criticalkv", "ExpectedAttention": "expected_attention",
     "KVzip": "kvzip", "Surprisal": "surprisal", "DecodingEviction": "decoding", "KeyDiff": "keydiff", "LagKV": "lagkv",
     "QFilters": "qfilters", "HeadKV": "headkv", "DuoAttention": "duoattention", "CAKE": "cake",
-    "RKV": "rkv",
+    "RKV": "rkv", "LookaheadQCache": "lookahead",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 _FROM_BASE = ("ADDED_LATER", "NO_POSITION", "AttentionCall", "Policy")

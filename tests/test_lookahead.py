@@ -1,0 +1,151 @@
+"""LookaheadQCache against a plain reference written from its official code (noforit/Lookahead_Q-Cache @74612bd:
+pyramidkv/pyramidkv_utils.py SnapKVCluster.update_kv and update_kv_LAQ, pyramidkv/llama_model.py
+select_KV_lookahead_stage, select_KV_decoding_stage and LlamaForCausalLM_forward_LAQ), on the tiny random Llama.
+
+The reference shares nothing with the lab's compression code: queries are recomputed from the model's own hidden
+states and projections, the draft cache is a dict of gathered tensors, and the lookahead is decoded by an attention
+function registered with transformers that reads that dict (the official keeps one selection per query head:
+per_query_head=True here)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+from conftest import make_tiny_llama
+import snapkv_lab as C
+
+
+def prompt_queries_and_keys(model, ids):
+    """Per layer: post-RoPE queries (1, heads, n, d), keys and values repeated per query head (1, heads, n, d), and
+    the prefill's last logits (1, vocab), from a plain forward (llama_model.py:3004-3039)."""
+    out = model(ids, use_cache=True, output_hidden_states=True)
+    positions = torch.arange(ids.shape[1])[None]
+    queries, keys, values = [], [], []
+    for index, layer in enumerate(model.model.layers):
+        attention, hidden = layer.self_attn, layer.input_layernorm(out.hidden_states[index])
+        q = attention.q_proj(hidden).view(1, ids.shape[1], -1, attention.head_dim).transpose(1, 2)
+        k = attention.k_proj(hidden).view(1, ids.shape[1], -1, attention.head_dim).transpose(1, 2)
+        v = attention.v_proj(hidden).view(1, ids.shape[1], -1, attention.head_dim).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(hidden, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        groups = attention.num_key_value_groups
+        queries.append(q)
+        keys.append(repeat_kv(k, groups))
+        values.append(repeat_kv(v, groups))
+    return queries, keys, values, out.logits[:, -1]
+
+
+def official_select(query, key, window, capacity, lookahead=0, kernel=7, causal_by_position=False):
+    """update_kv (lookahead=0) / update_kv_LAQ: kept positions (heads, capacity) of the n prompt keys, the voters being
+    the last window + lookahead rows of `query` (1, heads, rows, d). causal_by_position: the lookahead rows see every
+    prompt key and the prompt rows their own past (our mask="causal"); else the official mask over the last keys."""
+    n, d = key.shape[2], key.shape[3]
+    voters = window + lookahead
+    weights = torch.matmul(query[..., -voters:, :], key.transpose(2, 3)) / math.sqrt(d)
+    if causal_by_position:
+        rows = torch.cat([torch.arange(n - window, n), torch.full((lookahead,), n - 1)])
+        weights = weights.masked_fill(torch.arange(n)[None] > rows[:, None], torch.finfo(weights.dtype).min)
+    else:
+        mask = torch.full((voters, voters), torch.finfo(weights.dtype).min)
+        condition = torch.arange(voters)
+        mask.masked_fill_(condition < (condition + 1).view(voters, 1), 0)
+        weights[:, :, -voters:, -voters:] += mask[None, None]
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32)
+    summed = weights[:, :, -voters:, :n - window].sum(dim=-2)
+    pooled = F.max_pool1d(summed, kernel_size=kernel, padding=kernel // 2, stride=1)
+    picked = pooled.topk(capacity - window, dim=-1).indices[0]
+    return torch.cat([picked, torch.arange(n - window, n).expand(picked.shape[0], -1)], dim=-1)
+
+
+def official_lookahead_queries(model, ids, capacity, lookahead_size=8, lookahead_window=32):
+    """The queries of the drafted tokens (per layer (1, heads, k, d)), decoded over the draft SnapKV cache
+    (select_KV_lookahead_stage, then the loop of LlamaForCausalLM_forward_LAQ)."""
+    queries, keys, values, logits = prompt_queries_and_keys(model, ids)
+    n = ids.shape[1]
+    store = {}
+    for layer, (q, k, v) in enumerate(zip(queries, keys, values)):
+        kept = official_select(q, k, lookahead_window, capacity)
+        index = kept[None, :, :, None].expand(-1, -1, -1, k.shape[-1])
+        store[layer] = [k.gather(2, index), v.gather(2, index)]
+    drafted = {layer: [] for layer in store}
+
+    def draft_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        layer = module.layer_idx
+        drafted[layer].append(query)
+        cached_k, cached_v = store[layer]
+        new_k, new_v = repeat_kv(key[:, :, -1:], module.num_key_value_groups), repeat_kv(value[:, :, -1:], module.num_key_value_groups)
+        store[layer] = [torch.cat([cached_k, new_k], 2), torch.cat([cached_v, new_v], 2)]
+        weights = torch.softmax(torch.matmul(query, store[layer][0].transpose(2, 3)) * scaling, dim=-1)
+        return torch.matmul(weights, store[layer][1]).transpose(1, 2).contiguous(), weights
+
+    AttentionInterface.register("laq_reference", draft_attention)
+    previous, model.config._attn_implementation = model.config._attn_implementation, "laq_reference"
+    try:
+        token, fed = logits.argmax(-1), 0
+        while fed < lookahead_size:
+            out = model(token[:, None], position_ids=torch.tensor([[n + fed]]), use_cache=False)
+            fed += 1
+            token = out.logits[:, -1].argmax(-1)
+            if int(token) == 0:  # the tiny model's EOS
+                break
+    finally:
+        model.config._attn_implementation = previous
+    return queries, keys, {layer: torch.cat(rows, dim=2) for layer, rows in drafted.items()}
+
+
+@pytest.mark.parametrize("window_size", [0, 8])
+@pytest.mark.parametrize("mask", ["official", "causal"])
+def test_kept_positions_equal_the_official(byte_tokenizer, window_size, mask):
+    torch.manual_seed(5)
+    model = make_tiny_llama()
+    ids = torch.randint(2, 256, (1, 150))
+    capacity = 48
+    with torch.no_grad():
+        queries, keys, drafted = official_lookahead_queries(model, ids, capacity)
+    assert all(rows.shape[2] == 8 for rows in drafted.values())  # eight tokens drafted (no EOS on this prompt)
+    policy = C.LookaheadQCache(capacity=capacity, window_size=window_size, mask=mask, per_query_head=True)
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
+    for layer, kept in enumerate(result.kept_indices):
+        # the voters: the prompt's last window_size queries, then the drafted ones (select_KV_decoding_stage)
+        voters = torch.cat([queries[layer][:, :, ids.shape[1] - window_size:], drafted[layer]], dim=2)
+        expected = official_select(voters, keys[layer], window_size, capacity, lookahead=8,
+                                   causal_by_position=mask == "causal")
+        assert torch.equal(kept[0], expected.sort(dim=-1).values), (layer, window_size, mask)
+
+
+def test_the_draft_is_what_the_lookahead_attends(byte_tokenizer):
+    """The drafted queries depend on the draft cache: a larger budget drafts over a different cache, so the votes differ
+    (scores are never shared across budgets: scoring_key is the label)."""
+    torch.manual_seed(5)
+    model = make_tiny_llama()
+    ids = torch.randint(2, 256, (1, 150))
+    small, large = (C.LookaheadQCache(capacity=c, per_query_head=True) for c in (48, 100))
+    assert small.scoring_key != large.scoring_key
+    with torch.no_grad():
+        _, _, few = official_lookahead_queries(model, ids, 48)
+        _, _, many = official_lookahead_queries(model, ids, 100)
+    assert not torch.allclose(few[1], many[1])
+
+
+def test_refusals_are_clear():
+    with pytest.raises(ValueError, match="lookahead_window"):
+        C.LookaheadQCache(capacity=0.1).budget(300)  # 30 positions: no room beside the draft's window of 32
+    with pytest.raises(ValueError, match="mask"):
+        C.LookaheadQCache(mask="sideways")
+    with pytest.raises(ValueError, match="lookahead_size"):
+        C.LookaheadQCache(lookahead_size=0)
+    with pytest.raises(ValueError, match="window_size"):
+        C.LookaheadQCache(capacity=16, window_size=16)
+
+
+def test_compress_refuses_it():
+    model = make_tiny_llama()
+    with pytest.raises(NotImplementedError, match="after the prefill"):
+        with C.compress(model, C.LookaheadQCache(capacity=48)):
+            pass
