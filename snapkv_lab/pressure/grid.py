@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..policies import (AdaKV, KVzip, PyramidKV, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, Surprisal, TOVA,
-                        parse_policy, policy_config, policy_from_config)
+from ..policies import (CAKE, RKV, TOVA, AdaKV, DuoAttention, HeadKV, KeyDiff, KVzip, LagKV, LookaheadQCache, PyramidKV,
+                        QFilters, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, Surprisal, parse_policy,
+                        policy_config, policy_from_config)
 from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
                         coverage_describer)
 from .haystacks import HAYSTACKS
@@ -31,6 +32,9 @@ RULER_CAPACITY = 1024  # 25% of the RULER contexts
 QUESTION_FREE_POLICIES = (KVzip(), AdaKV(policy=KVzip()), KVzip(pooling="max", kernel_size=3),
                           KVzip(pooling="max", kernel_size=31), SnapKVFactKernel())
 HAYSTACK_POLICIES = (SnapKV(), SnapKVFactKernel(), Surprisal())
+# The methods the field compares next (head and layer budgets, attention-free scorers, decoding-time eviction, drafted
+# voters), their authors' defaults, beside SnapKV.
+METHOD_POLICIES = (SnapKV(), HeadKV(), DuoAttention(), CAKE(), RKV(), KeyDiff(), QFilters(), LagKV(), LookaheadQCache())
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
@@ -126,6 +130,9 @@ SUITES = {
                        max_new_tokens=ANSWER_TOKENS),
     # Surprisal where values are words and codes, with distractor keys: facts less out of place than a magic number.
     "surprisal-ruler": Suite("pressure_surprisal_ruler.csv", ruler_specs, (Surprisal(),), (RULER_CAPACITY,)),
+    # The newer methods on the 15 dev needles at 25%, both modes, with the ablations' coverage columns.
+    "methods": Suite("pressure_methods.csv", dev_needle_specs, METHOD_POLICIES, (ABLATION_CAPACITY,),
+                     describe="coverage", max_new_tokens=ANSWER_TOKENS),
 }
 
 
