@@ -124,11 +124,36 @@ def _head_types(data_dir: Path, model: str = "") -> str:
     return "\n".join(lines)
 
 
+def _methods(data_dir: Path) -> str:
+    """The methods suite per method: needles found [95% Wilson interval] in each mode, kept tokens and the coverage
+    columns of the query-aware runs."""
+    import pandas as pd
+
+    from .pressure.tables import methods_table
+
+    table = pd.read_csv(data_dir / "pressure_methods.csv")
+    summary = methods_table(table)
+    found = {(r.policy, r.mode): f"{int(r.correct)}/{int(r.asked)} [{r.correct_low:.2f}, {r.correct_high:.2f}]"
+             for r in summary.itertuples()}
+    aware = summary[summary["mode"].isin(["query-aware", "full"])].set_index("policy")
+    lines = ["| method | query-aware: found [95%] | query-agnostic: found [95%] | kept tokens (longest layer) | "
+             "coverage / oracle | needle attention served |", "|---|---|---|---:|---:|---:|"]
+    for policy in dict.fromkeys(summary.policy):
+        row = aware.loc[policy]
+        if policy == "FullCache":
+            lines.append(f"| FullCache | {found[(policy, 'full')]} | (the same run) | {row.cache_length:.0f} | 1 | 1 |")
+            continue
+        lines.append(f"| {policy} | {found[(policy, 'query-aware')]} | {found.get((policy, 'query-agnostic'), '-')} | "
+                     f"{row.cache_length:.0f} | {row.coverage_of_oracle:.2f} | {row.value_served:.2f} |")
+    return "\n".join(lines)
+
+
 BLOCKS = {
     "findings": Block("findings.md", ("findings_a.csv",), _findings),
     "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
                                    _findings_side_by_side),
     "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
+    "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),
                               functools.partial(_head_types, model="gemma-3-270m")),

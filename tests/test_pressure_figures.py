@@ -129,3 +129,40 @@ def test_committed_html_figures_work_offline():
         # every script the page loads is the file beside it, none from a CDN (the data itself may hold "cdn")
         assert re.findall(r'<script[^>]*\ssrc="([^"]*)"', text) == ["plotly.min.js"], page.name
         assert not re.search(r"<script[^>]*(integrity|crossorigin)", text), page.name
+
+
+def methods_rows() -> pd.DataFrame:
+    """A methods-suite table worked by hand: the full cache finds 3 of 3; A finds 2 of 3 query-aware and 0 of 3
+    query-agnostic; B finds 1 of 3 query-aware; coverage and needle attention set per row."""
+    rows = [dict(policy="FullCache", mode="full", correct=True, cache_length=4000, coverage=np.nan, oracle=np.nan,
+                 value_attention=np.nan, value_attention_kept=np.nan, model="tiny") for _ in range(3)]
+    for policy, mode, found in (("A", "query-aware", 2), ("A", "query-agnostic", 0), ("B", "query-aware", 1)):
+        for i in range(3):
+            rows.append(dict(policy=policy, mode=mode, correct=i < found, cache_length=1024 + i, coverage=0.2 * (i + 1),
+                             oracle=0.8, value_attention=0.5, value_attention_kept=0.1 * i, model="tiny"))
+    return pd.DataFrame(rows)
+
+
+def test_methods_table_counts_intervals_and_means_by_hand():
+    from snapkv_lab.pressure.tables import methods_table
+
+    summary = methods_table(methods_rows()).set_index(["policy", "mode"])
+    assert list(dict.fromkeys(summary.index.get_level_values(0))) == ["FullCache", "A", "B"]
+    assert (summary.loc[("A", "query-aware"), ["correct", "asked"]] == [2, 3]).all()
+    assert summary.loc[("A", "query-agnostic"), "correct"] == 0
+    assert summary.loc[("B", "query-aware"), ["correct_low", "correct_high"]].tolist() == pytest.approx(list(wilson(1, 3)))
+    assert summary.loc[("A", "query-aware"), "cache_length"] == pytest.approx(1025)
+    assert summary.loc[("A", "query-aware"), "coverage_of_oracle"] == pytest.approx((0.2 + 0.4 + 0.6) / 3 / 0.8)
+    assert summary.loc[("B", "query-aware"), "value_served"] == pytest.approx((0 + 0.2 + 0.4) / 3)
+
+
+def test_methods_figure_and_docs_block_from_the_table(tmp_path):
+    from snapkv_lab import docs_tables
+
+    methods_rows().to_csv(tmp_path / "pressure_methods.csv", index=False)
+    written = draw(tmp_path, tmp_path)
+    assert {p.name for p in written} >= {"pressure_methods.png", "pressure_methods.html"}
+    traces, _ = plotly_data(tmp_path / "pressure_methods.html")
+    assert sorted(round(x, 3) for trace in traces for x in trace["x"]) == [0.0, 0.333, 0.667]
+    block = docs_tables.rendered("methods", tmp_path)
+    assert "| A | 2/3 [" in block and "| 0/3 [" in block and "| B | 1/3 [" in block and "| - |" in block

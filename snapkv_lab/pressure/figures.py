@@ -20,7 +20,7 @@ from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ablation_table, retri
 from .grid import RULER_CAPACITY, RULER_LENGTH
 from .intervals import wilson
 from .runner import MODES
-from .tables import run_label
+from .tables import methods_table, run_label
 
 HEATMAP_COLOURS = "viridis"
 # Okabe-Ito: distinguishable with any colour vision.
@@ -91,6 +91,8 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
         written += ruler_figure(pd.read_csv(data_dir / "pressure_ruler.csv"), figures_dir / "pressure_ruler")
     if (data_dir / "pressure_lines.csv").exists():
         written += lines_figure(pd.read_csv(data_dir / "pressure_lines.csv"), figures_dir / "pressure_lines")
+    if (data_dir / "pressure_methods.csv").exists():
+        written += methods_figure(pd.read_csv(data_dir / "pressure_methods.csv"), figures_dir / "pressure_methods")
     return written
 
 
@@ -393,3 +395,45 @@ def draw_ablations(data_dir, figures_dir) -> list[Path]:
                                          value_served="needle-value attention served"),
                              title="Does coverage predict retrieval? (ablation runs)")
     return [bars, scatter, write_html(interactive, figures_dir / "pressure_coverage_retrieval.html")]
+
+
+def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
+    """The methods suite: needles found per method with 95% Wilson intervals, one panel per mode, the full cache as a
+    line with its interval as a band (PNG); the same with the coverage columns on hover (HTML)."""
+    from matplotlib.figure import Figure
+    import plotly.express as px
+
+    summary = methods_table(table)
+    full = summary[summary.policy == "FullCache"].iloc[0]
+    runs = summary[summary.policy != "FullCache"]
+    modes = [m for m in ("query-aware", "query-agnostic") if m in set(runs["mode"])]
+    policies = list(dict.fromkeys(runs.policy))
+    title = (f"The newer methods at {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens: needles found, {model_name(table)}, "
+             f"n = {int(runs.asked.max())} per point")
+    fig = Figure(figsize=(10, 0.32 * len(policies) + 1.8), layout="constrained")
+    axes = fig.subplots(1, len(modes), sharey=True, squeeze=False)[0]
+    for ax, mode in zip(axes, modes):
+        part = runs[runs["mode"] == mode].set_index("policy").reindex(policies)
+        share = part.correct / part.asked
+        y = np.arange(len(policies))[::-1]
+        ax.axvspan(full.correct_low, full.correct_high, color="0.9", zorder=0)
+        ax.axvline(full.correct / full.asked, color="0.5", lw=1, label=f"full cache ({int(full.correct)}/{int(full.asked)})")
+        ax.errorbar(share, y, xerr=[share - part.correct_low, part.correct_high - share], fmt="o", ms=4,
+                    color=LINE_COLOURS[0], ecolor="0.5", capsize=2, clip_on=False)
+        for yi, found, asked in zip(y, part.correct, part.asked):
+            if pd.isna(asked):  # a method not run in this mode
+                continue
+            ax.annotate(f"{int(found)}/{int(asked)}", (1.04, yi), xycoords=("axes fraction", "data"), fontsize=7, va="center")
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_xlabel(f"{FOUND_LABEL} ({mode}), 95% Wilson interval")
+        ax.set_yticks(list(y), policies, fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=9)
+    png = stem.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    shown = runs.assign(share=runs.correct / runs.asked)
+    dots = px.scatter(shown, x="share", y="policy", facet_col="mode", error_x=shown.correct_high - shown.share,
+                      error_x_minus=shown.share - shown.correct_low,
+                      hover_data=["correct", "asked", "cache_length", "coverage_of_oracle", "value_served"],
+                      category_orders={"policy": policies}, title=title, labels={"share": FOUND_LABEL})
+    return [png, write_html(dots, stem.with_suffix(".html"))]
