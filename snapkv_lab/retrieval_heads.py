@@ -30,7 +30,6 @@ from .capture import capture
 from .figures import FigureSet, register
 from .heads import copy_steps, layer_head_grid, retrieval_hits
 from .models import measured_cache_path
-from .pressure.tasks import needle_context
 from .progress import progress_bar
 
 LENGTHS = (1000, 2000)
@@ -44,6 +43,7 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
     over them, retrieval_score = hits / copy steps (NaN with no copy step). Needle prompts: every length x depth x
     sample (`pressure.needle_context`). found_only=False counts every prompt, found or not (not the official
     filter). cache: read and write <cache folder>/retrieval_heads/<model>-<settings hash>.csv."""
+    from .pressure.tasks import needle_context  # the pressure suites run HeadKV, which reads these scores: at call time
     settings = dict(model=str(getattr(model.config, "name_or_path", "")), lengths=list(lengths), depths=list(depths),
                     samples=samples, max_new_tokens=max_new_tokens, found_only=found_only)
     path = measured_cache_path("retrieval_heads", model, settings, "csv")

@@ -189,3 +189,30 @@ def test_sliding_layers_share_no_budget(monkeypatch):
     # first, the best score of all (0.45)
     full = [[int((k[0, h] >= 0).sum()) == N for h in range(2)] for k in duo.kept_indices]
     assert full == [[False, False], [True, False]]
+
+
+def test_redistributed_by_hand():
+    # b = 10 pooled whole over 4 heads (40): shares 0.7 / 0.1 / 0.1 / 0.1 ask 28 / 4 / 4 / 4; a prefix of 12 holds the
+    # first to 12 and its 16 spare go to the others by their (equal) shares: 9.33 each, 40 in integers: 12, 10, 9, 9.
+    shares = torch.tensor([[0.7, 0.1, 0.1, 0.1]], dtype=torch.float64)
+    capacities = headkv.head_capacities(shares, 10, 1.0)
+    assert capacities.tolist() == [[28, 4, 4, 4]]
+    sharing = torch.ones(1, 4, dtype=torch.bool)
+    assert headkv.redistributed(capacities, shares, 12, sharing).tolist() == [[12, 10, 9, 9]]
+    # shares of 0 get an equal split of what the scored heads cannot hold; a head outside the pool gets nothing
+    zeros = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    outside = torch.tensor([[True, True, True, False]])
+    assert headkv.redistributed(torch.tensor([[40, 0, 0, 0]]), zeros, 12, outside).tolist() == [[12, 12, 12, 0]]
+
+
+def test_redistribute_keeps_the_labelled_budget():
+    """The same scores as test_kv_bytes_stay_within_the_uniform_budget: the official slicing loses a head's share past
+    its prefix; redistribute=True hands it to the heads with room, and the cache holds the uniform budget."""
+    model = scored(make_tiny_llama(), [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
+    policy = C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), redistribute=True)
+    assert "redistribute=True" in policy.label and "redistribute" not in C.policies.policy_config(C.HeadKV())
+    run = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1)
+    held = [(k[0] >= 0).sum(-1) - WINDOW for k in run.kept_indices]  # prefix positions per KV head
+    assert int(sum(h.sum() for h in held)) == 4 * (CAPACITY - WINDOW)  # 4 KV heads x b, as SnapKV's uniform cache
+    assert max(int(h.max()) for h in held) == N - WINDOW  # the strongest head holds its whole prefix

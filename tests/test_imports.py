@@ -75,3 +75,32 @@ def test_the_package_has_no_import_circle():
     graph = imports(modules)
     assert "snapkv_lab.pressure.tables" in graph["snapkv_lab.pressure.figures"]  # the graph reads relative imports
     assert circles(graph) == []
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    """The static graph cannot see a package's __init__ running its submodules, nor the lazy registries: importing
+    pressure.tasks runs pressure/__init__ (its suites build HeadKV, whose module reads retrieval_heads), so a module
+    that imported HeadKV first once met a partially initialised module. Each module is imported first here, with
+    every snapkv_lab module dropped before it (torch and transformers stay loaded: one process is enough), then the
+    registry's policies, each first."""
+    import subprocess
+    import sys
+
+    script = f"""
+import importlib, sys
+names = {sorted(n for n in module_names() if not n.endswith('__main__'))!r}  # __main__ runs the CLI
+def fresh(step):
+    for loaded in [m for m in sys.modules if m == "snapkv_lab" or m.startswith("snapkv_lab.")]:
+        del sys.modules[loaded]
+    step()
+import torch, transformers
+for name in names:
+    fresh(lambda: importlib.import_module(name))
+import snapkv_lab.policies as registry
+for policy in registry.POLICY_NAMES:
+    fresh(lambda: getattr(importlib.import_module("snapkv_lab"), policy))
+print("imported", len(names), "modules")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "imported" in out.stdout

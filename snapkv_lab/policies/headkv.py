@@ -22,14 +22,14 @@ GQA reduction) and keeps the mean of their capacities, so the total is the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import retrieval_heads
 from ..hooks import attention_modules
 from ..models import sliding_layers
-from .base import Policy
+from .base import ADDED_LATER, Policy
 from .wrapper import Wrapper
 
 
@@ -66,15 +66,45 @@ def head_capacities(shares: torch.Tensor, prefix_budget: int, beta: float, heads
     return torch.round(shares * (pooled * heads) + (prefix_budget - pooled)).long()
 
 
+def redistributed(capacities: torch.Tensor, shares: torch.Tensor, room: int, sharing: torch.Tensor) -> torch.Tensor:
+    """(L, H) capacities with each head held to `room` positions (its prefix) and what the capped heads cannot use
+    handed to the heads with room left, in proportion to their shares (equally where those shares are all 0), until
+    none is over: water-filling. The total is min(capacities' total, room x heads sharing), exact in integers (largest
+    remainders, ties to the first head). sharing: (L, H) bool, the heads of the layers that share the pool."""
+    wanted = capacities.double().where(sharing, torch.zeros((), dtype=torch.double))
+    total = min(int(wanted.sum()), room * int(sharing.sum()))
+    held = wanted.clone()
+    full = torch.zeros_like(sharing)
+    while bool((held > room).any()):
+        over = held > room
+        excess = float((held[over] - room).sum())
+        held[over] = room
+        full |= over
+        free = sharing & ~full
+        if not bool(free.any()):
+            break
+        weights = shares.double().where(free, torch.zeros((), dtype=torch.double))
+        weights = weights if float(weights.sum()) > 0 else free.double()
+        held += excess * weights / weights.sum()
+    counts = held.floor()
+    order = (held - counts).flatten().argsort(descending=True, stable=True)
+    counts.view(-1)[order[:total - int(counts.sum())]] += 1
+    return counts.long()
+
+
 @dataclass
 class HeadKV(Wrapper):
     """Per-head prefix budgets from retrieval scores, shared across all layers, over `policy`'s ranking (SnapKV by
     default). beta: how much of each head's budget is pooled (b // beta of it; the official 1.005 pools almost all);
-    temperature: the exponent on the normalised scores (1: proportional). The scores are measured on the model at
-    the first prefill (`retrieval_heads`: needle prompts, so the first use of a model costs about ten captures)."""
+    temperature: the exponent on the normalised scores (1: proportional). redistribute: our variant (see the field).
+    The scores are measured on the model at the first prefill (`retrieval_heads`: needle prompts, so the first use of
+    a model costs about ten captures)."""
 
     beta: float = 1.005
     temperature: float = 1.0
+    # Our variant: what a head cannot use (its share beyond its prefix) goes to the heads with room, so the cache
+    # holds the budget it is labelled with (the official slicing wastes it): budget-matched comparisons.
+    redistribute: bool = field(default=False, metadata={ADDED_LATER: True})
 
     def __post_init__(self):
         super().__post_init__()
@@ -91,6 +121,7 @@ class HeadKV(Wrapper):
         scores = model_head_scores(model, tokenizer, self.label)
         compressed = ~scores.isnan().all(-1)  # layers whose heads share the pool (not sliding)
         self._pooled_heads = int(compressed.sum()) * scores.shape[1]
+        self._sharing = compressed[:, None].expand_as(scores)
         self._shares = head_shares(scores, self.temperature) if self._pooled_heads else torch.zeros_like(scores)
 
     def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
@@ -99,8 +130,13 @@ class HeadKV(Wrapper):
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
                                "heads' retrieval scores are unknown")
         uniform = Policy.head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers)  # b per row, whatever the inner
-        capacities = head_capacities(shares, uniform[0], self.beta, self._pooled_heads)[layer]  # (query heads,)
+        prefix = self.prefix_len(n_tokens, layer, n_layers)
+        capacities = head_capacities(shares, uniform[0], self.beta, self._pooled_heads)  # (layers, query heads)
+        if self.redistribute:  # among the rows the cache holds (KV heads: their query heads' mean), exactly
+            grouped = lambda t: t.view(t.shape[0], len(uniform), -1)
+            capacities = redistributed(grouped(capacities).double().mean(-1), grouped(shares).mean(-1), prefix,
+                                       grouped(self._sharing).all(-1))
+        capacities = capacities[layer]
         if len(uniform) != capacities.numel():  # one row per KV head: the mean of its query heads'
             capacities = torch.round(capacities.view(len(uniform), -1).double().mean(-1)).long()
-        prefix = self.prefix_len(n_tokens, layer, n_layers)
         return capacities.clamp(max=prefix).tolist()
