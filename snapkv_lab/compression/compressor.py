@@ -434,7 +434,7 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     attention_mask=mask)) is compressed row by row as each row's batch-1 run (see the module doc); padding elsewhere,
     assisted and prompt-lookup decoding are refused. Any attribute patched for the per-query-head layout is restored on exit.
     Policies that compress only after the whole prefill (`compresses_after_prefill`: KVzip and Surprisal score from
-    the whole prompt, CAKE's layer budgets need every layer's scores) cannot run inside one forward: use `generate`.
+    the whole prompt, LookaheadQCache from an answer drafted after it, CAKE's layer budgets need every layer's scores) cannot run inside one forward: use `generate`.
 
     prefill_chunk=N: compress as you go. The prompt is fed in chunks of at most N tokens
     (`model.generate(..., prefill_chunk_size=N)`, or `snapkv_lab.generate(..., prefill_chunk=N)`), and after each
@@ -445,7 +445,7 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     that depend on the prompt's length (PyramidKV) are computed from the slots held plus the chunk. Later tokens
     see only what earlier chunks kept, so their keys differ from an unchunked prefill's: the two agree exactly when
     one chunk covers the prompt. Refused: capacity ratios (the prompt's length is unknown here), extra scoring
-    passes over the whole prompt (KVzip, Surprisal), per_query_head, and head-wise budgets (AdaKV, at the first
+    passes over the whole prompt (KVzip, Surprisal, LookaheadQCache), per_query_head, and head-wise budgets (AdaKV, at the first
     compression). A call of one token ends the chunks (model.generate's first decode step).
 
     tokenizer: needed only by a policy calibrated on the model (QFilters) whose calibration is not cached yet.
