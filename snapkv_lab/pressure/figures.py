@@ -409,15 +409,16 @@ def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     modes = [m for m in ("query-aware", "query-agnostic") if m in set(runs["mode"])]
     policies = list(dict.fromkeys(runs.policy))
     title = (f"The newer methods at {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens: needles found, {model_name(table)}, "
-             f"n = {int(runs.asked.max())} per point")
-    fig = Figure(figsize=(10, 0.32 * len(policies) + 1.8), layout="constrained")
+             f"n = {int(runs.asked.max())} per point\n(95% Wilson intervals; grey line and band: the full cache, "
+             f"{int(full.correct)}/{int(full.asked)}, and its interval)")
+    fig = Figure(figsize=(11, 0.32 * len(policies) + 2.0), layout="constrained")
     axes = fig.subplots(1, len(modes), sharey=True, squeeze=False)[0]
     for ax, mode in zip(axes, modes):
         part = runs[runs["mode"] == mode].set_index("policy").reindex(policies)
         share = part.correct / part.asked
         y = np.arange(len(policies))[::-1]
         ax.axvspan(full.correct_low, full.correct_high, color="0.9", zorder=0)
-        ax.axvline(full.correct / full.asked, color="0.5", lw=1, label=f"full cache ({int(full.correct)}/{int(full.asked)})")
+        ax.axvline(full.correct / full.asked, color="0.5", lw=1)
         ax.errorbar(share, y, xerr=[share - part.correct_low, part.correct_high - share], fmt="o", ms=4,
                     color=LINE_COLOURS[0], ecolor="0.5", capsize=2, clip_on=False)
         for yi, found, asked in zip(y, part.correct, part.asked):
@@ -425,9 +426,8 @@ def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
                 continue
             ax.annotate(f"{int(found)}/{int(asked)}", (1.04, yi), xycoords=("axes fraction", "data"), fontsize=7, va="center")
         ax.set_xlim(-0.05, 1.05)
-        ax.set_xlabel(f"{FOUND_LABEL} ({mode}), 95% Wilson interval")
+        ax.set_xlabel(f"{FOUND_LABEL}, {mode}", fontsize=9)
         ax.set_yticks(list(y), policies, fontsize=8)
-        ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(title, fontsize=9)
     png = stem.with_suffix(".png")
     fig.savefig(png, dpi=110)

@@ -14,7 +14,7 @@ def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     p = successes / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return centre - half, centre + half
+    return max(0.0, centre - half), min(1.0, centre + half)  # the bounds lie in [0, 1]; rounding can step past
 
 
 def accuracy_intervals(table: pd.DataFrame, by=("policy", "mode")) -> pd.DataFrame:
