@@ -55,6 +55,8 @@ LEADERBOARD_GROUPS = (
     ("SnapKV", "SnapKVNoPooling", "SnapKVFactKernel", "H2O", "StreamingLLM", "RandomKeep", "TOVA", "KNorm", "PyramidKV",
      "AdaKV", "ChunkKV", "CriticalKV", "ExpectedAttention", "KVzip", "Surprisal", "DecodingEviction"),
     ("KeyDiff", "LagKV", "QFilters"),
+    ("HeadKV", "DuoAttention", "CAKE"),
+    ("RKV", "LookaheadQCache"),
 )
 
 
