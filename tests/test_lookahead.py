@@ -149,3 +149,23 @@ def test_compress_refuses_it():
     with pytest.raises(NotImplementedError, match="after the prefill"):
         with C.compress(model, C.LookaheadQCache(capacity=48)):
             pass
+
+
+@pytest.mark.parametrize("family", ["gemma3-sliding", "gemma2-softcap"])
+def test_sliding_layers_and_soft_caps(byte_tokenizer, family):
+    """Gemma 3's sliding layers keep their own bounded caches through the draft and after it (only the full layer votes
+    and is compressed); Gemma 2's soft-capped logits go through the votes (the layer's own softmax settings)."""
+    from families import FAMILIES, sliding_layers
+
+    model = FAMILIES[family]()
+    ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(9))
+    policy = C.LookaheadQCache(capacity=40, lookahead_window=8, lookahead_size=4)
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=3)
+    full = C.generate(model, byte_tokenizer, ids, max_new_tokens=1)
+    sliding = sliding_layers(model.config)
+    for layer, kept in enumerate(result.kept_indices):
+        if layer in sliding:  # left as the full run leaves it: the model's own window
+            assert torch.equal(kept, full.kept_indices[layer])
+        else:
+            assert kept.shape[-1] == 40 and bool((kept[0].diff(dim=-1) > 0).all())
+    assert len(sliding) < len(result.kept_indices)
