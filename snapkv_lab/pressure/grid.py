@@ -33,8 +33,9 @@ QUESTION_FREE_POLICIES = (KVzip(), AdaKV(policy=KVzip()), KVzip(pooling="max", k
                           KVzip(pooling="max", kernel_size=31), SnapKVFactKernel())
 HAYSTACK_POLICIES = (SnapKV(), SnapKVFactKernel(), Surprisal())
 # The methods the field compares next (head and layer budgets, attention-free scorers, decoding-time eviction, drafted
-# voters), their authors' defaults, beside SnapKV.
-METHOD_POLICIES = (SnapKV(), HeadKV(), DuoAttention(), CAKE(), RKV(), KeyDiff(), QFilters(), LagKV(), LookaheadQCache())
+# voters), their authors' defaults, beside SnapKV; and two named variants: HeadKV holding its labelled budget, LAQ++.
+METHOD_POLICIES = (SnapKV(), HeadKV(), DuoAttention(), CAKE(), RKV(), KeyDiff(), QFilters(), LagKV(), LookaheadQCache(),
+                   HeadKV(redistribute=True), LookaheadQCache(window_size=8))
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
