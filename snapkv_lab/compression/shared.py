@@ -10,7 +10,9 @@ one `compress` builds layer by layer (tested). Policies with extra scoring passe
 those passes, over a fork of the full cache, once per prefill for all budgets and selection settings.
 Where a policy reads the decoder's final hidden states (Surprisal), the prefill's forward keeps them
 (hooks.capture_final_hidden) on its cache as `cache.final_hidden` (batch, n, hidden_size), the chunks' (context,
-then question) one after the other: no second forward. Other prefills keep none.
+then question) one after the other: no second forward. Other prefills keep none. A policy that votes after the
+prefill with the prompt's last queries (LookaheadQCache) finds them on the cache as `cache.voter_queries`, kept by
+the recorder, which holds the last `voters` queries of every full-attention layer for every policy it is given.
 """
 
 from __future__ import annotations

@@ -154,9 +154,10 @@ class Policy:
 
     @property
     def voters(self) -> int:
-        """How many of the last queries `score` votes with (SnapKV: its observation window; TOVA: the last one); 0 when it
-        reads none of them, or all of a chunk's (accumulated attention). A prompt chunk shorter than this is
-        scored with the previous chunks' last queries in front (compression.recorder)."""
+        """How many of the last queries `score` votes with (SnapKV: its observation window; TOVA: the last one), or
+        `prompt_scores` reads after the prefill (LookaheadQCache's draft window); 0 when it reads none of them, or all of a
+        chunk's (accumulated attention). A prompt chunk shorter than this is scored with the previous chunks' last
+        queries in front (compression.recorder)."""
         return 0
 
     def _settings(self) -> str:
