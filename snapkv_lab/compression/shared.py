@@ -117,7 +117,6 @@ class SharedPrefill:
         n, n_layers = self.n_tokens, self.model.config.num_hidden_layers
         if self.pads is not None:
             return self._padded_state(policy)
-        held = {i: held_positions(layer, n) for i, layer in enumerate(self.cache.layers)}
         timer = SectionTimer(self.model.device)
         if policy.budget(n) is not None:
             # A model whose attention bypasses the registry records nothing: the state would be the full cache.
@@ -128,11 +127,9 @@ class SharedPrefill:
                 scores = self._after_prefill_scores(policy) if policy.scores_after_prefill else self.recorder.scores[policy.scorer_label]
             kept = {} if policy.budget(n) is None else \
                 kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers)
-            cache = compressed_copy(self.cache, kept)
-            held.update(kept)
-            seeds = {layer: prefill_seeds(list(scores[layer]), held[layer]) for layer in scores} if seeded(policy) else {}
-        state = CompressionState(policy, cache, n_layers, kept_indices=held, timer=timer, seeds=seeds)
-        state.sliding_layers = sorted(self.recorder.sliding_layers) if kept else []
+            state = compressed_state(policy, self.cache, kept, n, n_layers, self.recorder.sliding_layers, timer)
+            if seeded(policy):
+                state.seeds = {layer: prefill_seeds(list(scores[layer]), state.kept_indices[layer]) for layer in scores}
         return state
 
     def _padded_state(self, policy: Policy) -> CompressionState:
@@ -164,3 +161,15 @@ class SharedPrefill:
         state = CompressionState(policy, cache, n_layers, kept_indices=held, timer=timer, seeds=seeds, pads=pads)
         state.sliding_layers = sorted(self.recorder.sliding_layers) if rows else []
         return state
+
+
+def compressed_state(policy: Policy, cache: DynamicCache, kept: dict, n: int, n_layers: int, sliding, timer=None
+                     ) -> CompressionState:
+    """The compressor's state over a compressed copy of the full `cache` of an n-token prompt: the layers in `kept`
+    ({layer: (batch, rows, k)}) hold those positions, the others all they hold (`sliding`: the sliding-window layers,
+    left their own bounded cache)."""
+    held = {i: held_positions(layer, n) for i, layer in enumerate(cache.layers)}
+    held.update(kept)
+    state = CompressionState(policy, compressed_copy(cache, kept), n_layers, kept_indices=held, timer=timer)
+    state.sliding_layers = sorted(sliding) if kept else []
+    return state

@@ -43,7 +43,7 @@ import torch
 from ..hooks import intercept_attention
 from ..inputs import eos_ids
 from ..selection import window_votes
-from .base import Policy
+from .base import AttentionCall, Policy
 from .snapkv import SnapKV
 
 MASKS = ("causal", "official")
@@ -130,13 +130,14 @@ class LookaheadQCache(Policy):
 
     def _row_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
         """prompt_scores for one row: ids (1, n), its batch-1 cache."""
-        n = ids.shape[1]
-        draft_votes = {layer: window_votes(query[0, :, -self.lookahead_window:], cache.layers[layer].keys[0],
-                                           settings.scaling, slots[-self.lookahead_window:], n, **settings.options())[None]
-                       / self.lookahead_window for layer, (query, slots, settings) in cache.voter_queries.items()}
+        n, n_layers, draft = ids.shape[1], model.config.num_hidden_layers, self.draft()
+        draft_votes = {layer: draft.score(AttentionCall(query[0], cache.layers[layer].keys[0], cache.layers[layer].values[0],
+                                                        slots, settings, None, layer, n_layers))[None]
+                       for layer, (query, slots, settings) in cache.voter_queries.items()}
         # A row that fits its budget (in a padded batch) keeps everything whatever its scores; a first token that
         # ends the answer drafts nothing, and the answer is empty whatever is kept: the draft's votes stand.
-        lookahead = {} if self.budget(n) is None else self.lookahead_queries(model, tokenizer, n, cache, draft_votes)
+        lookahead = {} if self.budget(n) is None else self.lookahead_queries(model, tokenizer, n, cache, draft,
+                                                                             draft_votes)
         if not lookahead:
             return draft_votes
         scores = {}
@@ -152,21 +153,18 @@ class LookaheadQCache(Policy):
             scores[layer] = (votes / voters.shape[1])[None]
         return scores
 
-    def lookahead_queries(self, model, tokenizer, n: int, cache, draft_votes: dict) -> dict[int, torch.Tensor]:
+    def lookahead_queries(self, model, tokenizer, n: int, cache, draft: SnapKV, draft_votes: dict) -> dict[int, torch.Tensor]:
         """{layer: (heads, k, head_dim)} post-RoPE queries of the k <= lookahead_size drafted tokens, fed greedily over
         the draft cache at positions n, n + 1, ...; empty when the first token is an EOS. The draft cache: the full
-        `cache` of one n-token row, compressed by the draft SnapKV's votes ({layer: (1, heads, n)})."""
-        from ..compression.compressor import CompressionState, applied
+        `cache` of one n-token row, compressed by `draft` (this policy's `draft()`) from its votes ({layer: (1, heads, n)})."""
+        from ..compression.compressor import applied
         from ..compression.generation import greedy_decode
-        from ..compression.layers import compressed_copy, held_positions
         from ..compression.recorder import kept_from_scores
+        from ..compression.shared import compressed_state
 
-        draft, n_layers = self.draft(), model.config.num_hidden_layers
+        n_layers = model.config.num_hidden_layers
         kept = kept_from_scores(draft, draft_votes, n, cache.layers[min(draft_votes)].keys.shape[1], n_layers)
-        held = {i: held_positions(layer, n) for i, layer in enumerate(cache.layers)}
-        held.update(kept)
-        state = CompressionState(draft, compressed_copy(cache, kept), n_layers, kept_indices=held)
-        state.sliding_layers = sorted(set(range(len(cache.layers))) - set(draft_votes))
+        state = compressed_state(draft, cache, kept, n, n_layers, set(range(len(cache.layers))) - set(draft_votes))
         drafted = {layer: [] for layer in draft_votes}
 
         def record(module, query, key, value, attention_mask, **kwargs):
