@@ -5,7 +5,8 @@
     python benchmarks/bench_end_to_end.py --model gemma-3-270m --lengths 8192 --batches 4
     python benchmarks/bench_end_to_end.py --shape llama3-8b --device cuda --dtype bf16 --lengths 32768   # a GPU
 
-One run per (length, batch, policy), each in a fresh process (a CPU's peak RSS cannot be reset): `generate` on
+One run per (length, batch, policy), on CPU each in a fresh process (a CPU's peak RSS cannot be reset; on a GPU torch's
+peak counter is reset per row, so the rows share one process and one model build): `generate` on
 `--batches` prompts of `--lengths` tokens each (different stretches of the essays), the full cache and every policy
 at --ratio of the prompt, greedy, EOS ignored so that every run decodes --new-tokens tokens. Columns: prefill_s the
 compressed prefill (scoring and any extra scoring pass included), scoring_s its scoring, selecting and gathering
@@ -20,6 +21,7 @@ Other processes on the machine inflate the times, not the memory.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -55,9 +57,11 @@ def prompts(subject, length: int, batch: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def child(args, length: int, batch: int, name: str) -> dict:
+def child(args, length: int, batch: int, name: str, subject=None) -> dict:
+    """One measured row; `subject` a model already loaded (CUDA), else this process loads its own."""
     device = torch.device(args.device)
-    subject = load_subject(args)
+    if subject is None:
+        subject = load_subject(args)
     ids = prompts(subject, length, batch).to(device)
     subject.model(ids[:1, :8])  # touch every weight page first (loading may only map the file)
     policy = policy_of(name, args.ratio)
@@ -90,6 +94,18 @@ def measure(args, length: int, batch: int, name: str) -> dict:
     print(done.stderr[-3000:], file=sys.stderr)
     return dict(tokens=length, batch=batch, policy=name, status=f"crashed (exit {done.returncode})",
                 load_1min=os.getloadavg()[0])
+
+
+def in_process(args, length: int, batch: int, name: str, subject) -> dict:
+    """One row in this process (CUDA): the memory of the rows before is released first, and a policy that fails
+    is a row with its error, as a crashed child process is."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        return child(args, length, batch, name, subject)
+    except Exception as err:  # noqa: BLE001 - the other rows still run
+        return dict(tokens=length, batch=batch, policy=name, status=f"failed: {type(err).__name__}: {err}"[:300],
+                    load_1min=os.getloadavg()[0])
 
 
 def relative(table: pd.DataFrame) -> pd.DataFrame:
@@ -128,8 +144,10 @@ def main() -> None:
     seen = {tuple(row) for row in done[list(KEY)].itertuples(index=False)}
     todo = [(n, b, p) for n in args.lengths for b in args.batches for p in names if (n, b, p) not in seen]
     RESULTS.mkdir(exist_ok=True)
+    subject = load_subject(args) if todo and torch.device(args.device).type == "cuda" else None
     for length, batch, name in tqdm(todo, desc="runs"):
-        done = pd.concat([done, pd.DataFrame([measure(args, length, batch, name)])], ignore_index=True)
+        row = in_process(args, length, batch, name, subject) if subject else measure(args, length, batch, name)
+        done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
         done.to_csv(path, index=False)  # after every row: a stopped run resumes here
     table = relative(done.copy())
     columns = ["tokens", "batch", "policy", "prefill_s", "scoring_s", "decode_ms", "kv_mib", "peak_mb", "extra_mb",
