@@ -103,6 +103,26 @@ def _kvpress_timing_summary(data_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _end_to_end_gpu(data_dir: Path) -> str:
+    """bench_end_to_end.py on the random 8B shape (bf16, CUDA): per batch and policy, prefill, scoring, decode and
+    peak memory, the prefill and decode also over the full cache's."""
+    import pandas as pd
+
+    table = pd.read_csv(data_dir / RESULTS / "end_to_end_llama3-8b_bf16_sdpa_cuda.csv")
+    lines = ["| tokens | batch | policy | prefill s (x full) | scoring s | decode ms/token (x full) | KV MiB | "
+             "peak GPU GiB | status |", "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for (tokens, batch), part in table.groupby(["tokens", "batch"], sort=True):
+        full = part[part.policy == "FullCache"].iloc[0]
+        for row in part.itertuples():
+            if row.status != "ok":
+                lines.append(f"| {tokens} | {batch} | {row.policy} | | | | | | {row.status} |")
+                continue
+            lines.append(f"| {tokens} | {batch} | {row.policy} | {row.prefill_s:.2f} ({row.prefill_s / full.prefill_s:.2f}) "
+                         f"| {row.scoring_s:.2f} | {row.decode_ms:.1f} ({row.decode_ms / full.decode_ms:.2f}) | "
+                         f"{row.kv_mib:.0f} | {row.peak_mb / 1024:.1f} | ok |")
+    return "\n".join(lines)
+
+
 def _head_types(data_dir: Path, model: str = "") -> str:
     """Finding (b) on retrieval heads and the others, per split: value [95% interval] per metric and sinks rule, from
     the model's folder of data_dir ("" for the default model)."""
@@ -158,6 +178,8 @@ BLOCKS = {
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),
                               functools.partial(_head_types, model="gemma-3-270m")),
     "kvpress-timing": Block("performance.md", (f"{RESULTS}/kvpress_timing.csv",), _kvpress_timing),
+    "end-to-end-gpu": Block("performance.md", (f"{RESULTS}/end_to_end_llama3-8b_bf16_sdpa_cuda.csv",),
+                            _end_to_end_gpu),
     "kvpress-timing-summary": Block("../README.md", (f"{RESULTS}/kvpress_timing.csv",), _kvpress_timing_summary),
 }
 

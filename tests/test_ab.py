@@ -278,3 +278,17 @@ def test_extra_scoring_pass_is_shared_by_budgets_and_selection_settings(byte_tok
     assert all(torch.equal(a, b) for a, b in zip(fresh.state(policies[2]).kept_indices.values(),
                                                  states[2].kept_indices.values()))
     assert not torch.equal(states[1].kept_indices[0], states[2].kept_indices[0])  # pooling changed the selection
+
+
+def test_a_shared_prefill_holds_only_the_last_queries_it_votes_with(byte_tokenizer):
+    """The recorder keeps each layer's last `voters` queries for the policies that vote after the prefill; a view
+    of the prompt's query tensor would keep all n of them alive in every layer (found on a GPU: CAKE and
+    LookaheadQCache peaked 8 GB above the full cache at 32k tokens of an 8B shape)."""
+    model = make_tiny_llama()
+    ids = torch.randint(3, 200, (1, 96), generator=torch.Generator().manual_seed(0))
+    shared = sl.compression.shared.SharedPrefill.run(model, byte_tokenizer, ids, [sl.CAKE(capacity=48)])
+    assert shared.recorder.recent, "CAKE votes with the prompt's last queries: the recorder should keep them"
+    for query, slots in shared.recorder.recent.values():
+        assert query.shape[2] == shared.recorder.voters == 32
+        assert query.untyped_storage().nbytes() == query.nbytes
+        assert slots.untyped_storage().nbytes() == slots.nbytes

@@ -72,8 +72,8 @@ class ScoreRecorder:
             earlier, earlier_slots = self.recent[layer]
             query, slots = torch.cat([earlier, query], 2)[:, :, -self.voters:], torch.cat([earlier_slots, slots])[-self.voters:]
             spanning = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
-        if self.voters:
-            self.recent[layer] = (query[:, :, -self.voters:], slots[-self.voters:])
+        if self.voters:  # copies: a slice would keep the whole prompt's queries of every layer alive (8 GB at 32k, 8B)
+            self.recent[layer] = (query[:, :, -self.voters:].clone(), slots[-self.voters:].clone())
         for label, policy in self.policies.items():
             calls = spanning if policy.voters else new_calls
             scored = [policy.score(dataclasses.replace(call, carry=self.carry.setdefault((label, layer, b), {})))
