@@ -60,7 +60,7 @@ def compare(reference, other) -> dict:
         above += int((a > THETA).sum())
     out.update(max_dp=max_dp, probabilities_above_theta=above, crossing_theta=crossings)
     n = reference.n_generated // 4
-    tables = [generation_consistency(t, obs_window=32, gen_window=n, n_gen_windows=4) for t in (reference, other)]
+    tables = [generation_consistency(t, obs_window=32, gen_segment=n, n_gen_segments=4) for t in (reference, other)]
     changed = ~((tables[0]["value"] == tables[1]["value"]) | (tables[0]["value"].isna() & tables[1]["value"].isna()))
     out.update(b_rows=len(tables[0]), b_values_changed=int(changed.sum()),
                b_max_value_change=float((tables[0]["value"] - tables[1]["value"]).abs().max()),

@@ -45,7 +45,7 @@ def figures(args) -> int:
               f"repository's data/ has them: run from its root, or pass --data-dir; --recompute makes them)",
               file=sys.stderr)
         return 2
-    # The remaining options go to every figure set's recompute (model, samples, window sizes, split).
+    # The remaining options go to every figure set's recompute (model, samples, observation window and segment sizes, split).
     options = {k: v for k, v in vars(args).items() if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
     try:
         written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
@@ -216,9 +216,12 @@ def _figures_arguments(p) -> None:
                    help="eval leaderboard: take the examples the existing eval_ruler.csv answers whole as done (a fresh "
                         "clone then runs only the examples --samples adds)")
     p.add_argument("--obs-window", type=_positive_int, default=None, help="observation window in tokens (default 32)")
-    p.add_argument("--prompt-window", type=_positive_int, default=None, help="prompt-window size for experiment (a) (default 128)")
-    p.add_argument("--gen-window", type=_positive_int, default=None,
-                   help="generation-window size for experiment (b), 4 windows (default 64; the paper's is 128)")
+    p.add_argument("--prompt-segment", "--prompt-window", type=_positive_int, default=None,
+                   help="tokens per prompt segment in experiment (a), 20 segments (default 128; --prompt-window: "
+                        "its name before 2026-11-26)")
+    p.add_argument("--gen-segment", "--gen-window", type=_positive_int, default=None,
+                   help="generated tokens per segment in experiment (b), 4 segments (default 64; the paper's is 128; "
+                        "--gen-window: its name before 2026-11-26)")
     p.add_argument("--split", choices=["dev", "heldout", "both"], default=None,
                    help="prompt split(s) of data/prompt_recipes.json for the findings (default both, reported apart)")
     _executor_arguments(p)

@@ -129,9 +129,10 @@ def _head_types(data_dir: Path, model: str = "") -> str:
     import pandas as pd
 
     from .head_types import findings_by_head_type
+    from .legacy import read_table
 
     data_dir = data_dir / model
-    table = findings_by_head_type(pd.read_csv(data_dir / "findings_b.csv"), pd.read_csv(data_dir / "retrieval_heads.csv"))
+    table = findings_by_head_type(read_table(data_dir / "findings_b.csv"), pd.read_csv(data_dir / "retrieval_heads.csv"))
     heads = table.dropna(subset=["n_heads"]).drop_duplicates("head_type").set_index("head_type").n_heads
     lines = [f"Retrieval heads (score > 0.1): {heads.get('retrieval', 0):.0f} of {heads.sum():.0f}; value [95% interval "
              "over prompts], chance in parentheses:", "",

@@ -1,13 +1,14 @@
 """The paper's four observation experiments, each a function from captured traces to a tidy table, run as cells
 over both prompt splits, and the "findings" figure set (`snapkv-lab figures`).
 
-(a) prompt_windows:         the last `n_windows` prompt windows, each voting on a common prefix, vs the
-                            attention of all generated tokens; x = window (-1 is the observation window).
-(b) generation_consistency: the observation window's selection vs each of `n_gen_windows` windows of
+(a) prompt_segments:        the last `n_prompt_segments` prompt segments, each voting on a common prefix, vs
+                            the attention of all generated tokens; x = segment (-1, the last, is the
+                            observation window).
+(b) generation_consistency: the observation window's selection vs each of `n_gen_segments` segments of
                             generated tokens; observation windows of several sizes, and two selections:
                             "paper" (top-p per query head, no pooling, as the paper's observation code) and
                             "compressor" (what `SnapKV` keeps: max pooling, kernel 7, one set per KV head).
-(c) question_placement:     (b) with one window of all generated tokens, question before vs after the document.
+(c) question_placement:     (b) with one segment of all generated tokens, question before vs after the document.
 (d) question_dependence:    selections over the document made by (question + its answer), H(M_A, M_B)
                             between the selections of different questions, and the same overlap between
                             alternate rows of one question (a control: how stable a selection is at all).
@@ -35,6 +36,7 @@ from .capture import capture
 from .framing import resolve_framing
 from .figures import FigureSet, register
 from .inputs import check_context_length
+from .legacy import upgrade_options
 from .metrics import (MIN_SUPPORT, PARTS, THETA, SinkRule, metric_rows, selection_overlap, selection_vs_generation,
                       to_mask)
 from .models import load_tokenizer, model_source, sliding_layers
@@ -50,11 +52,11 @@ OBS_WINDOWS = (16, 32, 64, 128)
 SELECTIONS = {"paper": dict(pooling=None, per_kv_head=False),
               "compressor": dict(pooling=SnapKV.pooling, kernel_size=SnapKV.kernel_size, per_kv_head=True)}
 DEFAULTS = dict(splits=SPLITS, samples=8, placement_documents=6, dependence_documents=4, questions=3,
-                obs_window=32, obs_windows=OBS_WINDOWS, prompt_window=128, n_windows=20, gen_window=64,
-                n_gen_windows=4, qa_new_tokens=48, modes=("generated",), p=TOP_P, framing=None)
+                obs_window=32, obs_windows=OBS_WINDOWS, prompt_segment=128, n_prompt_segments=20, gen_segment=64,
+                n_gen_segments=4, qa_new_tokens=48, modes=("generated",), p=TOP_P, framing=None)
 
 
-ORDER = ["layer", "head", "window", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks", *PARTS,
+ORDER = ["layer", "head", "segment", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks", *PARTS,
          "n_heads", "value", "chance"]
 
 
@@ -70,32 +72,33 @@ def _require(prompt_len: int, needed: int, what: str) -> None:
 
 def _generated_attention(trace, layer: int, sink_rule: SinkRule) -> tuple[torch.Tensor, torch.Tensor]:
     """(heads, generated, prompt) attention of every generated row over the prompt, and the prompt's sinks
-    (heads, prompt) from those rows: one set per prompt, whatever window is scored later."""
+    (heads, prompt) from those rows: one set per prompt, whatever segment is scored later."""
     attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt)
     return attn, sink_rule.mask(attn)
 
 
-def prompt_windows(trace, *, window=128, n_windows=20, p=TOP_P, sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
-    """(a) Each of the last `n_windows` prompt windows votes on the common prefix before the earliest one."""
-    _require(trace.prompt_len, window * n_windows + 1, "prompt_windows")
+def prompt_segments(trace, *, segment=128, n_prompt_segments=20, p=TOP_P, sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
+    """(a) Each of the last `n_prompt_segments` segments of `segment` prompt tokens votes on the common prefix
+    before the earliest one; in column `segment`, -1 is the last (the observation window), -2 the one before."""
+    _require(trace.prompt_len, segment * n_prompt_segments + 1, "prompt_segments")
     rows = [row for layer in trace.layers
-            for row in _window_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), window, n_windows, p)]
-    return _window_table(rows, sample)
+            for row in _segment_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), segment, n_prompt_segments, p)]
+    return _segment_table(rows, sample)
 
 
-def _window_rows(trace, layer, attn, sinks, window, n_windows, p) -> list[dict]:
+def _segment_rows(trace, layer, attn, sinks, segment, n_prompt_segments, p) -> list[dict]:
     """(a) in one layer, from its generated rows' attention and sinks (`_generated_attention`)."""
-    prefix_len = trace.prompt_len - window * n_windows
+    prefix_len = trace.prompt_len - segment * n_prompt_segments
     selections = {}
-    for j in range(1, n_windows + 1):
-        start = trace.prompt_len - window * j
-        selections[-j] = to_mask(select_from_trace(trace, layer, slice(start, start + window), p, prefix_len=prefix_len), prefix_len)
+    for j in range(1, n_prompt_segments + 1):
+        start = trace.prompt_len - segment * j
+        selections[-j] = to_mask(select_from_trace(trace, layer, slice(start, start + segment), p, prefix_len=prefix_len), prefix_len)
     return selection_vs_generation(attn[..., :prefix_len], selections, sinks=sinks[:, :prefix_len], layer=layer)
 
 
-def _window_table(rows: list[dict], sample) -> pd.DataFrame:
-    # Each prompt window is a selection here, scored against all generated rows.
-    return _tidy(pd.DataFrame(rows).drop(columns=["window"]).rename(columns={"selection": "window"}).assign(sample=sample))
+def _segment_table(rows: list[dict], sample) -> pd.DataFrame:
+    # Each prompt segment is a selection here, scored against all generated rows (one segment of them).
+    return _tidy(pd.DataFrame(rows).drop(columns=["segment"]).rename(columns={"selection": "segment"}).assign(sample=sample))
 
 
 def select_mask(votes: torch.Tensor, p: float, selection: str, n_kv_heads: int) -> torch.Tensor:
@@ -110,20 +113,21 @@ def select_mask(votes: torch.Tensor, p: float, selection: str, n_kv_heads: int) 
     return mask.repeat_interleave(votes.shape[0] // mask.shape[0], dim=0)
 
 
-def generation_consistency(trace, *, obs_window=32, gen_window=128, n_gen_windows=4, p=TOP_P, selection="paper",
+def generation_consistency(trace, *, obs_window=32, gen_segment=128, n_gen_segments=4, p=TOP_P, selection="paper",
                            sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
-    """(b) The observation window's top-p selection vs each window of `gen_window` generated tokens.
+    """(b) The observation window's top-p selection vs each segment of `gen_segment` generated tokens (column
+    `segment`: 1 the first).
 
     obs_window and selection may be lists (several sizes, several of SELECTIONS): every combination is scored
     against the same generated rows and the same sinks; the table says which in `obs_window` and `selection`.
-    Each window votes on the positions before it (prefix = prompt - obs_window). "coarse" rows (a property
-    of the window's attention, not of a selection) repeat for each selection.
+    Each observation window votes on the positions before it (prefix = prompt - obs_window). "coarse" rows (a
+    property of the voters' attention, not of a selection) repeat for each selection.
     """
     obs_windows, selections = _as_list(obs_window), _as_list(selection)
     _require(trace.prompt_len, max(obs_windows) + 1, "generation_consistency")
     rows = [row for layer in trace.layers
             for row in _consistency_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), obs_windows,
-                                         selections, gen_window, n_gen_windows, p)]
+                                         selections, gen_segment, n_gen_segments, p)]
     return _tidy(pd.DataFrame(rows).assign(sample=sample))
 
 
@@ -131,10 +135,10 @@ def _as_list(value) -> list:
     return [value] if isinstance(value, (int, str)) else list(value)
 
 
-def _consistency_rows(trace, layer, attn, sinks, obs_windows, selections, gen_window, n_gen_windows, p) -> list[dict]:
+def _consistency_rows(trace, layer, attn, sinks, obs_windows, selections, gen_segment, n_gen_segments, p) -> list[dict]:
     """(b) in one layer, from its generated rows' attention and sinks (`_generated_attention`)."""
-    windows = {i + 1: slice(i * gen_window, min((i + 1) * gen_window, trace.n_generated))
-               for i in range(n_gen_windows) if i * gen_window < trace.n_generated}  # rows of the generated block
+    segments = {i + 1: slice(i * gen_segment, min((i + 1) * gen_segment, trace.n_generated))
+                for i in range(n_gen_segments) if i * gen_segment < trace.n_generated}  # rows of the generated block
     rows = []
     for size in obs_windows:
         prefix_len = trace.prompt_len - size
@@ -143,14 +147,14 @@ def _consistency_rows(trace, layer, attn, sinks, obs_windows, selections, gen_wi
         observed = trace.attention(layer, queries=observation, keys=slice(0, prefix_len))
         chosen = {name: select_mask(votes, p, name, trace.n_kv_heads) for name in selections}
         rows += selection_vs_generation(attn[..., :prefix_len], chosen, sinks=sinks[:, :prefix_len], observed=observed,
-                                        windows=windows, layer=layer, obs_window=size)
+                                        segments=segments, layer=layer, obs_window=size)
     return rows
 
 
 def question_placement(traces: dict, *, obs_window=32, p=TOP_P, sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
     """(c) {"front": trace, "back": trace} of one question and document -> the observation window's selection
     against all generated tokens, per placement."""
-    tables = [generation_consistency(trace, obs_window=obs_window, gen_window=max(1, trace.n_generated), n_gen_windows=1,
+    tables = [generation_consistency(trace, obs_window=obs_window, gen_segment=max(1, trace.n_generated), n_gen_segments=1,
                                      p=p, sink_rule=sink_rule, sample=sample).assign(placement=placement)
               for placement, trace in traces.items()]
     return pd.concat(tables, ignore_index=True).drop(columns=["obs_window", "selection"])
@@ -221,8 +225,8 @@ def chat_cell(model, tokenizer, config: dict) -> pd.DataFrame:
 
     prompt = chat_prompt(tokenizer, config["recipes"], split=config["split"], index=config["index"],
                          framing=config.get("framing"))
-    new_tokens = config["gen_window"] * config["n_gen_windows"]
-    _require(prompt.n_tokens, max(config["prompt_window"] * config["n_windows"], *config["obs_windows"]) + 1, prompt.name)
+    new_tokens = config["gen_segment"] * config["n_gen_segments"]
+    _require(prompt.n_tokens, max(config["prompt_segment"] * config["n_prompt_segments"], *config["obs_windows"]) + 1, prompt.name)
     tables = []
     for mode in config["modes"]:
         forced = encode(tokenizer, prompt.continuation)[:new_tokens] if mode == "teacher-forced" else None
@@ -230,10 +234,10 @@ def chat_cell(model, tokenizer, config: dict) -> pd.DataFrame:
         a, b = [], []
         for layer in trace.layers:  # one pass of the generated rows' attention per layer serves (a) and (b)
             attn, sinks = _generated_attention(trace, layer, _sink_rule(config))
-            a += _window_rows(trace, layer, attn, sinks, config["prompt_window"], config["n_windows"], config["p"])
-            b += _consistency_rows(trace, layer, attn, sinks, config["obs_windows"], list(SELECTIONS), config["gen_window"],
-                                   config["n_gen_windows"], config["p"])
-        tables += [_window_table(a, prompt.name).assign(table="a", mode=mode),
+            a += _segment_rows(trace, layer, attn, sinks, config["prompt_segment"], config["n_prompt_segments"], config["p"])
+            b += _consistency_rows(trace, layer, attn, sinks, config["obs_windows"], list(SELECTIONS), config["gen_segment"],
+                                   config["n_gen_segments"], config["p"])
+        tables += [_segment_table(a, prompt.name).assign(table="a", mode=mode),
                    _tidy(pd.DataFrame(b)).assign(sample=prompt.name, table="b", mode=mode)]
         del trace
     return pd.concat(tables, ignore_index=True).assign(**_model_columns(model, config))
@@ -288,6 +292,7 @@ def dependence_cell(model, tokenizer, config: dict) -> pd.DataFrame:
 
 # ---- running everything -----------------------------------------------------------------------
 def _options(options: dict) -> dict:
+    options = upgrade_options(options)
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None and k in DEFAULTS}}
     o["modes"], o["splits"], o["obs_windows"] = tuple(o["modes"]), tuple(o["splits"]), tuple(o["obs_windows"])
     if not o["modes"] or set(o["modes"]) - set(MODES):
@@ -309,8 +314,8 @@ def findings_cells(options: dict, recipes: dict, model_name: str | None) -> dict
     if o["framing"] is not None:  # only an override keys the cells: chosen per model, the framing is the model's
         common["framing"] = o["framing"]
     chat = dict(recipes={"seed": recipes["seed"], "chat": recipes["chat"]}, obs_windows=list(o["obs_windows"]),
-                prompt_window=o["prompt_window"], n_windows=o["n_windows"], gen_window=o["gen_window"],
-                n_gen_windows=o["n_gen_windows"], **common)
+                prompt_segment=o["prompt_segment"], n_prompt_segments=o["n_prompt_segments"],
+                gen_segment=o["gen_segment"], n_gen_segments=o["n_gen_segments"], **common)
     qa = dict(recipes={"seed": recipes["seed"], "qa": recipes["qa"]}, new_tokens=o["qa_new_tokens"], **common)
     cells: dict[str, list] = {"ab": [], "c": [], "d": []}
     n_questions = len(recipes["qa"]["questions"])
@@ -352,8 +357,8 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     to the cells' manifest, not to a committed file).
 
     model: a model name for `models.load_model` (None: the bundled SmolLM2), loaded only if a cell is left to
-    run; or a loaded model, with its `tokenizer`. options: see DEFAULTS (splits, samples, documents, window
-    sizes, new tokens, modes, framing). recipes_path: the prompt recipes (default <data_dir>/prompt_recipes.json).
+    run; or a loaded model, with its `tokenizer`. options: see DEFAULTS (splits, samples, documents, observation
+    window and segment sizes, new tokens, modes, framing). recipes_path: the prompt recipes (default <data_dir>/prompt_recipes.json).
     executor / ray_address: see `sweep.run_cells`.
     """
     from transformers import AutoConfig
@@ -398,7 +403,7 @@ def _check_lengths(model, tokenizer, cells: dict) -> None:
     for cell in cells["ab"]:
         c = cell.config
         prompt = chat_prompt(tokenizer, c["recipes"], split=c["split"], index=c["index"], framing=c.get("framing"))
-        new = c["gen_window"] * c["n_gen_windows"]
+        new = c["gen_segment"] * c["n_gen_segments"]
         check_context_length(model, prompt.n_tokens + new, what=f"prompt {prompt.name} with {new} new tokens")
 
 
@@ -421,8 +426,8 @@ def findings_tables(raw: dict[str, pd.DataFrame], obs_window: int) -> dict[str, 
     out = {}
     if "ab" in raw:
         ab = raw["ab"]
-        a = ab[ab["table"] == "a"].drop(columns=["table", "obs_window", "selection"]).astype({"window": int})
-        b = ab[ab["table"] == "b"].drop(columns=["table"]).astype({"window": int, "obs_window": int})
+        a = ab[ab["table"] == "a"].drop(columns=["table", "obs_window", "selection"]).astype({"segment": int})
+        b = ab[ab["table"] == "b"].drop(columns=["table"]).astype({"segment": int, "obs_window": int})
         paper = (b["obs_window"] == obs_window) & (b["selection"] == "paper")
         out["a"] = pool_heads(a)
         out["b"] = b[paper].drop(columns=["obs_window", "selection"]).reset_index(drop=True)
@@ -443,7 +448,7 @@ def _recompute(options: dict) -> None:
     run_findings(options.get("model"), data_dir=options["data_dir"], recipes_path=options.get("recipes_path"),
                  executor=options.get("executor") or "local", framing=options.get("framing"),
                  ray_address=options.get("ray_address"), samples=options.get("samples"), obs_window=options.get("obs_window"),
-                 prompt_window=options.get("prompt_window"), gen_window=options.get("gen_window"),
+                 prompt_segment=options.get("prompt_segment"), gen_segment=options.get("gen_segment"),
                  splits=None if split in (None, "both") else (split,))
 
 

@@ -32,7 +32,7 @@ FIGURE_MODULES = {
 @dataclass
 class FigureSet:
     name: str
-    recompute: Callable[[dict], None]  # options (model, samples, window sizes, data_dir, ...) -> writes tables
+    recompute: Callable[[dict], None]  # options (model, samples, observation window and segment sizes, data_dir, ...) -> writes tables
     draw: Callable[[Path, Path], list[Path]]  # (data_dir, figures_dir) -> files written
     # False for a set whose recompute takes far longer than the rest (the needle grid): a plain
     # `--recompute` then redraws it from its committed tables, and naming it in `only` reruns it.

@@ -2,7 +2,7 @@
 documents), chance dashed, one column per (split, sinks variant), one row per metric; PNG (matplotlib, without
 pyplot, so a notebook's backend is never switched) and an HTML twin (plotly) each.
 
-Nothing here assumes a model's layer count or a run's number of windows: both are read from the tables.
+Nothing here assumes a model's layer count or a run's number of segments: both are read from the tables.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pandas as pd
 
 from . import metrics
 from .figures import write_html
+from .legacy import read_table, upgrade_options
 from .metrics import summarise
 
 CI = 0.95
@@ -231,7 +232,7 @@ def _write(grid: Grid, stem: Path) -> list[Path]:
 # ---- the figures ---------------------------------------------------------------------------------
 def _run_info(data_dir: Path) -> dict:
     path = data_dir / "findings_run.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return upgrade_options(json.loads(path.read_text())) if path.exists() else {}
 
 
 def _title(what: str, table: pd.DataFrame, mode: str, unit: str) -> str:
@@ -249,19 +250,19 @@ def _summary(table: pd.DataFrame, by) -> pd.DataFrame:
 def figure_a(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     groups = layer_groups(table["layer"])
     grouped = pd.concat([table.assign(hue=table["layer"].map(groups)), table.assign(hue="all layers")])
-    summary = _summary(grouped, ("hue", "window"))
-    size = info.get("prompt_window", "?")
-    return Grid(summary, "window", "hue", _title("(a) Each prompt window votes; does the last one (-1, the observation window) "
+    summary = _summary(grouped, ("hue", "segment"))
+    size = info.get("prompt_segment", "?")
+    return Grid(summary, "segment", "hue", _title("(a) Each prompt segment votes; does the last one (-1, the observation window) "
                                                   "agree best with generation?", table, mode, "prompts"),
-                f"prompt window of {size} tokens (-1 = the observation window)", x_ticks=(-1,))
+                f"prompt segment of {size} tokens (-1 = the last: the observation window)", x_ticks=(-1,))
 
 
 def figure_b(table: pd.DataFrame, mode: str, info: dict) -> Grid:
-    summary = _summary(table, ("layer", "window"))
-    size = info.get("gen_window")
-    labels = {w: f"tokens {(w - 1) * size + 1}-{w * size}" if size else f"window {w}" for w in summary["window"].unique()}
-    n = summary["window"].nunique()
-    return Grid(summary, "layer", "window", _title(f"(b) Observation window ({info.get('obs_window', '?')} tokens) vs {n} windows "
+    summary = _summary(table, ("layer", "segment"))
+    size = info.get("gen_segment")
+    labels = {w: f"tokens {(w - 1) * size + 1}-{w * size}" if size else f"segment {w}" for w in summary["segment"].unique()}
+    n = summary["segment"].nunique()
+    return Grid(summary, "layer", "segment", _title(f"(b) Observation window ({info.get('obs_window', '?')} tokens) vs {n} segments "
                                                     "of generated tokens", table, mode, "prompts"), "layer", labels)
 
 
@@ -311,7 +312,7 @@ SPLITS_ORDER = {"dev": 0, "heldout": 1}
 
 
 def head_figure(table: pd.DataFrame, mode: str, info: dict):
-    """Per-head recall (sinks excluded) per layer, pooled over prompts and generation windows: one dot per head,
+    """Per-head recall (sinks excluded) per layer, pooled over prompts and generation segments: one dot per head,
     the layer's pooled value as a line. Returns (matplotlib Figure, plotly Figure)."""
     import plotly.express as px
     from matplotlib.figure import Figure
@@ -363,7 +364,7 @@ def draw_findings(data_dir, figures_dir) -> list[Path]:
         path = data_dir / f"findings_{table_name}.csv"
         if not path.exists():
             continue
-        table = tables.setdefault(table_name, pd.read_csv(path))
+        table = tables.setdefault(table_name, read_table(path))
         if "sample" not in table or "split" not in table:
             raise ValueError(f"{path} has no sample and split columns: it predates the intervals; rerun "
                              "`snapkv-lab figures --recompute --only findings`")

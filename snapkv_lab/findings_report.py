@@ -5,8 +5,9 @@ over prompts or documents (`metrics.summarise`); every comparison is a paired bo
 difference (`metrics.difference`). A finding *holds* only where the interval clears chance and the comparison
 the paper makes holds too:
 
-(a) the last prompt window is above chance and better than every other window (each difference > 0);
-(b) every generation window is above chance (the decay from the first to the last window is reported);
+(a) the last prompt segment (the observation window) is above chance and better than every other segment (each
+    difference > 0);
+(b) every segment of the generation is above chance (the decay from the first to the last segment is reported);
 (c) both placements are above chance and the difference between them is not distinguishable from 0;
 (d) the overlap between different questions' selections is below the overlap between two halves of one
     question's rows (selections depend on the question).
@@ -25,11 +26,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from .legacy import read_table, upgrade_options
 from .metrics import difference, summarise
 
 CI = 0.95
 MEASURES = {"paper's hit rate, sinks kept": ("hit_rate", "kept"), "recall, sinks excluded": ("recall", "excluded")}
-CLAIMS = {"a": "(a) the last prompt window agrees best", "b": "(b) consistent during generation",
+CLAIMS = {"a": "(a) the last prompt segment agrees best", "b": "(b) consistent during generation",
           "b_windows": "(b) observation window size has no effect", "b_selection": "(b) the compressor's selection",
           "c": "(c) question position does not matter", "d": "(d) different questions select differently"}
 
@@ -60,40 +62,40 @@ def _pooled(table: pd.DataFrame, by) -> pd.DataFrame:
 
 
 def _a(part: pd.DataFrame) -> tuple[str, float, str]:
-    s = _pooled(part, ("window",))
+    s = _pooled(part, ("segment",))
     last = s.loc[-1]
     others = [w for w in s.index if w != -1]
-    gaps = pd.concat([difference(part, ("window", -1, w), by=("metric",)).assign(other=w) for w in others])
+    gaps = pd.concat([difference(part, ("segment", -1, w), by=("metric",)).assign(other=w) for w in others])
     best = s.loc[others, "value"].idxmax()
     closest = gaps.loc[gaps["other"] == best].iloc[0]
-    text = (f"last {_fmt(last['value'], last['ci_low'], last['ci_high'])}; best other window ({best}) "
+    text = (f"last {_fmt(last['value'], last['ci_low'], last['ci_high'])}; best other segment ({best}) "
             f"{s.loc[best, 'value']:.2f}; last - best other {_signed(closest['difference'], closest['ci_low'], closest['ci_high'])}")
     if not _clears(last, last["chance"]):
-        verdict = "does not hold: the last window is not above chance"
+        verdict = "does not hold: the last segment is not above chance"
     elif (gaps["ci_low"] > 0).all():
         verdict = "holds"
     elif (gaps["ci_high"] < 0).any():
         better = sorted(gaps.loc[gaps["ci_high"] < 0, "other"])
-        verdict = f"does not hold: windows {better} agree better"
+        verdict = f"does not hold: segments {better} agree better"
     else:
         ties = len(gaps[gaps["ci_low"] <= 0])
-        verdict = f"not shown: the last window is not clearly better than {ties} of the {len(gaps)} other windows"
+        verdict = f"not shown: the last segment is not clearly better than {ties} of the {len(gaps)} other segments"
     return text, float(last["chance"]), verdict
 
 
 def _b(part: pd.DataFrame) -> tuple[str, float, str]:
-    s = _pooled(part, ("window",))
+    s = _pooled(part, ("segment",))
     first, last = s.index.min(), s.index.max()
-    decay = difference(part, ("window", last, first), by=("metric",)).iloc[0]
-    text = ("windows " + ", ".join(f"{s.loc[w, 'value']:.2f}" for w in s.index) +
-            f" (window 1 {_fmt(*s.loc[first, ['value', 'ci_low', 'ci_high']])}, window {last} "
+    decay = difference(part, ("segment", last, first), by=("metric",)).iloc[0]
+    text = ("segments " + ", ".join(f"{s.loc[w, 'value']:.2f}" for w in s.index) +
+            f" (segment 1 {_fmt(*s.loc[first, ['value', 'ci_low', 'ci_high']])}, segment {last} "
             f"{_fmt(*s.loc[last, ['value', 'ci_low', 'ci_high']])}); last - first {_signed(decay['difference'], decay['ci_low'], decay['ci_high'])}")
     chance = float(s["chance"].max())
     below = [w for w in s.index if not _clears(s.loc[w], s.loc[w, "chance"])]
     if below:
-        return text, chance, f"does not hold: window(s) {below} not above chance"
+        return text, chance, f"does not hold: segment(s) {below} not above chance"
     trend = ("decays" if decay["ci_high"] < 0 else "rises" if decay["ci_low"] > 0 else None)
-    return text, chance, "holds" + (f" (above chance in every window, but it {trend} from the first to the last)" if trend else "")
+    return text, chance, "holds" + (f" (above chance in every segment, but it {trend} from the first to the last)" if trend else "")
 
 
 def _b_windows(part: pd.DataFrame) -> tuple[str, float, str]:
@@ -206,14 +208,14 @@ def read_tables(data_dir="data") -> dict[str, pd.DataFrame]:
     """The findings tables in data_dir, {"a", "b", "b_variants", "c", "d"} (those present)."""
     data_dir = Path(data_dir)
     names = ("a", "b", "b_variants", "c", "d")
-    return {k: pd.read_csv(data_dir / f"findings_{k}.csv") for k in names if (data_dir / f"findings_{k}.csv").exists()}
+    return {k: read_table(data_dir / f"findings_{k}.csv") for k in names if (data_dir / f"findings_{k}.csv").exists()}
 
 
 def report(data_dir="data") -> pd.DataFrame:
     """`verdicts` of the tables in data_dir, with the observation window and sliding-window layers of their run
     (findings_run.json)."""
     path = Path(data_dir) / "findings_run.json"
-    run = json.loads(path.read_text()) if path.exists() else {}
+    run = upgrade_options(json.loads(path.read_text())) if path.exists() else {}
     return verdicts(read_tables(data_dir), obs_window=int(run.get("obs_window", 32)),
                     sliding_layers=run.get("sliding_layers", ()))
 

@@ -1,8 +1,8 @@
 """Overlap between a selection of prefix positions and where attention actually goes.
 
-Every metric here is a ratio numerator / support per (layer, head, window), reported with its chance
+Every metric here is a ratio numerator / support per (layer, head, segment), reported with its chance
 level: the expected numerator if the selection were a uniformly random set of the same size over the
-same eligible positions. Tables are tidy (one row per layer, head, window, metric, sinks) and keep the
+same eligible positions. Tables are tidy (one row per layer, head, segment, metric, sinks) and keep the
 numerator, the chance numerator and the support, so that pooling over heads or layers stays exact:
 value = sum(numerator) / sum(support). A cell whose support is below `min_support` is NaN: undefined,
 never 0 or 1.
@@ -10,17 +10,17 @@ never 0 or 1.
 Metrics (attn: (heads, rows, prefix) softmax attention of generated rows over the prefix; sel: (heads,
 prefix) bool mask of the selection):
 - "hit_rate": the paper's H (v1 eqs. 7-8). Positions a row attends to above theta (0.05); the share of
-  them inside the selection, pooled over the window's rows. support = positions above theta.
+  them inside the selection, pooled over the scored rows. support = positions above theta.
 - "recall": theta-free. The share of a row's prefix attention mass that falls on the selection,
   averaged over rows. support = rows.
-- "coarse": the original code's coarse variant. Positions whose mean attention over the window's rows
-  is above 0.005, on both sides; overlap = |gen & obs| / |gen|. support = |gen|.
+- "coarse": the original code's coarse variant. Positions whose mean attention over the generated rows
+  and over the voters is above 0.005; overlap = |gen & obs| / |gen|. support = |gen|.
 - "overlap": H(M_A, M_B) = |A & B| / |A| between two selections. support = |A|.
 
 Sinks: with sinks="excluded", the sink positions leave both the selection and the attention. They are
 defined once per prompt (`SinkRule.mask` on the attention of *all* its generated rows over the whole
 prompt): the first `SinkRule.first` tokens, and any position taking at least `SinkRule.share` of the
-attention in every generated row (per head). Every window of that prompt uses the same set. A finding
+attention in every generated row (per head). Every segment of that prompt uses the same set. A finding
 that only holds with sinks kept is about the sink.
 
 Intervals: `summarise(..., ci=0.95)` and `difference` bootstrap over samples (prompts or documents, the
@@ -41,7 +41,7 @@ THETA = 0.05
 COARSE_THRESHOLD = 0.005
 MIN_SUPPORT = 5
 RESAMPLES = 2000  # bootstrap replicates: the percentile interval's ends move by about 0.005 between seeds
-COLUMNS = ["layer", "head", "window", "metric", "sinks", "numerator", "chance_numerator", "support", "value", "chance"]
+COLUMNS = ["layer", "head", "segment", "metric", "sinks", "numerator", "chance_numerator", "support", "value", "chance"]
 PARTS = ["numerator", "chance_numerator", "support"]
 
 
@@ -56,7 +56,7 @@ class SinkRule:
         """attn (heads, rows, positions) -> (heads, positions) bool, True at sinks.
 
         Position 0 of `attn` must be prompt position 0 (the first tokens are counted from it). Pass the
-        attention of all of a prompt's generated rows, so that every window of the prompt shares one set.
+        attention of all of a prompt's generated rows, so that every segment of the prompt shares one set.
         """
         sinks = (attn >= self.share).all(dim=1)
         sinks[:, : self.first] = True
@@ -116,10 +116,10 @@ def selection_overlap(a, b, *, eligible=None) -> dict[str, torch.Tensor]:
     return dict(numerator=(a & b).sum(-1).double(), chance_numerator=support * _chance_rate(b, eligible), support=support)
 
 
-def coarse_overlap(attn_generated, attn_window, *, threshold=COARSE_THRESHOLD, eligible=None) -> dict[str, torch.Tensor]:
-    """Positions with mean attention above `threshold` over the generated rows vs over the window's rows."""
+def coarse_overlap(attn_generated, attn_voters, *, threshold=COARSE_THRESHOLD, eligible=None) -> dict[str, torch.Tensor]:
+    """Positions with mean attention above `threshold` over the generated rows vs over the voters' rows."""
     generated = attn_generated.mean(1) > threshold
-    observed = attn_window.mean(1) > threshold
+    observed = attn_voters.mean(1) > threshold
     return selection_overlap(generated, observed, eligible=eligible)
 
 
@@ -130,7 +130,7 @@ def to_mask(indices: torch.Tensor, prefix_len: int) -> torch.Tensor:
 
 
 def metric_rows(parts: dict[str, torch.Tensor], *, metric, sinks, min_support=MIN_SUPPORT, **columns) -> list[dict]:
-    """One tidy row per head from a metric's parts; `columns` (layer, window, ...) go first in every row."""
+    """One tidy row per head from a metric's parts; `columns` (layer, segment, ...) go first in every row."""
     value, chance = _ratio(parts["numerator"], parts["chance_numerator"], parts["support"], min_support)
     lists = {name: parts[name].tolist() for name in PARTS}
     value, chance = value.tolist(), chance.tolist()
@@ -139,20 +139,20 @@ def metric_rows(parts: dict[str, torch.Tensor], *, metric, sinks, min_support=MI
             for h in range(len(value))]
 
 
-def selection_vs_generation(attn, selections: dict, *, sinks, windows: dict | None = None, observed=None, theta=THETA,
+def selection_vs_generation(attn, selections: dict, *, sinks, segments: dict | None = None, observed=None, theta=THETA,
                             min_support=MIN_SUPPORT, **columns) -> list[dict]:
-    """hit_rate, recall (and coarse, given `observed`) of selections against windows of generated rows, sinks kept
-    and excluded: one row per (window, selection, metric, sinks variant, head).
+    """hit_rate, recall (and coarse, given `observed`) of selections against segments of generated rows, sinks kept
+    and excluded: one row per (segment, selection, metric, sinks variant, head).
 
     attn: (heads, generated rows, prefix) attention of the generated rows over the prefix;
-    selections: {label: (heads, prefix) bool}; windows: {label: slice of attn's rows} (default {None: all});
+    selections: {label: (heads, prefix) bool}; segments: {label: slice of attn's rows} (default {None: all});
     sinks: (heads, prefix) bool, the prompt's sinks (`SinkRule.mask` of all its generated rows, cut to the prefix);
-    observed: (heads, window rows, prefix) attention of the voting window, for "coarse" (one per selection: it
-    does not depend on the selection). Rows get window=<windows key>, selection=<selections key> and `columns`.
+    observed: (heads, voters, prefix) attention of the voters (the observation window), for "coarse" (one per selection: it
+    does not depend on the selection). Rows get segment=<segments key>, selection=<selections key> and `columns`.
     The attention is reduced once per call (counts above theta, row masses on every mask), so scoring many
     selections costs little more than one.
     """
-    windows = {None: slice(None)} if windows is None else windows
+    segments = {None: slice(None)} if segments is None else segments
     eligible = {"kept": torch.ones_like(sinks), "excluded": ~sinks}
     labels = list(selections)
     masks = [eligible[e] & selections[s] for e in eligible for s in labels] + list(eligible.values())
@@ -160,19 +160,19 @@ def selection_vs_generation(attn, selections: dict, *, sinks, windows: dict | No
     above = attn > theta
     observed_above = None if observed is None else observed.mean(1) > COARSE_THRESHOLD
     rows = []
-    for window, window_rows in windows.items():
-        counts = above[:, window_rows].sum(dim=1, dtype=torch.float64)  # (heads, prefix)
-        window_masses = masses[:, window_rows]
-        generated_above = None if observed is None else attn[:, window_rows].mean(1) > COARSE_THRESHOLD
+    for segment, rows_of_segment in segments.items():
+        counts = above[:, rows_of_segment].sum(dim=1, dtype=torch.float64)  # (heads, prefix)
+        segment_masses = masses[:, rows_of_segment]
+        generated_above = None if observed is None else attn[:, rows_of_segment].mean(1) > COARSE_THRESHOLD
         for e, (variant, allowed) in enumerate(eligible.items()):
-            mass = window_masses[..., len(masks) - len(eligible) + e]
-            # coarse_overlap, with both means taken once per window
+            mass = segment_masses[..., len(masks) - len(eligible) + e]
+            # coarse_overlap, with both means taken once per segment
             coarse = None if observed is None else selection_overlap(generated_above, observed_above, eligible=allowed)
             for s, label in enumerate(labels):
                 selected = selections[label]
-                common = dict(columns, window=window, selection=label, sinks=variant, min_support=min_support)
+                common = dict(columns, segment=segment, selection=label, sinks=variant, min_support=min_support)
                 rows += metric_rows(_hit_rate_parts(counts, selected, allowed), metric="hit_rate", **common)
-                rows += metric_rows(_recall_parts(mass, window_masses[..., e * len(labels) + s],
+                rows += metric_rows(_recall_parts(mass, segment_masses[..., e * len(labels) + s],
                                                   _chance_rate(selected, allowed)), metric="recall", **common)
                 if coarse is not None:
                     rows += metric_rows(coarse, metric="coarse", **common)
@@ -180,7 +180,7 @@ def selection_vs_generation(attn, selections: dict, *, sinks, windows: dict | No
 
 
 # ---- pooling and intervals -------------------------------------------------------------------------
-def summarise(table: pd.DataFrame, by=("layer", "window", "metric", "sinks"), min_support=MIN_SUPPORT, *,
+def summarise(table: pd.DataFrame, by=("layer", "segment", "metric", "sinks"), min_support=MIN_SUPPORT, *,
               ci: float | None = None, resamples: int = RESAMPLES, seed: int = 0, unit: str = "sample") -> pd.DataFrame:
     """Pool a tidy metric table over the other columns (heads, samples): value = sum(num) / sum(support).
 

@@ -108,6 +108,7 @@ def draw(data_dir, figures_dir) -> list[Path]:
     """The retrieval-head grid, and finding (b) by head type where data_dir has its findings_b.csv too."""
     from .head_types import findings_by_head_type
     from .heads_figures import draw_head_types, draw_retrieval_heads
+    from .legacy import read_table
 
     data_dir, figures_dir = Path(data_dir), Path(figures_dir)
     if not (data_dir / TABLE).exists():
@@ -115,7 +116,7 @@ def draw(data_dir, figures_dir) -> list[Path]:
     table = pd.read_csv(data_dir / TABLE)
     written = draw_retrieval_heads(table, figures_dir)
     if (data_dir / "findings_b.csv").exists():
-        written.append(draw_head_types(findings_by_head_type(pd.read_csv(data_dir / "findings_b.csv"), table), figures_dir))
+        written.append(draw_head_types(findings_by_head_type(read_table(data_dir / "findings_b.csv"), table), figures_dir))
     return written
 
 

@@ -94,8 +94,8 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
     assert main(["figures", "--recompute", "--only", "findings", "--samples", "1", "--split", "heldout",
                  "--data-dir", str(tmp_path)]) == 0
     assert calls.pop() == ("draw", (str(tmp_path), "figures"), dict(
-        recompute=True, only=["findings"], options=dict(model=None, framing=None, samples=1, reuse=False, obs_window=None, prompt_window=None,
-                                                        gen_window=None, split="heldout",
+        recompute=True, only=["findings"], options=dict(model=None, framing=None, samples=1, reuse=False, obs_window=None, prompt_segment=None,
+                                                        gen_segment=None, split="heldout",
                                                         executor="local", ray_address=None)))
     assert calls.pop() == ("check", None)
     assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines",

@@ -14,7 +14,7 @@ from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 from reference import assert_same_selection, reference_kept
 
 from snapkv_lab import SnapKV, capture, generate
-from snapkv_lab.experiments import (draw, findings_tables, generation_consistency, prompt_windows, question_dependence,
+from snapkv_lab.experiments import (draw, findings_tables, generation_consistency, prompt_segments, question_dependence,
                                     question_placement, run_findings, select_mask)
 from snapkv_lab.findings_figures import figure_d, layer_groups, layer_ranges
 from snapkv_lab.metrics import THETA, SinkRule
@@ -42,22 +42,22 @@ def eager_map(model, trace, layer, head):
 
 def test_experiment_tables_are_tidy(traces):
     trace = traces["generated"]
-    a = prompt_windows(trace, window=16, n_windows=5)
-    assert set(a["window"]) == {-1, -2, -3, -4, -5} and set(a["metric"]) == {"hit_rate", "recall"}
-    assert len(a) == 2 * 5 * 4 * 2 * 2  # layers x windows x heads x metrics x sink variants
-    b = generation_consistency(trace, obs_window=[8, 16], gen_window=8, n_gen_windows=3, selection=["paper", "compressor"])
-    assert set(b["window"]) == {1, 2, 3} and "coarse" in set(b["metric"])
-    assert len(b) == 2 * 2 * 2 * 3 * 4 * 3 * 2  # layers x windows x selections x gen windows x heads x metrics x sinks
+    a = prompt_segments(trace, segment=16, n_prompt_segments=5)
+    assert set(a["segment"]) == {-1, -2, -3, -4, -5} and set(a["metric"]) == {"hit_rate", "recall"}
+    assert len(a) == 2 * 5 * 4 * 2 * 2  # layers x prompt segments x heads x metrics x sink variants
+    b = generation_consistency(trace, obs_window=[8, 16], gen_segment=8, n_gen_segments=3, selection=["paper", "compressor"])
+    assert set(b["segment"]) == {1, 2, 3} and "coarse" in set(b["metric"])
+    assert len(b) == 2 * 2 * 2 * 3 * 4 * 3 * 2  # layers x observation windows x selections x generated segments x heads x metrics x sinks
     assert ((b["value"].isna()) | ((b["value"] >= 0) & (b["value"] <= 1))).all()
     assert (b.loc[b["support"] < 5, "value"].isna()).all()  # undefined, never 0 or 1
     with pytest.raises(ValueError, match="needs a prompt of more than"):
-        prompt_windows(trace, window=64, n_windows=20)
+        prompt_segments(trace, segment=64, n_prompt_segments=20)
     with pytest.raises(ValueError, match="selection must be one of"):
         generation_consistency(trace, obs_window=8, selection="pooled")
 
 
 def test_generation_consistency_equals_eager_by_hand(tiny, traces):
-    """Layer 1, head 2, first generated window: the hit rate and recall rebuilt from transformers' eager attention."""
+    """Layer 1, head 2, first generated segment: the hit rate and recall rebuilt from transformers' eager attention."""
     trace = traces["generated"]
     n, obs, layer, head = trace.prompt_len, 8, 1, 2
     attn = eager_map(tiny, trace, layer, head)
@@ -67,7 +67,7 @@ def test_generation_consistency_equals_eager_by_hand(tiny, traces):
     rows = attn[n : n + 8, :prefix]
     above = [(r, p) for r in range(rows.shape[0]) for p in range(prefix) if rows[r, p] > THETA]
     hits = sum(p in selected for _, p in above)
-    table = generation_consistency(trace, obs_window=obs, gen_window=8, n_gen_windows=1)
+    table = generation_consistency(trace, obs_window=obs, gen_segment=8, n_gen_segments=1)
     mine = table[(table.layer == layer) & (table["head"] == head) & (table.sinks == "kept")].set_index("metric")
     assert (mine.loc["hit_rate", "numerator"], mine.loc["hit_rate", "support"]) == (hits, len(above))
     assert mine.loc["hit_rate", "chance"] == pytest.approx(k / prefix) if len(above) >= 5 else math.isnan(mine.loc["hit_rate", "chance"])
@@ -76,27 +76,27 @@ def test_generation_consistency_equals_eager_by_hand(tiny, traces):
 
 
 def test_sinks_are_one_set_per_prompt_from_all_generated_rows(traces):
-    """Every window of a prompt, the short last one included, excludes the same sinks: those of all generated rows.
+    """Every segment of a prompt's generation, the short last one included, excludes the same sinks: those of all generated rows.
 
     A share near the tiny model's uniform attention (1/200) makes the rule pick many positions, so that sets found on
-    each window's own rows would differ (checked below): the test can fail."""
+    each segment's own rows would differ (checked below): the test can fail."""
     trace, rule, obs = traces["generated"], SinkRule(first=2, share=0.0044), 8
     prefix = trace.prompt_len - obs
-    table = generation_consistency(trace, obs_window=obs, gen_window=9, n_gen_windows=3, sink_rule=rule)  # 9, 9, 6 rows
+    table = generation_consistency(trace, obs_window=obs, gen_segment=9, n_gen_segments=3, sink_rule=rule)  # 9, 9, 6 rows
     excluded = table[(table.sinks == "excluded") & (table.metric == "recall")]
-    differs_per_window = False
+    differs_per_segment = False
     for layer in trace.layers:
         attn = trace.attention(layer, queries=trace.generated, keys=slice(0, prefix))
         sinks = rule.mask(attn)  # (heads, prefix), from all 24 generated rows
         votes = trace.column_sums(layer, queries=slice(prefix, trace.prompt_len))[:, :prefix]
         selected = select_mask(votes, 0.05, "paper", trace.n_kv_heads)
         expected = ((selected & ~sinks).sum(-1) / (~sinks).sum(-1)).tolist()  # chance = share of eligible positions held
-        for window in (1, 2, 3):
-            rows = excluded[(excluded.layer == layer) & (excluded.window == window)].sort_values("head")
+        for segment in (1, 2, 3):
+            rows = excluded[(excluded.layer == layer) & (excluded.segment == segment)].sort_values("head")
             assert rows["chance"].tolist() == pytest.approx(expected, abs=1e-6)
-        windows = (slice(0, 9), slice(9, 18), slice(18, 24))
-        differs_per_window |= any(not torch.equal(rule.mask(attn[:, w]), sinks) for w in windows)
-    assert differs_per_window  # the per-window rule would have given other sets
+        segments = (slice(0, 9), slice(9, 18), slice(18, 24))
+        differs_per_segment |= any(not torch.equal(rule.mask(attn[:, w]), sinks) for w in segments)
+    assert differs_per_segment  # the per-segment rule would have given other sets
 
 
 def test_compressor_selection_is_what_snapkv_keeps(tiny):
@@ -120,7 +120,7 @@ def test_compressor_selection_is_what_snapkv_keeps(tiny):
 
 def test_question_placement_and_dependence(tiny, traces):
     c = question_placement({"front": traces["generated"], "back": traces["teacher-forced"]}, obs_window=8, sample="doc")
-    assert set(c["placement"]) == {"front", "back"} and set(c["window"]) == {1} and set(c["sample"]) == {"doc"}
+    assert set(c["placement"]) == {"front", "back"} and set(c["segment"]) == {1} and set(c["sample"]) == {"doc"}
     greedy, forced = traces["generated"], traces["teacher-forced"]
     d = question_dependence([greedy, forced], (10, 150), [150, 150], sample="doc")
     assert set(d["pair"]) == {"q0-q1", "q1-q0", "q0-q0", "q1-q1"}
@@ -145,15 +145,15 @@ def test_question_placement_and_dependence(tiny, traces):
 
 def test_figures_follow_the_tables_any_layers_and_windows(traces, tmp_path):
     """Figures from tables of a 2-layer model with 4 prompt windows and 2 generation windows; no backend switch."""
-    a = pd.concat([prompt_windows(t, window=16, n_windows=4, sample=f"p{i}").assign(mode=m, table="a")
+    a = pd.concat([prompt_segments(t, segment=16, n_prompt_segments=4, sample=f"p{i}").assign(mode=m, table="a")
                    for i, (m, t) in enumerate(traces.items())])
-    b = pd.concat([generation_consistency(t, obs_window=[8, 16], gen_window=8, n_gen_windows=2, selection=["paper", "compressor"],
+    b = pd.concat([generation_consistency(t, obs_window=[8, 16], gen_segment=8, n_gen_segments=2, selection=["paper", "compressor"],
                                           sample=f"p{i}").assign(mode="generated", table="b") for i, t in enumerate(traces.values())])
     raw = {"ab": pd.concat([a, b]).assign(split="dev", model="tiny-llama")}
     tables = findings_tables(raw, obs_window=8)
     for key in ("a", "b", "b_variants"):
         tables[key].to_csv(tmp_path / f"findings_{key}.csv", index=False)
-    (tmp_path / "findings_run.json").write_text(json.dumps(dict(prompt_window=16, gen_window=8, obs_window=8)))
+    (tmp_path / "findings_run.json").write_text(json.dumps(dict(prompt_segment=16, gen_segment=8, obs_window=8)))
     backend = matplotlib.get_backend()
     written = sorted(p.name for p in draw(tmp_path, tmp_path))
     assert matplotlib.get_backend() == backend
@@ -176,10 +176,10 @@ def test_figure_d_merges_identical_sink_panels_and_names_its_lines():
 def test_figure_panels_name_the_series_they_leave_out_and_the_ones_they_hide(tmp_path):
     from snapkv_lab.findings_figures import Grid, _coinciding, _panel_title, draw_png
 
-    summary = pd.DataFrame([dict(split="dev", sinks="kept", metric="recall", layer=layer, window=w,
+    summary = pd.DataFrame([dict(split="dev", sinks="kept", metric="recall", layer=layer, segment=w,
                                  defined=not (w == 2 and layer == 1), support=3 if (w == 2 and layer == 1) else 100,
                                  value=0.5, chance=0.1) for layer in range(4) for w in (1, 2)])
-    grid = Grid(summary, "layer", "window", "t", "layer", {1: "first", 2: "second"})
+    grid = Grid(summary, "layer", "segment", "t", "layer", {1: "first", 2: "second"})
     assert "not drawn: second: layers 1" in _panel_title(grid, "dev", "kept", "recall").replace("\n", " ")
     lines = {"a": pd.Series([1.0, 1.0]), "b": pd.Series([1.0, 0.999]), "c": pd.Series([0.2, 0.3])}
     assert _coinciding(lines) == [["a", "b"]]
@@ -213,7 +213,7 @@ def test_run_findings_stores_cells_and_resumes(chat_tokenizer, tmp_path, monkeyp
     recipes["qa"]["doc_tokens"] = 80
     (tmp_path / "prompt_recipes.json").write_text(json.dumps(recipes))
     options = dict(samples=1, placement_documents=1, dependence_documents=1, questions=2, obs_windows=(8, 16), obs_window=8,
-                   prompt_window=8, n_windows=3, gen_window=4, n_gen_windows=2, qa_new_tokens=6)
+                   prompt_segment=8, n_prompt_segments=3, gen_segment=4, n_gen_segments=2, qa_new_tokens=6)
     calls = []
     real_capture = experiments.capture
     monkeypatch.setattr(experiments, "capture", lambda *a, **k: calls.append(1) or real_capture(*a, progress=False, **k))

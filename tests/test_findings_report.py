@@ -30,17 +30,17 @@ def test_question_placement_verdicts(front, back, expected):
 
 
 @pytest.mark.parametrize("values,expected", [({-1: 0.6, -2: 0.4, -3: 0.3}, "holds"),
-                                             ({-1: 0.4, -2: 0.6, -3: 0.3}, "does not hold: windows [-2] agree better"),
+                                             ({-1: 0.4, -2: 0.6, -3: 0.3}, "does not hold: segments [-2] agree better"),
                                              ({-1: 0.5, -2: 0.5, -3: 0.3}, "not shown"),
-                                             ({-1: 0.03, -2: 0.02, -3: 0.01}, "does not hold: the last window is not above chance")])
-def test_last_prompt_window_verdicts(values, expected):
-    assert _verdict(_rows(values, "window"), "a").startswith(expected)
+                                             ({-1: 0.03, -2: 0.02, -3: 0.01}, "does not hold: the last segment is not above chance")])
+def test_last_prompt_segment_verdicts(values, expected):
+    assert _verdict(_rows(values, "segment"), "a").startswith(expected)
 
 
-@pytest.mark.parametrize("values,expected", [({1: 0.5, 2: 0.5, 3: 0.5}, "holds"), ({1: 0.6, 2: 0.5, 3: 0.4}, "holds (above chance in every window, but it decays"),
-                                             ({1: 0.5, 2: 0.04, 3: 0.5}, "does not hold: window(s) [2]")])
+@pytest.mark.parametrize("values,expected", [({1: 0.5, 2: 0.5, 3: 0.5}, "holds"), ({1: 0.6, 2: 0.5, 3: 0.4}, "holds (above chance in every segment, but it decays"),
+                                             ({1: 0.5, 2: 0.04, 3: 0.5}, "does not hold: segment(s) [2]")])
 def test_generation_consistency_verdicts(values, expected):
-    verdict = _verdict(_rows(values, "window", noise=0.005), "b")
+    verdict = _verdict(_rows(values, "segment", noise=0.005), "b")
     assert verdict.startswith(expected) and (expected != "holds" or verdict == "holds")
 
 
@@ -87,3 +87,28 @@ def test_committed_tables_hold_both_splits_with_the_prompt_counts():
     assert set(table["split"]) == {"dev", "heldout"} and not table["verdict"].str.startswith("undefined").any()
     text = markdown(table)
     assert text.count("\n") == 1 + table.groupby(["finding", "measure", "mode"]).ngroups and "[" in text
+
+
+def test_tables_and_settings_from_before_the_segment_rename_still_read(tmp_path):
+    """Findings tables and run settings written when segments were called windows read back with today's names:
+    the same table, the same verdicts, and the settings under their new keys (docs/glossary.md, "segment")."""
+    import json
+
+    from snapkv_lab.experiments import DEFAULTS, _options
+    from snapkv_lab.legacy import upgrade_options
+
+    table = _rows({-1: 0.6, -2: 0.4, -3: 0.3}, "segment").assign(model="m")
+    table.rename(columns={"segment": "window"}).to_csv(tmp_path / "findings_a.csv", index=False)
+    (tmp_path / "findings_run.json").write_text(json.dumps({"obs_window": 32, "prompt_window": 128, "n_windows": 20}))
+    read = read_tables(tmp_path)["a"]
+    assert "window" not in read and read["segment"].tolist() == table["segment"].tolist()
+    with pytest.warns(DeprecationWarning, match="'prompt_window' is now named 'prompt_segment'"):
+        old = report(tmp_path)
+    pd.testing.assert_frame_equal(old, verdicts({"a": table}, obs_window=32))
+    assert old.set_index("measure").loc["recall, sinks excluded", "verdict"] == "holds"
+    with pytest.warns(DeprecationWarning):
+        assert upgrade_options({"gen_window": 32, "obs_window": 8}) == {"gen_segment": 32, "obs_window": 8}
+    with pytest.warns(DeprecationWarning):  # a run's options: the old name counts, the new one wins where both are set
+        assert _options({"gen_window": 32})["gen_segment"] == 32 != DEFAULTS["gen_segment"]
+    with pytest.warns(DeprecationWarning):
+        assert _options({"gen_window": 32, "gen_segment": 16})["gen_segment"] == 16

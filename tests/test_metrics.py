@@ -66,9 +66,9 @@ def test_sink_rule():
 def test_undefined_cells_are_nan_and_pooling_is_exact():
     parts = dict(numerator=torch.tensor([3.0, 0.0]), chance_numerator=torch.tensor([1.0, 0.0]),
                  support=torch.tensor([6.0, 2.0]))
-    rows = metric_rows(parts, layer=0, window=1, metric="hit_rate", sinks="kept", min_support=5)
+    rows = metric_rows(parts, layer=0, segment=1, metric="hit_rate", sinks="kept", min_support=5)
     assert rows[0]["value"] == 0.5 and math.isnan(rows[1]["value"])
-    table = pd.DataFrame(rows + metric_rows(parts, layer=1, window=1, metric="hit_rate", sinks="kept", min_support=5))
+    table = pd.DataFrame(rows + metric_rows(parts, layer=1, segment=1, metric="hit_rate", sinks="kept", min_support=5))
     summary = summarise(table, min_support=5)
     assert summary["value"].tolist() == [3 / 8, 3 / 8] and summary["defined"].all()
     tiny = summarise(table[table["head"] == 1], min_support=5)
@@ -77,18 +77,18 @@ def test_undefined_cells_are_nan_and_pooling_is_exact():
 
 def test_selection_vs_generation_equals_the_metrics_one_by_one():
     """The batched scorer (many selections, windows, both sink variants) against hit_rate, attention_recall and
-    coarse_overlap called on each window's rows alone."""
+    coarse_overlap called on each segment's rows alone."""
     generator = torch.Generator().manual_seed(1)
     heads, rows, prefix = 3, 20, 60
     attn = torch.distributions.Dirichlet(torch.full((prefix + 5,), 0.1)).sample((heads, rows))[..., :prefix]
     observed = torch.distributions.Dirichlet(torch.full((prefix + 5,), 0.1)).sample((heads, 7))[..., :prefix]
     selections = {name: torch.rand(heads, prefix, generator=generator) < 0.2 for name in ("x", "y")}
     sinks = torch.rand(heads, prefix, generator=generator) < 0.1
-    windows = {1: slice(0, 8), 2: slice(8, 20)}
-    table = pd.DataFrame(selection_vs_generation(attn, selections, sinks=sinks, windows=windows, observed=observed, layer=3))
+    segments = {1: slice(0, 8), 2: slice(8, 20)}
+    table = pd.DataFrame(selection_vs_generation(attn, selections, sinks=sinks, segments=segments, observed=observed, layer=3))
     assert len(table) == 2 * 2 * 2 * 3 * heads and set(table["layer"]) == {3}
-    for (window, name, variant, metric), part in table.groupby(["window", "selection", "sinks", "metric"]):
-        block, eligible = attn[:, windows[window]], None if variant == "kept" else ~sinks
+    for (segment, name, variant, metric), part in table.groupby(["segment", "selection", "sinks", "metric"]):
+        block, eligible = attn[:, segments[segment]], None if variant == "kept" else ~sinks
         expected = {"hit_rate": lambda: hit_rate(block, selections[name], eligible=eligible),
                     "recall": lambda: attention_recall(block, selections[name], eligible=eligible),
                     "coarse": lambda: coarse_overlap(block, observed, eligible=eligible)}[metric]()
