@@ -46,11 +46,12 @@ def _interval_cell(score: float, low: float, high: float) -> str:
     return f"{score:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
 
 
-def _leaderboard(data_dir: Path) -> str:
-    """The committed RULER-4k run: its size, the score per policy, mode and ratio, and the full cache per task."""
+def _leaderboard(data_dir: Path, name: str = "ruler") -> str:
+    """A committed RULER run (eval_<name>.csv: the 4k leaderboard, or the 8k run): its size, the score per policy, mode
+    and ratio, and the full cache per task."""
     from .evaluation import full_cache_fails, leaderboard, read_results, task_scores
 
-    table = read_results(data_dir / "eval_ruler.csv")
+    table = read_results(data_dir / f"eval_{name}.csv")
     board = leaderboard(table)
     full, compressed = board[board.policy == "FullCache"], board[board.policy != "FullCache"]
     columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware") for ratio in sorted(compressed.ratio.unique())]
@@ -174,6 +175,7 @@ BLOCKS = {
     "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
                                    _findings_side_by_side),
     "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
+    "leaderboard-8k": Block("benchmarks.md", ("eval_ruler_8k.csv",), functools.partial(_leaderboard, name="ruler_8k")),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),
