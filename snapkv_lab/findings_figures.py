@@ -7,7 +7,6 @@ Nothing here assumes a model's layer count or a run's number of segments: both a
 
 from __future__ import annotations
 
-import json
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ import pandas as pd
 
 from . import metrics
 from .figures import write_html
-from .legacy import read_table, upgrade_options
+from .findings_report import read_run, read_tables
 from .metrics import summarise
 
 CI = 0.95
@@ -230,11 +229,6 @@ def _write(grid: Grid, stem: Path) -> list[Path]:
 
 
 # ---- the figures ---------------------------------------------------------------------------------
-def _run_info(data_dir: Path) -> dict:
-    path = data_dir / "findings_run.json"
-    return upgrade_options(json.loads(path.read_text())) if path.exists() else {}
-
-
 def _title(what: str, table: pd.DataFrame, mode: str, unit: str) -> str:
     model = ", ".join(sorted(table["model"].fillna("?").astype(str).unique())) if "model" in table else "?"
     counts = table.groupby("split")["sample"].nunique()
@@ -359,14 +353,13 @@ def draw_findings(data_dir, figures_dir) -> list[Path]:
     """Every findings figure (figures/findings_<name>.png/.html, `_<mode>` added for modes other than generated)
     from the tables in data_dir that exist."""
     data_dir, figures_dir = Path(data_dir), Path(figures_dir)
-    info, written, tables = _run_info(data_dir), [], {}
+    info, written, tables = read_run(data_dir), [], read_tables(data_dir)
     for name, (table_name, make) in [*FIGURES.items(), ("heads", ("b", None))]:
-        path = data_dir / f"findings_{table_name}.csv"
-        if not path.exists():
+        if table_name not in tables:
             continue
-        table = tables.setdefault(table_name, read_table(path))
+        table = tables[table_name]
         if "sample" not in table or "split" not in table:
-            raise ValueError(f"{path} has no sample and split columns: it predates the intervals; rerun "
+            raise ValueError(f"{data_dir / f'findings_{table_name}.csv'} has no sample and split columns: it predates the intervals; rerun "
                              "`snapkv-lab figures --recompute --only findings`")
         for mode, part in table.groupby("mode"):
             stem = figures_dir / (f"findings_{name}" + ("" if mode == "generated" else f"_{mode}"))

@@ -211,11 +211,17 @@ def read_tables(data_dir="data") -> dict[str, pd.DataFrame]:
     return {k: read_table(data_dir / f"findings_{k}.csv") for k in names if (data_dir / f"findings_{k}.csv").exists()}
 
 
+def read_run(data_dir="data") -> dict:
+    """The settings of the run that wrote data_dir's findings tables (findings_run.json; {} without one), with this
+    version's option names."""
+    path = Path(data_dir) / "findings_run.json"
+    return upgrade_options(json.loads(path.read_text())) if path.exists() else {}
+
+
 def report(data_dir="data") -> pd.DataFrame:
     """`verdicts` of the tables in data_dir, with the observation window and sliding-window layers of their run
-    (findings_run.json)."""
-    path = Path(data_dir) / "findings_run.json"
-    run = upgrade_options(json.loads(path.read_text())) if path.exists() else {}
+    (`read_run`)."""
+    run = read_run(data_dir)
     return verdicts(read_tables(data_dir), obs_window=int(run.get("obs_window", 32)),
                     sliding_layers=run.get("sliding_layers", ()))
 

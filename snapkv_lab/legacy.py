@@ -27,5 +27,6 @@ def upgrade_options(options: dict) -> dict:
         value = out.pop(old, None)
         if value is not None:
             warnings.warn(f"findings option {old!r} is now named {new!r}", DeprecationWarning, stacklevel=3)
-            out[new] = value if out.get(new) is None else out[new]
+            if out.get(new) is None:
+                out[new] = value
     return out
