@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 import snapkv_lab
 from snapkv_lab import POLICIES, generate
+from snapkv_lab.timing import over_full_cache
 
 KEY = ("tokens", "batch", "policy")
 
@@ -108,16 +109,6 @@ def in_process(args, length: int, batch: int, name: str, subject) -> dict:
                     load_1min=os.getloadavg()[0])
 
 
-def relative(table: pd.DataFrame) -> pd.DataFrame:
-    """Each row's prefill, decode, KV and extra memory over the full cache's at the same length and batch."""
-    full = table[table.policy == "FullCache"].set_index(["tokens", "batch"])
-    for column in ("prefill_s", "decode_ms", "kv_mib", "extra_mb"):
-        if column in table:
-            base = [full[column].get((n, b), float("nan")) for n, b in zip(table.tokens, table.batch)]
-            table[f"{column}_vs_full"] = table[column] / base
-    return table
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_options(parser)
@@ -149,7 +140,7 @@ def main() -> None:
         row = in_process(args, length, batch, name, subject) if subject else measure(args, length, batch, name)
         done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
         done.to_csv(path, index=False)  # after every row: a stopped run resumes here
-    table = relative(done.copy())
+    table = over_full_cache(done)
     columns = ["tokens", "batch", "policy", "prefill_s", "scoring_s", "decode_ms", "kv_mib", "peak_mb", "extra_mb",
                "prefill_s_vs_full", "decode_ms_vs_full", "kv_mib_vs_full", "extra_mb_vs_full", "status", "load_1min"]
     print(f"\nEnd to end: {describe(args)}, every policy at {args.ratio:g} of the prompt, {args.new_tokens} new tokens "

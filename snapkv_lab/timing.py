@@ -49,6 +49,18 @@ def ms_per_token(step_seconds) -> float:
     return 1000 * sum(step_seconds) / len(step_seconds) if len(step_seconds) else float("nan")
 
 
+def over_full_cache(table, columns=("prefill_s", "decode_ms", "kv_mib", "extra_mb"), by=("tokens", "batch")):
+    """A timing table with `<column>_vs_full` beside each of `columns` it has: the row's value over the FullCache
+    row's with the same `by` values (NaN where no FullCache row matches). table: one row per (by..., policy)."""
+    table = table.copy()
+    full = table[table.policy == "FullCache"].set_index(list(by))
+    keys = list(zip(*(table[column] for column in by)))
+    for column in columns:
+        if column in table:
+            table[f"{column}_vs_full"] = table[column].to_numpy() / [full[column].get(key, float("nan")) for key in keys]
+    return table
+
+
 class SectionTimer:
     """Adds up the time of code sections on one device without synchronising inside them.
 
