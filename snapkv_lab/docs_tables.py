@@ -46,12 +46,12 @@ def _interval_cell(score: float, low: float, high: float) -> str:
     return f"{score:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
 
 
-def _leaderboard(data_dir: Path, name: str = "ruler") -> str:
-    """A committed RULER run (eval_<name>.csv: the 4k leaderboard, or the 8k run): its size, the score per policy, mode
-    and ratio, and the full cache per task."""
-    from .evaluation import full_cache_fails, leaderboard, read_results, task_scores
+def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
+    """A committed RULER run (<model>/eval_<name>.csv: the 4k leaderboard, the 8k run, Gemma's): its size, the score
+    per policy, mode and ratio, and the full cache per task."""
+    from .evaluation import leaderboard, read_results
 
-    table = read_results(data_dir / f"eval_{name}.csv")
+    table = read_results(data_dir / model / f"eval_{name}.csv")
     board = leaderboard(table)
     full, compressed = board[board.policy == "FullCache"], board[board.policy != "FullCache"]
     columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware") for ratio in sorted(compressed.ratio.unique())]
@@ -67,13 +67,31 @@ def _leaderboard(data_dir: Path, name: str = "ruler") -> str:
         part = part.set_index(["mode", "ratio"])
         lines.append(f"| {policy} | " + " | ".join(
             _interval_cell(*part.loc[c, ["score", "low", "high"]]) if c in part.index else "-" for c in columns) + " |")
+    return "\n".join(lines + ["", _full_cache_per_task(table)])
+
+
+def _full_cache_per_task(table) -> str:
+    """The full cache's score per task of an eval table, and the tasks it fails (evaluation.full_cache_fails: under 50)."""
+    from .evaluation import full_cache_fails, task_scores
+
     fails = full_cache_fails(table)
-    lines += ["", "The full cache per task (what compression can be judged on: "
-              + ("it fails " + ", ".join(fails) if fails else "it fails none") + "):", "",
-              "| task | full cache | examples |", "|---|---|---|"]
-    for _, row in task_scores(table[table["mode"] == "full"]).iterrows():
-        lines.append(f"| {row.task} | {_interval_cell(row.score, row.low, row.high)} | {row.examples} |")
+    scores = task_scores(table[table["mode"] == "full"])
+    by_length = scores.length.nunique() > 1
+    lines = ["The full cache per task (what compression can be judged on: "
+             + ("it fails " + ", ".join(fails) if fails else "it fails none") + "):", "",
+             "| task | " + ("length | " if by_length else "") + "full cache | examples |",
+             "|---|" + ("---:|" if by_length else "") + "---|---|"]
+    for _, row in scores.iterrows():
+        lines.append(f"| {row.task} | " + (f"{row.length} | " if by_length else "")
+                     + f"{_interval_cell(row.score, row.low, row.high)} | {row.examples} |")
     return "\n".join(lines)
+
+
+def _full_cache_tasks(data_dir: Path, name: str, model: str = "") -> str:
+    """The full cache per task of a committed eval run (<model>/eval_<name>.csv) that asks every task."""
+    from .evaluation import read_results
+
+    return _full_cache_per_task(read_results(data_dir / model / f"eval_{name}.csv"))
 
 
 # The benchmark scripts' committed results sit beside data/ in the repository: blocks read them from there.

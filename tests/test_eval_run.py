@@ -217,6 +217,32 @@ def test_gap_to_the_full_cache_is_paired_by_example():
     assert gap.full == pytest.approx(100 * full.mean())
 
 
+def test_a_run_at_several_lengths_is_scored_per_length_as_ruler_reports_it(tmp_path):
+    """RULER reports each length on its own: a policy that keeps every needle at 4k and none at 8k scores 100 and 0,
+    not a pooled 50, and its gap is paired with the full cache of the same length."""
+    from snapkv_lab.evaluation import full_cache_fails
+    from snapkv_lab.evaluation.figures import draw
+
+    rows = [("a", f"{n}-0-{e}", "FullCache", 0.0, "full", 1.0) for n in (4096, 8192) for e in range(3)] + \
+           [("b", f"{n}-0-{e}", "FullCache", 0.0, "full", float(n == 4096)) for n in (4096, 8192) for e in range(3)] + \
+           [(t, f"{n}-0-{e}", "SnapKV", r, "query-aware", float(n == 4096)) for t in "ab" for n in (4096, 8192)
+            for e in range(3) for r in (0.25, 0.5)]
+    table = _scores(rows).assign(length=lambda t: t.example.str.split("-").str[0].astype(int))
+    board = leaderboard(table, n_boot=200).set_index(["length", "policy", "ratio", "mode"])
+    assert board.loc[(4096, "SnapKV", 0.5, "query-aware"), "score"] == pytest.approx(100)
+    assert board.loc[(8192, "SnapKV", 0.5, "query-aware"), "score"] == pytest.approx(0)
+    assert board.loc[(8192, "FullCache", 0.0, "query-aware"), "score"] == pytest.approx(50)  # task b fails at 8k
+    assert board.loc[(8192, "SnapKV", 0.5, "query-aware"), "examples"] == 6  # 2 tasks x 3, none from 4k
+    gap = gap_to_full(table, n_boot=0).set_index(["length", "task", "ratio"]).gap
+    assert gap[(4096, "a", 0.5)] == 0 and gap[(8192, "a", 0.5)] == -100 and gap[(8192, "b", 0.5)] == 0
+    assert full_cache_fails(table) == ["b at 8192"]
+    assert full_cache_fails(table[table.length == 8192]) == ["b"]
+    (tmp_path / "data").mkdir()
+    table.assign(model="tiny").to_csv(tmp_path / "data" / "eval_toy.csv", index=False)
+    names = {p.name for p in draw(tmp_path / "data", tmp_path)}
+    assert {"eval_toy_4096_leaderboard.png", "eval_toy_8192_gap.html"} <= names and "eval_toy_leaderboard.png" not in names
+
+
 def test_the_committed_leaderboard_resumes_under_todays_code():
     """Every committed row's example and policy is a cell today's code would run, in its policy group, so `snapkv-lab
     figures --recompute --only eval` grows the committed run instead of starting a new one beside it (a policy field

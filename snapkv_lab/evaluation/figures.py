@@ -31,22 +31,34 @@ def _title(table: pd.DataFrame, what: str) -> str:
     examples = table.groupby("task").example.nunique()
     counts = f"{examples.min()}" if examples.min() == examples.max() else f"{examples.min()}-{examples.max()}"
     plural = "" if counts == "1" else "s"
-    return (f"{what}, {model}: {', '.join(sorted(table.dataset.unique()))}, {len(examples)} tasks, {counts} "
+    lengths = _lengths(table)
+    length = f" at {lengths[0]} tokens" if len(lengths) == 1 else ""
+    return (f"{what}, {model}: {', '.join(sorted(table.dataset.unique()))}{length}, {len(examples)} tasks, {counts} "
             f"example{plural} per task")
+
+
+def _lengths(table: pd.DataFrame) -> list[int]:
+    """The prompt lengths of a generated set's run ([] for sets of fixed texts)."""
+    return sorted(table.length.dropna().unique()) if "length" in table else []
 
 
 def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
     """The three figures of every data_dir/eval_<name>.csv (or of the named ones), into
-    figures_dir/eval_<name>_{leaderboard,heatmap,gap}."""
+    figures_dir/eval_<name>_{leaderboard,heatmap,gap}; a run at several lengths, one set per length, as RULER
+    reports them: eval_<name>_<length>_{leaderboard,heatmap,gap}."""
     written = []
     paths = sorted(Path(data_dir).glob("eval_*.csv")) if names is None else [Path(data_dir) / f"eval_{n}.csv" for n in names]
     for path in paths:
         table = read_results(path)
-        stem = Path(figures_dir) / path.stem
-        written += leaderboard_figure(table, stem.with_name(stem.name + "_leaderboard"))
-        middle = middle_budget(table)
-        written += heatmap_figure(table, middle, stem.with_name(stem.name + "_heatmap"))
-        written += gap_figure(table, middle, stem.with_name(stem.name + "_gap"))
+        lengths = _lengths(table)
+        parts = [(path.stem, table)] if len(lengths) < 2 else \
+            [(f"{path.stem}_{n}", table[table.length == n]) for n in lengths]
+        for name, part in parts:
+            stem = Path(figures_dir) / name
+            written += leaderboard_figure(part, stem.with_name(name + "_leaderboard"))
+            middle = middle_budget(part)
+            written += heatmap_figure(part, middle, stem.with_name(name + "_heatmap"))
+            written += gap_figure(part, middle, stem.with_name(name + "_gap"))
     return written
 
 
