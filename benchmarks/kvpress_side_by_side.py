@@ -55,6 +55,8 @@ from _common import markdown  # noqa: E402 (benchmarks/ is on sys.path when this
 from kvpress_peer import (  # noqa: E402
     N_TOKENS, RATIO, ROWS, KvpressServer, build, default_venv, kvpress_style_ids, n_kept, side_by_side, venv_problem)
 
+from snapkv_lab.corpus import redact_essays  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 # --timing: the rows timed ({timing label: ROWS label}) and the questions asked about each context.
@@ -300,7 +302,8 @@ def run_timing(args) -> None:
                                   same_answers=round(sum(a == b for a, b in pairs) / len(pairs), 3),
                                   lab_runs=" ".join(f"{t:.3f}" for t in times[label]["lab"]),
                                   kvpress_runs=" ".join(f"{t:.3f}" for t in times[label]["kvpress"]),
-                                  lab_answer=answers[label]["lab"][-1][0], kvpress_answer=answers[label]["kvpress"][-1][0]))
+                                  lab_answer=redact_essays(answers[label]["lab"][-1][0]),
+                                  kvpress_answer=redact_essays(answers[label]["kvpress"][-1][0])))
     finished = datetime.datetime.now(datetime.timezone.utc)
     write_timing(args, pd.DataFrame(table), versions, threads, len(questions), started, finished, loads, noise)
 

