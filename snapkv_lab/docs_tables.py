@@ -73,10 +73,11 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
 def _full_cache_per_task(table) -> str:
     """The full cache's score per task of an eval table, and the tasks it fails (evaluation.full_cache_fails: under 50)."""
     from .evaluation import full_cache_fails, task_scores
+    from .evaluation.summary import lengths
 
     fails = full_cache_fails(table)
     scores = task_scores(table[table["mode"] == "full"])
-    by_length = scores.length.nunique() > 1
+    by_length = len(lengths(table)) > 1
     lines = ["The full cache per task (what compression can be judged on: "
              + ("it fails " + ", ".join(fails) if fails else "it fails none") + "):", "",
              "| task | " + ("length | " if by_length else "") + "full cache | examples |",

@@ -21,10 +21,10 @@ import pandas as pd
 import torch
 
 from ..ab import kept_tokens_html
-from ..corpus import redact_essays
 from ..capture import capture
 from ..compression import SharedPrefill
 from ..compression.answering import AnswerRun, answer_runs
+from ..corpus import redact_essays
 from ..coverage import attention_coverage, coverage_summary
 from ..policies import FullCache, policy_from_config, upgrade_config
 from ..tokens import token_span

@@ -17,7 +17,7 @@ import pandas as pd
 from ..figures import write_html
 from ..pressure.figures import HEATMAP_COLOURS, LINE_COLOURS, MARKERS
 from .run import read_results
-from .summary import _budget, gap_to_full, leaderboard, task_scores
+from .summary import _budget, gap_to_full, leaderboard, lengths, task_scores
 
 SCORE_LABEL = "score (0-100)"
 
@@ -31,15 +31,10 @@ def _title(table: pd.DataFrame, what: str) -> str:
     examples = table.groupby("task").example.nunique()
     counts = f"{examples.min()}" if examples.min() == examples.max() else f"{examples.min()}-{examples.max()}"
     plural = "" if counts == "1" else "s"
-    lengths = _lengths(table)
-    length = f" at {lengths[0]} tokens" if len(lengths) == 1 else ""
+    held = lengths(table)
+    length = f" at {held[0]} tokens" if len(held) == 1 else ""
     return (f"{what}, {model}: {', '.join(sorted(table.dataset.unique()))}{length}, {len(examples)} tasks, {counts} "
             f"example{plural} per task")
-
-
-def _lengths(table: pd.DataFrame) -> list[int]:
-    """The prompt lengths of a generated set's run ([] for sets of fixed texts)."""
-    return sorted(table.length.dropna().unique()) if "length" in table else []
 
 
 def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
@@ -50,9 +45,8 @@ def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
     paths = sorted(Path(data_dir).glob("eval_*.csv")) if names is None else [Path(data_dir) / f"eval_{n}.csv" for n in names]
     for path in paths:
         table = read_results(path)
-        lengths = _lengths(table)
-        parts = [(path.stem, table)] if len(lengths) < 2 else \
-            [(f"{path.stem}_{n}", table[table.length == n]) for n in lengths]
+        held = lengths(table)
+        parts = [(path.stem, table)] if len(held) < 2 else [(f"{path.stem}_{n}", table[table.length == n]) for n in held]
         for name, part in parts:
             stem = Path(figures_dir) / name
             written += leaderboard_figure(part, stem.with_name(name + "_leaderboard"))

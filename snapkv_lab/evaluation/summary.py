@@ -27,6 +27,11 @@ def _scope(table: pd.DataFrame) -> list[str]:
     return ["dataset", "length"] if "length" in table.columns else ["dataset"]
 
 
+def lengths(table: pd.DataFrame) -> list[int]:
+    """The prompt lengths a generated set's run holds, sorted ([] for sets of fixed texts)."""
+    return sorted(table.length.dropna().unique()) if "length" in table.columns else []
+
+
 def example_scores(table: pd.DataFrame) -> pd.DataFrame:
     """One row per (dataset, [length,] task, example, policy, budget, mode): the mean score over its questions, x 100.
     The full cache's rows are repeated under every mode of the run, so that each mode's line has its baseline."""
@@ -97,6 +102,6 @@ def full_cache_fails(table: pd.DataFrame, below: float = 50.0) -> list[str]:
     of several lengths names a task failed at some of them as "task at LENGTH" for each."""
     full = task_scores(table[table["mode"] == "full"], n_boot=0)
     failed = full[full.score < below]
-    if "length" not in full or full.length.nunique() < 2:
+    if len(lengths(table)) < 2:
         return sorted(failed.task.unique())
     return [f"{r.task} at {r.length}" for r in failed.sort_values(["task", "length"]).itertuples()]

@@ -14,9 +14,9 @@ import pandas as pd
 import torch
 
 from ..compression import SharedPrefill
-from ..corpus import redact_essays
 from ..compression.answering import MODES, answer_runs
 from ..compression.compressor import CompressionState
+from ..corpus import redact_essays
 from ..inputs import check_context_length
 from ..kept import kept_mask
 from ..policies import H2O, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
