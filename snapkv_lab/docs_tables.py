@@ -95,6 +95,38 @@ def _full_cache_tasks(data_dir: Path, name: str, model: str = "") -> str:
     return _full_cache_per_task(read_results(data_dir / model / f"eval_{name}.csv"))
 
 
+def _differences(data_dir: Path, name: str = "ruler", model: str = "") -> str:
+    """A committed RULER run's paired differences to SnapKV at its middle ratio (evaluation.paired_difference): per
+    policy and mode, the difference [95% interval] and the sign-flip test's p, bold where Holm's adjustment over
+    the run's comparisons leaves it under 0.05."""
+    from .evaluation import paired_difference, read_results
+    from .evaluation.figures import BASELINE, middle_budget
+
+    table = read_results(data_dir / model / f"eval_{name}.csv")
+    ratio = middle_budget(table)
+    differences = paired_difference(table, BASELINE)
+    asked = len(differences)
+    differences = differences[differences.ratio == ratio]
+    modes = [m for m in ("query-agnostic", "query-aware") if m in set(differences["mode"])]
+    policies = differences.groupby("policy").difference.mean().sort_values(ascending=False, kind="stable").index
+    differences = differences.set_index(["policy", "mode"])
+    lines = [f"Score less {BASELINE}'s on the same examples at ratio {ratio:g} (points, the mean over tasks), [95% "
+             f"bootstrap interval] and the p of a paired sign-flip test; bold where it holds after Holm's adjustment "
+             f"for the run's {asked} comparisons (every policy, ratio and mode), p_holm < 0.05:", "",
+             "| policy | " + " | ".join(mode.removeprefix("query-") for mode in modes) + " |", "|---|" + "---|" * len(modes)]
+    for policy in policies:
+        cells = []
+        for mode in modes:
+            if (policy, mode) not in differences.index:
+                cells.append("-")
+                continue
+            row = differences.loc[(policy, mode)]
+            cell = f"{_interval_cell(row.difference, row.low, row.high)}, p {row.p:.2g}"
+            cells.append(f"**{cell}**" if row.separated else cell)
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # The benchmark scripts' committed results sit beside data/ in the repository: blocks read them from there.
 RESULTS = "../benchmarks/results"
 
@@ -195,6 +227,7 @@ BLOCKS = {
     "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
                                    _findings_side_by_side),
     "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
+    "difference": Block("benchmarks.md", ("eval_ruler.csv",), _differences),
     "leaderboard-8k": Block("benchmarks.md", ("eval_ruler_8k.csv",), functools.partial(_leaderboard, name="ruler_8k")),
     "full-cache-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_tasks.csv",),
                               functools.partial(_full_cache_tasks, name="ruler_4k_tasks", model="gemma-3-270m")),

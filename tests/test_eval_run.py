@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ByteTokenizer, make_tiny_llama
 from snapkv_lab.evaluation import (Example, Question, budgets, encode_example, eval_cells, evaluate, gap_to_full,
-                                   leaderboard, read_results, run_example, task_scores)
+                                   leaderboard, paired_difference, read_results, run_example, task_scores)
 from snapkv_lab.evaluation import registry
 from snapkv_lab.evaluation import explain
 from snapkv_lab.policies import SnapKV, StreamingLLM, policy_config
@@ -217,6 +217,50 @@ def test_gap_to_the_full_cache_is_paired_by_example():
     assert gap.full == pytest.approx(100 * full.mean())
 
 
+def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overlap(tmp_path):
+    # Examples range from easy to hard for both policies; KVzip keeps 10 points more than SnapKV on every example of
+    # task a and the same on task b, at ratio 0.5 only (at 0.25 they tie). Hand-worked: (10 + 0) / 2 = 5, no spread.
+    easy_to_hard = [0.9, 0.2, 0.6, 0.4, 0.8, 0.1, 0.5, 0.3]
+    rows = [(t, e, "FullCache", 0.0, "full", 1.0) for t in "ab" for e in range(8)]
+    for ratio, lead in ((0.25, 0.0), (0.5, 0.1)):
+        rows += [(t, e, "SnapKV", ratio, "query-agnostic", s) for t in "ab" for e, s in enumerate(easy_to_hard)]
+        rows += [(t, e, "KVzip", ratio, "query-agnostic", s + (lead if t == "a" else 0.0))
+                 for t in "ab" for e, s in enumerate(easy_to_hard)]
+    table = _scores(rows)
+    difference = paired_difference(table, baseline="SnapKV", n_boot=300).set_index(["policy", "ratio"])
+    assert list(difference.index) == [("KVzip", 0.25), ("KVzip", 0.5)]  # the full cache has no ratio to pair on
+    at_half = difference.loc[("KVzip", 0.5)]
+    assert (at_half.difference, at_half.low, at_half.high) == pytest.approx((5, 5, 5))
+    assert at_half.separated and at_half.tasks == 2 and at_half.examples == 16 and at_half.baseline == "SnapKV"
+    assert at_half.p == pytest.approx(2 / 2 ** 8)  # exact sign-flip test: 8 nonzero differences, all one way
+    assert at_half.p_holm == pytest.approx(2 * 2 / 2 ** 8)  # Holm over the table's two rows: the smaller p doubled
+    assert difference.loc[("KVzip", 0.25), "difference"] == pytest.approx(0)
+    assert not difference.loc[("KVzip", 0.25), "separated"]
+    board = leaderboard(table, n_boot=300).set_index(["policy", "ratio"])
+    assert board.loc[("KVzip", 0.5), "low"] < board.loc[("SnapKV", 0.5), "high"]  # unpaired: they overlap
+
+    # mixed signs: KVzip wins one example by 50 and loses the next by 50; the interval straddles 0
+    mixed = _scores([("a", e, p, 0.5, "query-aware", s) for e in range(8)
+                     for p, s in (("SnapKV", 0.5), ("KVzip", 0.5 + (0.5 if e % 2 else -0.5)))])
+    row = paired_difference(mixed, n_boot=500).iloc[0]
+    assert row.difference == pytest.approx(0) and row.low < 0 < row.high and not row.separated
+    # five examples that all agree: the bootstrap interval is a point, but five coin flips agree one time in 16
+    five = _scores([("a", e, p, 0.5, "query-aware", s) for e in range(5) for p, s in (("SnapKV", 0.0), ("KVzip", 1.0))])
+    row = paired_difference(five, n_boot=200).iloc[0]
+    assert row.low == row.high == 100 and row.p == pytest.approx(2 / 32) and not row.separated
+    # past 16 nonzero differences the flips are drawn: 20 agreeing examples are never matched by chance
+    twenty = _scores([("a", e, p, 0.5, "query-aware", s) for e in range(20) for p, s in (("SnapKV", 0.0), ("KVzip", 0.1))])
+    assert paired_difference(twenty, n_boot=0, n_perm=2000).iloc[0].p == pytest.approx(1 / 2001)
+    with pytest.raises(ValueError, match="no rows of 'TOVA'"):
+        paired_difference(mixed, baseline="TOVA")
+
+    from snapkv_lab.evaluation.figures import draw
+
+    table.to_csv(tmp_path / "eval_toy.csv", index=False)
+    names = {p.name for p in draw(tmp_path, tmp_path)}
+    assert {"eval_toy_difference.png", "eval_toy_difference.html"} <= names
+
+
 def test_a_run_at_several_lengths_is_scored_per_length_as_ruler_reports_it(tmp_path):
     """RULER reports each length on its own: a policy that keeps every needle at 4k and none at 8k scores 100 and 0,
     not a pooled 50, and its gap is paired with the full cache of the same length."""
@@ -241,6 +285,7 @@ def test_a_run_at_several_lengths_is_scored_per_length_as_ruler_reports_it(tmp_p
     table.assign(model="tiny").to_csv(tmp_path / "data" / "eval_toy.csv", index=False)
     names = {p.name for p in draw(tmp_path / "data", tmp_path)}
     assert {"eval_toy_4096_leaderboard.png", "eval_toy_8192_gap.html"} <= names and "eval_toy_leaderboard.png" not in names
+    assert not any("difference" in name for name in names)  # SnapKV alone: nothing to read against it
 
 
 def test_the_committed_leaderboard_resumes_under_todays_code():

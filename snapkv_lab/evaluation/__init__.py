@@ -22,7 +22,7 @@ from .examples import Benchmark, Example, Question
 from .explain import Explanation, explain
 from .prompting import EncodedExample, encode_example
 from .run import RATIOS, budgets, eval_cells, evaluate, read_results, reuse_rows, run_example
-from .summary import full_cache_fails, gap_to_full, leaderboard, task_scores
+from .summary import full_cache_fails, gap_to_full, leaderboard, paired_difference, task_scores
 
 
 def __getattr__(name):
@@ -95,4 +95,4 @@ register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_def
 
 __all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Explanation",
            "Question", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
-           "leaderboard", "read_results", "recompute", "reuse_rows", "run_example", "task_scores"]
+           "leaderboard", "paired_difference", "read_results", "recompute", "reuse_rows", "run_example", "task_scores"]

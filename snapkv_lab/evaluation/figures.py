@@ -5,6 +5,9 @@
 - heatmap: policy x task at one budget, per mode, each cell its score (viridis, labelled).
 - gap: each task's score less the full cache's on the same examples, per policy at one budget (paired intervals in
   the HTML's hover).
+- difference (where the run has SnapKV and another compressed policy): each policy's score less SnapKV's on the same
+  examples at one budget, per mode, with its paired 95% interval (summary.paired_difference); filled where a paired
+  sign-flip test gives p < 0.05. The leaderboard's intervals overlap where this may still separate.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pandas as pd
 from ..figures import write_html
 from ..pressure.figures import HEATMAP_COLOURS, LINE_COLOURS, MARKERS
 from .run import read_results
-from .summary import _budget, gap_to_full, leaderboard, lengths, task_scores
+from .summary import _budget, gap_to_full, leaderboard, lengths, paired_difference, task_scores
 
 SCORE_LABEL = "score (0-100)"
 
@@ -38,9 +41,9 @@ def _title(table: pd.DataFrame, what: str) -> str:
 
 
 def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
-    """The three figures of every data_dir/eval_<name>.csv (or of the named ones), into
-    figures_dir/eval_<name>_{leaderboard,heatmap,gap}; a run at several lengths, one set per length, as RULER
-    reports them: eval_<name>_<length>_{leaderboard,heatmap,gap}."""
+    """The figures of every data_dir/eval_<name>.csv (or of the named ones), into
+    figures_dir/eval_<name>_{leaderboard,heatmap,gap,difference}; a run at several lengths, one set per length, as
+    RULER reports them: eval_<name>_<length>_{leaderboard,heatmap,gap,difference}."""
     written = []
     paths = sorted(Path(data_dir).glob("eval_*.csv")) if names is None else [Path(data_dir) / f"eval_{n}.csv" for n in names]
     for path in paths:
@@ -53,6 +56,8 @@ def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
             middle = middle_budget(part)
             written += heatmap_figure(part, middle, stem.with_name(name + "_heatmap"))
             written += gap_figure(part, middle, stem.with_name(name + "_gap"))
+            if BASELINE in set(part.policy) and part.loc[part["mode"] != "full", "policy"].nunique() > 1:
+                written += difference_figure(part, middle, stem.with_name(name + "_difference"))
     return written
 
 
@@ -175,3 +180,53 @@ def gap_figure(table: pd.DataFrame, at: float, stem: Path) -> list[Path]:
     title = _title(table, f"Gap to the full cache at {_at(budget, at)}") + " (score - full cache, paired)"
     return _policy_task_grid(gaps, "gap", title, stem, colours=GAP_COLOURS, limits=(-100, 100),
                              label="score - full cache", hover=["low", "high", "full", "examples"])
+
+
+# The method the lab is named for: every other policy is read against it.
+BASELINE = "SnapKV"
+
+
+def difference_figure(table: pd.DataFrame, at: float, stem: Path, baseline: str = BASELINE) -> list[Path]:
+    """Each policy's score less `baseline`'s on the same examples at one budget, per mode: the paired difference
+    over tasks with its 95% interval (summary.paired_difference), filled where its sign-flip test gives p < 0.05;
+    policies ordered by their difference averaged over the modes."""
+    from matplotlib.figure import Figure
+    import plotly.express as px
+
+    budget = _budget(table)
+    differences = paired_difference(table, baseline)
+    differences = differences[differences[budget] == at]
+    modes = _modes(differences)
+    policies = list(differences.groupby("policy").difference.mean().sort_values(kind="stable").index)
+    title = (_title(table, f"Score - {baseline} at {_at(budget, at)}") + "\npaired 95% bootstrap intervals over "
+             "examples; filled: p < 0.05 in a paired sign-flip test")
+    fig = Figure(figsize=(4.4 * len(modes) + 1.6, 0.28 * len(policies) + 1.6), layout="constrained")
+    axes = fig.subplots(1, len(modes), squeeze=False, sharey=True)[0]
+    for ax, mode in zip(axes, modes, strict=True):
+        rows = differences[differences["mode"] == mode].set_index("policy").reindex(policies)
+        y = np.arange(len(policies))
+        ax.axvline(0, color="k", lw=0.8, ls=":")
+        ax.errorbar(rows.difference, y, xerr=[rows.difference - rows.low, rows.high - rows.difference], fmt="none",
+                    ecolor="0.4", lw=1.2, capsize=2)
+        separated = rows.separated.fillna(False).astype(bool).to_numpy()
+        ax.scatter(rows.difference[separated], y[separated], color=LINE_COLOURS[0], zorder=3, s=22,
+                   label="p < 0.05")
+        ax.scatter(rows.difference[~separated], y[~separated], facecolors="white", edgecolors=LINE_COLOURS[0],
+                   zorder=3, s=22, label="p >= 0.05")
+        ax.set_yticks(y, policies, fontsize=7)
+        ax.set_title(mode, fontsize=9)
+        ax.set_xlabel(f"score - {baseline} (points, paired)", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    png = stem.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    shown = differences.assign(plus=differences.high - differences.difference,
+                               minus=differences.difference - differences.low)
+    interactive = px.scatter(shown, x="difference", y="policy", facet_col="mode", symbol="separated",
+                             error_x="plus", error_x_minus="minus", hover_data=["low", "high", "p", "tasks", "examples"],
+                             category_orders={"mode": modes, "policy": policies}, title=title.replace("\n", "<br>"),
+                             labels={"difference": f"score - {baseline} (points, paired)"})
+    interactive.add_vline(x=0, line_dash="dot")
+    interactive.update_layout(height=24 * len(policies) + 260, width=460 * len(modes) + 250)
+    return [png, write_html(interactive, stem.with_suffix(".html"))]

@@ -3,7 +3,7 @@
 Scores are on 0-100 (the benchmarks' reporting scale). An example's score is the mean over its questions; a task's
 score the mean over its examples; a dataset's the mean over its tasks (RULER's and LongBench's averages, as kvpress
 reports them). Intervals are 95% percentile bootstraps that resample examples within each task (seeded); the gap to
-the full cache is paired, resampling the same examples for both.
+the full cache and the difference between two policies are paired, resampling the same examples for both.
 
 A generated set run at several prompt lengths (RULER's `--lengths 4096 8192`) is scored per length, as RULER reports
 it: a table's `length` column, where it has one, is part of every key below (NA for sets of fixed texts).
@@ -80,21 +80,79 @@ def leaderboard(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Da
     return pd.DataFrame(rows).sort_values([*_scope(table), "mode", "policy", budget], ignore_index=True)
 
 
+def _paired(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """example_scores of every policy but `baseline`, each with `baseline_score`: the baseline's score on the same
+    example and mode (and budget, unless the baseline is the full cache, which has none); examples the baseline did
+    not answer are dropped."""
+    scores, scope, budget = example_scores(table), _scope(table), _budget(table)
+    if baseline not in set(scores.policy):
+        raise ValueError(f"the table has no rows of {baseline!r}: its policies are {sorted(set(scores.policy))}")
+    paired = [*scope, "task", "example", "mode"] + ([] if baseline == "FullCache" else [budget])
+    base = scores.loc[scores.policy == baseline, [*paired, "score"]].rename(columns={"score": "baseline_score"})
+    return scores[scores.policy != baseline].merge(base, on=paired, how="inner")
+
+
 def gap_to_full(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Per (dataset, [length,] task, policy, budget, mode): the policy's score less the full cache's on the same
     examples (paired), with its interval: negative where compression loses. The full cache's own score rides along."""
-    scores, scope = example_scores(table), _scope(table)
-    keys = [*scope, "task", "policy", _budget(table), "mode"]
-    paired = [*scope, "task", "example", "mode"]
-    full = {tuple(key): score for *key, score in
-            scores.loc[scores.policy == "FullCache", [*paired, "score"]].itertuples(index=False)}
-    rows = []
-    for key, part in scores[scores.policy != "FullCache"].groupby(keys, dropna=False, sort=False):
-        baseline = np.array([full[tuple(k)] for k in part[paired].itertuples(index=False)])
-        estimate, low, high = _interval([part.score.to_numpy() - baseline], n_boot, seed)
-        rows.append(dict(zip(keys, key), gap=estimate, low=low, high=high, full=float(baseline.mean()),
-                         examples=len(part)))
-    return pd.DataFrame(rows)
+    keys = [*_scope(table), "task", "policy", _budget(table), "mode"]
+    out = []
+    for key, part in _paired(table, "FullCache").groupby(keys, dropna=False, sort=False):
+        estimate, low, high = _interval([(part.score - part.baseline_score).to_numpy()], n_boot, seed)
+        out.append(dict(zip(keys, key), gap=estimate, low=low, high=high,
+                        full=float(part.baseline_score.mean()), examples=len(part)))
+    return pd.DataFrame(out)
+
+
+def _sign_flip_p(groups: list[np.ndarray], n_perm: int, seed: int) -> float:
+    """Two-sided p of a paired sign-flip (randomisation) test of a mean over tasks of per-task mean differences: under
+    "no difference" each example's difference is as likely to have either sign. Exact over every flip of the nonzero
+    differences when there are at most 16 of them, else n_perm random flips. Unlike a percentile bootstrap, which
+    collapses to a point on one or two examples per task, it cannot call fewer than six agreeing examples a
+    difference (all of five agree: p = 2 / 32)."""
+    weights = np.concatenate([np.full(len(values), 1 / (len(values) * len(groups))) for values in groups])
+    terms = weights * np.concatenate(groups)
+    terms = terms[terms != 0]
+    if len(terms) == 0:
+        return 1.0
+    if len(terms) <= 16:
+        signs = 1 - 2 * ((np.arange(2 ** len(terms))[:, None] >> np.arange(len(terms))) & 1)
+    else:
+        signs = np.random.default_rng(seed).choice([-1, 1], size=(n_perm, len(terms)))
+    flipped = np.abs(signs @ terms)
+    extreme = np.count_nonzero(flipped >= abs(terms.sum()) * (1 - 1e-9))
+    return float(extreme / len(flipped)) if len(terms) <= 16 else float((extreme + 1) / (n_perm + 1))
+
+
+def _holm(p: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjustment of p-values for the family they form (each at most 1, order kept)."""
+    order = np.argsort(p, kind="stable")
+    adjusted = np.maximum.accumulate(np.minimum(1.0, (len(p) - np.arange(len(p))) * p[order]))
+    return adjusted[np.argsort(order, kind="stable")]
+
+
+def paired_difference(table: pd.DataFrame, baseline: str = "SnapKV", n_boot: int = 2000, seed: int = 0,
+                      n_perm: int = 20000) -> pd.DataFrame:
+    """Per (dataset, [length,] policy, budget, mode): the policy's leaderboard score less `baseline`'s at the same
+    budget and mode, on the examples both answered (the mean over tasks of each task's mean paired difference), with a
+    95% bootstrap interval that resamples examples within each task for both at once, the two-sided p of a paired
+    sign-flip test (_sign_flip_p), `p_holm` (Holm-adjusted over every row returned: a table of 20 policies, 3
+    budgets and 2 modes asks 120 questions, and some would pass 0.05 by chance) and `separated` where p_holm < 0.05.
+    The question a leaderboard's overlapping intervals cannot answer: does A beat B on these examples? Pairing
+    removes what the examples share (a hard example is hard for both), so it separates methods that unpaired
+    intervals leave overlapping; the test, not the interval, decides, because on a handful of examples the
+    bootstrap interval shrinks to a point."""
+    keys = [*_scope(table), "policy", _budget(table), "mode"]
+    out = []
+    for key, part in _paired(table, baseline).groupby(keys, dropna=False, sort=False):
+        groups = [(task.score - task.baseline_score).to_numpy() for _, task in part.groupby("task", sort=False)]
+        estimate, low, high = _interval(groups, n_boot, seed)
+        p = _sign_flip_p(groups, n_perm, seed)
+        out.append(dict(zip(keys, key), baseline=baseline, difference=estimate, low=low, high=high, p=p,
+                        tasks=len(groups), examples=len(part)))
+    out = pd.DataFrame(out)
+    out.insert(out.columns.get_loc("p") + 1, "p_holm", _holm(out.p.to_numpy()))
+    return out.assign(separated=out.p_holm < 0.05)
 
 
 def full_cache_fails(table: pd.DataFrame, below: float = 50.0) -> list[str]:
