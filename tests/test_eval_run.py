@@ -261,6 +261,29 @@ def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overl
     assert {"eval_toy_difference.png", "eval_toy_difference.html"} <= names
 
 
+def test_the_sign_flip_p_is_the_share_of_sign_assignments_at_least_as_extreme():
+    """Against the test's definition, enumerated: every assignment of signs to every example's difference (zeros
+    included, which the implementation drops), the statistic the mean over tasks of task means."""
+    import itertools
+
+    from snapkv_lab.evaluation.summary import _sign_flip_p
+
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        groups = [np.round(rng.normal(0.4, 1.0, n), 1) * rng.integers(0, 2, n) for n in (5, 4)]  # some zeros
+        observed = abs(np.mean([g.mean() for g in groups]))
+        flat, count = np.concatenate(groups), 0
+        for signs in itertools.product((-1, 1), repeat=len(flat)):
+            flipped = np.asarray(signs) * flat
+            count += abs(np.mean([flipped[:5].mean(), flipped[5:].mean()])) >= observed - 1e-12
+        assert _sign_flip_p(groups, 1000, 0) == pytest.approx(count / 2 ** len(flat))
+    scipy_stats = pytest.importorskip("scipy.stats")
+    one = rng.normal(0.3, 1.0, 11)
+    official = scipy_stats.permutation_test((one, np.zeros(11)), lambda a, b, axis: np.mean(a - b, axis=axis),
+                                            permutation_type="samples", n_resamples=np.inf)
+    assert _sign_flip_p([one], 1000, 0) == pytest.approx(official.pvalue)
+
+
 def test_a_run_at_several_lengths_is_scored_per_length_as_ruler_reports_it(tmp_path):
     """RULER reports each length on its own: a policy that keeps every needle at 4k and none at 8k scores 100 and 0,
     not a pooled 50, and its gap is paired with the full cache of the same length."""
