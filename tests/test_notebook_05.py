@@ -16,4 +16,5 @@ def test_benchmark_explained_notebook():
     assert "of the full cache's answer attention" in text and "Of the needle's tokens it kept" in text
     pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "red box" in pages and "coverage" in pages  # the explanation's kept-token view and summary
+    assert "p_holm" in pages  # StreamingLLM read against SnapKV on the same examples
     assert count_plotly(outputs) >= 1
