@@ -253,6 +253,8 @@ def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overl
     assert paired_difference(twenty, n_boot=0, n_perm=2000).iloc[0].p == pytest.approx(1 / 2001)
     with pytest.raises(ValueError, match="no rows of 'TOVA'"):
         paired_difference(mixed, baseline="TOVA")
+    alone = paired_difference(mixed[mixed.policy == "SnapKV"])  # nothing to read against it: no rows, same columns
+    assert alone.empty and {"difference", "p_holm", "separated"} <= set(alone.columns)
 
     from snapkv_lab.evaluation.figures import draw
 

@@ -150,8 +150,9 @@ def paired_difference(table: pd.DataFrame, baseline: str = "SnapKV", n_boot: int
         p = _sign_flip_p(groups, n_perm, seed)
         out.append(dict(zip(keys, key), baseline=baseline, difference=estimate, low=low, high=high, p=p,
                         tasks=len(groups), examples=len(part)))
-    out = pd.DataFrame(out)
-    out.insert(out.columns.get_loc("p") + 1, "p_holm", _holm(out.p.to_numpy()))
+    columns = [*keys, "baseline", "difference", "low", "high", "p", "tasks", "examples"]
+    out = pd.DataFrame(out, columns=columns)  # no rows where nothing else ran at the baseline's budgets
+    out.insert(columns.index("p") + 1, "p_holm", _holm(out.p.to_numpy(dtype=float)))
     return out.assign(separated=out.p_holm < 0.05)
 
 
