@@ -7,7 +7,7 @@
   the HTML's hover).
 - difference (where the run has SnapKV and another compressed policy): each policy's score less SnapKV's on the same
   examples at one budget, per mode, with its paired 95% interval (summary.paired_difference); filled where a paired
-  sign-flip test gives p < 0.05. The leaderboard's intervals overlap where this may still separate.
+  sign-flip test, Holm-adjusted over the run's comparisons, gives p < 0.05. The leaderboard's intervals overlap where this may still separate.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ BASELINE = "SnapKV"
 
 def difference_figure(table: pd.DataFrame, at: float, stem: Path, baseline: str = BASELINE) -> list[Path]:
     """Each policy's score less `baseline`'s on the same examples at one budget, per mode: the paired difference
-    over tasks with its 95% interval (summary.paired_difference), filled where its sign-flip test gives p < 0.05;
+    over tasks with its 95% interval (summary.paired_difference), filled where it is `separated` (p_holm < 0.05);
     policies ordered by their difference averaged over the modes."""
     from matplotlib.figure import Figure
     import plotly.express as px
@@ -199,7 +199,7 @@ def difference_figure(table: pd.DataFrame, at: float, stem: Path, baseline: str 
     modes = _modes(differences)
     policies = list(differences.groupby("policy").difference.mean().sort_values(kind="stable").index)
     title = (_title(table, f"Score - {baseline} at {_at(budget, at)}") + "\npaired 95% bootstrap intervals over "
-             "examples; filled: p < 0.05 in a paired sign-flip test")
+             "examples; filled: p < 0.05 in a paired sign-flip test, Holm-adjusted over the run")
     fig = Figure(figsize=(4.4 * len(modes) + 1.6, 0.28 * len(policies) + 1.6), layout="constrained")
     axes = fig.subplots(1, len(modes), squeeze=False, sharey=True)[0]
     for ax, mode in zip(axes, modes, strict=True):
@@ -210,9 +210,9 @@ def difference_figure(table: pd.DataFrame, at: float, stem: Path, baseline: str 
                     ecolor="0.4", lw=1.2, capsize=2)
         separated = rows.separated.fillna(False).astype(bool).to_numpy()
         ax.scatter(rows.difference[separated], y[separated], color=LINE_COLOURS[0], zorder=3, s=22,
-                   label="p < 0.05")
+                   label="p_holm < 0.05")
         ax.scatter(rows.difference[~separated], y[~separated], facecolors="white", edgecolors=LINE_COLOURS[0],
-                   zorder=3, s=22, label="p >= 0.05")
+                   zorder=3, s=22, label="p_holm >= 0.05")
         ax.set_yticks(y, policies, fontsize=7)
         ax.set_title(mode, fontsize=9)
         ax.set_xlabel(f"score - {baseline} (points, paired)", fontsize=9)
