@@ -114,7 +114,8 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "") -> str:
     lines = [f"Score less {BASELINE}'s on the same examples at ratio {ratio:g} (points, the mean over tasks), [95% "
              f"bootstrap interval] and the p of a paired sign-flip test; bold where it holds after Holm's adjustment "
              f"for the run's {asked} comparisons (every policy, ratio and mode), p_holm < 0.05:", "",
-             "| policy | " + " | ".join(mode.removeprefix("query-") for mode in modes) + " |", "|---|" + "---|" * len(modes)]
+             "| policy | " + " | ".join(mode.removeprefix("query-") for mode in modes) + " |",
+             "|---|" + "---|" * len(modes)]
     for policy in policies:
         cells = []
         for mode in modes:

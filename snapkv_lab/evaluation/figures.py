@@ -7,7 +7,8 @@
   the HTML's hover).
 - difference (where the run has SnapKV and another compressed policy): each policy's score less SnapKV's on the same
   examples at one budget, per mode, with its paired 95% interval (summary.paired_difference); filled where a paired
-  sign-flip test, Holm-adjusted over the run's comparisons, gives p < 0.05. The leaderboard's intervals overlap where this may still separate.
+  sign-flip test, Holm-adjusted over the run's comparisons, gives p < 0.05. The leaderboard's intervals overlap
+  where this may still separate.
 """
 
 from __future__ import annotations
