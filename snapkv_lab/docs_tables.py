@@ -97,23 +97,24 @@ def _full_cache_tasks(data_dir: Path, name: str, model: str = "") -> str:
 
 
 def _differences(data_dir: Path, name: str = "ruler", model: str = "") -> str:
-    """A committed RULER run's paired differences to SnapKV at its middle ratio (evaluation.paired_difference): per
+    """A committed RULER run's paired differences to SnapKV at its middle budget (evaluation.paired_difference): per
     policy and mode, the difference [95% interval] and the sign-flip test's p, bold where Holm's adjustment over
     the run's comparisons leaves it under 0.05."""
     from .evaluation import paired_difference, read_results
-    from .evaluation.figures import BASELINE, middle_budget
+    from .evaluation.figures import BASELINE, _at, _modes, middle_budget
+    from .evaluation.summary import _budget
 
     table = read_results(data_dir / model / f"eval_{name}.csv")
-    ratio = middle_budget(table)
+    budget, middle = _budget(table), middle_budget(table)
     differences = paired_difference(table, BASELINE)
     asked = len(differences)
-    differences = differences[differences.ratio == ratio]
-    modes = [m for m in ("query-agnostic", "query-aware") if m in set(differences["mode"])]
+    differences = differences[differences[budget] == middle]
+    modes = _modes(differences)
     policies = differences.groupby("policy").difference.mean().sort_values(ascending=False, kind="stable").index
     differences = differences.set_index(["policy", "mode"])
-    lines = [f"Score less {BASELINE}'s on the same examples at ratio {ratio:g} (points, the mean over tasks), [95% "
-             f"bootstrap interval] and the p of a paired sign-flip test; bold where it holds after Holm's adjustment "
-             f"for the run's {asked} comparisons (every policy, ratio and mode), p_holm < 0.05:", "",
+    lines = [f"Score less {BASELINE}'s on the same examples at {_at(budget, middle)} (points, the mean over tasks), "
+             f"[95% bootstrap interval] and the p of a paired sign-flip test; bold where it holds after Holm's "
+             f"adjustment for the run's {asked} comparisons (every policy, {budget} and mode), p_holm < 0.05:", "",
              "| policy | " + " | ".join(mode.removeprefix("query-") for mode in modes) + " |",
              "|---|" + "---|" * len(modes)]
     for policy in policies:

@@ -115,13 +115,14 @@ def _sign_flip_p(groups: list[np.ndarray], n_perm: int, seed: int) -> float:
     terms = terms[terms != 0]
     if len(terms) == 0:
         return 1.0
-    if len(terms) <= 16:
+    exact = len(terms) <= 16
+    if exact:
         signs = 1 - 2 * ((np.arange(2 ** len(terms))[:, None] >> np.arange(len(terms))) & 1)
     else:
         signs = np.random.default_rng(seed).choice([-1, 1], size=(n_perm, len(terms)))
-    flipped = np.abs(signs @ terms)
-    extreme = np.count_nonzero(flipped >= abs(terms.sum()) * (1 - 1e-9))
-    return float(extreme / len(flipped)) if len(terms) <= 16 else float((extreme + 1) / (n_perm + 1))
+    extreme = np.count_nonzero(np.abs(signs @ terms) >= abs(terms.sum()) * (1 - 1e-9))
+    # drawn flips count the observed one too, so that p is never 0
+    return extreme / len(signs) if exact else (extreme + 1) / (n_perm + 1)
 
 
 def _holm(p: np.ndarray) -> np.ndarray:
