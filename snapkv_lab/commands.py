@@ -115,8 +115,9 @@ def evaluate(args) -> int:
     except (ValueError, ImportError, FileNotFoundError, ConnectionError) as err:
         print(f"snapkv-lab eval: error: {err}", file=sys.stderr)
         return 2
-    if args.reuse is not None and not Path(args.reuse).is_file():
-        print(f"snapkv-lab eval: error: --reuse {args.reuse}: no such table", file=sys.stderr)
+    missing = [path for path in args.reuse or () if not Path(path).is_file()]
+    if missing:
+        print(f"snapkv-lab eval: error: --reuse {' '.join(missing)}: no such table", file=sys.stderr)
         return 2
     target = data_dir / f"eval_{args.name or '+'.join(args.dataset)}.csv"
     before = _examples_and_policies(target)
@@ -297,9 +298,10 @@ def _eval_arguments(p) -> None:
                    help="a local folder of a Hub set's rows, <task>.jsonl in the set's own schema, instead of the Hub")
     p.add_argument("--name", default=None,
                    help="the run's table and figures: <data-dir>/eval_<name>.csv (default the datasets joined by +)")
-    p.add_argument("--reuse", default=None, metavar="CSV",
-                   help="an earlier eval table (e.g. a committed one): the examples it answers whole, under the same "
-                        "model, policies, budgets and modes, are taken from it instead of run")
+    p.add_argument("--reuse", default=None, nargs="+", metavar="CSV",
+                   help="earlier eval tables (e.g. a committed one): the examples they answer whole together, under "
+                        "the same model, policies, budgets and modes, are taken from them instead of run (one run at "
+                        "ratio 0.5 and another at 0.25 and 0.75 answer a run at all three)")
     _executor_arguments(p)
 
 

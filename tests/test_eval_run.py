@@ -380,6 +380,9 @@ def test_cli_eval_runs_ruler_on_the_bundled_model_and_a_rerun_resumes(tmp_path, 
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "2 already in" in err and "0 to run" in err
+    assert main([*args, "--reuse", str(data / "eval_ruler.csv"), str(tmp_path / "none.csv")]) == 2
+    err = capsys.readouterr().err
+    assert f"--reuse {tmp_path / 'none.csv'}: no such table" in err and "eval_ruler.csv" not in err
 
 
 def test_recompute_runs_each_group_and_writes_one_joined_table(tmp_path, monkeypatch):
@@ -440,6 +443,36 @@ def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tmp_path
     gap = earlier.drop(index=earlier.index[(earlier.example == "1") & earlier.policy.str.startswith("SnapKV")][0])
     evaluate(policies=groups[0], limit=2, data_dir=tmp_path / "gap", reuse=gap, **options)
     assert "1 taken whole" in capsys.readouterr().err
+
+
+def test_runs_at_different_ratios_join_into_the_run_at_all_of_them(toy, tmp_path, monkeypatch, capsys):
+    """reuse takes several tables: a run at ratio 0.5 and one at 0.25 (over the same examples) answer a run at both
+    whole, and the joined table is the one a fresh run at both writes, row for row; a table missing a ratio leaves
+    the cells to run."""
+    from snapkv_lab.models import model_name
+
+    def default_model(name):
+        model = make_tiny_llama()
+        model.config.name_or_path = model_name(None)
+        return model, ByteTokenizer()
+
+    monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", default_model)
+    options = dict(datasets=["toy"], tasks=["twice"], policies=["SnapKV(window_size=8)", "StreamingLLM(kept_tail=8)"],
+                   modes=["query-agnostic", "query-aware"], limit=2)
+    for ratio in (0.5, 0.25):
+        evaluate(ratios=[ratio], data_dir=tmp_path / str(ratio), **options)
+    fresh = evaluate(ratios=[0.25, 0.5], data_dir=tmp_path / "fresh", **options)
+    capsys.readouterr()
+    tables = [tmp_path / "0.5" / "eval_toy.csv", tmp_path / "0.25" / "eval_toy.csv"]
+    joined = evaluate(ratios=[0.25, 0.5], data_dir=tmp_path / "joined", reuse=tables, **options)
+    err = capsys.readouterr().err
+    assert "2 taken whole" in err and "0 to run" in err
+    timings = ["prefill_s", "selection_s", "decode_ms_per_token"]
+    assert sorted(joined.ratio.unique()) == [0.0, 0.25, 0.5]
+    assert joined.drop(columns=timings).to_csv(index=False) == fresh.drop(columns=timings).to_csv(index=False)
+
+    evaluate(ratios=[0.25, 0.5, 0.75], data_dir=tmp_path / "short", reuse=tables, **options)
+    assert "0 taken whole" in capsys.readouterr().err
 
 
 def test_the_committed_leaderboard_is_reused_whole_by_a_fresh_clone(tmp_path):

@@ -19,6 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -169,9 +170,9 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     its middle (None: the model's own limit less the answer's tokens); lengths and seed: of generated sets (RULER);
     source: a local folder of a Hub set's rows (JSONL per task) instead of the Hub; name: the table's name
     (default the datasets joined by "+"). Cells are stored in <data_dir>/cells/eval/. reuse: an earlier table
-    of this run's kind (a path or a DataFrame, e.g. a committed eval_ruler.csv): the cells it answers whole are
-    stored from its rows instead of being run (reuse_rows), so a fresh clone grows a committed run by its new
-    examples only.
+    of this run's kind (a path or a DataFrame, e.g. a committed eval_ruler.csv), or a list of them: the cells they
+    answer whole together are stored from their rows instead of being run (reuse_rows), so a fresh clone grows a
+    committed run by its new examples only, and runs of the same examples at different ratios join into one.
 
     Columns: model, dataset, task, example, spec and policy_config (JSON: what rebuilds the example and the policy,
     see evaluation.explain), question, metric, policy, ratio (0 for the full cache), capacity,
@@ -197,7 +198,9 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=model, options=options,
                     seeds=[seed])
     if reuse is not None:
-        reused = reuse_rows(cells, store, read_results(reuse) if isinstance(reuse, (str, Path)) else reuse)
+        tables = [reuse] if isinstance(reuse, (str, Path, pd.DataFrame)) else list(reuse)
+        reused = reuse_rows(cells, store, pd.concat([read_results(t) if isinstance(t, (str, Path)) else t
+                                                     for t in tables], ignore_index=True))
         print(f"eval cells: {reused} taken whole from an earlier table's rows", file=sys.stderr, flush=True)
     table = run_cells(cells, run_example, store, model=model, executor=executor, ray_address=ray_address,
                       desc="eval cells", manifest=manifest)
@@ -211,6 +214,8 @@ def reuse_rows(cells, store, table: pd.DataFrame) -> int:
     answer it whole; returns how many were stored. A cell is answered whole when the table holds, for its model
     and example, every policy x budget x mode of the cell's config, each for the same questions as the full
     cache's rows; anything less (another model, budget or policy setting, a missing answer) leaves the cell to run.
+    `table` may join several runs' tables (e.g. one at ratio 0.5, one at 0.25 and 0.75): an answer or a full-cache
+    row found twice is taken from the first, and the cell's rows are stored in the order run_example writes them.
 
     A joined leaderboard keeps each example's full-cache rows once (evaluation.joined_tables), so a later group's
     cell takes them from the first group's: the same prompts answered by the same model; only their timings are the
@@ -228,13 +233,20 @@ def reuse_rows(cells, store, table: pd.DataFrame) -> int:
             continue
         full = (rows["mode"] == "full") & ~rows.duplicated(["mode", "question"])
         questions = sorted(rows.question[full])
-        wanted = {(json.dumps(policy_config(dataclasses.replace(policy_from_config(entry), capacity=_capacity(b)))), mode)
-                  for entry in config["policies"] for b in config["budgets"] for mode in config["modes"]}
+        # run_example's order: per question the full cache, then policy by policy, budget by budget, MODES' order.
+        answers = [(entry, b, mode) for entry in config["policies"] for b in config["budgets"]
+                   for mode in MODES if mode in config["modes"]]
+        wanted = {(json.dumps(policy_config(dataclasses.replace(policy_from_config(entry), capacity=_capacity(b)))), mode):
+                  rank for rank, (entry, b, mode) in enumerate(answers, start=1)}
         answer = pd.Series([pair in wanted for pair in zip(rows.policy_config, rows["mode"])], index=rows.index)
+        answer &= ~rows.duplicated(["policy_config", "mode", "question"])
         answered = rows[answer].groupby(["policy_config", "mode"]).question.agg(lambda q: sorted(q) == questions)
-        if not questions or set(answered.index) != wanted or not answered.all():
+        if not questions or set(answered.index) != set(wanted) or not answered.all():
             continue
-        store.put(cell, rows[full | answer].reset_index(drop=True))  # in the table's order: a rewrite moves no row
+        kept = rows[full | answer]
+        rank = [wanted.get(pair, 0) for pair in zip(kept.policy_config, kept["mode"])]  # 0: the full cache's
+        order = np.lexsort((rank, kept.question.to_numpy()))
+        store.put(cell, kept.iloc[order].reset_index(drop=True))
         stored += 1
     return stored
 
