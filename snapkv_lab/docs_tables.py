@@ -96,34 +96,37 @@ def _full_cache_tasks(data_dir: Path, name: str, model: str = "") -> str:
     return _full_cache_per_task(read_results(data_dir / model / f"eval_{name}.csv"))
 
 
-def _differences(data_dir: Path, name: str = "ruler", model: str = "") -> str:
-    """A committed RULER run's paired differences to SnapKV at its middle budget (evaluation.paired_difference): per
-    policy and mode, the difference [95% interval] and the sign-flip test's p, bold where Holm's adjustment over
-    the run's comparisons leaves it under 0.05."""
+def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_budget: bool = False) -> str:
+    """A committed RULER run's paired differences to SnapKV (evaluation.paired_difference) at its middle budget, or
+    at every budget: per policy, mode (and budget), the difference [95% interval] and the sign-flip test's p, bold
+    where Holm's adjustment over the run's comparisons leaves it under 0.05."""
     from .evaluation import paired_difference, read_results
     from .evaluation.figures import BASELINE, _at, _modes, middle_budget
     from .evaluation.summary import _budget
 
     table = read_results(data_dir / model / f"eval_{name}.csv")
-    budget, middle = _budget(table), middle_budget(table)
+    budget = _budget(table)
     differences = paired_difference(table, BASELINE)
     asked = len(differences)
-    differences = differences[differences[budget] == middle]
-    modes = _modes(differences)
+    steps = sorted(differences[budget].unique()) if every_budget else [middle_budget(table)]
+    differences = differences[differences[budget].isin(steps)]
+    columns = [(mode, step) for mode in _modes(differences) for step in steps]
     policies = differences.groupby("policy").difference.mean().sort_values(ascending=False, kind="stable").index
-    differences = differences.set_index(["policy", "mode"])
-    lines = [f"Score less {BASELINE}'s on the same examples at {_at(budget, middle)} (points, the mean over tasks), "
+    differences = differences.set_index(["policy", "mode", budget])
+    where = f"per {budget}" if every_budget else f"at {_at(budget, steps[0])}"
+    lines = [f"Score less {BASELINE}'s on the same examples {where} (points, the mean over tasks), "
              f"[95% bootstrap interval] and the p of a paired sign-flip test; bold where it holds after Holm's "
              f"adjustment for the run's {asked} comparisons (every policy, {budget} and mode), p_holm < 0.05:", "",
-             "| policy | " + " | ".join(mode.removeprefix("query-") for mode in modes) + " |",
-             "|---|" + "---|" * len(modes)]
+             "| policy | " + " | ".join(mode.removeprefix("query-") + (f" {step:g}" if every_budget else "")
+                                       for mode, step in columns) + " |",
+             "|---|" + "---|" * len(columns)]
     for policy in policies:
         cells = []
-        for mode in modes:
-            if (policy, mode) not in differences.index:
+        for mode, step in columns:
+            if (policy, mode, step) not in differences.index:
                 cells.append("-")
                 continue
-            row = differences.loc[(policy, mode)]
+            row = differences.loc[(policy, mode, step)]
             cell = f"{_interval_cell(row.difference, row.low, row.high)}, p {row.p:.2g}"
             cells.append(f"**{cell}**" if row.separated else cell)
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")

@@ -261,6 +261,8 @@ def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overl
     table.to_csv(tmp_path / "eval_toy.csv", index=False)
     names = {p.name for p in draw(tmp_path, tmp_path)}
     assert {"eval_toy_difference.png", "eval_toy_difference.html"} <= names
+    page = (tmp_path / "eval_toy_difference.html").read_text()
+    assert "ratio=0.25" in page and "ratio=0.5" in page  # a panel per budget, as Holm counted them
 
 
 def test_the_sign_flip_p_is_the_share_of_sign_assignments_at_least_as_extreme():

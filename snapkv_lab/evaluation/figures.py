@@ -58,7 +58,7 @@ def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
             written += heatmap_figure(part, middle, stem.with_name(name + "_heatmap"))
             written += gap_figure(part, middle, stem.with_name(name + "_gap"))
             if BASELINE in set(part.policy) and part.loc[part["mode"] != "full", "policy"].nunique() > 1:
-                written += difference_figure(part, middle, stem.with_name(name + "_difference"))
+                written += difference_figure(part, stem.with_name(name + "_difference"))
     return written
 
 
@@ -187,47 +187,53 @@ def gap_figure(table: pd.DataFrame, at: float, stem: Path) -> list[Path]:
 BASELINE = "SnapKV"
 
 
-def difference_figure(table: pd.DataFrame, at: float, stem: Path, baseline: str = BASELINE) -> list[Path]:
-    """Each policy's score less `baseline`'s on the same examples at one budget, per mode: the paired difference
-    over tasks with its 95% interval (summary.paired_difference), filled where it is `separated` (p_holm < 0.05);
-    policies ordered by their difference averaged over the modes."""
+def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE) -> list[Path]:
+    """Each policy's score less `baseline`'s on the same examples, per mode (columns) and budget (rows): the paired
+    difference over tasks with its 95% interval (summary.paired_difference), filled where it is `separated`
+    (p_holm < 0.05, Holm over every panel); policies ordered by their difference averaged over modes and budgets."""
     from matplotlib.figure import Figure
     import plotly.express as px
 
     budget = _budget(table)
     differences = paired_difference(table, baseline)
-    differences = differences[differences[budget] == at]
-    modes = _modes(differences)
+    modes, steps = _modes(differences), sorted(differences[budget].unique())
     policies = list(differences.groupby("policy").difference.mean().sort_values(kind="stable").index)
-    title = (_title(table, f"Score - {baseline} at {_at(budget, at)}") + "\npaired 95% bootstrap intervals over "
-             "examples; filled: p < 0.05 in a paired sign-flip test, Holm-adjusted over the run")
-    fig = Figure(figsize=(4.4 * len(modes) + 1.6, 0.28 * len(policies) + 1.6), layout="constrained")
-    axes = fig.subplots(1, len(modes), squeeze=False, sharey=True)[0]
-    for ax, mode in zip(axes, modes, strict=True):
-        rows = differences[differences["mode"] == mode].set_index("policy").reindex(policies)
-        y = np.arange(len(policies))
-        ax.axvline(0, color="k", lw=0.8, ls=":")
-        ax.errorbar(rows.difference, y, xerr=[rows.difference - rows.low, rows.high - rows.difference], fmt="none",
-                    ecolor="0.4", lw=1.2, capsize=2)
-        separated = rows.separated.fillna(False).astype(bool).to_numpy()
-        ax.scatter(rows.difference[separated], y[separated], color=LINE_COLOURS[0], zorder=3, s=22,
-                   label="p_holm < 0.05")
-        ax.scatter(rows.difference[~separated], y[~separated], facecolors="white", edgecolors=LINE_COLOURS[0],
-                   zorder=3, s=22, label="p_holm >= 0.05")
-        ax.set_yticks(y, policies, fontsize=7)
-        ax.set_title(mode, fontsize=9)
+    title = (_title(table, f"Score - {baseline}") + "\npaired 95% bootstrap intervals over examples; filled: p < 0.05 "
+             "in a paired sign-flip test, Holm-adjusted over the run")
+    fig = Figure(figsize=(4.4 * len(modes) + 1.6, (0.28 * len(policies) + 0.9) * len(steps) + 0.7),
+                 layout="constrained")
+    grid = fig.subplots(len(steps), len(modes), squeeze=False, sharey=True, sharex=True)
+    for row_axes, step in zip(grid, steps, strict=True):
+        for ax, mode in zip(row_axes, modes, strict=True):
+            rows = differences[(differences["mode"] == mode) & (differences[budget] == step)]
+            rows = rows.set_index("policy").reindex(policies)
+            y = np.arange(len(policies))
+            ax.axvline(0, color="k", lw=0.8, ls=":")
+            ax.errorbar(rows.difference, y, xerr=[rows.difference - rows.low, rows.high - rows.difference],
+                        fmt="none", ecolor="0.4", lw=1.2, capsize=2)
+            separated = rows.separated.fillna(False).astype(bool).to_numpy()
+            ax.scatter(rows.difference[separated], y[separated], color=LINE_COLOURS[0], zorder=3, s=22,
+                       label="p_holm < 0.05")
+            ax.scatter(rows.difference[~separated], y[~separated], facecolors="white", edgecolors=LINE_COLOURS[0],
+                       zorder=3, s=22, label="p_holm >= 0.05")
+            ax.set_yticks(y, policies, fontsize=7)
+            ax.set_title(f"{mode}, {_at(budget, step)}", fontsize=9)
+            ax.grid(alpha=0.3, axis="x")
+    for ax in grid[-1]:
         ax.set_xlabel(f"score - {baseline} (points, paired)", fontsize=9)
-        ax.grid(alpha=0.3, axis="x")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7, frameon=False)
+    fig.legend(*grid[0][0].get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7,
+               frameon=False)
     fig.suptitle(title, fontsize=9)
     png = stem.with_suffix(".png")
     fig.savefig(png, dpi=110)
     shown = differences.assign(plus=differences.high - differences.difference,
                                minus=differences.difference - differences.low)
-    interactive = px.scatter(shown, x="difference", y="policy", facet_col="mode", symbol="separated",
-                             error_x="plus", error_x_minus="minus", hover_data=["low", "high", "p", "tasks", "examples"],
-                             category_orders={"mode": modes, "policy": policies}, title=title.replace("\n", "<br>"),
+    interactive = px.scatter(shown, x="difference", y="policy", facet_col="mode", facet_row=budget,
+                             symbol="separated", error_x="plus", error_x_minus="minus",
+                             hover_data=["low", "high", "p", "p_holm", "tasks", "examples"],
+                             category_orders={"mode": modes, "policy": policies, budget: steps},
+                             title=title.replace("\n", "<br>"),
                              labels={"difference": f"score - {baseline} (points, paired)"})
     interactive.add_vline(x=0, line_dash="dot")
-    interactive.update_layout(height=24 * len(policies) + 260, width=460 * len(modes) + 250)
+    interactive.update_layout(height=(24 * len(policies) + 60) * len(steps) + 200, width=460 * len(modes) + 250)
     return [png, write_html(interactive, stem.with_suffix(".html"))]
