@@ -101,7 +101,7 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
     at every budget: per policy, mode (and budget), the difference [95% interval] and the sign-flip test's p, bold
     where Holm's adjustment over the run's comparisons leaves it under 0.05."""
     from .evaluation import paired_difference, read_results
-    from .evaluation.figures import BASELINE, _at, _modes, middle_budget
+    from .evaluation.figures import BASELINE, _at, _modes, by_difference, middle_budget
     from .evaluation.summary import _budget
 
     table = read_results(data_dir / model / f"eval_{name}.csv")
@@ -111,7 +111,7 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
     steps = sorted(differences[budget].unique()) if every_budget else [middle_budget(table)]
     differences = differences[differences[budget].isin(steps)]
     columns = [(mode, step) for mode in _modes(differences) for step in steps]
-    policies = differences.groupby("policy").difference.mean().sort_values(ascending=False, kind="stable").index
+    policies = by_difference(differences)
     differences = differences.set_index(["policy", "mode", budget])
     where = f"per {budget}" if every_budget else f"at {_at(budget, steps[0])}"
     lines = [f"Score less {BASELINE}'s on the same examples {where} (points, the mean over tasks), "

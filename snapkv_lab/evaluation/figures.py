@@ -187,6 +187,11 @@ def gap_figure(table: pd.DataFrame, at: float, stem: Path) -> list[Path]:
 BASELINE = "SnapKV"
 
 
+def by_difference(differences: pd.DataFrame) -> list[str]:
+    """The policies of a paired_difference table, the largest difference (averaged over its modes and budgets) first."""
+    return list(differences.groupby("policy").difference.mean().sort_values(ascending=False, kind="stable").index)
+
+
 def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE) -> list[Path]:
     """Each policy's score less `baseline`'s on the same examples, per mode (columns) and budget (rows): the paired
     difference over tasks with its 95% interval (summary.paired_difference), filled where it is `separated`
@@ -197,7 +202,7 @@ def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE)
     budget = _budget(table)
     differences = paired_difference(table, baseline)
     modes, steps = _modes(differences), sorted(differences[budget].unique())
-    policies = list(differences.groupby("policy").difference.mean().sort_values(kind="stable").index)
+    policies = by_difference(differences)[::-1]  # the largest at the top: y counts up
     title = (_title(table, f"Score - {baseline}") + "\npaired 95% bootstrap intervals over examples; filled: p < 0.05 "
              "in a paired sign-flip test, Holm-adjusted over the run")
     fig = Figure(figsize=(4.4 * len(modes) + 1.6, (0.28 * len(policies) + 0.9) * len(steps) + 0.7),
