@@ -57,7 +57,8 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
     columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware") for ratio in sorted(compressed.ratio.unique())]
     examples = table.drop_duplicates(["task", "example"]).groupby("task", sort=False).size()
     per_task = f"{examples.min()}" if examples.min() == examples.max() else f"{examples.min()} to {examples.max()}"
-    lines = [f"{len(examples)} tasks, {int(examples.sum())} examples ({per_task} per task); "
+    plural = lambda n, word: f"{n} {word}" + ("" if n == 1 else "s")  # noqa: E731
+    lines = [f"{plural(len(examples), 'task')}, {plural(int(examples.sum()), 'example')} ({per_task} per task); "
              "score (0-100) per policy, mode and compression ratio, the mean over tasks, [95% interval] over examples "
              "where a task has two or more:", "",
              "| policy | " + " | ".join(f"{mode.removeprefix('query-')} {ratio:g}" for mode, ratio in columns) + " |",
@@ -241,6 +242,15 @@ BLOCKS = {
     "difference-answered-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_answered.csv",),
                                        functools.partial(_differences, name="ruler_4k_answered",
                                                          model="gemma-3-270m")),
+    "leaderboard-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv",),
+                                functools.partial(_leaderboard, name="ruler_4k_ratios")),
+    "difference-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv",),
+                               functools.partial(_differences, name="ruler_4k_ratios", every_budget=True)),
+    "leaderboard-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv",),
+                                      functools.partial(_leaderboard, name="ruler_4k_ratios", model="gemma-3-270m")),
+    "difference-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv",),
+                                     functools.partial(_differences, name="ruler_4k_ratios", model="gemma-3-270m",
+                                                       every_budget=True)),
     "leaderboard-8k": Block("benchmarks.md", ("eval_ruler_8k.csv",), functools.partial(_leaderboard, name="ruler_8k")),
     "full-cache-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_tasks.csv",),
                               functools.partial(_full_cache_tasks, name="ruler_4k_tasks", model="gemma-3-270m")),
