@@ -47,6 +47,11 @@ def toy(monkeypatch):
     return registry.DATASETS["toy"]
 
 
+@pytest.fixture
+def tiny_as_default(monkeypatch):
+    """The tiny model stands in for the default bundled one, under its name: reused rows match by it."""
+
+
 class ChatByteTokenizer(ByteTokenizer):
     """The byte tokenizer with a chat template: "<u>content</u><a>" around one user turn."""
 
@@ -406,19 +411,11 @@ def test_recompute_runs_each_group_and_writes_one_joined_table(tmp_path, monkeyp
     assert sorted(table.policy) == sorted(["FullCache", *evaluation.leaderboard_policies()])
 
 
-def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tmp_path, monkeypatch, capsys):
+def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tiny_as_default, tmp_path, capsys):
     """reuse: the examples an earlier (joined) table answers whole are stored from its rows, each group's cells
     alike; a new example runs; another budget, or a missing answer, leaves the cell to run."""
     from snapkv_lab.evaluation import joined_tables
 
-    from snapkv_lab.models import model_name
-
-    def default_model(name):  # the tiny model stands in for the default bundled one, under its name (rows match by it)
-        model = make_tiny_llama()
-        model.config.name_or_path = model_name(None)
-        return model, ByteTokenizer()
-
-    monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", default_model)
     groups = (["SnapKV(window_size=8)"], ["StreamingLLM(kept_tail=8)"])
     options = dict(datasets=["toy"], tasks=["twice"], ratios=[0.5], modes=["query-agnostic", "query-aware"], write=False)
     first = [evaluate(policies=group, limit=2, data_dir=tmp_path / "first", **options) for group in groups]
@@ -447,18 +444,10 @@ def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tmp_path
     assert "1 taken whole" in capsys.readouterr().err
 
 
-def test_runs_at_different_ratios_join_into_the_run_at_all_of_them(toy, tmp_path, monkeypatch, capsys):
+def test_runs_at_different_ratios_join_into_the_run_at_all_of_them(toy, tiny_as_default, tmp_path, capsys):
     """reuse takes several tables: a run at ratio 0.5 and one at 0.25 (over the same examples) answer a run at both
     whole, and the joined table is the one a fresh run at both writes, row for row; a table missing a ratio leaves
     the cells to run."""
-    from snapkv_lab.models import model_name
-
-    def default_model(name):
-        model = make_tiny_llama()
-        model.config.name_or_path = model_name(None)
-        return model, ByteTokenizer()
-
-    monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", default_model)
     options = dict(datasets=["toy"], tasks=["twice"], policies=["SnapKV(window_size=8)", "StreamingLLM(kept_tail=8)"],
                    modes=["query-agnostic", "query-aware"], limit=2)
     for ratio in (0.5, 0.25):
