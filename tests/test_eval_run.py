@@ -181,6 +181,10 @@ def test_explain_reruns_a_row_exactly_and_measures_its_coverage(toy):
             kept = why.kept_indices
             expected = sum(((k[0] >= start) & (k[0] < start + 3)).sum().item() for k in kept) / (2 * 2 * 3)
             assert summary.loc[row.policy, "fact 0 kept"] == pytest.approx(expected)
+            by_head = why.facts_kept().set_index(["layer", "kv_head", "fact"]).kept
+            assert len(by_head) == 2 * 2  # two layers, two KV heads, one fact
+            for (layer, head, _), share in by_head.items():
+                assert share == len({p for p in kept[layer][0, head].tolist() if start <= p < start + 3}) / 3
             assert why.coverage.coverage.dropna().lt(0.999).any()  # half the context dropped: not everything covered
     tampered = table.iloc[1].copy()
     tampered["prediction"] = "something else"

@@ -71,9 +71,23 @@ class Explanation:
                                         for name, text in answers.items()}, orient="index")
         covered = coverage_summary(self.coverage.assign(policy=self.row["policy"]), sinks="excluded")
         table.loc[self.row["policy"], ["coverage", "oracle", "chance"]] = covered.iloc[0][["coverage", "oracle", "chance"]]
-        for i, (start, end) in enumerate(self.spans):
-            table.loc[self.row["policy"], f"fact {i} kept"] = _kept_share(self.kept_indices, start, end)
+        if self.spans:
+            shares = self.facts_kept().groupby("fact").kept.mean()  # every head counts alike: a fact's length each
+            for i, share in shares.items():
+                table.loc[self.row["policy"], f"fact {i} kept"] = share
         return table
+
+    def facts_kept(self) -> pd.DataFrame:
+        """Per layer, KV head and marked fact: the share of the fact's positions the head kept (`kept`, in [0, 1]).
+        Where a policy keeps as much of a needle as random eviction on average and still loses it, this says
+        which heads dropped it whole. Columns: layer, kv_head, fact, kept."""
+        rows = []
+        for layer, kept in enumerate(self.kept_indices):  # (1, kv_heads, kept)
+            for head, positions in enumerate(kept[0]):
+                for fact, (start, end) in enumerate(self.spans):
+                    inside = ((positions >= start) & (positions < end)).sum().item()
+                    rows.append(dict(layer=layer, kv_head=head, fact=fact, kept=inside / (end - start)))
+        return pd.DataFrame(rows, columns=["layer", "kv_head", "fact", "kept"])
 
     def kept_view(self, layer: int | None = None, head: int | None = None, around: tuple[int, int] | None = None):
         """IPython HTML of the prompt shaded by how often each token was kept, the first marked fact boxed; `around`
@@ -95,12 +109,6 @@ class Explanation:
                 f"{html.escape(str(row['policy']))} at {budget}, {html.escape(str(row['mode']))}</h4>"
                 f"<p>references: {html.escape(', '.join(self.question.answers))}</p>")
         return head + self.summary()._repr_html_() + self.kept_view().data
-
-
-def _kept_share(kept_indices, start: int, end: int) -> float:
-    """Share of the (layer, KV head, position) entries of [start, end) that were kept."""
-    kept = [((k[0] >= start) & (k[0] < end)).sum().item() for k in kept_indices]
-    return sum(kept) / (len(kept_indices) * kept_indices[0].shape[1] * (end - start))
 
 
 def _fact_spans(tokenizer, example: Example, encoded: EncodedExample, framing: str) -> list[tuple[int, int]]:
