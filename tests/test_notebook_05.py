@@ -14,6 +14,7 @@ def test_benchmark_explained_notebook():
     text = printed(outputs)
     assert "tasks the full cache fails" in text and "References:" in text
     assert "of the full cache's answer attention" in text and "Of the needle's tokens it kept" in text
+    assert "KV heads kept under half of a needle" in text
     pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "red box" in pages and "coverage" in pages  # the explanation's kept-token view and summary
     assert "p_holm" in pages  # StreamingLLM read against SnapKV on the same examples
