@@ -45,9 +45,12 @@ FIGURE_SETS: dict[str, FigureSet] = {}
 def write_html(figure, path: Path) -> Path:
     """A plotly figure as a small HTML page that renders offline: plotly.js is written once beside it
     (plotly.min.js in the same folder, loaded by a relative script tag; no CDN, which leaves a blank page
-    without network). The div id is the file's name, not a random one, so that redrawing unchanged tables
-    leaves the file unchanged."""
-    figure.write_html(path, include_plotlyjs="directory", div_id=Path(path).stem)
+    without network). A page in a folder whose parent already holds plotly.min.js (a model's figures/<model>/)
+    loads that one, ../plotly.min.js, instead of a second 4.6 MiB copy. The div id is the file's name, not a random
+    one, so that redrawing unchanged tables leaves the file unchanged."""
+    shared = Path(path).parent.parent / "plotly.min.js"
+    figure.write_html(path, include_plotlyjs="../plotly.min.js" if shared.is_file() else "directory",
+                      div_id=Path(path).stem)
     return Path(path)
 
 

@@ -82,3 +82,9 @@ def test_html_figures_load_plotly_from_beside_them(tmp_path):
     assert re.findall(r"<script[^>]*src=[^>]*>", page) == ['<script charset="utf-8" src="plotly.min.js">']
     assert "cdn" not in page.lower() and "https://" not in page and len(page) < 100_000
     assert (tmp_path / "plotly.min.js").read_text().startswith("/**")  # the library itself
+    # a model's folder inside it loads the parent's copy instead of writing a second one
+    (tmp_path / "model").mkdir()
+    figures.write_html(px.line(x=[1, 2], y=[3, 4]), tmp_path / "model" / "c.html")
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["c.html"]
+    assert re.findall(r"<script[^>]*src=[^>]*>", (tmp_path / "model" / "c.html").read_text()) == [
+        '<script charset="utf-8" src="../plotly.min.js">']
