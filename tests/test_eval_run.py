@@ -50,6 +50,14 @@ def toy(monkeypatch):
 @pytest.fixture
 def tiny_as_default(monkeypatch):
     """The tiny model stands in for the default bundled one, under its name: reused rows match by it."""
+    from snapkv_lab.models import model_name
+
+    def default_model(name):
+        model = make_tiny_llama()
+        model.config.name_or_path = model_name(None)
+        return model, ByteTokenizer()
+
+    monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", default_model)
 
 
 class ChatByteTokenizer(ByteTokenizer):
