@@ -170,8 +170,10 @@ def _share(low_closed: bool, what: str):
 
 
 def _policy(text: str) -> str:
-    from .policies import policy_spec
+    from .policies import ALL_POLICIES, policy_spec
 
+    if text == ALL_POLICIES:
+        return text
     try:
         policy_spec(text)
     except ValueError as err:
@@ -258,8 +260,8 @@ def _needle_arguments(p) -> None:
                         "ruler, the RULER-style suite)")
     p.add_argument("--policies", type=_policy, nargs="+", default=None, metavar="POLICY",
                    help="compression policies by name in snapkv_lab.POLICIES or wrapped, with settings: SnapKV H2O "
-                        "'AdaKV(SnapKV)' 'SnapKV(window_size=64)' (default SnapKV SnapKVNoPooling H2O StreamingLLM "
-                        "RandomKeep); suites that ablate a policy keep their own")
+                        "'AdaKV(SnapKV)' 'SnapKV(window_size=64)', or all: every one (default SnapKV SnapKVNoPooling H2O "
+                        "StreamingLLM RandomKeep); suites that ablate a policy keep their own")
     p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="KV budgets in tokens per head (default 256 512 1024 2048); suites that fix a budget keep theirs")
     p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"], default=None,
@@ -277,7 +279,8 @@ def _eval_arguments(p) -> None:
                    help="the benchmarks' own task names, e.g. niah_single_1 vt (default: each dataset's default tasks)")
     p.add_argument("--policies", type=_policy, nargs="+", default=["SnapKV"], metavar="POLICY",
                    help="policies by name in snapkv_lab.POLICIES or wrapped, with settings: SnapKV "
-                        "'AdaKV(ExpectedAttention)' 'SnapKV(window_size=64)' (default SnapKV); the full cache runs too")
+                        "'AdaKV(ExpectedAttention)' 'SnapKV(window_size=64)', or all: every compressor in POLICIES "
+                        "(default SnapKV); the full cache runs too")
     p.add_argument("--ratios", type=_share(False, "a compression ratio is the share of KV pairs removed"), nargs="+", default=None, metavar="R",
                    help="compression ratios as kvpress counts them, the share of KV pairs removed (default 0.25 0.5 0.75)")
     p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",

@@ -194,6 +194,16 @@ def test_figures_without_ray_says_how_to_install_it_before_any_model_runs(monkey
     assert "pip install 'snapkv_lab[ray]'" in capsys.readouterr().err
 
 
+def test_eval_takes_all_for_every_policy_and_refuses_a_misspelt_one(tmp_path, capsys):
+    from snapkv_lab.cli import main
+
+    assert main(["eval", "--data-dir", str(tmp_path), "--policies", "all", "--tasks", "niah"]) == 2
+    assert "unknown tasks ['niah']" in capsys.readouterr().err  # "all" passed the parser; the task stopped the run
+    with pytest.raises(SystemExit):
+        main(["eval", "--data-dir", str(tmp_path), "--policies", "Al"])
+    assert "Al" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("options, said", [
     (["--tasks", "niah"], "unknown tasks ['niah']"),
     (["--ratios", "0.5", "--capacities", "64"], "not both"),

@@ -101,6 +101,16 @@ def test_cells_one_per_example_and_bad_options_refused(toy):
         eval_cells(None, ["toy"], policies=["SnapKV"], capacities=[16])
 
 
+def test_all_stands_for_every_registered_compressor(toy):
+    from snapkv_lab.policies import POLICY_NAMES
+
+    cells = eval_cells(None, ["toy"], policies=["all"], ratios=[0.5], limit=1)
+    names = [config["name"] for config in cells[0].config["policies"]]
+    assert names == [name for name in POLICY_NAMES if name != "FullCache"] and len(names) == 24
+    with pytest.raises(ValueError, match="share a label"):  # "all" already holds SnapKV at its defaults
+        eval_cells(None, ["toy"], policies=["all", "SnapKV"], ratios=[0.5])
+
+
 def test_plain_framing_keeps_the_official_text_and_cuts_the_context_from_its_middle(toy):
     tokenizer = ByteTokenizer()
     example = toy.example(dict(task="repeat", index=4, seed=0), tokenizer)

@@ -27,7 +27,7 @@ from ..compression import SharedPrefill
 from ..corpus import redact_essays
 from ..compression.answering import MODES, answer_runs
 from ..inputs import check_context_length
-from ..policies import parse_policy, policy_config, policy_from_config, upgrade_config
+from ..policies import expand_policies, parse_policy, policy_config, policy_from_config, upgrade_config
 from ..timing import ms_per_token
 from .examples import Example, Question
 from .prompting import encode_example
@@ -71,11 +71,12 @@ def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("Sn
     """The cells of a run, one per example, in order (dataset, task, example). Bad options fail here, before any run.
 
     tasks: the benchmarks' own task names (None: each dataset's default tasks; a name no dataset has is refused).
-    policies: Policy objects or their written form ("SnapKV", "AdaKV(ExpectedAttention)", see policies.parse_policy).
+    policies: Policy objects or their written form ("SnapKV", "AdaKV(ExpectedAttention)", see policies.parse_policy);
+    "all" stands for every registered compressor (policies.expand_policies).
     """
     from ..sweep import Cell
 
-    named = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    named = [parse_policy(p) if isinstance(p, str) else p for p in expand_policies(policies)]
     if not named or any(policy.capacity is None for policy in named):
         raise ValueError("policies takes compression policies: the full cache runs in every example as the baseline")
     labels = [policy.scorer_label for policy in named]
@@ -192,7 +193,7 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     store = ResultStore(data_dir / "cells" / CELL_KIND)
-    options = dict(model=model, datasets=datasets, tasks=tasks, policies=[p if isinstance(p, str) else p.label for p in policies],
+    options = dict(model=model, datasets=datasets, tasks=tasks, policies=[p if isinstance(p, str) else p.label for p in expand_policies(policies)],
                    ratios=ratios, capacities=capacities, modes=list(modes), limit=limit, max_context=max_context,
                    lengths=list(lengths), seed=seed, source=source, framing=framing)
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=model, options=options,

@@ -26,6 +26,8 @@ _MODULES = {
     "RKV": "rkv", "LookaheadQCache": "lookahead",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
+# Written in a list of policies in place of every compressor the registry holds (all but the full cache).
+ALL_POLICIES = "all"
 _FROM_BASE = ("ADDED_LATER", "NO_POSITION", "AttentionCall", "Policy")
 
 
@@ -125,6 +127,14 @@ def _spec_from_node(node, text: str) -> dict:
     return config
 
 
+def expand_policies(policies) -> list:
+    """`policies` (names, written forms or Policy objects) with each ALL_POLICIES ("all") replaced by the name of
+    every registered compressor, in the registry's order: what `--policies all` and `evaluate(policies=["all"])`
+    run."""
+    return [name for entry in policies
+            for name in ([n for n in POLICY_NAMES if n != "FullCache"] if entry == ALL_POLICIES else [entry])]
+
+
 def parse_policy(text: str):
     """The policy `policy_spec(text)` describes, built: a setting the policy does not take, or a value it refuses,
     is refused with the settings it takes."""
@@ -138,5 +148,6 @@ def parse_policy(text: str):
         raise ValueError(f"{text!r}: {error}; {config['name']} takes {', '.join(fields)}{hint}") from error
 
 
-__all__ = ["ADDED_LATER", "NO_POSITION", "POLICIES", "POLICY_NAMES", "AttentionCall", "Policy", "parse_policy",
+__all__ = ["ADDED_LATER", "ALL_POLICIES", "NO_POSITION", "POLICIES", "POLICY_NAMES", "AttentionCall", "Policy",
+           "expand_policies", "parse_policy",
            "policy_config", "policy_from_config", "policy_spec", "upgrade_config", *POLICY_NAMES]

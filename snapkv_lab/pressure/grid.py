@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 
 from ..policies import (CAKE, RKV, TOVA, AdaKV, DuoAttention, HeadKV, KeyDiff, KVzip, LagKV, LookaheadQCache, PyramidKV,
-                        QFilters, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, Surprisal, parse_policy,
-                        policy_config, policy_from_config)
+                        QFilters, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, Surprisal, expand_policies,
+                        parse_policy, policy_config, policy_from_config)
 from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
                         coverage_describer)
 from .haystacks import HAYSTACKS
@@ -170,7 +170,7 @@ def grid_cells(options: dict) -> dict[str, list]:
     if unknown:
         raise ValueError(f"unknown suites {unknown}; the pressure suites are {', '.join(SUITES)}")
     names = [name for name in names if not (name == "lines" and options.get("skip_lines"))]
-    named = [parse_policy(text) for text in options.get("policies") or ()]
+    named = [parse_policy(text) for text in expand_policies(options.get("policies") or ())]
     if any(policy.capacity is None for policy in named):
         raise ValueError("--policies takes compression policies: the full cache runs in every grid as the baseline")
     modes = tuple(options.get("modes") or ())
