@@ -80,6 +80,14 @@ def test_budgets_sort_as_numbers():
     assert [b for _, _, b in accuracy_table(table).index] == ["full", "256", "512", "1024", "2048"]
 
 
+def test_the_first_24_policy_lines_all_look_different():
+    from snapkv_lab.pressure.figures import line_style
+
+    styles = [tuple(sorted(line_style(i).items())) for i in range(24)]  # a leaderboard of every policy draws 24
+    assert len(set(styles)) == 24
+    assert all(style["ls"] != ":" for style in map(line_style, range(48)))  # dotted is the full cache's line
+
+
 def test_every_figure_is_written_with_plotly_beside_it(drawn):
     folder, _, written = drawn
     names = {p.name for p in written}

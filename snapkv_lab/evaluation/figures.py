@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ..figures import write_html
-from ..pressure.figures import HEATMAP_COLOURS, LINE_COLOURS, MARKERS
+from ..pressure.figures import HEATMAP_COLOURS, LINE_COLOURS, line_style
 from .run import read_results
 from .summary import _budget, gap_to_full, leaderboard, lengths, paired_difference, task_scores
 
@@ -98,8 +98,7 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
             line = points[(points["mode"] == mode) & (points.policy == policy)].sort_values(budget)
             offset = (i - (len(policies) - 1) / 2) * (0.004 if budget == "ratio" else 0)
             ax.errorbar(line[budget] + offset, line.score, yerr=[line.score - line.low, line.high - line.score],
-                        marker=MARKERS[i % len(MARKERS)], ms=4, lw=1.2, capsize=2,
-                        color=LINE_COLOURS[i % len(LINE_COLOURS)], ls="-" if i < len(LINE_COLOURS) else "--", label=policy)
+                        ms=4, lw=1.2, capsize=2, label=policy, **line_style(i))
         ax.set_title(f"{mode} (full cache {reference.score:.1f})", fontsize=9)
         ax.set_xlabel(axis, fontsize=9)
         ax.grid(alpha=0.3)

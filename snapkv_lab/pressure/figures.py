@@ -26,7 +26,18 @@ HEATMAP_COLOURS = "viridis"
 # Okabe-Ito: distinguishable with any colour vision.
 LINE_COLOURS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+# Dashes of the second and third round of colours (":" is the full cache's line).
+LINE_DASHES = ["-", "--", "-."]
 FOUND_LABEL = "share of prompts answered right"
+
+
+def line_style(i: int) -> dict:
+    """The colour, marker and dash of a figure's i-th policy line (matplotlib keywords). Each round of eight colours
+    takes the next dash and shifts the markers, so that no two of the first 24 lines look alike (a leaderboard of
+    every policy has 24)."""
+    rounds = i // len(LINE_COLOURS)
+    return dict(color=LINE_COLOURS[i % len(LINE_COLOURS)], marker=MARKERS[(i + rounds) % len(MARKERS)],
+                ls=LINE_DASHES[rounds % len(LINE_DASHES)])
 
 
 def model_name(table: pd.DataFrame) -> str:
@@ -198,8 +209,8 @@ def needle_budget(table: pd.DataFrame, stem: Path) -> list[Path]:
                 line = compressed[(compressed["mode"] == mode) & (compressed.length == length) & (compressed.policy == policy)]
                 line = line.sort_values("budget")
                 ax.errorbar(_dodge(line.budget, i, len(policies)), line.accuracy,
-                            yerr=[line.accuracy - line.low, line.high - line.accuracy], marker=MARKERS[i % len(MARKERS)],
-                            ms=4, lw=1.2, capsize=2, color=LINE_COLOURS[i % len(LINE_COLOURS)], label=policy)
+                            yerr=[line.accuracy - line.low, line.high - line.accuracy], ms=4, lw=1.2, capsize=2,
+                            label=policy, **line_style(i))
             _budget_axis(ax, budgets)
             ax.set_ylim(-0.03, 1.03)
             ax.grid(alpha=0.3)
@@ -289,7 +300,7 @@ def lines_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     accuracy_ax.axhline(full.accuracy, ls=":", color="k", label=f"FullCache {full.found}/{full.asked} (band: 95% interval)")
     for i, policy in enumerate(policies):
         line = compressed[compressed.policy == policy].sort_values("budget")
-        style = dict(marker=MARKERS[i], color=LINE_COLOURS[i], label=policy)
+        style = dict(line_style(i), label=policy)
         accuracy_ax.errorbar(_dodge(line.budget, i, len(policies)), line.accuracy,
                              yerr=[line.accuracy - line.low, line.high - line.accuracy], capsize=3, **style)
         kept_ax.plot(line.budget, line.value_kept, **style)
