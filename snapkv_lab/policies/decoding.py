@@ -79,7 +79,10 @@ def prefill_seeds(scores: list[torch.Tensor], held: torch.Tensor) -> torch.Tenso
 @dataclass
 class DecodingEviction(EvictsWhileDecoding, Wrapper):
     """`policy` at prefill (SnapKV by default), then every `interval` decode steps each layer cut back to `target`
-    positions per KV head by `policy`'s scores over the cache (kvpress's DecodingPress)."""
+    positions per KV head by `policy`'s scores over the cache: kvpress's DecodingPress after the same scorer at
+    prefill, as its PrefillDecodingPress pairs them (DecodingPress alone leaves the prompt whole, which under a
+    compression ratio would be the full cache until the first eviction). Until `interval` tokens are generated it
+    answers as `policy`."""
 
     policy: Policy = field(default_factory=SnapKV)
     interval: int = 32
