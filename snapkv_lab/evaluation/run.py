@@ -187,13 +187,14 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     if ratios is None and capacities is None:
         ratios = RATIOS
     datasets = [datasets] if isinstance(datasets, str) else list(datasets)
+    policies = expand_policies(policies)
     cells = eval_cells(model, datasets, tasks, policies, ratios, capacities, modes, limit, max_context, lengths, seed,
                        source, framing)
     _check_lengths(model, lengths)
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     store = ResultStore(data_dir / "cells" / CELL_KIND)
-    options = dict(model=model, datasets=datasets, tasks=tasks, policies=[p if isinstance(p, str) else p.label for p in expand_policies(policies)],
+    options = dict(model=model, datasets=datasets, tasks=tasks, policies=[p if isinstance(p, str) else p.label for p in policies],
                    ratios=ratios, capacities=capacities, modes=list(modes), limit=limit, max_context=max_context,
                    lengths=list(lengths), seed=seed, source=source, framing=framing)
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=model, options=options,

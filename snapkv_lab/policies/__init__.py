@@ -131,8 +131,8 @@ def expand_policies(policies) -> list:
     """`policies` (names, written forms or Policy objects) with each ALL_POLICIES ("all") replaced by the name of
     every registered compressor, in the registry's order: what `--policies all` and `evaluate(policies=["all"])`
     run."""
-    return [name for entry in policies
-            for name in ([n for n in POLICY_NAMES if n != "FullCache"] if entry == ALL_POLICIES else [entry])]
+    every = [name for name in POLICY_NAMES if name != "FullCache"]
+    return [name for entry in policies for name in (every if entry == ALL_POLICIES else [entry])]
 
 
 def parse_policy(text: str):
