@@ -54,6 +54,22 @@ def write_html(figure, path: Path) -> Path:
     return Path(path)
 
 
+def write_png(figure, path: Path, dpi: int = 110) -> Path:
+    """A matplotlib figure as a PNG of at most 256 colours, a third of the size of matplotlib's RGBA file: the
+    committed figures travel with every copy of the tree (the device machine takes 64 MiB in all). Pillow's
+    maximum-coverage palette, not its median cut, which merged a thin line's few pixels into a neighbouring colour
+    (up to 108 of 255 off); on the project's figures no pixel moves more than 21 of 255 in any channel."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    image = Image.open(buffer).convert("RGB")
+    image.quantize(256, method=Image.Quantize.MAXCOVERAGE, dither=Image.Dither.NONE).save(path, optimize=True)
+    return Path(path)
+
+
 def register(figure_set: FigureSet) -> FigureSet:
     FIGURE_SETS[figure_set.name] = figure_set
     return figure_set

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from . import metrics
-from .figures import write_html
+from .figures import write_html, write_png
 from .findings_report import read_run, read_tables
 from .metrics import summarise
 
@@ -168,8 +168,7 @@ def draw_png(grid: Grid, path: Path) -> Path:
     unique["dotted: interval edges"] = Line2D([], [], color="0.4", linestyle=":", linewidth=0.8)
     figure.legend(unique.values(), unique.keys(), loc="outside right center", fontsize=8)
     figure.suptitle(_wrap(grid.title, int(figure.get_figwidth() * 13)), fontsize=10)
-    figure.savefig(path, dpi=100)
-    return path
+    return write_png(figure, path, dpi=100)
 
 
 def draw_html(grid: Grid, path: Path) -> Path:
@@ -365,7 +364,7 @@ def draw_findings(data_dir, figures_dir) -> list[Path]:
             stem = figures_dir / (f"findings_{name}" + ("" if mode == "generated" else f"_{mode}"))
             if make is None:
                 png, html = head_figure(part, mode, info)
-                png.savefig(stem.with_suffix(".png"), dpi=100)
+                write_png(png, stem.with_suffix(".png"), dpi=100)
                 written += [stem.with_suffix(".png"), write_html(html, stem.with_suffix(".html"))]
             else:
                 written += _write(make(part, mode, info), stem)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .figures import write_html
+from .figures import write_html, write_png
 from .heads import heads_grid_figure, layer_head_grid
 
 
@@ -36,7 +36,7 @@ def draw_retrieval_heads(table: pd.DataFrame, figures_dir: Path) -> list[Path]:
                    f"{scored} of {layers * heads} heads score above 0", fontsize=9)
     figure.tight_layout()
     png = figures_dir / "retrieval_heads.png"
-    figure.savefig(png, dpi=100)
+    write_png(figure, png, dpi=100)
     return [html, png]
 
 
@@ -72,5 +72,5 @@ def draw_head_types(table: pd.DataFrame, figures_dir: Path) -> Path:
                     "prompts (docs/explorer.md)", fontsize=10)
     figure.tight_layout()
     path = figures_dir / "findings_b_head_types.png"
-    figure.savefig(path, dpi=100)
+    write_png(figure, path, dpi=100)
     return path

@@ -88,3 +88,28 @@ def test_html_figures_load_plotly_from_beside_them(tmp_path):
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["c.html"]
     assert re.findall(r"<script[^>]*src=[^>]*>", (tmp_path / "model" / "c.html").read_text()) == [
         '<script charset="utf-8" src="../plotly.min.js">']
+
+
+def test_png_is_a_palette_image_that_looks_like_matplotlibs(tmp_path):
+    import io
+
+    import numpy as np
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    fig = Figure(figsize=(4, 3))
+    ax = fig.subplots()
+    ax.imshow(np.linspace(0, 1, 400).reshape(20, 20), cmap="viridis")
+    ax.plot([0, 19], [0, 19], color="red", linestyle="--")
+    ax.set_title("a heatmap and a line")
+    path = figures.write_png(fig, tmp_path / "f.png", dpi=80)
+
+    written = Image.open(path)
+    assert written.mode == "P" and len(written.getcolors(1024)) <= 256
+    reference = io.BytesIO()
+    fig.savefig(reference, format="png", dpi=80)
+    drawn = np.asarray(Image.open(reference).convert("RGB"), dtype=float)
+    quantised = np.asarray(written.convert("RGB"), dtype=float)
+    assert quantised.shape == drawn.shape
+    assert np.abs(quantised - drawn).mean() < 1.0 and np.abs(quantised - drawn).max() < 32  # of 255 per channel: the red line keeps its colour
+    assert path.stat().st_size < reference.getbuffer().nbytes

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..figures import write_html
+from ..figures import write_html, write_png
 from ..pressure.figures import HEATMAP_COLOURS, LINE_COLOURS, line_style
 from .run import read_results
 from .summary import _budget, gap_to_full, leaderboard, lengths, paired_difference, task_scores
@@ -74,8 +74,7 @@ def _finish(fig, legend_axes, title: str, stem: Path) -> Path:
     handles, labels = legend_axes.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.savefig(stem.with_suffix(".png"), dpi=110)
-    return stem.with_suffix(".png")
+    return write_png(fig, stem.with_suffix(".png"))
 
 
 def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
@@ -147,7 +146,7 @@ def _policy_task_grid(values: pd.DataFrame, column: str, title: str, stem: Path,
     fig.colorbar(image, ax=axes, label=label, shrink=0.8)
     fig.suptitle(title, fontsize=9)
     png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    write_png(fig, png)
     interactive = px.scatter(values[values["mode"].isin(modes)], x="task", y="policy", color=column, facet_col="mode",
                              hover_data=hover, color_continuous_scale=colours, range_color=list(limits),
                              category_orders={"policy": policies, "task": tasks}, title=title, labels={column: label})
@@ -229,7 +228,7 @@ def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE)
                frameon=False)
     fig.suptitle(title, fontsize=9)
     png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    write_png(fig, png)
     shown = differences.assign(plus=differences.high - differences.difference,
                                minus=differences.difference - differences.low)
     interactive = px.scatter(shown, x="difference", y="policy", facet_col="mode", facet_row=budget,

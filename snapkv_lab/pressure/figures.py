@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..figures import write_html
+from ..figures import write_html, write_png
 from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ablation_table, retrieval_predictors
 from .grid import RULER_CAPACITY, RULER_LENGTH
 from .intervals import wilson
@@ -156,7 +156,7 @@ def needle_heatmaps(table: pd.DataFrame, mode: str, stem: Path) -> list[Path]:
     fig.supylabel("needle depth (0% = start of the haystack)")
     fig.suptitle(title, fontsize=10)
     png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    write_png(fig, png)
 
     titles = [(f"{p}, full cache" if c == 0 else "") if p == "FullCache" else f"{p}, budget {b}"
               for p in rows for c, b in enumerate(budgets)]
@@ -222,7 +222,7 @@ def needle_budget(table: pd.DataFrame, stem: Path) -> list[Path]:
     fig.supylabel(FOUND_LABEL)
     fig.suptitle(title, fontsize=10)
     png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    write_png(fig, png)
 
     points = compressed.sort_values(["mode", "length", "policy", "budget"]).assign(
         plus=lambda d: d.high - d.accuracy, minus=lambda d: d.accuracy - d.low)
@@ -266,7 +266,7 @@ def ruler_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, label=FOUND_LABEL, shrink=0.8)
     png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    write_png(fig, png)
 
     grades = table.melt(id_vars=["task", "value_kind", "run"], value_vars=[g for g in ("correct", "exact") if g in table],
                         var_name="grade", value_name="accuracy")
@@ -320,7 +320,7 @@ def lines_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     accuracy_ax.legend(fontsize=8, loc="upper left")
     fig.suptitle(title, fontsize=10)
     png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    write_png(fig, png)
 
     shown = pd.concat([compressed.assign(budget=compressed.budget.astype(str)),
                        pd.DataFrame([dict(full, budget="full", value_kept=1.0)])])
@@ -376,7 +376,7 @@ def draw_ablations(data_dir, figures_dir) -> list[Path]:
                  f"needle retrieval, {models}", fontsize=10)
     fig.tight_layout()
     bars = figures_dir / "pressure_ablations.png"
-    fig.savefig(bars, dpi=110)
+    write_png(fig, bars)
 
     runs = table[table["mode"] != "full"].assign(coverage_of_oracle=lambda t: t.coverage / t.oracle,
                                                  value_served=lambda t: t.value_attention_kept / t.value_attention,
@@ -399,7 +399,7 @@ def draw_ablations(data_dir, figures_dir) -> list[Path]:
     fig.suptitle("Does coverage predict retrieval? Each point a compressed run of the ablations", fontsize=10)
     fig.tight_layout()
     scatter = figures_dir / "pressure_coverage_retrieval.png"
-    fig.savefig(scatter, dpi=110)
+    write_png(fig, scatter)
     interactive = px.scatter(runs, x="coverage_of_oracle", y="value_served", color="outcome", facet_col="mode",
                              hover_data=["policy", "depth", "sample", "output"],
                              labels=dict(coverage_of_oracle="coverage / oracle (sinks excluded)",
@@ -441,7 +441,7 @@ def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
         ax.set_yticks(list(y), policies, fontsize=8)
     fig.suptitle(title, fontsize=9)
     png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    write_png(fig, png)
     shown = runs.assign(share=runs.correct / runs.asked)
     dots = px.scatter(shown, x="share", y="policy", facet_col="mode", error_x=shown.correct_high - shown.share,
                       error_x_minus=shown.share - shown.correct_low,
