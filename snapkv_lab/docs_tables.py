@@ -50,6 +50,7 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
     """A committed RULER run (<model>/eval_<name>.csv: the 4k leaderboard, the 8k run, Gemma's): its size, the score
     per policy, mode and ratio, and the full cache per task."""
     from .evaluation import leaderboard, read_results
+    from .evaluation.figures import counted
 
     table = read_results(data_dir / model / f"eval_{name}.csv")
     board = leaderboard(table)
@@ -57,8 +58,7 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
     columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware") for ratio in sorted(compressed.ratio.unique())]
     examples = table.drop_duplicates(["task", "example"]).groupby("task", sort=False).size()
     per_task = f"{examples.min()}" if examples.min() == examples.max() else f"{examples.min()} to {examples.max()}"
-    plural = lambda n, word: f"{n} {word}" + ("" if n == 1 else "s")  # noqa: E731
-    lines = [f"{plural(len(examples), 'task')}, {plural(int(examples.sum()), 'example')} ({per_task} per task); "
+    lines = [f"{counted(len(examples), 'task')}, {counted(int(examples.sum()), 'example')} ({per_task} per task); "
              "score (0-100) per policy, mode and compression ratio, the mean over tasks, [95% interval] over examples "
              "where a task has two or more:", "",
              "| policy | " + " | ".join(f"{mode.removeprefix('query-')} {ratio:g}" for mode, ratio in columns) + " |",
@@ -252,12 +252,16 @@ BLOCKS = {
                                      functools.partial(_differences, name="ruler_4k_ratios", model="gemma-3-270m",
                                                        every_budget=True)),
     "leaderboard-8k": Block("benchmarks.md", ("eval_ruler_8k.csv",), functools.partial(_leaderboard, name="ruler_8k")),
+    "leaderboard-8k-answered": Block("benchmarks.md", ("eval_ruler_8k_answered.csv",),
+                                     functools.partial(_leaderboard, name="ruler_8k_answered")),
     "full-cache-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_tasks.csv",),
                               functools.partial(_full_cache_tasks, name="ruler_4k_tasks", model="gemma-3-270m")),
     "leaderboard-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k.csv",),
                                functools.partial(_leaderboard, name="ruler_4k", model="gemma-3-270m")),
     "full-cache-gemma-long": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_long.csv",),
                                    functools.partial(_full_cache_tasks, name="ruler_long", model="gemma-3-270m")),
+    "leaderboard-16k-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_16k.csv",),
+                                   functools.partial(_leaderboard, name="ruler_16k", model="gemma-3-270m")),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),

@@ -533,3 +533,13 @@ def test_cli_eval_says_when_it_replaces_a_table_holding_more(tmp_path, monkeypat
     assert "held examples and policies this run does not have" in capsys.readouterr().err
     assert main(args) == 0  # the same run again replaces nothing it lacks
     assert "note:" not in capsys.readouterr().err
+
+
+def test_figure_titles_count_tasks_and_examples_in_words():
+    from snapkv_lab.evaluation.figures import _title, counted
+
+    one = _scores([("a", 0, "FullCache", 0.0, "full", 1.0), ("a", 0, "SnapKV", 0.5, "query-aware", 0.0)])
+    assert _title(one, "Score").endswith("toy, 1 task, 1 example per task")
+    two = _scores([(t, e, "FullCache", 0.0, "full", 1.0) for t in ("a", "b") for e in range(2)])
+    assert _title(two, "Score").endswith("toy, 2 tasks, 2 examples per task")
+    assert [counted(n, "example") for n in (0, 1, 3)] == ["0 examples", "1 example", "3 examples"]

@@ -30,6 +30,11 @@ def _modes(scores: pd.DataFrame) -> list[str]:
     return [m for m in ("query-agnostic", "query-aware") if m in set(scores["mode"])]
 
 
+def counted(n: int, word: str) -> str:
+    """'1 task', '3 tasks': a count with its noun, for titles and generated tables."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _title(table: pd.DataFrame, what: str) -> str:
     model = str(table.model.iloc[0]).rstrip("/").split("/")[-1]
     examples = table.groupby("task").example.nunique()
@@ -37,8 +42,8 @@ def _title(table: pd.DataFrame, what: str) -> str:
     plural = "" if counts == "1" else "s"
     held = lengths(table)
     length = f" at {held[0]} tokens" if len(held) == 1 else ""
-    return (f"{what}, {model}: {', '.join(sorted(table.dataset.unique()))}{length}, {len(examples)} tasks, {counts} "
-            f"example{plural} per task")
+    return (f"{what}, {model}: {', '.join(sorted(table.dataset.unique()))}{length}, {counted(len(examples), 'task')}, "
+            f"{counts} example{plural} per task")
 
 
 def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
