@@ -111,5 +111,6 @@ def test_png_is_a_palette_image_that_looks_like_matplotlibs(tmp_path):
     drawn = np.asarray(Image.open(reference).convert("RGB"), dtype=float)
     quantised = np.asarray(written.convert("RGB"), dtype=float)
     assert quantised.shape == drawn.shape
-    assert np.abs(quantised - drawn).mean() < 1.0 and np.abs(quantised - drawn).max() < 32  # of 255 per channel: the red line keeps its colour
+    # of 255 per channel; the max is what the red line's few pixels keep (median cut moved them 108)
+    assert np.abs(quantised - drawn).mean() < 1.0 and np.abs(quantised - drawn).max() < 32
     assert path.stat().st_size < reference.getbuffer().nbytes
