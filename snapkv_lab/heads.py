@@ -12,10 +12,10 @@ probabilities. The definitions are those of `head_table`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
 import torch
 
 from .attention import BLOCK_ELEMENTS
@@ -23,6 +23,9 @@ from .experiments import TOP_P
 from .metrics import MIN_SUPPORT, attention_recall, to_mask
 from .selection import select_from_trace
 from .trace import positions
+
+if TYPE_CHECKING:  # plotly is imported where a figure is drawn: HeadKV and DuoAttention read head scores without it
+    import plotly.graph_objects as go
 
 COLUMNS = ["layer", "head", "kv_head", "rows", "sink_share", "locality", "window_recall", "copy_steps",
            "retrieval_hits", "retrieval_score"]
@@ -193,6 +196,8 @@ def heads_grid_figure(table: pd.DataFrame, metric: str = "retrieval_score") -> g
     The colour scale runs from 0 to at least 1 (the shares' range), so that grids of one metric compare;
     NaN cells (undefined) are left blank.
     """
+    import plotly.graph_objects as go
+
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
     z = layer_head_grid(table, metric)
@@ -223,6 +228,7 @@ class HeadsGrid:
     def __init__(self, table: pd.DataFrame, metric: str = "retrieval_score",
                  on_select: Callable[[int, int], None] | None = None):
         import ipywidgets as widgets
+        import plotly.graph_objects as go
 
         self.table, self.on_select, self.selected = table, on_select, None
         self.picker = widgets.Dropdown(options=list(METRICS), value=metric, description="metric")

@@ -45,10 +45,10 @@ needs_flash = pytest.mark.skipif(not _importable("flash_attn"),
                                  reason="needs flash-attn for flash_attention_2 (pip install 'snapkv_lab[gpu]')")
 
 
-def peaked_llama(attn: str = "sdpa"):
+def peaked_llama(attn: str = "sdpa", **overrides):
     """The tiny test Llama with an init of 0.1 instead of 0.02: its attention is peaked (maps differ from uniform
     by 0.25-0.5), so a wrong map cannot pass the bf16 bound, yet bf16 rounding stays about 6x below that bound."""
-    return make_tiny_llama(attn, initializer_range=0.1)
+    return make_tiny_llama(attn, initializer_range=0.1, **overrides)
 
 
 def flash_llama():
@@ -249,6 +249,33 @@ def test_compress_and_model_generate_on_cuda_equal_generate():
         theirs = model.generate(ids, past_key_values=state.cache, max_new_tokens=16, do_sample=False, eos_token_id=None)
     assert torch.equal(theirs[:, 80:].cpu(), ours.token_ids)
     assert all(torch.equal(state.kept_indices[i].cpu(), ours.kept_indices[i]) for i in range(2))
+
+
+# ---- snapkv-lab eval on CUDA (fp32) --------------------------------------------------------------------------
+def ruler_rows(device: str):
+    """run_example on one generated RULER needle of 1024 byte tokens: the full cache and every registered compressor
+    at ratio 0.5, both modes, on the peaked tiny model placed on `device`."""
+    from snapkv_lab.evaluation import eval_cells, run_example
+
+    [cell] = eval_cells(None, ["ruler"], ["niah_single_1"], ["all"], ratios=[0.5], limit=1, lengths=(1024,))
+    model = peaked_llama(max_position_embeddings=2048).to(device)
+    return run_example(model, ByteTokenizer(), cell.config).set_index(["policy", "ratio", "mode"]).sort_index()
+
+
+def test_every_policy_in_an_eval_run_on_cuda_keeps_and_answers_as_on_cpu():
+    """The eval path (one shared prefill, both modes, the official metric) on CUDA: the CPU run's rows, each with the
+    same prompt and kept tokens; answers compared on their first 16 tokens, where fp32 rounding has not yet
+    compounded through greedy decoding. A policy whose scores tie (max pooling) may keep other positions of equal
+    score on CUDA (test_max_pooled_snapkv_... above), hence a share of agreeing answers, not all."""
+    cpu, gpu = ruler_rows("cpu"), ruler_rows("cuda")
+    assert list(gpu.index) == list(cpu.index) and len(cpu) == 1 + 2 * (len(sl.POLICIES) - 1)
+    for column in ("context_tokens", "prompt_tokens", "kept_tokens"):
+        assert gpu[column].tolist() == cpu[column].tolist(), column
+    assert gpu.score.between(0, 1).all() and (gpu.decode_ms_per_token > 0).all()
+    start = lambda table: table.prediction.str.slice(0, 16)  # noqa: E731  (about 16 byte tokens)
+    same = start(gpu) == start(cpu)
+    assert same.loc["FullCache"].all()
+    assert same.mean() >= 0.75, same[~same].index.tolist()
 
 
 # ---- bf16 -----------------------------------------------------------------------------------------------------

@@ -104,3 +104,23 @@ print("imported", len(names), "modules")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "imported" in out.stdout
+
+
+def test_compression_and_eval_need_no_plotting_stack():
+    """A GPU server that runs `snapkv_lab.evaluate` may lack the notebook stack (the lent H100's image has no plotly):
+    the policies, generation, capture and the eval run import without plotly, ipywidgets, anywidget, matplotlib and
+    seaborn, which the figures import where they are drawn."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+for name in ("plotly", "ipywidgets", "anywidget", "matplotlib", "seaborn"):
+    sys.modules[name] = None  # `import name` now raises ImportError
+import snapkv_lab
+from snapkv_lab.evaluation import evaluate, run_example
+print(len(snapkv_lab.POLICIES), "policies", snapkv_lab.generate.__name__, snapkv_lab.capture.__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[:2] == [str(len(__import__("snapkv_lab").POLICIES)), "policies"]
