@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))  # _common: the random shapes and the markdown tables
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's package; _common's shapes and tables
 COLUMNS = ["policy", "ratio", "mode", "prompt_tokens", "kept_tokens", "prefill_s", "selection_s",
            "decode_ms_per_token", "new_tokens"]
 

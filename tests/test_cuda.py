@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 
-from snapkv_lab import AttentionTrace, capture, plots
+from snapkv_lab import AttentionTrace, capture
 import snapkv_lab as sl
 from snapkv_lab.metrics import SinkRule, selection_vs_generation, to_mask
 from snapkv_lab.selection import select_from_trace
@@ -169,6 +169,7 @@ def test_metrics_on_a_cuda_trace_equal_a_cpu_copy(cuda_trace):
 
 def test_plots_of_a_cuda_trace_equal_a_cpu_copy(cuda_trace):
     cpu_trace = on_cpu(cuda_trace)
+    plots = pytest.importorskip("snapkv_lab.plots", reason="the figures need plotly")  # not in the lent GPU's image
     for draw in (lambda t: plots.attention_heatmap(t, 1, 2), lambda t: plots.attention_heatmap(t, 0, 1, max_cells=20)):
         np.testing.assert_allclose(draw(cuda_trace).data[0].z, draw(cpu_trace).data[0].z, atol=ATOL, rtol=0)
     # The window figure draws log10 p: compared as probabilities.
@@ -194,7 +195,7 @@ def test_load_onto_cuda_round_trip(tmp_path, cuda_trace):
 
 def test_explorer_on_a_cuda_trace_equals_a_cpu_copy(tmp_path, cuda_trace):
     """The exact passes and zooms run on the trace's device; what is drawn equals a CPU trace's, lazily loaded too."""
-    from snapkv_lab.explorer import explore
+    explore = pytest.importorskip("snapkv_lab.explorer", reason="the explorer needs plotly").explore
 
     lazy = AttentionTrace.load(cuda_trace.save(tmp_path / "trace.safetensors"), device="cuda", lazy=True)
     for trace in (cuda_trace, lazy):
