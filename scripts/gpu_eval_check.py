@@ -1,6 +1,7 @@
-"""`snapkv_lab.evaluate` on a CUDA GPU, the way a user with an 8B model runs it: the model loaded from a folder by
-`load_model`'s defaults there (bfloat16, sdpa, on the GPU), one generated RULER example through the full cache and
-every policy at one ratio, one mode per run. The weights are random (nothing can be downloaded on a lent GPU, and
+"""The eval path of `snapkv-lab eval` on a CUDA GPU, the way a user with an 8B model runs it: the model loaded from a
+folder by `load_model`'s defaults there (bfloat16, sdpa, on the GPU), one generated RULER example through the full
+cache and every policy at one ratio (`run_example`, a few policies per call, as `evaluate`'s cells run them: sdpa
+without cuDNN unless --cudnn), one mode at a time. The weights are random (nothing can be downloaded on a lent GPU, and
 real weights do not fit its 64 MiB tree), so the scores are noise: the run checks that every policy answers in bf16
 on CUDA, keeps its budget, and times each row (prefill, selection, decode per token) at a real model's shape.
 
@@ -11,7 +12,7 @@ Two steps, because the device machine has no bundled model:
 The random model has Llama-3-8B's shape (benchmarks/_common.py) with the tokenizer's vocabulary, so that every
 generated id decodes. HeadKV and DuoAttention are left out by default: they rank heads by retrieval scores measured
 on Paul Graham's essays, which a random model cannot copy (they refuse it) and the device machine does not have.
-Writes <out>/eval_gpu_<mode>.csv per mode and prints a table per mode; exits 1 if a row is missing or a compressed
+Writes <out>/eval_gpu_<mode>.csv per mode (rewritten as each group ends) and prints a table per group; exits 1 if a row is missing or a compressed
 row kept as many tokens as its prompt.
 """
 
@@ -21,6 +22,7 @@ import argparse
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,27 +60,39 @@ def random_model_folder(tokenizer_folder: Path, shape: str, folder: Path) -> Pat
 
 
 def run(args) -> int:
+    import pandas as pd
     from _common import markdown
 
     import snapkv_lab
-    from snapkv_lab.evaluation import evaluate
+    from snapkv_lab.evaluation import eval_cells, run_example
+    from snapkv_lab.models import load_model
+    from snapkv_lab.sweep.executors import many_shapes_attention
 
     policies = [name for name in snapkv_lab.POLICIES if name != "FullCache" and name not in args.skip]
+    groups = [policies[i:i + args.group] for i in range(0, len(policies), args.group)]
     args.out.mkdir(parents=True, exist_ok=True)
+    failed = False
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
         start = time.perf_counter()
-        folder = random_model_folder(args.tokenizer, args.shape, Path(scratch) / "model")
-        print(f"random {args.shape}-shape model saved in {time.perf_counter() - start:.0f} s", flush=True)
-        failed = False
+        folder = str(random_model_folder(args.tokenizer, args.shape, Path(scratch) / "model"))
+        model, tokenizer = load_model(folder)
+        print(f"random {args.shape}-shape model saved and loaded in {time.perf_counter() - start:.0f} s "
+              f"({model.device}, {model.dtype}, sdpa {'with' if args.cudnn else 'without'} cuDNN)", flush=True)
         for mode in args.modes:
-            start = time.perf_counter()
-            table = evaluate(str(folder), tasks=[args.task], policies=policies, ratios=[args.ratio], modes=[mode],
-                             limit=1, lengths=[args.length], data_dir=Path(scratch) / "data", write=False)
-            seconds = time.perf_counter() - start
-            table.to_csv(args.out / f"eval_gpu_{mode}.csv", index=False)
-            print(f"\n{args.task} at {args.length} tokens, {mode}, ratio {args.ratio}: {len(table)} rows in "
-                  f"{seconds:.0f} s (model load included)\n")
-            print(markdown(table[COLUMNS]), flush=True)
+            parts = []
+            for group in groups:  # a group's rows are printed and saved as it ends: a run cut short keeps them
+                [cell] = eval_cells(folder, ["ruler"], [args.task], group, ratios=[args.ratio], modes=[mode], limit=1,
+                                    lengths=[args.length])
+                start = time.perf_counter()
+                with nullcontext() if args.cudnn else many_shapes_attention(model):
+                    table = run_example(model, tokenizer, cell.config)
+                seconds = time.perf_counter() - start
+                parts.append(table if not parts else table[table["mode"] != "full"])
+                pd.concat(parts).to_csv(args.out / f"eval_gpu_{mode}.csv", index=False)
+                print(f"\n{args.task}, {args.length} tokens, {mode}, ratio {args.ratio}: {', '.join(group)} "
+                      f"(and the full cache) in {seconds:.0f} s\n", flush=True)
+                print(markdown(table[COLUMNS]), flush=True)
+            table = pd.concat(parts)
             missing = sorted(set(policies) - set(table.policy))
             full = table[table["mode"] == "full"]
             squeezed = table[(table["mode"] != "full") & (table.kept_tokens >= table.prompt_tokens)]
@@ -106,6 +120,10 @@ def main(argv=None) -> int:
     r.add_argument("--ratio", type=float, default=0.5)
     r.add_argument("--modes", nargs="+", default=["query-agnostic", "query-aware"])
     r.add_argument("--skip", nargs="*", default=["HeadKV", "DuoAttention"])
+    r.add_argument("--group", type=int, default=4, help="policies per run_example call (each also answers with the "
+                                                        "full cache; the first call's full-cache row is kept)")
+    r.add_argument("--cudnn", action="store_true", help="leave sdpa's cuDNN backend on, as torch chooses (evaluate "
+                                                        "turns it off on CUDA: snapkv_lab.sweep.executors)")
     args = parser.parse_args(argv)
     if args.step == "prepare":
         prepare(args.folder, args.model)

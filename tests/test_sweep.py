@@ -162,3 +162,23 @@ def test_bad_executor_options_are_refused(tmp_path, monkeypatch):
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'snapkv_lab\[ray\]'"):
         run_cells(cells([1]), square, store, executor="ray", loader=no_model)
     assert CALLS == []
+
+
+def test_cells_of_a_cuda_model_run_without_cudnn_attention_and_cpu_cells_untouched(tmp_path):
+    """A grid meets a new sequence length at nearly every step, and sdpa's cuDNN backend builds a plan per new length
+    (60x a warm decode step on an H100): cells of a CUDA model run without it, and the setting is restored after."""
+    import torch
+
+    class OnCuda:
+        device = torch.device("cuda")
+
+    seen = []
+
+    def record(model, tokenizer, config) -> pd.DataFrame:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return pd.DataFrame({"x": [config["x"]]})
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    run_cells(cells([1, 2]), record, ResultStore(tmp_path / "cuda"), loader=lambda name: (OnCuda(), None))
+    run_cells(cells([1]), record, ResultStore(tmp_path / "cpu"), loader=lambda name: (torch.nn.Linear(1, 1), None))
+    assert seen == [False, False, True] and torch.backends.cuda.cudnn_sdp_enabled()

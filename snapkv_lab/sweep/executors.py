@@ -6,6 +6,11 @@
 actor loads the model once and takes cells until none are left: one actor per GPU (num_gpus=1) when the cluster
 has GPUs, else one per node using all of its CPUs. Only this process writes to the store, so workers on other
 machines need no shared disk: their tables come back to the driver.
+
+On a CUDA model every cell runs with sdpa's cuDNN backend turned off (`many_shapes_attention`): a grid meets a new
+(query, key) length at nearly every step, and cuDNN builds a plan per new length. Measured on an H100 in bf16
+(docs/performance.md, "Cold vs warm decode"): PyramidKV's first decode of an 8k prompt took 1330 ms per token with
+cuDNN and 23 ms without; warm, the two differ by under 10%.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import pandas as pd
 
@@ -76,7 +82,9 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
             if executor == "local":
                 model_and_tokenizer = load(model)
                 for cell in pending:
-                    finished(cell, _work_of(work, cell)(*model_and_tokenizer, cell.config))
+                    with many_shapes_attention(model_and_tokenizer[0]):
+                        table = _work_of(work, cell)(*model_and_tokenizer, cell.config)
+                    finished(cell, table)
             else:
                 _run_ray(pending, work, model, load, ray_address, finished)
     finally:
@@ -88,6 +96,17 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
                               cpu_seconds=round(time.process_time() - cpu), torch_threads=torch.get_num_threads(),
                               load_average_at_end=[round(x, 2) for x in os.getloadavg()])
     return store.table(cells)
+
+
+def many_shapes_attention(model):
+    """A context for runs of many distinct sequence lengths: sdpa without its cuDNN backend where `model` is on a CUDA
+    device (flash, memory-efficient and math stay allowed, in torch's order), nothing elsewhere."""
+    device = getattr(model, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _work_of(work, cell: Cell):
@@ -121,7 +140,8 @@ class CellWorker:
         self.model, self.tokenizer = loader(model)
 
     def run(self, work, config: dict) -> pd.DataFrame:
-        return work(self.model, self.tokenizer, config)
+        with many_shapes_attention(self.model):
+            return work(self.model, self.tokenizer, config)
 
 
 def _start_actors(ray, model, loader, n_cells: int) -> list:
