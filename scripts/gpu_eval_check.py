@@ -68,7 +68,7 @@ def run(args) -> int:
     from snapkv_lab.models import load_model
     from snapkv_lab.sweep.executors import many_shapes_attention
 
-    policies = [name for name in snapkv_lab.POLICIES if name != "FullCache" and name not in args.skip]
+    policies = [name for name in args.policies or snapkv_lab.POLICIES if name != "FullCache" and name not in args.skip]
     groups = [policies[i:i + args.group] for i in range(0, len(policies), args.group)]
     args.out.mkdir(parents=True, exist_ok=True)
     failed = False
@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     r.add_argument("--length", type=int, default=4096)
     r.add_argument("--ratio", type=float, default=0.5)
     r.add_argument("--modes", nargs="+", default=["query-agnostic", "query-aware"])
+    r.add_argument("--policies", nargs="+", help="registered policies by name (default: every compressor)")
     r.add_argument("--skip", nargs="*", default=["HeadKV", "DuoAttention"])
     r.add_argument("--group", type=int, default=4, help="policies per run_example call (each also answers with the "
                                                         "full cache; the first call's full-cache row is kept)")
