@@ -166,6 +166,19 @@ def test_one_example_gives_the_full_cache_and_every_policy_budget_and_mode_per_q
     assert (table.score == [float("000" in p.lower()) for p in table.prediction]).all()
 
 
+def test_an_examples_answers_are_counted_by_a_bar_of_their_own(toy, monkeypatch):
+    totals = []
+
+    def counting_bar(iterable, *, total, **options):
+        totals.append(total)
+        return iterable
+
+    monkeypatch.setattr("snapkv_lab.evaluation.run.progress_bar", counting_bar)
+    table = run_example(make_tiny_llama(), ByteTokenizer(), _config([SnapKV(window_size=8)], ratios=(0.25, 0.75),
+                                                                    task="twice"))
+    assert totals == [len(table)] == [2 * (1 + 2 * 2)]
+
+
 def test_a_rerun_resumes_without_redoing_a_cell(toy, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", lambda name: (make_tiny_llama(), ByteTokenizer()))
     options = dict(datasets=["toy"], policies=["SnapKV(window_size=8)"], ratios=[0.5], modes=["query-agnostic"],

@@ -28,6 +28,7 @@ from ..corpus import redact_essays
 from ..compression.answering import MODES, answer_runs
 from ..inputs import check_context_length
 from ..policies import expand_policies, parse_policy, policy_config, policy_from_config, upgrade_config
+from ..progress import progress_bar
 from ..timing import ms_per_token
 from .examples import Example, Question
 from .prompting import encode_example
@@ -127,8 +128,12 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
     as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
     shared = SharedPrefill.run(model, tokenizer, as_ids(encoded.context_ids), policies)
     rows = []
-    for run in answer_runs(model, tokenizer, shared, [as_ids(q) for q in encoded.questions], policies,
-                           config["modes"], example.max_new_tokens):
+    runs = answer_runs(model, tokenizer, shared, [as_ids(q) for q in encoded.questions], policies, config["modes"],
+                       example.max_new_tokens)
+    answers = len(encoded.questions) * (1 + len(policies) * len(config["modes"]))
+    # A cell is stored whole, and one at 8k takes most of an hour here: its answers get a bar of their own (transient,
+    # quiet in log files).
+    for run in progress_bar(runs, desc=f"{example.task} #{example.id} answers", total=answers, leave=False):
         question = example.questions[run.question]
         budget = {"ratio": 0.0} if run.mode == "full" else budget_of[run.policy.label]
         rows.append(dict(
