@@ -12,8 +12,8 @@ Two steps, because the device machine has no bundled model:
 The random model has Llama-3-8B's shape (benchmarks/_common.py) with the tokenizer's vocabulary, so that every
 generated id decodes. HeadKV and DuoAttention are left out by default: they rank heads by retrieval scores measured
 on Paul Graham's essays, which a random model cannot copy (they refuse it) and the device machine does not have.
-Writes <out>/eval_gpu_<mode>.csv per mode (rewritten as each group ends) and prints a table per group; exits 1 if a row is missing or a compressed
-row kept as many tokens as its prompt.
+Writes <out>/eval_gpu_<mode>.csv per mode (rewritten as each group ends) and prints a table per group; exits 1 if a
+row is missing or a compressed row kept as many tokens as its prompt.
 """
 
 from __future__ import annotations
