@@ -74,9 +74,12 @@ def run(args) -> int:
     failed = False
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
         start = time.perf_counter()
-        folder = str(random_model_folder(args.tokenizer, args.shape, Path(scratch) / "model"))
+        folder = args.model_folder or Path(scratch) / "model"
+        if not (folder / "config.json").exists():
+            random_model_folder(args.tokenizer, args.shape, folder)
+        folder = str(folder)
         model, tokenizer = load_model(folder)
-        print(f"random {args.shape}-shape model saved and loaded in {time.perf_counter() - start:.0f} s "
+        print(f"random {args.shape}-shape model ready and loaded in {time.perf_counter() - start:.0f} s "
               f"({model.device}, {model.dtype}, sdpa {'with' if args.cudnn else 'without'} cuDNN)", flush=True)
         for mode in args.modes:
             parts = []
@@ -115,6 +118,9 @@ def main(argv=None) -> int:
     r.add_argument("--shape", default="llama3-8b")
     r.add_argument("--scratch", help="folder of the saved model and the cell store (default the system's temp "
                                      "folder; /dev/shm keeps the 8B shape's 15 GB in memory)")
+    r.add_argument("--model-folder", type=Path, help="where the random model is saved, and read back by a later run "
+                                                     "(the same --shape) instead of building it again (default: a "
+                                                     "temporary folder under --scratch)")
     r.add_argument("--task", default="niah_single_1")
     r.add_argument("--length", type=int, default=4096)
     r.add_argument("--ratio", type=float, default=0.5)

@@ -21,8 +21,9 @@ def test_gpu_eval_check_runs_the_policies_it_names_in_groups_at_the_toy_shape(tm
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     done = run("run", str(tmp_path / "tokenizer"), "--out", str(tmp_path / "out"), "--shape", "tiny",
                "--length", "1024", "--modes", "query-agnostic", "--group", "1",
-               "--policies", "SnapKV", "HeadKV", "PyramidKV")
+               "--policies", "SnapKV", "HeadKV", "PyramidKV", "--model-folder", str(tmp_path / "model"))
     assert done.returncode == 0, done.stderr[-3000:]
+    built = (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns
     table = pd.read_csv(tmp_path / "out" / "eval_gpu_query-agnostic.csv")
     assert table.policy.tolist() == ["FullCache", "SnapKV", "PyramidKV"]  # HeadKV is skipped by default
     full = table[table["mode"] == "full"]
@@ -30,3 +31,10 @@ def test_gpu_eval_check_runs_the_policies_it_names_in_groups_at_the_toy_shape(tm
     squeezed = table[table["mode"] == "query-agnostic"]
     assert (squeezed.kept_tokens < squeezed.prompt_tokens).all() and (squeezed.new_tokens == 128).all()
     assert done.stdout.count("| FullCache |") == 2  # a table per group, each with its full-cache row: one kept
+
+    again = run("run", str(tmp_path / "tokenizer"), "--out", str(tmp_path / "again"), "--shape", "tiny",
+                "--length", "1024", "--modes", "query-agnostic", "--policies", "SnapKV", "--cudnn",
+                "--model-folder", str(tmp_path / "model"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns == built  # read back, not built again
+    assert pd.read_csv(tmp_path / "again" / "eval_gpu_query-agnostic.csv").policy.tolist() == ["FullCache", "SnapKV"]
