@@ -254,6 +254,8 @@ BLOCKS = {
     "leaderboard-8k": Block("benchmarks.md", ("eval_ruler_8k.csv",), functools.partial(_leaderboard, name="ruler_8k")),
     "leaderboard-8k-answered": Block("benchmarks.md", ("eval_ruler_8k_answered.csv",),
                                      functools.partial(_leaderboard, name="ruler_8k_answered")),
+    "difference-8k-answered": Block("benchmarks.md", ("eval_ruler_8k_answered.csv",),
+                                    functools.partial(_differences, name="ruler_8k_answered", every_budget=True)),
     "full-cache-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_tasks.csv",),
                               functools.partial(_full_cache_tasks, name="ruler_4k_tasks", model="gemma-3-270m")),
     "leaderboard-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k.csv",),
