@@ -74,10 +74,10 @@ def run(args) -> int:
     failed = False
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
         start = time.perf_counter()
-        folder = args.model_folder or Path(scratch) / "model"
-        if not (folder / "config.json").exists():
-            random_model_folder(args.tokenizer, args.shape, folder)
-        folder = str(folder)
+        saved = args.model_folder or Path(scratch) / "model"
+        if not (saved / "config.json").exists():
+            random_model_folder(args.tokenizer, args.shape, saved)
+        folder = str(saved)
         model, tokenizer = load_model(folder)
         print(f"random {args.shape}-shape model ready and loaded in {time.perf_counter() - start:.0f} s "
               f"({model.device}, {model.dtype}, sdpa {'with' if args.cudnn else 'without'} cuDNN)", flush=True)
