@@ -40,7 +40,10 @@ def prepare(folder: Path, model: str | None) -> None:
 
 def random_model_folder(tokenizer_folder: Path, shape: str, folder: Path) -> Path:
     """A folder `load_model` reads: random weights of `shape` (seeded; bf16, built on the GPU where there is one, as
-    load_model will place them) with the tokenizer's vocabulary."""
+    load_model will place them) with the tokenizer's vocabulary. A folder that already holds a model is read back,
+    and refused unless its config has that shape and vocabulary."""
+    import json
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -48,6 +51,13 @@ def random_model_folder(tokenizer_folder: Path, shape: str, folder: Path) -> Pat
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     settings = {**RANDOM_SHAPES[shape], "vocab_size": len(tokenizer)}
+    if (folder / "config.json").exists():
+        saved = json.loads((folder / "config.json").read_text())
+        differ = {key: (saved.get(key), value) for key, value in settings.items() if saved.get(key) != value}
+        if differ:
+            raise SystemExit(f"gpu_eval_check: {folder} holds a model of another shape than {shape} (saved, wanted: "
+                             f"{differ}); pass another --model-folder")
+        return folder
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**settings), dtype=torch.bfloat16)
@@ -74,10 +84,7 @@ def run(args) -> int:
     failed = False
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
         start = time.perf_counter()
-        saved = args.model_folder or Path(scratch) / "model"
-        if not (saved / "config.json").exists():
-            random_model_folder(args.tokenizer, args.shape, saved)
-        folder = str(saved)
+        folder = str(random_model_folder(args.tokenizer, args.shape, args.model_folder or Path(scratch) / "model"))
         model, tokenizer = load_model(folder)
         print(f"random {args.shape}-shape model ready and loaded in {time.perf_counter() - start:.0f} s "
               f"({model.device}, {model.dtype}, sdpa {'with' if args.cudnn else 'without'} cuDNN)", flush=True)
@@ -119,8 +126,8 @@ def main(argv=None) -> int:
     r.add_argument("--scratch", help="folder of the saved model and the cell store (default the system's temp "
                                      "folder; /dev/shm keeps the 8B shape's 15 GB in memory)")
     r.add_argument("--model-folder", type=Path, help="where the random model is saved, and read back by a later run "
-                                                     "(the same --shape) instead of building it again (default: a "
-                                                     "temporary folder under --scratch)")
+                                                     "instead of building it again (refused if its shape is not --shape; "
+                                                     "default: a temporary folder under --scratch)")
     r.add_argument("--task", default="niah_single_1")
     r.add_argument("--length", type=int, default=4096)
     r.add_argument("--ratio", type=float, default=0.5)

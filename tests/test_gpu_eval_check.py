@@ -38,3 +38,9 @@ def test_gpu_eval_check_runs_the_policies_it_names_in_groups_at_the_toy_shape(tm
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns == built  # read back, not built again
     assert pd.read_csv(tmp_path / "again" / "eval_gpu_query-agnostic.csv").policy.tolist() == ["FullCache", "SnapKV"]
+
+    other = run("run", str(tmp_path / "tokenizer"), "--out", str(tmp_path / "other"), "--shape", "llama3-8b",
+                "--modes", "query-agnostic", "--policies", "SnapKV", "--model-folder", str(tmp_path / "model"))
+    assert other.returncode != 0 and "another shape than llama3-8b" in other.stderr  # the tiny model is not reused
+    assert "'hidden_size': (256, 4096)" in other.stderr
+    assert not (tmp_path / "other" / "eval_gpu_query-agnostic.csv").exists()
