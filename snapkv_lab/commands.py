@@ -79,7 +79,7 @@ def needle(args) -> int:
     options = dict(data_dir=data_dir, model=args.model, framing=args.framing, samples=args.samples, first_sample=args.first_sample,
                    lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths,
                    suites=suites, policies=args.policies, capacities=args.capacities, modes=args.modes,
-                   executor=args.executor, ray_address=args.ray_address)
+                   executor=args.executor, ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker)
     try:  # bad names, budgets and modes, and a missing Ray, are said at once, before any model loads
         grid_cells(options)
         if args.executor == "ray":
@@ -122,7 +122,7 @@ def evaluate(args) -> int:
     target = data_dir / f"eval_{args.name or '+'.join(args.dataset)}.csv"
     before = _examples_and_policies(target)
     table = run(args.model, **options, data_dir=data_dir, name=args.name, executor=args.executor,
-                ray_address=args.ray_address, reuse=args.reuse)
+                ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker, reuse=args.reuse)
     lost = [what for what, had, has in zip(("examples", "policies"), before, _examples_and_policies(target))
             if had - has]
     if lost:  # e.g. a quick look run in the repository, over the committed leaderboard
@@ -237,6 +237,10 @@ def _executor_arguments(p) -> None:
     p.add_argument("--ray-address", default=None,
                    help="address of a running Ray cluster (e.g. auto, or ray://head:10001) for --executor ray; "
                         "default: a local Ray cluster started for this run")
+    p.add_argument("--cpus-per-worker", type=_positive_int, default=None, metavar="N",
+                   help="for --executor ray without GPUs: workers of N CPUs (N torch threads, one model copy each), as "
+                        "many per machine as fit, each taking cells (default: one worker per machine, on all of its "
+                        "CPUs); e.g. 1 runs two cells at once on a 2-core machine")
 
 
 def _needle_arguments(p) -> None:

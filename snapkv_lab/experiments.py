@@ -351,7 +351,7 @@ def findings_cell(model, tokenizer, config: dict) -> pd.DataFrame:
 
 
 def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=None, executor="local", ray_address=None,
-                 **options) -> dict[str, pd.DataFrame]:
+                 cpus_per_worker=None, **options) -> dict[str, pd.DataFrame]:
     """Run every findings cell not yet stored (<data_dir>/cells/findings/) and write data/findings_{a,b,
     b_variants,c,d}.csv and data/findings_run.json (the settings and sample counts; the run's time and machine load go
     to the cells' manifest, not to a committed file).
@@ -359,7 +359,7 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     model: a model name for `models.load_model` (None: the bundled SmolLM2), loaded only if a cell is left to
     run; or a loaded model, with its `tokenizer`. options: see DEFAULTS (splits, samples, documents, observation
     window and segment sizes, new tokens, modes, framing). recipes_path: the prompt recipes (default <data_dir>/prompt_recipes.json).
-    executor / ray_address: see `sweep.run_cells`.
+    executor / ray_address / cpus_per_worker: see `sweep.run_cells`.
     """
     from transformers import AutoConfig
 
@@ -381,7 +381,7 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
                     model=name, seeds=[recipes["seed"]])
     everything = [cell for cell_list in cells.values() for cell in cell_list]
     run_cells(everything, findings_cell, store, model=None if loaded else model, executor=executor, ray_address=ray_address,
-              desc="findings cells", manifest=manifest, loader=(lambda _: (model, tokenizer)) if loaded else None)
+              cpus_per_worker=cpus_per_worker, desc="findings cells", manifest=manifest, loader=(lambda _: (model, tokenizer)) if loaded else None)
     out = findings_tables({key: store.table(cell_list) for key, cell_list in cells.items()}, o["obs_window"])
     data_dir.mkdir(parents=True, exist_ok=True)
     for key, table in out.items():
@@ -447,7 +447,8 @@ def _recompute(options: dict) -> None:
     split = options.get("split")
     run_findings(options.get("model"), data_dir=options["data_dir"], recipes_path=options.get("recipes_path"),
                  executor=options.get("executor") or "local", framing=options.get("framing"),
-                 ray_address=options.get("ray_address"), samples=options.get("samples"), obs_window=options.get("obs_window"),
+                 ray_address=options.get("ray_address"), cpus_per_worker=options.get("cpus_per_worker"),
+                 samples=options.get("samples"), obs_window=options.get("obs_window"),
                  prompt_segment=options.get("prompt_segment"), gen_segment=options.get("gen_segment"),
                  splits=None if split in (None, "both") else (split,))
 

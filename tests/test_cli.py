@@ -96,7 +96,7 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
     assert calls.pop() == ("draw", (str(tmp_path), "figures"), dict(
         recompute=True, only=["findings"], options=dict(model=None, framing=None, samples=1, reuse=False, obs_window=None, prompt_segment=None,
                                                         gen_segment=None, split="heldout",
-                                                        executor="local", ray_address=None)))
+                                                        executor="local", ray_address=None, cpus_per_worker=None)))
     assert calls.pop() == ("check", None)
     assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines",
                  "--suites", "needle", "ruler", "--framing", "plain"]) == 0
@@ -104,7 +104,8 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
     assert calls == [("check", "some/model"), ("needle", dict(data_dir=Path("data") / "some--model", model="some/model", framing="plain",
                                      samples=None, first_sample=0, lengths=[1000],
                                      depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"],
-                                     policies=None, capacities=None, modes=None, executor="local", ray_address=None)),
+                                     policies=None, capacities=None, modes=None, executor="local", ray_address=None,
+                                     cpus_per_worker=None)),
                      ("draw", ("data", "figures"), dict(only=["pressure"], options=dict(model="some/model")))]
 
 
@@ -186,6 +187,17 @@ def test_figures_from_a_folder_without_tables_says_where_they_are_and_asks_for_n
     err = capsys.readouterr().err
     assert "holds no tables" in err and "--data-dir" in err and "cannot load model" not in err
     assert not (tmp_path / "figures").exists()
+
+
+def test_ray_options_without_the_ray_executor_are_refused_before_anything_runs(monkeypatch, capsys):
+    import snapkv_lab.models
+
+    monkeypatch.setattr(snapkv_lab.models, "check_model", lambda name: pytest.fail("a model was looked at"))
+    for command in (["eval", "--tasks", "niah_single_1"], ["needle"], ["figures", "--recompute"]):
+        assert main([*command, "--cpus-per-worker", "1"]) == 2
+        assert "--cpus-per-worker is only used with --executor ray" in capsys.readouterr().err
+    assert main(["needle", "--ray-address", "auto", "--cpus-per-worker", "2"]) == 2
+    assert "--ray-address and --cpus-per-worker are only used with" in capsys.readouterr().err
 
 
 def test_figures_without_ray_says_how_to_install_it_before_any_model_runs(monkeypatch, capsys):

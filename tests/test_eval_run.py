@@ -361,7 +361,7 @@ def test_the_committed_leaderboard_resumes_under_todays_code():
     added without ADDED_LATER, a changed default, or a group widened, breaks this)."""
     from pathlib import Path
 
-    from snapkv_lab.evaluation import LEADERBOARD, LEADERBOARD_GROUPS
+    from snapkv_lab.evaluation import LEADERBOARD_GROUPS, leaderboard_cells
 
     table = read_results(Path(__file__).parent.parent / "data" / "eval_ruler.csv")
 
@@ -375,9 +375,7 @@ def test_the_committed_leaderboard_resumes_under_todays_code():
         rows = compressed[compressed.policy.isin(group)]
         if rows.empty:  # a group whose cells have not run yet
             continue
-        cells = eval_cells(None, LEADERBOARD["datasets"], None, list(group), LEADERBOARD["ratios"], None,
-                           LEADERBOARD["modes"], int(table.groupby("task").example.nunique().max()), None,
-                           LEADERBOARD["lengths"], 0, None, None)
+        cells = leaderboard_cells(None, group, 1, table)
         examples = {json.dumps(cell.config["example"], sort_keys=True) for cell in cells}
         policies = {canonical(policy) for cell in cells for policy in cell.config["policies"]}
         assert set(rows.spec.map(lambda spec: json.dumps(json.loads(spec), sort_keys=True))) <= examples
@@ -427,23 +425,42 @@ def test_cli_eval_runs_ruler_on_the_bundled_model_and_a_rerun_resumes(tmp_path, 
     assert f"--reuse {tmp_path / 'none.csv'}: no such table" in err and "eval_ruler.csv" not in err
 
 
-def test_recompute_runs_each_group_and_writes_one_joined_table(tmp_path, monkeypatch):
-    """The leaderboard's groups each run as their own cells and none writes the table alone: only the joined one is
-    written, each example's full-cache rows once."""
+def test_recompute_runs_every_group_as_one_sweep_and_keeps_what_the_table_holds(toy, tiny_as_default, tmp_path,
+                                                                                monkeypatch, capsys):
+    """The leaderboard's groups run as one sweep (one count of cells, so a cluster's workers take any group's cells)
+    and only the joined table is written, each example's full-cache rows once. With reuse, a fresh clone grows the
+    committed table by the examples --samples adds, and a smaller --samples keeps the examples it holds beyond it."""
     import snapkv_lab.evaluation as evaluation
 
-    calls = []
+    monkeypatch.setattr(evaluation, "LEADERBOARD", dict(datasets=["toy"], lengths=[], ratios=[0.5],
+                                                        modes=["query-aware", "query-agnostic"]))
+    monkeypatch.setattr(evaluation, "LEADERBOARD_GROUPS", (("SnapKV(window_size=8)",), ("StreamingLLM(kept_tail=8)",)))
+    evaluation.recompute(dict(data_dir=str(tmp_path / "first"), samples=2))
+    assert "eval cells: 4 cells, 0 already in" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "first").glob("*.csv")) == ["eval_ruler.csv"]
+    first = read_results(tmp_path / "first" / "eval_ruler.csv")
+    assert sorted(first.policy.unique()) == ["FullCache", "SnapKV(window_size=8)", "StreamingLLM(kept_tail=8)"]
+    assert (first[first.policy == "FullCache"].groupby(["example", "question"]).size() == 1).all()
+    assert set(first.example) == {"0", "1"}
 
-    def fake_evaluate(model, *, policies, write=True, **options):
-        calls.append((list(policies), write))
-        return pd.DataFrame([dict(dataset="ruler", task="niah_single_1", example="0", policy=p, score=1.0)
-                             for p in ["FullCache", *policies]])
+    clone = tmp_path / "clone"  # a fresh clone: the committed table, no cells
+    clone.mkdir()
+    (clone / "eval_ruler.csv").write_text((tmp_path / "first" / "eval_ruler.csv").read_text())
+    evaluation.recompute(dict(data_dir=str(clone), samples=3, reuse=True))
+    err = capsys.readouterr().err
+    assert "4 taken whole" in err and "6 cells, 4 already in" in err and "2 to run" in err
+    grown = read_results(clone / "eval_ruler.csv")
+    assert set(grown.example) == {"0", "1", "2"}
+    timings = ["prefill_s", "selection_s", "decode_ms_per_token"]
+    assert (grown[grown.example != "2"].drop(columns=timings).to_csv(index=False)
+            == first.drop(columns=timings).to_csv(index=False))
 
-    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
-    evaluation.recompute(dict(data_dir=str(tmp_path)))
-    assert calls == [(list(group), False) for group in evaluation.LEADERBOARD_GROUPS]
-    table = pd.read_csv(tmp_path / "eval_ruler.csv")
-    assert sorted(table.policy) == sorted(["FullCache", *evaluation.leaderboard_policies()])
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "eval_ruler.csv").write_text((clone / "eval_ruler.csv").read_text())
+    evaluation.recompute(dict(data_dir=str(again), samples=1, reuse=True))
+    assert "0 to run" in capsys.readouterr().err
+    assert (again / "eval_ruler.csv").read_text() == (clone / "eval_ruler.csv").read_text()
 
 
 def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tiny_as_default, tmp_path, capsys):
@@ -506,21 +523,19 @@ def test_the_committed_leaderboard_is_reused_whole_by_a_fresh_clone(tmp_path):
     it by new examples only, and the table rebuilt from the reused cells is the committed file, byte for byte."""
     from pathlib import Path
 
-    from snapkv_lab.evaluation import LEADERBOARD, LEADERBOARD_GROUPS, joined_tables, reuse_rows
+    from snapkv_lab.evaluation import LEADERBOARD_GROUPS, joined_tables, leaderboard_cells, reuse_rows
     from snapkv_lab.sweep import ResultStore
 
     path = Path(__file__).parent.parent / "data" / "eval_ruler.csv"
     committed = read_results(path)
-    per_task = int(committed.groupby("task").example.nunique().max())
     store, tables = ResultStore(tmp_path), []
     for group in LEADERBOARD_GROUPS:
         if not committed.policy.isin(group).any():
             continue
-        cells = eval_cells(None, LEADERBOARD["datasets"], None, list(group), LEADERBOARD["ratios"], None,
-                           LEADERBOARD["modes"], per_task, None, LEADERBOARD["lengths"], 0, None, None)
+        cells = leaderboard_cells(None, group, 1, committed)  # the first example per task, and every one it holds
         examples = committed.groupby(["task", "example"]).ngroups
-        assert reuse_rows(cells, store, committed) == examples
-        tables.append(store.table([cell for cell in cells if store.done(cell)]))
+        assert len(cells) == examples and reuse_rows(cells, store, committed) == examples
+        tables.append(store.table(cells))
     assert joined_tables(tables).to_csv(index=False) == path.read_text()
 
 

@@ -158,10 +158,49 @@ def test_bad_executor_options_are_refused(tmp_path, monkeypatch):
         run_cells(cells([1]), square, store, executor="dask", loader=no_model)
     with pytest.raises(ValueError, match="--executor ray"):
         run_cells(cells([1]), square, store, ray_address="auto", loader=no_model)
+    with pytest.raises(ValueError, match=r"cpus_per_worker \(--cpus-per-worker\) is only used with"):
+        run_cells(cells([1]), square, store, cpus_per_worker=1, loader=no_model)
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="positive number of CPUs"):
+            run_cells(cells([1]), square, store, executor="ray", cpus_per_worker=bad, loader=no_model)
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'snapkv_lab\[ray\]'"):
         run_cells(cells([1]), square, store, executor="ray", loader=no_model)
     assert CALLS == []
+
+
+def test_ray_workers_take_a_node_whole_or_as_many_cpus_per_worker_as_asked():
+    """Without GPUs: one actor per live node holding all of its CPUs, or with cpus_per_worker as many actors of that
+    many CPUs (and torch threads) as each node holds; never more actors than cells."""
+    pytest.importorskip("ray", reason="the Ray executor needs pip install 'snapkv_lab[ray]'")
+    from snapkv_lab.sweep.executors import _start_actors
+
+    class FakeRay:
+        nodes_ = [dict(NodeID="a" * 56, Alive=True, Resources=dict(CPU=2.0)),
+                  dict(NodeID="b" * 56, Alive=True, Resources=dict(CPU=5.0)),
+                  dict(NodeID="c" * 56, Alive=False, Resources=dict(CPU=8.0))]
+
+        def nodes(self):
+            return self.nodes_
+
+        def cluster_resources(self):
+            return dict(CPU=7.0)
+
+        def remote(self, cls):
+            class Actor:
+                def options(self, num_cpus, scheduling_strategy):
+                    class Bound:
+                        def remote(self, model, loader, threads):
+                            return (scheduling_strategy.node_id[0], num_cpus, threads)
+                    return Bound()
+            return Actor()
+
+    ray = FakeRay()
+    assert _start_actors(ray, None, no_model, 10) == [("a", 2, 2), ("b", 5, 5)]
+    assert _start_actors(ray, None, no_model, 10, cpus_per_worker=2) == [("a", 2, 2), ("b", 2, 2), ("b", 2, 2)]
+    assert _start_actors(ray, None, no_model, 2, cpus_per_worker=1) == [("a", 1, 1), ("a", 1, 1)]
+    with pytest.raises(RuntimeError, match="no node of the Ray cluster has 6 CPUs"):
+        _start_actors(ray, None, no_model, 10, cpus_per_worker=6)
 
 
 def test_cells_of_a_cuda_model_run_without_cudnn_attention_and_cpu_cells_untouched(tmp_path):

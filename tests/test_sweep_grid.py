@@ -127,12 +127,13 @@ def test_a_killed_grid_resumes_without_recomputing_its_finished_cells(tiny_chat_
 
 
 def test_the_ray_executor_writes_the_same_table(tiny_chat_model, uninterrupted, tmp_path):
+    """On Ray's local cluster, with one-CPU workers (as many as the machine has cores, each taking cells)."""
     pytest.importorskip("ray", reason="the Ray executor needs pip install 'snapkv_lab[ray]' (scripts/install.sh installs it)")
     # Ray's session folder, outside the default /tmp/ray and short: its socket paths must stay under 107 characters.
     # No authentication token either (Ray would write one into ~/.ray): the cluster lives only for this run.
     session = tempfile.mkdtemp(prefix="ray")
     try:
-        messages = finish(needle_command(tiny_chat_model, tmp_path, "--executor", "ray",
+        messages = finish(needle_command(tiny_chat_model, tmp_path, "--executor", "ray", "--cpus-per-worker", "1",
                                          env=dict(RAY_TMPDIR=session, RAY_AUTH_MODE="disabled")))
     finally:
         shutil.rmtree(session, ignore_errors=True)

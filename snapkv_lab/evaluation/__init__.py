@@ -13,6 +13,8 @@
     figures.py      score vs compression ratio, task x policy heatmap, gap per task (the `eval` figure set)
 """
 
+import json
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -21,7 +23,8 @@ from ..figures import FigureSet, register
 from .examples import Benchmark, Example, Question
 from .explain import Explanation, explain
 from .prompting import EncodedExample, encode_example
-from .run import RATIOS, budgets, eval_cells, evaluate, read_results, reuse_rows, run_example
+from .run import (CELL_KIND, RATIOS, _check_lengths, budgets, eval_cells, evaluate, read_results, reuse_rows,
+                  run_eval_cells, run_example)
 from .summary import full_cache_fails, gap_to_full, leaderboard, paired_difference, task_scores
 
 
@@ -67,17 +70,46 @@ def leaderboard_policies() -> list[str]:
 def recompute(options: dict) -> None:
     """Rerun the committed leaderboard (LEADERBOARD, every group of LEADERBOARD_GROUPS) into options' data_dir (the
     model's own folder), resuming from its cells; options["samples"]: examples per task (default the generated
-    sets' 10); options["reuse"]: the examples the existing eval_ruler.csv answers whole count as done (run.reuse_rows).
-    The groups' tables are joined into eval_ruler.csv, the full cache's rows (every group's cells answer
-    with it) once."""
+    sets' 10); options["reuse"]: the examples the existing eval_ruler.csv answers whole count as done (run.reuse_rows)
+    and stay in the table, also where they pass --samples (a task grown to 4 examples keeps them at --samples 3).
+    Every group's cells run as one sweep (options' executor, ray_address and cpus_per_worker: a cluster's workers
+    take any group's cells); the groups' tables are joined into eval_ruler.csv, the full cache's rows (every
+    group's cells answer with it) once."""
+    from ..sweep import ResultStore
+
     data_dir = Path(options.get("data_dir", "data"))
     committed = data_dir / "eval_ruler.csv"
     reuse = read_results(committed) if options.get("reuse") and committed.exists() else None
-    tables = [evaluate(options.get("model"), **LEADERBOARD, policies=list(group), limit=options.get("samples"),
-                       data_dir=data_dir, executor=options.get("executor") or "local",
-                       ray_address=options.get("ray_address"), write=False, reuse=reuse)
-              for group in LEADERBOARD_GROUPS]
-    joined_tables(tables).to_csv(data_dir / "eval_ruler.csv", index=False)
+    samples, model = options.get("samples"), options.get("model")
+    _check_lengths(model, LEADERBOARD["lengths"])
+    groups = [leaderboard_cells(model, group, samples, reuse) for group in LEADERBOARD_GROUPS]
+    run_eval_cells([cell for cells in groups for cell in cells], model=model, data_dir=data_dir, reuse=reuse,
+                   options=dict(LEADERBOARD, model=model, groups=[list(group) for group in LEADERBOARD_GROUPS],
+                                samples=samples, reuse=reuse is not None, seed=0),
+                   executor=options.get("executor") or "local", ray_address=options.get("ray_address"),
+                   cpus_per_worker=options.get("cpus_per_worker"))
+    store = ResultStore(data_dir / "cells" / CELL_KIND)
+    joined_tables([store.table(cells) for cells in groups]).to_csv(committed, index=False)
+
+
+def leaderboard_cells(model, group, samples: int | None = None, held: pd.DataFrame | None = None) -> list:
+    """The leaderboard's cells (LEADERBOARD, seed 0) for one policy group, in the order a run writes them: the first
+    `samples` examples per task (None: each task's default), and every example `held` (an earlier leaderboard
+    table) has rows of, wherever it stands."""
+    held_specs = set() if held is None else {json.dumps(json.loads(spec), sort_keys=True) for spec in held.spec.unique()}
+
+    def cells(limit):
+        return eval_cells(model, LEADERBOARD["datasets"], None, list(group), LEADERBOARD["ratios"], None,
+                          LEADERBOARD["modes"], limit, None, LEADERBOARD["lengths"], 0, None, None)
+
+    first = cells(samples)
+    if not held_specs:
+        return first
+    wanted = {cell.key for cell in first}
+    per_task = max(Counter(cell.config["example"]["task"] for cell in first).values())
+    last = max(json.loads(spec)["index"] for spec in held_specs)
+    return [cell for cell in cells(max(per_task, last + 1))
+            if cell.key in wanted or json.dumps(cell.config["example"], sort_keys=True) in held_specs]
 
 
 def joined_tables(tables) -> pd.DataFrame:
@@ -95,4 +127,5 @@ register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_def
 
 __all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Explanation",
            "Question", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
-           "leaderboard", "paired_difference", "read_results", "recompute", "reuse_rows", "run_example", "task_scores"]
+           "leaderboard", "leaderboard_cells", "paired_difference", "read_results", "recompute", "reuse_rows",
+           "run_eval_cells", "run_example", "task_scores"]

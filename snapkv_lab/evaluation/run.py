@@ -166,7 +166,7 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
              capacities=None, modes=MODES, limit: int | None = None, max_context: int | None = None, lengths=(),
              seed: int = 0, source: str | None = None, framing: str | None = None, data_dir="data",
              name: str | None = None, executor: str = "local", ray_address: str | None = None,
-             write: bool = True, reuse=None) -> pd.DataFrame:
+             cpus_per_worker: int | None = None, write: bool = True, reuse=None) -> pd.DataFrame:
     """Run benchmarks through policies; returns the tidy table, also written to <data_dir>/eval_<name>.csv unless
     write=False (the leaderboard joins its policy groups' tables before writing one).
 
@@ -179,6 +179,7 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     of this run's kind (a path or a DataFrame, e.g. a committed eval_ruler.csv), or a list of them: the cells they
     answer whole together are stored from their rows instead of being run (reuse_rows), so a fresh clone grows a
     committed run by its new examples only, and runs of the same examples at different ratios join into one.
+    executor, ray_address, cpus_per_worker: see sweep.run_cells.
 
     Columns: model, dataset, task, example, spec and policy_config (JSON: what rebuilds the example and the policy,
     see evaluation.explain), question, metric, policy, ratio (0 for the full cache), capacity,
@@ -187,8 +188,6 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     where every layer and head keeps as many, more where they differ: PyramidKV, CAKE, AdaKV, HeadKV, DuoAttention),
     truncated_tokens, framing, length, prefill_s, selection_s, decode_ms_per_token, new_tokens.
     """
-    from ..sweep import ResultStore, run_cells
-
     if ratios is None and capacities is None:
         ratios = RATIOS
     datasets = [datasets] if isinstance(datasets, str) else list(datasets)
@@ -196,24 +195,35 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     cells = eval_cells(model, datasets, tasks, policies, ratios, capacities, modes, limit, max_context, lengths, seed,
                        source, framing)
     _check_lengths(model, lengths)
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    store = ResultStore(data_dir / "cells" / CELL_KIND)
     options = dict(model=model, datasets=datasets, tasks=tasks, policies=[p if isinstance(p, str) else p.label for p in policies],
                    ratios=ratios, capacities=capacities, modes=list(modes), limit=limit, max_context=max_context,
                    lengths=list(lengths), seed=seed, source=source, framing=framing)
+    table = run_eval_cells(cells, model=model, options=options, data_dir=data_dir, executor=executor,
+                           ray_address=ray_address, cpus_per_worker=cpus_per_worker, reuse=reuse)
+    if write:
+        table.to_csv(Path(data_dir) / f"eval_{name or '+'.join(datasets)}.csv", index=False)
+    return table
+
+
+def run_eval_cells(cells, *, model, options: dict, data_dir="data", executor: str = "local",
+                   ray_address: str | None = None, cpus_per_worker: int | None = None, reuse=None) -> pd.DataFrame:
+    """Run `eval_cells`' cells not yet stored in <data_dir>/cells/eval/ (after storing those `reuse` answers whole,
+    see `evaluate`) as one sweep, its manifest holding `options` and the seeds; returns every cell's rows in the
+    order of `cells`."""
+    from ..sweep import ResultStore, run_cells
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(data_dir / "cells" / CELL_KIND)
     manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), model=model, options=options,
-                    seeds=[seed])
+                    seeds=[options.get("seed", 0)])
     if reuse is not None:
         tables = [reuse] if isinstance(reuse, (str, Path, pd.DataFrame)) else list(reuse)
         reused = reuse_rows(cells, store, pd.concat([read_results(t) if isinstance(t, (str, Path)) else t
                                                      for t in tables], ignore_index=True))
         print(f"eval cells: {reused} taken whole from an earlier table's rows", file=sys.stderr, flush=True)
-    table = run_cells(cells, run_example, store, model=model, executor=executor, ray_address=ray_address,
-                      desc="eval cells", manifest=manifest)
-    if write:
-        table.to_csv(data_dir / f"eval_{name or '+'.join(datasets)}.csv", index=False)
-    return table
+    return run_cells(cells, run_example, store, model=model, executor=executor, ray_address=ray_address,
+                     cpus_per_worker=cpus_per_worker, desc="eval cells", manifest=manifest)
 
 
 def reuse_rows(cells, store, table: pd.DataFrame) -> int:

@@ -236,6 +236,7 @@ def recompute(options: dict) -> None:
                     options=options,
                     seeds=sorted({cell.config["context"]["sample"] for cell in cells}))
     run_cells(cells, run_context, store, model=options.get("model"), executor=options.get("executor") or "local",
-              ray_address=options.get("ray_address"), desc="pressure cells", manifest=manifest)
+              ray_address=options.get("ray_address"), cpus_per_worker=options.get("cpus_per_worker"), desc="pressure cells",
+              manifest=manifest)
     for name, suite_cells in by_suite.items():
         store.table(suite_cells).to_csv(data_dir / SUITES[name].table, index=False)

@@ -30,7 +30,8 @@ RAY_INSTALL = "pip install 'snapkv_lab[ray]' (or: pip install ray)"
 
 
 def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "local", ray_address: str | None = None,
-              desc: str = "grid", loader=None, manifest: dict | None = None) -> pd.DataFrame:
+              cpus_per_worker: int | None = None, desc: str = "grid", loader=None,
+              manifest: dict | None = None) -> pd.DataFrame:
     """Run every cell not yet in `store` with `work(model, tokenizer, cell.config)` and write each finished table to
     the store at once; say how many cells were skipped; one progress bar (done / skipped / remaining).
 
@@ -38,7 +39,10 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     model: the model name given to `loader` (default `models.load_model`: None is the bundled SmolLM2), loaded once
     here (local) or once per Ray actor, and only when a cell is left to run. loader must be module-level for Ray.
     executor: "local" or "ray"; ray_address: an existing cluster ("auto", "ray://head:10001", ...), else Ray
-    starts a local one for this run and stops it after.
+    starts a local one for this run and stops it after. cpus_per_worker (Ray on a cluster without GPUs): each actor
+    takes that many CPUs and runs torch on as many threads, as many actors per node as fit (None: one per node
+    holding all of its CPUs): e.g. 1 to run as many cells at once as one machine has cores (the leaderboard's
+    examples ran on this lab's 2-core machine as two one-thread processes side by side).
     manifest: the arguments of `store.write_manifest` (command, options, model, seeds), written once the options
     are checked, before any cell runs; when every cell has finished, the run's log is added to it (cells, cells
     run, wall and CPU seconds of this process, torch threads, load average: `store.finish_manifest`).
@@ -47,8 +51,11 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     """
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    if ray_address and executor != "ray":
-        raise ValueError("ray_address (--ray-address) is only used with executor='ray' (--executor ray)")
+    for option, value in (("ray_address (--ray-address)", ray_address), ("cpus_per_worker (--cpus-per-worker)", cpus_per_worker)):
+        if value is not None and executor != "ray":
+            raise ValueError(f"{option} is only used with executor='ray' (--executor ray)")
+    if cpus_per_worker is not None and (int(cpus_per_worker) != cpus_per_worker or cpus_per_worker < 1):
+        raise ValueError(f"cpus_per_worker is a positive number of CPUs, got {cpus_per_worker!r}")
     if executor == "ray":
         import_ray()  # a missing Ray is said before any work, not after the local cells
     cells = list(cells)
@@ -86,7 +93,7 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
                         table = _work_of(work, cell)(*model_and_tokenizer, cell.config)
                     finished(cell, table)
             else:
-                _run_ray(pending, work, model, load, ray_address, finished)
+                _run_ray(pending, work, model, load, ray_address, cpus_per_worker, finished)
     finally:
         bar.close()
     if manifest is not None:
@@ -144,18 +151,26 @@ class CellWorker:
             return work(self.model, self.tokenizer, config)
 
 
-def _start_actors(ray, model, loader, n_cells: int) -> list:
-    """One actor per GPU of the cluster (num_gpus=1); without GPUs, one per node holding all of its CPUs."""
+def _start_actors(ray, model, loader, n_cells: int, cpus_per_worker: int | None = None) -> list:
+    """One actor per GPU of the cluster (num_gpus=1); without GPUs, one per node holding all of its CPUs, or with
+    cpus_per_worker, as many actors of that many CPUs as each node holds."""
     actor = ray.remote(CellWorker)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if gpus:
         return [actor.options(num_gpus=1).remote(model, loader, None) for _ in range(min(gpus, n_cells))]
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = [node for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) >= 1]
-    return [actor.options(num_cpus=node["Resources"]["CPU"],
-                          scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-            .remote(model, loader, int(node["Resources"]["CPU"])) for node in nodes[:n_cells]]
+    slots = []  # (node, cpus) per actor, node by node
+    for node in ray.nodes():
+        cpus = int(node["Resources"].get("CPU", 0)) if node["Alive"] else 0
+        if cpus_per_worker is None:
+            slots += [(node, cpus)] if cpus >= 1 else []
+        else:
+            slots += [(node, cpus_per_worker)] * (cpus // cpus_per_worker)
+    if cpus_per_worker is not None and not slots:
+        raise RuntimeError(f"no node of the Ray cluster has {cpus_per_worker} CPUs for a worker: {ray.cluster_resources()}")
+    return [actor.options(num_cpus=cpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+            .remote(model, loader, cpus) for node, cpus in slots[:n_cells]]
 
 
 def _start_local_cluster(ray, attempts: int = 2) -> None:
@@ -173,7 +188,7 @@ def _start_local_cluster(ray, attempts: int = 2) -> None:
             print(f"Ray's local cluster did not start in time ({err}); trying again", file=sys.stderr, flush=True)
 
 
-def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) -> None:
+def _run_ray(pending: list[Cell], work, model, loader, ray_address, cpus_per_worker, finished) -> None:
     """Keep every actor busy with one cell; store each table as it comes back (in completion order)."""
     ray = import_ray()
     started = not ray.is_initialized()
@@ -183,7 +198,7 @@ def _run_ray(pending: list[Cell], work, model, loader, ray_address, finished) ->
         _start_local_cluster(ray)
     actors = []
     try:
-        actors = _start_actors(ray, model, loader, len(pending))
+        actors = _start_actors(ray, model, loader, len(pending), cpus_per_worker)
         if not actors:
             raise RuntimeError(f"the Ray cluster has no GPU and no node with a CPU to run cells on: {ray.cluster_resources()}")
         queue, running = list(reversed(pending)), {}
