@@ -169,30 +169,31 @@ def test_bad_executor_options_are_refused(tmp_path, monkeypatch):
     assert CALLS == []
 
 
-def test_ray_workers_take_a_node_whole_or_as_many_cpus_per_worker_as_asked():
+def test_ray_workers_take_a_node_whole_or_as_many_cpus_per_worker_as_asked(capsys):
     """Without GPUs: one actor per live node holding all of its CPUs, or with cpus_per_worker as many actors of that
-    many CPUs (and torch threads) as each node holds; never more actors than cells."""
+    many CPUs (and torch threads) as each node holds; never more actors than cells. With GPUs: one per GPU, and
+    cpus_per_worker said to be unused."""
     pytest.importorskip("ray", reason="the Ray executor needs pip install 'snapkv_lab[ray]'")
     from snapkv_lab.sweep.executors import _start_actors
 
     class FakeRay:
-        nodes_ = [dict(NodeID="a" * 56, Alive=True, Resources=dict(CPU=2.0)),
-                  dict(NodeID="b" * 56, Alive=True, Resources=dict(CPU=5.0)),
-                  dict(NodeID="c" * 56, Alive=False, Resources=dict(CPU=8.0))]
+        def __init__(self, gpus=0):
+            self.gpus = gpus
 
         def nodes(self):
-            return self.nodes_
+            return [dict(NodeID="a" * 56, Alive=True, Resources=dict(CPU=2.0)),
+                    dict(NodeID="b" * 56, Alive=True, Resources=dict(CPU=5.0)),
+                    dict(NodeID="c" * 56, Alive=False, Resources=dict(CPU=8.0))]
 
         def cluster_resources(self):
-            return dict(CPU=7.0)
+            return dict(CPU=7.0, GPU=float(self.gpus))
 
         def remote(self, cls):
             class Actor:
-                def options(self, num_cpus, scheduling_strategy):
-                    class Bound:
-                        def remote(self, model, loader, threads):
-                            return (scheduling_strategy.node_id[0], num_cpus, threads)
-                    return Bound()
+                def options(self, num_cpus=None, num_gpus=None, scheduling_strategy=None):
+                    node = scheduling_strategy.node_id[0] if scheduling_strategy else None
+                    return type("Bound", (), dict(remote=lambda _, model, loader, threads:
+                                                  (node, num_gpus or num_cpus, threads)))()
             return Actor()
 
     ray = FakeRay()
@@ -201,6 +202,9 @@ def test_ray_workers_take_a_node_whole_or_as_many_cpus_per_worker_as_asked():
     assert _start_actors(ray, None, no_model, 2, cpus_per_worker=1) == [("a", 1, 1), ("a", 1, 1)]
     with pytest.raises(RuntimeError, match="no node of the Ray cluster has 6 CPUs"):
         _start_actors(ray, None, no_model, 10, cpus_per_worker=6)
+    capsys.readouterr()
+    assert _start_actors(FakeRay(gpus=2), None, no_model, 10, cpus_per_worker=1) == [(None, 1, None)] * 2
+    assert "cpus_per_worker=1 is not used: the cluster has GPUs" in capsys.readouterr().err
 
 
 def test_cells_of_a_cuda_model_run_without_cudnn_attention_and_cpu_cells_untouched(tmp_path):

@@ -157,6 +157,9 @@ def _start_actors(ray, model, loader, n_cells: int, cpus_per_worker: int | None 
     actor = ray.remote(CellWorker)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if gpus:
+        if cpus_per_worker is not None:
+            print(f"cpus_per_worker={cpus_per_worker} is not used: the cluster has GPUs, one worker per GPU",
+                  file=sys.stderr, flush=True)
         return [actor.options(num_gpus=1).remote(model, loader, None) for _ in range(min(gpus, n_cells))]
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
