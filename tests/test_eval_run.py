@@ -462,6 +462,12 @@ def test_recompute_runs_every_group_as_one_sweep_and_keeps_what_the_table_holds(
     assert "0 to run" in capsys.readouterr().err
     assert (again / "eval_ruler.csv").read_text() == (clone / "eval_ruler.csv").read_text()
 
+    evaluation.recompute(dict(data_dir=str(again), samples={"twice": 1}, reuse=True))  # one task grown, alone
+    assert "8 cells, 6 already in" in capsys.readouterr().err
+    both = read_results(again / "eval_ruler.csv")
+    assert both.groupby("task").example.unique().map(list).to_dict() == {"repeat": ["0", "1", "2"], "twice": ["0"]}
+    assert both[both.task == "repeat"].to_csv(index=False) == grown.to_csv(index=False)
+
 
 def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tiny_as_default, tmp_path, capsys):
     """reuse: the examples an earlier (joined) table answers whole are stored from its rows, each group's cells

@@ -15,6 +15,7 @@
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -70,7 +71,7 @@ def leaderboard_policies() -> list[str]:
 def recompute(options: dict) -> None:
     """Rerun the committed leaderboard (LEADERBOARD, every group of LEADERBOARD_GROUPS) into options' data_dir (the
     model's own folder), resuming from its cells; options["samples"]: examples per task (default the generated
-    sets' 10); options["reuse"]: the examples the existing eval_ruler.csv answers whole count as done (run.reuse_rows)
+    sets' 10), or {task: examples} to grow only the tasks named (leaderboard_cells); options["reuse"]: the examples the existing eval_ruler.csv answers whole count as done (run.reuse_rows)
     and stay in the table, also where they pass --samples (a task grown to 4 examples keeps them at --samples 3).
     Every group's cells run as one sweep (options' executor, ray_address and cpus_per_worker: a cluster's workers
     take any group's cells); the groups' tables are joined into eval_ruler.csv, the full cache's rows (every
@@ -92,23 +93,26 @@ def recompute(options: dict) -> None:
     joined_tables([store.table(cells) for cells in groups]).to_csv(committed, index=False)
 
 
-def leaderboard_cells(model, group, samples: int | None = None, held: pd.DataFrame | None = None) -> list:
+def leaderboard_cells(model, group, samples: int | Mapping[str, int] | None = None,
+                      held: pd.DataFrame | None = None) -> list:
     """The leaderboard's cells (LEADERBOARD, seed 0) for one policy group, in the order a run writes them: the first
-    `samples` examples per task (None: each task's default), and every example `held` (an earlier leaderboard
-    table) has rows of, wherever it stands."""
+    `samples` examples per task (None: each task's default), or with {task: examples} those of the tasks named; and
+    every example `held` (an earlier leaderboard table) has rows of, wherever it stands."""
     held_specs = set() if held is None else {json.dumps(json.loads(spec), sort_keys=True) for spec in held.spec.unique()}
 
-    def cells(limit):
-        return eval_cells(model, LEADERBOARD["datasets"], None, list(group), LEADERBOARD["ratios"], None,
+    def cells(limit, tasks=None):
+        return eval_cells(model, LEADERBOARD["datasets"], tasks, list(group), LEADERBOARD["ratios"], None,
                           LEADERBOARD["modes"], limit, None, LEADERBOARD["lengths"], 0, None, None)
 
-    first = cells(samples)
-    if not held_specs:
+    named = isinstance(samples, Mapping)
+    first = [cell for task, n in samples.items() for cell in cells(n, [task])] if named else cells(samples)
+    if not held_specs and not named:
         return first
     wanted = {cell.key for cell in first}
-    per_task = max(Counter(cell.config["example"]["task"] for cell in first).values())
-    last = max(json.loads(spec)["index"] for spec in held_specs)
-    return [cell for cell in cells(max(per_task, last + 1))
+    tasks = {cell.config["example"]["task"] for cell in first} | {json.loads(spec)["task"] for spec in held_specs}
+    per_task = max(Counter(cell.config["example"]["task"] for cell in first).values(), default=0)
+    last = max((json.loads(spec)["index"] for spec in held_specs), default=-1)
+    return [cell for cell in cells(max(per_task, last + 1), sorted(tasks))
             if cell.key in wanted or json.dumps(cell.config["example"], sort_keys=True) in held_specs]
 
 
