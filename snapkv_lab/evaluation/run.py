@@ -168,7 +168,7 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
              name: str | None = None, executor: str = "local", ray_address: str | None = None,
              cpus_per_worker: int | None = None, write: bool = True, reuse=None) -> pd.DataFrame:
     """Run benchmarks through policies; returns the tidy table, also written to <data_dir>/eval_<name>.csv unless
-    write=False (the leaderboard joins its policy groups' tables before writing one).
+    write=False.
 
     model: a bundled name, hub id or folder (None: the default bundled model); datasets and tasks by name
     (evaluation.DATASETS); ratios (default 0.25 0.5 0.75 unless capacities are given) or capacities; modes; limit:
