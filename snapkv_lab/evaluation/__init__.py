@@ -71,8 +71,9 @@ def leaderboard_policies() -> list[str]:
 def recompute(options: dict) -> None:
     """Rerun the committed leaderboard (LEADERBOARD, every group of LEADERBOARD_GROUPS) into options' data_dir (the
     model's own folder), resuming from its cells; options["samples"]: examples per task (default the generated
-    sets' 10), or {task: examples} to grow only the tasks named (leaderboard_cells); options["reuse"]: the examples the existing eval_ruler.csv answers whole count as done (run.reuse_rows)
-    and stay in the table, also where they pass --samples (a task grown to 4 examples keeps them at --samples 3).
+    sets' 10), or {task: examples} to grow only the tasks named (leaderboard_cells); options["reuse"]: the examples
+    the existing eval_ruler.csv answers whole count as done (run.reuse_rows) and stay in the table, also where they
+    pass --samples (a task grown to 4 examples keeps them at --samples 3).
     Every group's cells run as one sweep (options' executor, ray_address and cpus_per_worker: a cluster's workers
     take any group's cells); the groups' tables are joined into eval_ruler.csv, the full cache's rows (every
     group's cells answer with it) once."""
@@ -98,7 +99,9 @@ def leaderboard_cells(model, group, samples: int | Mapping[str, int] | None = No
     """The leaderboard's cells (LEADERBOARD, seed 0) for one policy group, in the order a run writes them: the first
     `samples` examples per task (None: each task's default), or with {task: examples} those of the tasks named; and
     every example `held` (an earlier leaderboard table) has rows of, wherever it stands."""
-    held_specs = set() if held is None else {json.dumps(json.loads(spec), sort_keys=True) for spec in held.spec.unique()}
+    # each held example's spec, keyed as reuse_rows matches a cell's example
+    specs = [] if held is None else [json.loads(spec) for spec in held.spec.unique()]
+    held_specs = {json.dumps(spec, sort_keys=True): spec for spec in specs}
 
     def cells(limit, tasks=None):
         return eval_cells(model, LEADERBOARD["datasets"], tasks, list(group), LEADERBOARD["ratios"], None,
@@ -109,9 +112,9 @@ def leaderboard_cells(model, group, samples: int | Mapping[str, int] | None = No
     if not held_specs and not named:
         return first
     wanted = {cell.key for cell in first}
-    tasks = {cell.config["example"]["task"] for cell in first} | {json.loads(spec)["task"] for spec in held_specs}
+    tasks = {cell.config["example"]["task"] for cell in first} | {spec["task"] for spec in held_specs.values()}
     per_task = max(Counter(cell.config["example"]["task"] for cell in first).values(), default=0)
-    last = max((json.loads(spec)["index"] for spec in held_specs), default=-1)
+    last = max((spec["index"] for spec in held_specs.values()), default=-1)
     return [cell for cell in cells(max(per_task, last + 1), sorted(tasks))
             if cell.key in wanted or json.dumps(cell.config["example"], sort_keys=True) in held_specs]
 
