@@ -30,11 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    ray_only = [option for option in ("ray_address", "cpus_per_worker") if getattr(args, option, None) is not None]
-    if ray_only and args.executor != "ray":  # said before any model loads or cell runs
-        print(f"snapkv-lab {args.command}: error: {' and '.join('--' + o.replace('_', '-') for o in ray_only)} "
-              f"{'is' if len(ray_only) == 1 else 'are'} only used with --executor ray", file=sys.stderr)
-        return 2
+    if "executor" in vars(args):  # the check run_cells makes, said before any model loads or cell runs
+        from .sweep import check_executor
+
+        try:
+            check_executor(args.executor, ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker)
+        except ValueError as err:
+            print(f"snapkv-lab {args.command}: error: {err}", file=sys.stderr)
+            return 2
     # A model nothing can load is said in one line, before torch is imported (a plain redraw loads no model).
     if "model" in vars(args) and getattr(args, "recompute", True):
         from .models import check_model

@@ -48,6 +48,7 @@ def figures(args) -> int:
     # The remaining options go to every figure set's recompute (model, samples, observation window and segment sizes, split).
     options = {k: v for k, v in vars(args).items() if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
     try:
+        options["samples"] = _figures_samples(args.samples, args.only)
         written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
     except (ValueError, ModuleNotFoundError) as err:  # options a figure set refuses, or a missing Ray
         print(f"snapkv-lab figures: error: {err}", file=sys.stderr)
@@ -157,6 +158,30 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _samples(text: str) -> int | tuple[str, int]:
+    task, named, count = text.rpartition("=")
+    if named and not task:
+        raise argparse.ArgumentTypeError(f"{text!r}: a task's name goes before the '='")
+    return (task, _positive_int(count)) if named else _positive_int(text)
+
+
+def _figures_samples(samples: list | None, only: list | None) -> int | dict[str, int] | None:
+    """--samples as a figure set's recompute takes it: one number, or {task: examples} for the eval leaderboard."""
+    if samples is None:
+        return None
+    named = dict(entry for entry in samples if isinstance(entry, tuple))
+    if not named:
+        if len(samples) > 1:
+            raise ValueError(f"--samples takes one number or TASK=N entries, got {len(samples)} numbers")
+        return samples[0]
+    if len(named) < len(samples):
+        raise ValueError("--samples takes one number or TASK=N entries, not both (a task not named keeps the examples "
+                         "the table holds with --reuse)")
+    if only != ["eval"]:
+        raise ValueError("--samples TASK=N grows the eval leaderboard's tasks: it needs --only eval")
+    return named
+
+
 def _share(low_closed: bool, what: str):
     def share(text: str) -> float:
         try:
@@ -212,9 +237,10 @@ def _figures_arguments(p) -> None:
     p.add_argument("--only", nargs="*", choices=list(FIGURE_MODULES), metavar="SET",
                    help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
                                                                             in FIGURE_MODULES.items()))
-    p.add_argument("--samples", type=_positive_int, default=None,
+    p.add_argument("--samples", type=_samples, nargs="+", default=None, metavar="N|TASK=N",
                    help="chat prompts per split for findings (a) and (b) (default 8); examples per task for the eval "
-                        "leaderboard (default 10)")
+                        "leaderboard (default 10), or with --only eval TASK=N ... to grow only the tasks named (e.g. "
+                        "--samples niah_single_1=10 niah_multivalue=5 --reuse)")
     p.add_argument("--reuse", action="store_true",
                    help="eval leaderboard: take the examples the existing eval_ruler.csv answers whole as done (a fresh "
                         "clone then runs only the examples --samples adds)")

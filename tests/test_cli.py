@@ -189,15 +189,37 @@ def test_figures_from_a_folder_without_tables_says_where_they_are_and_asks_for_n
     assert not (tmp_path / "figures").exists()
 
 
+def test_figures_samples_by_task_grow_the_leaderboard_alone_and_anything_else_is_refused(monkeypatch, tmp_path, capsys):
+    import snapkv_lab.figures
+    import snapkv_lab.models
+
+    calls = []
+    monkeypatch.setattr(snapkv_lab.figures, "make_figures", lambda *a, **k: calls.append(k["options"]["samples"]) or [])
+    monkeypatch.setattr(snapkv_lab.models, "check_model", lambda name: None)
+    args = ["figures", "--recompute", "--data-dir", str(tmp_path), "--only"]
+    assert main([*args, "eval", "--reuse", "--samples", "niah_single_1=10", "niah_multivalue=5"]) == 0
+    assert calls == [{"niah_single_1": 10, "niah_multivalue": 5}]
+    for refused, said in ((["findings", "--samples", "niah_single_1=10"], "needs --only eval"),
+                          (["eval", "findings", "--samples", "vt=4"], "needs --only eval"),
+                          (["eval", "--samples", "3", "vt=4"], "not both"),
+                          (["eval", "--samples", "3", "4"], "one number or TASK=N entries")):
+        assert main([*args, *refused]) == 2
+        assert said in capsys.readouterr().err
+    for bad in ("=4", "vt=0", "vt=x"):
+        with pytest.raises(SystemExit):
+            main([*args, "eval", "--samples", bad])
+    assert calls == [{"niah_single_1": 10, "niah_multivalue": 5}]
+
+
 def test_ray_options_without_the_ray_executor_are_refused_before_anything_runs(monkeypatch, capsys):
     import snapkv_lab.models
 
     monkeypatch.setattr(snapkv_lab.models, "check_model", lambda name: pytest.fail("a model was looked at"))
     for command in (["eval", "--tasks", "niah_single_1"], ["needle"], ["figures", "--recompute"]):
         assert main([*command, "--cpus-per-worker", "1"]) == 2
-        assert "--cpus-per-worker is only used with --executor ray" in capsys.readouterr().err
+        assert "cpus_per_worker (--cpus-per-worker) is only used with executor='ray' (--executor ray)" in capsys.readouterr().err
     assert main(["needle", "--ray-address", "auto", "--cpus-per-worker", "2"]) == 2
-    assert "--ray-address and --cpus-per-worker are only used with" in capsys.readouterr().err
+    assert "--ray-address) and cpus_per_worker (--cpus-per-worker) are only used with" in capsys.readouterr().err
 
 
 def test_figures_without_ray_says_how_to_install_it_before_any_model_runs(monkeypatch, capsys):

@@ -12,7 +12,7 @@ A grid is a list of cells and a module-level work function `work(model, tokenize
 Rerunning skips the cells already stored and returns the same table. Ray is optional: pip install 'snapkv_lab[ray]'.
 """
 
-from .executors import EXECUTORS, RAY_INSTALL, import_ray, run_cells
+from .executors import EXECUTORS, RAY_INSTALL, check_executor, import_ray, run_cells
 from .store import Cell, ResultStore, git_commit, versions
 
-__all__ = ["EXECUTORS", "RAY_INSTALL", "Cell", "ResultStore", "git_commit", "import_ray", "run_cells", "versions"]
+__all__ = ["EXECUTORS", "RAY_INSTALL", "Cell", "ResultStore", "check_executor", "git_commit", "import_ray", "run_cells", "versions"]

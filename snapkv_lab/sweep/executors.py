@@ -29,6 +29,21 @@ EXECUTORS = ("local", "ray")
 RAY_INSTALL = "pip install 'snapkv_lab[ray]' (or: pip install ray)"
 
 
+def check_executor(executor: str, *, ray_address: str | None = None, cpus_per_worker: int | None = None) -> None:
+    """Refuse, with a ValueError naming both the argument and its command-line flag, an unknown executor, Ray's
+    options without executor "ray", and a cpus_per_worker that is not a positive whole number. run_cells calls it;
+    so does the command line, before any model is looked at."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    ray_only = [f"{name} (--{name.replace('_', '-')})" for name, value in
+                (("ray_address", ray_address), ("cpus_per_worker", cpus_per_worker)) if value is not None]
+    if ray_only and executor != "ray":
+        raise ValueError(f"{' and '.join(ray_only)} {'is' if len(ray_only) == 1 else 'are'} only used with "
+                         "executor='ray' (--executor ray)")
+    if cpus_per_worker is not None and (int(cpus_per_worker) != cpus_per_worker or cpus_per_worker < 1):
+        raise ValueError(f"cpus_per_worker is a positive number of CPUs, got {cpus_per_worker!r}")
+
+
 def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "local", ray_address: str | None = None,
               cpus_per_worker: int | None = None, desc: str = "grid", loader=None,
               manifest: dict | None = None) -> pd.DataFrame:
@@ -49,13 +64,7 @@ def run_cells(cells, work, store: ResultStore, *, model=None, executor: str = "l
     Returns every cell's table, read back from the store, concatenated in the order of `cells`, so a resumed run
     returns the same table as an uninterrupted one.
     """
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    for option, value in (("ray_address (--ray-address)", ray_address), ("cpus_per_worker (--cpus-per-worker)", cpus_per_worker)):
-        if value is not None and executor != "ray":
-            raise ValueError(f"{option} is only used with executor='ray' (--executor ray)")
-    if cpus_per_worker is not None and (int(cpus_per_worker) != cpus_per_worker or cpus_per_worker < 1):
-        raise ValueError(f"cpus_per_worker is a positive number of CPUs, got {cpus_per_worker!r}")
+    check_executor(executor, ray_address=ray_address, cpus_per_worker=cpus_per_worker)
     if executor == "ray":
         import_ray()  # a missing Ray is said before any work, not after the local cells
     cells = list(cells)
