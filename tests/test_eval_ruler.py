@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from snapkv_lab.evaluation.examples import Example
+from snapkv_lab.evaluation.metrics import score
 from snapkv_lab.evaluation.ruler import (CONFIGS, DEPTHS, NOISE, RULER, SYNTHETIC_TASKS, TEMPLATES, HubOnlyTask,
                                          _zeta, essay_words, largest_fitting, split_sentences)
 from snapkv_lab.models import bundled_checkpoint
@@ -317,6 +318,20 @@ def test_same_spec_same_example_other_seed_or_index_another(task, examples, toke
         example = RULER.example(other, tokenizer)
         assert example.questions[0].answers != examples[task].questions[0].answers
         assert example.context != examples[task].context
+
+
+@pytest.mark.parametrize("task", SYNTHETIC_TASKS)
+def test_references_score_1_with_the_tasks_own_metric_at_another_length_and_seed(task, tokenizer):
+    """A prediction that says every reference scores 1 with the metric the example names (as a table stores the
+    references: JSON text); one that leaves the last reference out scores its share less, so a metric that
+    scored everything 1 would fail."""
+    spec = RULER.specs(task, limit=1, lengths=[1500], seed=11)[0]
+    example = RULER.example(spec, tokenizer)
+    metric = example.questions[0].metric or example.metric
+    references = json.loads(json.dumps(list(example.questions[0].answers)))
+    assert score(metric, "Answer: " + ", ".join(references) + ".", references, **example.meta) == 1.0
+    short = score(metric, " ".join(references[:-1]), references, **example.meta)
+    assert short == pytest.approx((len(references) - 1) / len(references))
 
 
 def test_sentences_split_after_ends_but_not_abbreviations():
