@@ -169,14 +169,17 @@ def _figures_samples(samples: list | None, only: list | None) -> int | dict[str,
     """--samples as a figure set's recompute takes it: one number, or {task: examples} for the eval leaderboard."""
     if samples is None:
         return None
-    named = dict(entry for entry in samples if isinstance(entry, tuple))
-    if not named:
+    entries = [entry for entry in samples if isinstance(entry, tuple)]
+    if not entries:
         if len(samples) > 1:
             raise ValueError(f"--samples takes one number or TASK=N entries, got {len(samples)} numbers")
         return samples[0]
-    if len(named) < len(samples):
+    if len(entries) < len(samples):
         raise ValueError("--samples takes one number or TASK=N entries, not both (a task not named keeps the examples "
                          "the table holds with --reuse)")
+    named = dict(entries)
+    if len(named) < len(entries):
+        raise ValueError(f"--samples names a task twice: {' '.join(f'{task}={n}' for task, n in entries)}")
     if only != ["eval"]:
         raise ValueError("--samples TASK=N grows the eval leaderboard's tasks: it needs --only eval")
     return named

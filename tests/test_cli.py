@@ -202,7 +202,8 @@ def test_figures_samples_by_task_grow_the_leaderboard_alone_and_anything_else_is
     for refused, said in ((["findings", "--samples", "niah_single_1=10"], "needs --only eval"),
                           (["eval", "findings", "--samples", "vt=4"], "needs --only eval"),
                           (["eval", "--samples", "3", "vt=4"], "not both"),
-                          (["eval", "--samples", "3", "4"], "one number or TASK=N entries")):
+                          (["eval", "--samples", "3", "4"], "one number or TASK=N entries"),
+                          (["eval", "--samples", "vt=3", "vt=4"], "names a task twice")):
         assert main([*args, *refused]) == 2
         assert said in capsys.readouterr().err
     for bad in ("=4", "vt=0", "vt=x"):
