@@ -322,13 +322,12 @@ def test_same_spec_same_example_other_seed_or_index_another(task, examples, toke
 
 @pytest.mark.parametrize("task", SYNTHETIC_TASKS)
 def test_references_score_1_with_the_tasks_own_metric_at_another_length_and_seed(task, tokenizer):
-    """A prediction that says every reference scores 1 with the metric the example names (as a table stores the
-    references: JSON text); one that leaves the last reference out scores its share less, so a metric that
-    scored everything 1 would fail."""
+    """A prediction that says every reference scores 1 with the metric the example names; one that leaves the last
+    reference out scores its share less, so a metric that scored everything 1 would fail."""
     spec = RULER.specs(task, limit=1, lengths=[1500], seed=11)[0]
     example = RULER.example(spec, tokenizer)
     metric = example.questions[0].metric or example.metric
-    references = json.loads(json.dumps(list(example.questions[0].answers)))
+    references = list(example.questions[0].answers)
     assert score(metric, "Answer: " + ", ".join(references) + ".", references, **example.meta) == 1.0
     short = score(metric, " ".join(references[:-1]), references, **example.meta)
     assert short == pytest.approx((len(references) - 1) / len(references))
