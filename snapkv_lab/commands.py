@@ -49,7 +49,7 @@ def figures(args) -> int:
     options = {k: v for k, v in vars(args).items() if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
     try:
         options["samples"] = _figures_samples(args.samples, args.only)
-        written = make_figures(args.data_dir, args.figures_dir, recompute=args.recompute, only=args.only, options=options)
+        written = make_figures(args.data_dir, _figures_dir(args), recompute=args.recompute, only=args.only, options=options)
     except (ValueError, ModuleNotFoundError) as err:  # options a figure set refuses, or a missing Ray
         print(f"snapkv-lab figures: error: {err}", file=sys.stderr)
         return 2
@@ -70,7 +70,7 @@ def needle(args) -> int:
     from .sweep import import_ray
 
     start = time.perf_counter()
-    data_dir, figures_dir = model_folders(args.data_dir, args.figures_dir, args.model)
+    data_dir, figures_dir = model_folders(args.data_dir, _figures_dir(args), args.model)
     suites = args.suites or [NEEDLE_SUITE]
     if not args.suites:  # the grid the options describe; the other suites (hours here) only when named
         from .pressure import SUITES
@@ -89,10 +89,18 @@ def needle(args) -> int:
         print(f"snapkv-lab needle: error: {err}", file=sys.stderr)
         return 2
     recompute(options)
-    for path in make_figures(args.data_dir, args.figures_dir, only=["pressure"], options=dict(model=args.model)):
+    for path in make_figures(args.data_dir, _figures_dir(args), only=["pressure"], options=dict(model=args.model)):
         print(path)
     print(f"done in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def _figures_dir(args) -> Path:
+    """--figures-dir, or by default figures/ for the repository's data/ and <data-dir>/figures for any other tables:
+    a run kept apart by --data-dir is drawn apart too, never over the committed figures."""
+    if args.figures_dir is not None:
+        return Path(args.figures_dir)
+    return Path("figures") if Path(args.data_dir) == Path("data") else Path(args.data_dir) / "figures"
 
 
 NEEDLE_SUITE = "needle"  # what `snapkv-lab needle` runs unless --suites names others
@@ -104,7 +112,7 @@ def evaluate(args) -> int:
     from .sweep import import_ray
 
     start = time.perf_counter()
-    data_dir, figures_dir = model_folders(args.data_dir, args.figures_dir, args.model)
+    data_dir, figures_dir = model_folders(args.data_dir, _figures_dir(args), args.model)
     ratios = args.ratios if args.ratios or args.capacities else list(RATIOS)
     options = dict(datasets=args.dataset, tasks=args.tasks, policies=args.policies, ratios=ratios,
                    capacities=args.capacities, modes=args.modes, limit=args.limit, max_context=args.max_context,
@@ -127,9 +135,9 @@ def evaluate(args) -> int:
     lost = [what for what, had, has in zip(("examples", "policies"), before, _examples_and_policies(target))
             if had - has]
     if lost:  # e.g. a quick look run in the repository, over the committed leaderboard
-        print(f"snapkv-lab eval: note: {target} held {' and '.join(lost)} this run does not have, and was replaced by "
-              "this run's table; `git checkout` it if it was committed, or pass --name or --data-dir to keep runs apart",
-              file=sys.stderr)
+        print(f"snapkv-lab eval: note: {target} held {' and '.join(lost)} this run does not have, and was replaced, "
+              f"with its figures in {figures_dir}, by this run's; `git checkout` them if they were committed, or pass "
+              "--name or --data-dir to keep runs apart", file=sys.stderr)
     figures_dir.mkdir(parents=True, exist_ok=True)
     for path in draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)]):
         print(path)
@@ -221,7 +229,9 @@ def _model_argument(p) -> None:
 
 def _folders_and_model(p) -> None:
     p.add_argument("--data-dir", default="data", help="folder of the tables (CSV) read and written (default data)")
-    p.add_argument("--figures-dir", default="figures", help="folder the figures are written to (default figures)")
+    p.add_argument("--figures-dir", default=None,
+                   help="folder the figures are written to (default figures, or DATA_DIR/figures when --data-dir names "
+                        "another folder than data: tables kept apart are drawn apart)")
     _model_argument(p)
     p.add_argument("--framing", choices=["chat", "plain"], default=None,
                    help="how prompts are framed: the chat template, or plain text (\"Question: ... Answer:\") for a base "

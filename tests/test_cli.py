@@ -93,7 +93,8 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
     monkeypatch.setattr(snapkv_lab.models, "check_model", lambda name: calls.append(("check", name)))
     assert main(["figures", "--recompute", "--only", "findings", "--samples", "1", "--split", "heldout",
                  "--data-dir", str(tmp_path)]) == 0
-    assert calls.pop() == ("draw", (str(tmp_path), "figures"), dict(
+    # tables kept apart are drawn apart: figures in <data-dir>/figures, not over the repository's figures/
+    assert calls.pop() == ("draw", (str(tmp_path), tmp_path / "figures"), dict(
         recompute=True, only=["findings"], options=dict(model=None, framing=None, samples=1, reuse=False, obs_window=None, prompt_segment=None,
                                                         gen_segment=None, split="heldout",
                                                         executor="local", ray_address=None, cpus_per_worker=None)))
@@ -106,7 +107,7 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
                                      depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"],
                                      policies=None, capacities=None, modes=None, executor="local", ray_address=None,
                                      cpus_per_worker=None)),
-                     ("draw", ("data", "figures"), dict(only=["pressure"], options=dict(model="some/model")))]
+                     ("draw", ("data", Path("figures")), dict(only=["pressure"], options=dict(model="some/model")))]
 
 
 def test_needle_without_suites_runs_the_grid_its_options_describe_and_names_the_others(monkeypatch, capsys):

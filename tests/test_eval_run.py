@@ -569,6 +569,30 @@ def test_cli_eval_says_when_it_replaces_a_table_holding_more(tmp_path, monkeypat
     assert "note:" not in capsys.readouterr().err
 
 
+def test_cli_eval_draws_beside_its_tables_unless_told(tmp_path, monkeypatch):
+    """A run kept apart by --data-dir draws into <data-dir>/figures, not over the repository's figures/; the
+    repository's data/ keeps figures/; --figures-dir wins; another model draws in its own subfolder of either."""
+    import snapkv_lab.evaluation as evaluation
+    import snapkv_lab.models
+    from snapkv_lab.cli import main
+
+    drawn = []
+    monkeypatch.setattr(snapkv_lab.models, "check_model", lambda model: None)
+    monkeypatch.setattr(evaluation, "evaluate", lambda model, **options: pd.DataFrame(dict(example=["0"])))
+    monkeypatch.setattr(evaluation, "draw", lambda data_dir, figures_dir, names: drawn.append(
+        (Path(data_dir), Path(figures_dir))) or [])
+    monkeypatch.chdir(tmp_path)
+    quick = ["eval", "--tasks", "niah_single_1", "--limit", "1", "--policies", "SnapKV", "--ratios", "0.5"]
+    for options, expected in ((["--data-dir", "runs/a"], ("runs/a", "runs/a/figures")),
+                              ([], ("data", "figures")),
+                              (["--data-dir", "data"], ("data", "figures")),
+                              (["--data-dir", "runs/a", "--figures-dir", "plots"], ("runs/a", "plots")),
+                              (["--data-dir", "runs/a", "--model", "gemma-3-270m"],
+                               ("runs/a/gemma-3-270m", "runs/a/figures/gemma-3-270m"))):
+        assert main([*quick, *options]) == 0
+        assert drawn.pop() == tuple(map(Path, expected)), options
+
+
 def test_figure_titles_count_tasks_and_examples_in_words():
     from snapkv_lab.evaluation.figures import _title, counted
 
