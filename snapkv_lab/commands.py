@@ -108,6 +108,7 @@ NEEDLE_SUITE = "needle"  # what `snapkv-lab needle` runs unless --suites names o
 
 def evaluate(args) -> int:
     from .evaluation import RATIOS, draw, eval_cells, evaluate as run
+    from .evaluation.figures import counted
     from .figures import model_folders
     from .sweep import import_ray
 
@@ -141,7 +142,8 @@ def evaluate(args) -> int:
     figures_dir.mkdir(parents=True, exist_ok=True)
     for path in draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)]):
         print(path)
-    print(f"{len(table)} answers ({table.example.nunique()} examples) in {time.perf_counter() - start:.0f} s")
+    examples = len(table[["dataset", "task", "example"]].drop_duplicates())  # an example id repeats across tasks
+    print(f"{len(table)} answers ({counted(examples, 'example')}) in {time.perf_counter() - start:.0f} s")
     return 0
 
 

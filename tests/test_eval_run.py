@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -556,7 +557,7 @@ def test_cli_eval_says_when_it_replaces_a_table_holding_more(tmp_path, monkeypat
     def fake_evaluate(model, *, data_dir, **options):
         written = table(["a"], ["FullCache", "SnapKV"])
         written.to_csv(Path(data_dir) / "eval_ruler.csv", index=False)
-        return written.assign(example="0")
+        return written.assign(dataset="ruler", task="niah_single_1", example="0")
 
     monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
     monkeypatch.setattr(evaluation, "draw", lambda *args, **kwargs: [])
@@ -569,16 +570,19 @@ def test_cli_eval_says_when_it_replaces_a_table_holding_more(tmp_path, monkeypat
     assert "note:" not in capsys.readouterr().err
 
 
-def test_cli_eval_draws_beside_its_tables_unless_told(tmp_path, monkeypatch):
+def test_cli_eval_draws_beside_its_tables_unless_told(tmp_path, monkeypatch, capsys):
     """A run kept apart by --data-dir draws into <data-dir>/figures, not over the repository's figures/; the
-    repository's data/ keeps figures/; --figures-dir wins; another model draws in its own subfolder of either."""
+    repository's data/ keeps figures/; --figures-dir wins; another model draws in its own subfolder of either. The
+    closing line counts examples per task (an example id repeats across tasks)."""
     import snapkv_lab.evaluation as evaluation
     import snapkv_lab.models
     from snapkv_lab.cli import main
 
     drawn = []
     monkeypatch.setattr(snapkv_lab.models, "check_model", lambda model: None)
-    monkeypatch.setattr(evaluation, "evaluate", lambda model, **options: pd.DataFrame(dict(example=["0"])))
+    # two tasks' first examples share an id: two examples all the same
+    monkeypatch.setattr(evaluation, "evaluate", lambda model, **options: pd.DataFrame(dict(
+        dataset="ruler", task=["vt", "vt", "cwe"], example=["4096-0-0"] * 3)))
     monkeypatch.setattr(evaluation, "draw", lambda data_dir, figures_dir, names: drawn.append(
         (Path(data_dir), Path(figures_dir))) or [])
     monkeypatch.chdir(tmp_path)
@@ -591,6 +595,7 @@ def test_cli_eval_draws_beside_its_tables_unless_told(tmp_path, monkeypatch):
                                ("runs/a/gemma-3-270m", "runs/a/figures/gemma-3-270m"))):
         assert main([*quick, *options]) == 0
         assert drawn.pop() == tuple(map(Path, expected)), options
+        assert re.fullmatch(r"3 answers \(2 examples\) in \d+ s\n", capsys.readouterr().out)
 
 
 def test_figure_titles_count_tasks_and_examples_in_words():
