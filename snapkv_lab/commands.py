@@ -100,7 +100,7 @@ def _figures_dir(args) -> Path:
     a run kept apart by --data-dir is drawn apart too, never over the committed figures."""
     if args.figures_dir is not None:
         return Path(args.figures_dir)
-    return Path("figures") if Path(args.data_dir) == Path("data") else Path(args.data_dir) / "figures"
+    return Path("figures") if Path(args.data_dir).resolve() == Path("data").resolve() else Path(args.data_dir) / "figures"
 
 
 NEEDLE_SUITE = "needle"  # what `snapkv-lab needle` runs unless --suites names others

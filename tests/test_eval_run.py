@@ -590,6 +590,7 @@ def test_cli_eval_draws_beside_its_tables_unless_told(tmp_path, monkeypatch, cap
     for options, expected in ((["--data-dir", "runs/a"], ("runs/a", "runs/a/figures")),
                               ([], ("data", "figures")),
                               (["--data-dir", "data"], ("data", "figures")),
+                              (["--data-dir", str(tmp_path / "data")], (tmp_path / "data", "figures")),
                               (["--data-dir", "runs/a", "--figures-dir", "plots"], ("runs/a", "plots")),
                               (["--data-dir", "runs/a", "--model", "gemma-3-270m"],
                                ("runs/a/gemma-3-270m", "runs/a/figures/gemma-3-270m"))):
