@@ -56,7 +56,7 @@ def figures(args) -> int:
     for path in written:
         print(path)
     print(f"{len(written)} files written in {time.perf_counter() - start:.0f} s")
-    if Path(args.data_dir) == Path("data") and Path("docs").is_dir():  # the repository's own tables: its docs follow
+    if _repository_data(args.data_dir) and Path("docs").is_dir():  # the repository's own tables: its docs follow
         from .docs_tables import write
 
         for page in write("docs", "data"):
@@ -70,7 +70,8 @@ def needle(args) -> int:
     from .sweep import import_ray
 
     start = time.perf_counter()
-    data_dir, figures_dir = model_folders(args.data_dir, _figures_dir(args), args.model)
+    figures_dir = _figures_dir(args)  # the base folder: make_figures adds the model's own subfolder
+    data_dir, _ = model_folders(args.data_dir, figures_dir, args.model)
     suites = args.suites or [NEEDLE_SUITE]
     if not args.suites:  # the grid the options describe; the other suites (hours here) only when named
         from .pressure import SUITES
@@ -89,10 +90,15 @@ def needle(args) -> int:
         print(f"snapkv-lab needle: error: {err}", file=sys.stderr)
         return 2
     recompute(options)
-    for path in make_figures(args.data_dir, _figures_dir(args), only=["pressure"], options=dict(model=args.model)):
+    for path in make_figures(args.data_dir, figures_dir, only=["pressure"], options=dict(model=args.model)):
         print(path)
     print(f"done in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def _repository_data(data_dir) -> bool:
+    """Whether data_dir is the repository's data/ (run from its root), however it is written."""
+    return Path(data_dir).resolve() == Path("data").resolve()
 
 
 def _figures_dir(args) -> Path:
@@ -100,7 +106,7 @@ def _figures_dir(args) -> Path:
     a run kept apart by --data-dir is drawn apart too, never over the committed figures."""
     if args.figures_dir is not None:
         return Path(args.figures_dir)
-    return Path("figures") if Path(args.data_dir).resolve() == Path("data").resolve() else Path(args.data_dir) / "figures"
+    return Path("figures") if _repository_data(args.data_dir) else Path(args.data_dir) / "figures"
 
 
 NEEDLE_SUITE = "needle"  # what `snapkv-lab needle` runs unless --suites names others
