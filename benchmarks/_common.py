@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from snapkv_lab.timing import synchronize
+from snapkv_lab.core.timing import synchronize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,7 +55,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def parse_model_options(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Parse, fill in the device's default dtype, and refuse a backend the device cannot run before any work."""
-    from snapkv_lab.models import _check_attn_implementation
+    from snapkv_lab.core.models import _check_attn_implementation
 
     args = parser.parse_args()
     _check_model(parser, args)
@@ -73,7 +73,7 @@ def parse_model_options(parser: argparse.ArgumentParser) -> argparse.Namespace:
 def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse --model with a random shape or a name that is not bundled; store the bundled model's own name, or
     None for the default SmolLM2 (so that its tables keep their names)."""
-    from snapkv_lab.models import BUNDLED_MODELS, DEFAULT_MODEL, bundled_model
+    from snapkv_lab.core.models import BUNDLED_MODELS, DEFAULT_MODEL, bundled_model
 
     if args.model is None:
         return
@@ -123,7 +123,7 @@ class Subject:
         if self.shape in RANDOM_SHAPES:
             generator = torch.Generator().manual_seed(length)
             return torch.randint(self.model.config.vocab_size, (1, length), generator=generator)
-        from snapkv_lab.corpus import haystack_ids
+        from snapkv_lab.tasks.corpus import haystack_ids
 
         return torch.tensor([[self.tokenizer.bos_token_id or 1] + haystack_ids(self.tokenizer, length - 1)])
 

@@ -46,9 +46,9 @@ from _common import (OUT_OF_MEMORY, PeakMemory, add_model_options, attempt, desc
                      parse_model_options, report, result_name)
 
 from snapkv_lab import AttentionTrace, capture
-from snapkv_lab.attention import AttentionSettings
-from snapkv_lab.inputs import check_context_length
-from snapkv_lab.timing import stopwatch
+from snapkv_lab.core.attention import AttentionSettings
+from snapkv_lab.core.inputs import check_context_length
+from snapkv_lab.core.timing import stopwatch
 
 MODES = ("generate", "capture", "eager")
 

@@ -34,8 +34,8 @@ from snapkv_lab import FullCache, SnapKV, compress
 from snapkv_lab.compression.compressor import applied
 from snapkv_lab.compression.generation import chunk_sizes, forward, greedy_decode
 from snapkv_lab.compression.layers import cache_bytes
-from snapkv_lab.inputs import check_context_length
-from snapkv_lab.timing import stopwatch
+from snapkv_lab.core.inputs import check_context_length
+from snapkv_lab.core.timing import stopwatch
 
 MODES = ("full cache", "SnapKV", "SnapKV, chunked")
 

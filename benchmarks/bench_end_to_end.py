@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 import snapkv_lab
 from snapkv_lab import POLICIES, generate
-from snapkv_lab.timing import over_full_cache
+from snapkv_lab.core.timing import over_full_cache
 
 KEY = ("tokens", "batch", "policy")
 
@@ -51,7 +51,7 @@ def prompts(subject, length: int, batch: int) -> torch.Tensor:
     model's, different random ids."""
     if subject.shape in RANDOM_SHAPES:
         return torch.cat([subject.prompt(length + b)[:, :length] for b in range(batch)])
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     bos = subject.tokenizer.bos_token_id or 1
     return torch.tensor([[bos] + haystack_ids(subject.tokenizer, length - 1, start=b) for b in range(batch)])

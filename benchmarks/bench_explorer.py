@@ -52,8 +52,8 @@ def rss_mib() -> float:
 
 
 def synthetic_trace(shape: str, n: int):
-    from snapkv_lab.attention import AttentionSettings
-    from snapkv_lab.trace import AttentionTrace
+    from snapkv_lab.core.attention import AttentionSettings
+    from snapkv_lab.core.trace import AttentionTrace
 
     heads, kv_heads, dim, window = SHAPES[shape]
     generator = torch.Generator().manual_seed(0)
@@ -73,8 +73,8 @@ def timed(action) -> float:
 
 
 def child(shape: str, n: int, max_cells: int) -> list[dict]:
-    from snapkv_lab.explorer import explore
-    from snapkv_lab.tiles import AttentionTiles
+    from snapkv_lab.views.explorer import explore
+    from snapkv_lab.views.tiles import AttentionTiles
 
     trace, kinds = synthetic_trace(shape, n)
     before = rss_mib()

@@ -25,7 +25,7 @@ from _common import add_model_options, describe, load_subject, parse_model_optio
 from tqdm.auto import tqdm
 
 import snapkv_lab
-from snapkv_lab.timing import stopwatch
+from snapkv_lab.core.timing import stopwatch
 
 COMPARED = ("FullCache", "SnapKV", "PyramidKV", "AdaKV", "TOVA", "StreamingLLM")
 

@@ -30,9 +30,9 @@ def capture_one(threads: int, path: str, new_tokens: int, index: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    from snapkv_lab.capture import capture
-    from snapkv_lab.models import load_model
-    from snapkv_lab.prompts import chat_prompt, load_recipes
+    from snapkv_lab.core.capture import capture
+    from snapkv_lab.core.models import load_model
+    from snapkv_lab.tasks.prompts import chat_prompt, load_recipes
 
     model, tokenizer = load_model()
     prompt = chat_prompt(tokenizer, load_recipes(ROOT / "data" / "prompt_recipes.json"), split="dev", index=index)
@@ -42,8 +42,8 @@ def capture_one(threads: int, path: str, new_tokens: int, index: int) -> None:
 def compare(reference, other) -> dict:
     import torch
 
-    from snapkv_lab.experiments import generation_consistency
-    from snapkv_lab.metrics import THETA
+    from snapkv_lab.findings.experiments import generation_consistency
+    from snapkv_lab.core.overlap import THETA
 
     same_tokens = torch.equal(reference.token_ids, other.token_ids)
     out = dict(same_tokens=same_tokens)
@@ -79,7 +79,7 @@ def main() -> None:
     if args.capture:
         capture_one(int(args.capture[0]), args.capture[1], args.new_tokens, args.prompt)
         return
-    from snapkv_lab.trace import AttentionTrace
+    from snapkv_lab.core.trace import AttentionTrace
 
     with tempfile.TemporaryDirectory() as folder:
         paths = []

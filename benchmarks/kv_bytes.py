@@ -22,7 +22,7 @@ import torch
 from _common import Subject, report
 
 import snapkv_lab
-from snapkv_lab.models import sliding_layers
+from snapkv_lab.core.models import sliding_layers
 
 LENGTHS = {"SmolLM2-135M-Instruct": (2000, 4000, 8000), "gemma-3-270m": (2000, 4000, 8000, 16000)}
 COUNTED = (2000, 4000, 8000, 16000, 32000)

@@ -200,9 +200,9 @@ def n_kept(n: int, ratio: float) -> int:
 
 def prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     """n_tokens ids: the chat template's head (up to the user message's content), then essays (see module doc)."""
-    from snapkv_lab.framing import chat_frame
-    from snapkv_lab.corpus import haystack_ids
-    from snapkv_lab.tokens import encode
+    from snapkv_lab.core.framing import chat_frame
+    from snapkv_lab.tasks.corpus import haystack_ids
+    from snapkv_lab.core.tokens import encode
 
     head = encode(tokenizer, chat_frame(tokenizer)[0])
     return head + haystack_ids(tokenizer, n_tokens - len(head))
@@ -407,8 +407,8 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     """Every row on both sides, on the bundled SmolLM2-135M-Instruct (fp32, sdpa, CPU): our policies in one shared
     prefill, every press in one worker run on the same checkpoint."""
     import snapkv_lab
-    from snapkv_lab.models import bundled_checkpoint
-    from snapkv_lab.query_filters import filters_path
+    from snapkv_lab.core.models import bundled_checkpoint
+    from snapkv_lab.policies.query_filters import filters_path
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
     ids = prompt_ids(tokenizer, n_tokens)

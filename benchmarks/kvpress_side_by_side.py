@@ -55,7 +55,7 @@ from _common import markdown  # noqa: E402 (benchmarks/ is on sys.path when this
 from kvpress_peer import (  # noqa: E402
     N_TOKENS, RATIO, ROWS, KvpressServer, build, default_venv, kvpress_style_ids, n_kept, side_by_side, venv_problem)
 
-from snapkv_lab.corpus import redact_essays  # noqa: E402
+from snapkv_lab.tasks.corpus import redact_essays  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -122,7 +122,7 @@ def context_text(tokenizer, n_tokens: int, source: str | None = None) -> str:
     """About n_tokens tokens of running text (kvpress's pipeline adds the chat template around it): the essays
     joined (or `source`), cut at a token boundary and decoded. The exact ids are kvpress_style_ids'."""
     if source is None:
-        from snapkv_lab.corpus import paul_graham_essays
+        from snapkv_lab.tasks.corpus import paul_graham_essays
 
         source = "\n\n".join(paul_graham_essays().values())
         while len(source) < 6 * n_tokens:  # ~4 characters a token: enough text, cycled if needed
@@ -226,7 +226,7 @@ def run_timing(args) -> None:
     from unittest import mock
 
     import snapkv_lab
-    from snapkv_lab.models import bundled_checkpoint
+    from snapkv_lab.core.models import bundled_checkpoint
 
     generation = importlib.import_module("snapkv_lab.compression.generation")
     venv = args.venv or default_venv()

@@ -32,7 +32,7 @@ COLUMNS = ["policy", "ratio", "mode", "prompt_tokens", "kept_tokens", "prefill_s
 
 
 def prepare(folder: Path, model: str | None) -> None:
-    from snapkv_lab.models import load_tokenizer
+    from snapkv_lab.core.models import load_tokenizer
 
     load_tokenizer(model).save_pretrained(folder)
     print(f"saved the tokenizer of {model or 'the default bundled model'} in {folder}")
@@ -75,7 +75,7 @@ def run(args) -> int:
 
     import snapkv_lab
     from snapkv_lab.evaluation import eval_cells, run_example
-    from snapkv_lab.models import load_model
+    from snapkv_lab.core.models import load_model
     from snapkv_lab.sweep.executors import many_shapes_attention
 
     policies = [name for name in args.policies or snapkv_lab.POLICIES if name != "FullCache" and name not in args.skip]

@@ -1,13 +1,28 @@
-"""snapkv_lab: see where an LLM's attention goes, and what a SnapKV-compressed KV cache keeps."""
+"""snapkv_lab: see where an LLM's attention goes, and what a SnapKV-compressed KV cache keeps.
+
+The package's layers, bottom to top (an import never runs up them; tests/test_layers.py checks it):
+
+    core         models, hooks, exact attention, traces, capture, inputs, timing, progress
+    tasks        real offline text and the prompts built from it (needles, RULER-style variants, findings' sets)
+    policies     the compression methods, their registry and their calibrations (retrieval heads, query filters)
+    compression  the engine: a policy applied to a live cache, one prefill serving many policies, the answers
+    views        tiles, the explorer, plots, per-head statistics, attention coverage
+    sweep        resumable grids of cells, here or on Ray
+    findings, pressure, evaluation   the studies: the paper's findings, pressure tests, the field's benchmarks
+    app          the command line and the docs' tables
+"""
 
 # The public names are imported on first use, so that `import snapkv_lab` (and with it `snapkv-lab --help`)
 # does not load torch and transformers.
 import importlib
 import sys
-import types
+
+from .core import __version__
+from .core.moved import Alias
 
 _EXPORTS = {  # public name -> its module
-    "AttentionTrace": "trace", "capture": "capture", "intercept_attention": "hooks", "load_model": "models",
+    "AttentionTrace": "core.trace", "capture": "core.capture", "intercept_attention": "core.hooks",
+    "load_model": "core.models",
     "POLICIES": "policies", "Policy": "policies", "FullCache": "policies", "H2O": "policies", "RandomKeep": "policies",
     "SnapKV": "policies", "SnapKVNoPooling": "policies", "SnapKVFactKernel": "policies", "StreamingLLM": "policies",
     "KVzip": "policies", "Surprisal": "policies", "DecodingEviction": "policies",
@@ -15,11 +30,15 @@ _EXPORTS = {  # public name -> its module
     "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies", "KeyDiff": "policies",
     "LagKV": "policies", "QFilters": "policies", "HeadKV": "policies", "DuoAttention": "policies", "CAKE": "policies",
     "RKV": "policies", "LookaheadQCache": "policies",
-    "compress": "compression", "generate": "compression", "compare": "ab",
-    "attention_coverage": "coverage", "explore": "explorer",
+    "compress": "compression", "generate": "compression", "compare": "compression.compare",
+    "attention_coverage": "views.coverage", "explore": "views.explorer",
 }
 __all__ = list(_EXPORTS)
-__version__ = "0.1.0"
+
+# `snapkv_lab.capture` is the function; the module path it also named before the layers (snapkv_lab/capture.py) stays
+# importable as an alias registered here, which the import system then never binds over the function.
+sys.modules.setdefault(f"{__name__}.capture", Alias(f"{__name__}.capture", ("snapkv_lab.core.capture",),
+                                                    warn_on_use=True))
 
 
 def __getattr__(name: str):
@@ -32,15 +51,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        # Importing the submodule `capture` binds it as `snapkv_lab.capture`; the function of the same
-        # name must win, as it did when this file imported it eagerly.
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

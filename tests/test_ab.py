@@ -13,8 +13,8 @@ import torch
 from conftest import make_tiny_llama
 import snapkv_lab as sl
 from snapkv_lab import FullCache, H2O, SnapKV, StreamingLLM, compare, generate
-from snapkv_lab.ab import kept_tokens_html
-from snapkv_lab.kept import kept_mask
+from snapkv_lab.compression.compare import kept_tokens_html
+from snapkv_lab.compression.kept import kept_mask
 from snapkv_lab.pressure import Context, Query, accuracy_table, run_retrieval
 
 POLICIES = [FullCache(), SnapKV(capacity=40, window_size=8), StreamingLLM(capacity=40, kept_tail=8)]
@@ -145,7 +145,8 @@ def test_needle_context_places_the_needle(smollm):
 
 
 def test_pressure_figures_draw_from_tables(tmp_path):
-    from snapkv_lab.figures import FIGURE_SETS, load_figure_sets
+    from snapkv_lab.core.figure_files import FIGURE_SETS
+    from snapkv_lab.app.figure_sets import load_figure_sets
 
     rows = [dict(task="needle", length=n, depth=d, sample=0, policy=p, capacity=c, mode=m, correct=(d + (c or 4096) / 4096) > 0.5,
                  value_kept=0.5, fact_kept=0.5)
@@ -223,7 +224,7 @@ def test_window_longer_than_the_question_spans_the_context(byte_tokenizer):
 def test_ruler_table_and_figure_from_a_run(tmp_path, byte_tokenizer):
     """A RULER-style table from a real (tiny) run: one row per query x policy x mode, both grades, the tasks the
     full cache fails marked, and the figure drawn from it."""
-    from snapkv_lab.figures import load_figure_sets
+    from snapkv_lab.app.figure_sets import load_figure_sets
     from snapkv_lab.pressure import ruler_table
 
     model = tiny()

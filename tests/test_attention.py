@@ -11,8 +11,8 @@ from conftest import make_tiny_llama
 from safetensors.torch import save_file
 
 from snapkv_lab import AttentionTrace, capture
-from snapkv_lab.attention import AttentionSettings, attention_column_sums, attention_probs, attention_row_topk
-from snapkv_lab.trace import positions
+from snapkv_lab.core.attention import AttentionSettings, attention_column_sums, attention_probs, attention_row_topk
+from snapkv_lab.core.trace import positions
 
 
 def dense_attention(query, key, scaling, *, sliding_window=None, softcap=None):

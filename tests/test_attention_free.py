@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from conftest import eager_twin, make_tiny_llama
 from reference import assert_same_selection
 import snapkv_lab as C
-from snapkv_lab.query_filters import query_filters
+from snapkv_lab.policies.query_filters import query_filters
 
 
 def tiny():
@@ -158,7 +158,7 @@ def ref_query_directions(model, ids):
 
 def test_query_filters_are_the_main_signed_direction_of_the_queries(byte_tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path))
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     model = tiny()
     filters = query_filters(model, byte_tokenizer, tokens=512, sequence=256)
@@ -200,7 +200,7 @@ def test_qfilters_inside_compress_needs_a_tokenizer_once(byte_tokenizer, tmp_pat
 @pytest.mark.parametrize("name", ["KeyDiff", "LagKV"])
 def test_attention_free_kept_positions_match_their_references_smollm(name, smollm):
     """The defaults on a 600-token essay prompt at 256 positions per head."""
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     model, tokenizer = smollm
     ids = torch.tensor([haystack_ids(tokenizer, 600, start=3)])

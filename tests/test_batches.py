@@ -10,7 +10,7 @@ import torch
 
 import snapkv_lab
 from conftest import build_with_tail, make_tiny_llama
-from snapkv_lab.inputs import encode_batch
+from snapkv_lab.core.inputs import encode_batch
 
 LENGTHS, NEW = (150, 97, 160), 6
 NAMES = sorted(snapkv_lab.POLICIES)

@@ -100,7 +100,7 @@ def test_kept_view_digits_are_drawn_uncovered(browser):
     import torch
 
     from conftest import ByteTokenizer
-    from snapkv_lab.ab import kept_tokens_html
+    from snapkv_lab.compression.compare import kept_tokens_html
 
     text = "Some essay text before it. The special magic number is: 9935848. And the essay goes on after it." * 3
     value = text.index("9935848")

@@ -27,7 +27,7 @@ def prompt(n=96, batch=1, seed=1):
 
 
 def smollm_prompt(tokenizer, n):
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     return torch.tensor([haystack_ids(tokenizer, n, start=3)])
 
@@ -173,7 +173,7 @@ def masked_decode(model, ids, kept, steps, question=None):
     """Greedy tokens (batch, steps) of the eager twin over the FULL cache of ids (batch, n), each layer's and
     head's dropped prompt positions hidden by an additive mask added inside its attention (kept: per layer
     (batch, kv_heads, k) NO_POSITION-padded). A question (batch, m) is fed after the prompt first."""
-    from snapkv_lab.hooks import intercept_attention
+    from snapkv_lab.core.hooks import intercept_attention
 
     twin = eager_twin(model)
     batch, n = ids.shape

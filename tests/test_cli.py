@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from snapkv_lab.cli import build_parser, main
-from snapkv_lab.commands import COMMANDS
+from snapkv_lab.app.cli import build_parser, main
+from snapkv_lab.app.commands import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = {"convert", "figures", "needle", "eval"}
@@ -63,7 +63,7 @@ def test_version_and_what_the_tool_does(capsys):
 
 
 def test_figures_help_lists_the_figure_sets_and_what_recompute_skips():
-    from snapkv_lab.figures import FIGURE_MODULES, load_figure_sets
+    from snapkv_lab.app.figure_sets import FIGURE_MODULES, load_figure_sets
 
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     options = {a.dest: a for a in subparsers.choices["figures"]._actions}
@@ -231,7 +231,7 @@ def test_figures_without_ray_says_how_to_install_it_before_any_model_runs(monkey
 
 
 def test_eval_takes_all_for_every_policy_and_refuses_a_misspelt_one(tmp_path, capsys):
-    from snapkv_lab.cli import main
+    from snapkv_lab.app.cli import main
 
     assert main(["eval", "--data-dir", str(tmp_path), "--policies", "all", "--tasks", "niah"]) == 2
     assert "unknown tasks ['niah']" in capsys.readouterr().err  # "all" passed the parser; the task stopped the run
@@ -246,7 +246,7 @@ def test_eval_takes_all_for_every_policy_and_refuses_a_misspelt_one(tmp_path, ca
     (["--dataset", "nope"], "unknown dataset 'nope'"),
 ])
 def test_eval_refuses_bad_options_before_any_model_loads(options, said, tmp_path, capsys):
-    from snapkv_lab.cli import main
+    from snapkv_lab.app.cli import main
 
     assert main(["eval", "--data-dir", str(tmp_path), *options]) == 2
     assert said in capsys.readouterr().err

@@ -49,7 +49,7 @@ def test_fact_kernel_policy_is_snapkv_pooled_over_a_fact(byte_tokenizer):
 
 @pytest.mark.slow
 def test_kept_indices_match_eager_reference_smollm(smollm):
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     model, tokenizer = smollm
     ids = torch.tensor([haystack_ids(tokenizer, 600, start=3)])
@@ -93,7 +93,7 @@ def test_text_is_text_and_a_chat_models_tokenizer_is_told_once(byte_tokenizer, m
     tokenizer that has a template gets one notice saying how to ask for a chat turn."""
     import warnings
 
-    from snapkv_lab import inputs
+    from snapkv_lab.core import inputs
 
     monkeypatch.setattr(inputs, "_RAW_TEXT_NOTICED", set())
     model = make_tiny_llama()
@@ -315,7 +315,7 @@ def test_prompt_lookup_decoding_is_refused_on_a_compressed_cache(byte_tokenizer)
 
 def test_flash_style_two_dimensional_padding_masks_give_the_pads():
     """flash_attention_2 receives the (batch, n) padding mask itself, not a 4-D one."""
-    from snapkv_lab.inputs import left_pads
+    from snapkv_lab.core.inputs import left_pads
 
     assert left_pads(torch.ones(2, 7, dtype=torch.long)) is None
     assert left_pads(torch.tensor([[1] * 7, [0, 0] + [1] * 5])).tolist() == [0, 2]

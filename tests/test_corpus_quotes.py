@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from snapkv_lab.corpus import ESSAY_RUN_WORDS, paul_graham_essays, redact_essays
+from snapkv_lab.tasks.corpus import ESSAY_RUN_WORDS, paul_graham_essays, redact_essays
 
 ROOT = Path(__file__).resolve().parent.parent
 

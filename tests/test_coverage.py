@@ -8,7 +8,7 @@ from conftest import ByteTokenizer, make_tiny_llama
 
 import snapkv_lab
 from snapkv_lab import AdaKV, DecodingEviction, FullCache, SnapKV, attention_coverage, capture, generate
-from snapkv_lab.metrics import SinkRule
+from snapkv_lab.core.overlap import SinkRule
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
           "The secret code is 7319. What is the secret code? ")  # 130 bytes: 130 tokens of the byte tokenizer
@@ -172,7 +172,7 @@ def test_refusals(tiny_runs, byte_tokenizer):
 
 @pytest.mark.slow
 def test_smollm_snapkv_and_adakv(smollm):
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     model, tokenizer = smollm
     ids = haystack_ids(tokenizer, 500)
@@ -202,7 +202,7 @@ def test_smollm_snapkv_and_adakv(smollm):
 def test_coverage_figure_draws_one_line_set_per_policy(tiny_runs):
     import pandas as pd
 
-    from snapkv_lab.plots import coverage_figure
+    from snapkv_lab.views.plots import coverage_figure
 
     trace, runs = tiny_runs
     single = coverage_figure(attention_coverage(trace, runs["SnapKV"]))
@@ -217,7 +217,7 @@ def test_coverage_figure_draws_one_line_set_per_policy(tiny_runs):
 
 
 def test_span_attention_against_a_loop(tiny_runs):
-    from snapkv_lab.coverage import span_attention
+    from snapkv_lab.views.coverage import span_attention
 
     trace, runs = tiny_runs
     run, span = runs["SnapKV"], (20, 35)
@@ -248,7 +248,7 @@ def test_span_attention_against_a_loop(tiny_runs):
 def test_coverage_summary_and_layer_spread(tiny_runs):
     import pandas as pd
 
-    from snapkv_lab.coverage import coverage_summary, layer_spread
+    from snapkv_lab.views.coverage import coverage_summary, layer_spread
 
     trace, runs = tiny_runs
     table = pd.concat([attention_coverage(trace, runs[n]).assign(policy=n) for n in ("SnapKV", "AdaKV", "FullCache")])

@@ -18,8 +18,8 @@ from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 
 from snapkv_lab import AttentionTrace, capture
 import snapkv_lab as sl
-from snapkv_lab.metrics import SinkRule, selection_vs_generation, to_mask
-from snapkv_lab.selection import select_from_trace
+from snapkv_lab.core.overlap import SinkRule, selection_vs_generation, to_mask
+from snapkv_lab.core.selection import select_from_trace
 
 ATOL = 1e-5  # fp32: CUDA vs CPU
 FP32_RECOMPUTE_ATOL = 1e-6  # a bf16 trace's maps vs the same stored queries and keys written out in fp32

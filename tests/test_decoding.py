@@ -139,7 +139,7 @@ def test_compress_once_ask_many(byte_tokenizer):
 def test_h2o_matches_reference_smollm(smollm):
     """On the real model (30 layers, 9 query / 3 KV heads), 600 tokens of essay: H2O = attention summed over all
     prompt rows, the mean over a KV head's query heads, from eager output_attentions."""
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     model, tokenizer = smollm
     n, budget = 600, 200

@@ -57,7 +57,7 @@ def test_the_docs_say_what_the_committed_tables_say(tmp_path):
     and undone by write()."""
     import shutil
 
-    from snapkv_lab import docs_tables
+    from snapkv_lab.app import docs_tables
 
     assert docs_tables.stale(ROOT / "docs", ROOT / "data") == []
     docs = tmp_path / "docs"

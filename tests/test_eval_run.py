@@ -51,7 +51,7 @@ def toy(monkeypatch):
 @pytest.fixture
 def tiny_as_default(monkeypatch):
     """The tiny model stands in for the default bundled one, under its name: reused rows match by it."""
-    from snapkv_lab.models import model_name
+    from snapkv_lab.core.models import model_name
 
     def default_model(name):
         model = make_tiny_llama()
@@ -297,7 +297,7 @@ def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overl
     alone = paired_difference(mixed[mixed.policy == "SnapKV"])  # nothing to read against it: no rows, same columns
     assert alone.empty and {"difference", "p_holm", "separated"} <= set(alone.columns)
 
-    from snapkv_lab.evaluation.figures import draw
+    from snapkv_lab.evaluation.leaderboard_plots import draw
 
     table.to_csv(tmp_path / "eval_toy.csv", index=False)
     names = {p.name for p in draw(tmp_path, tmp_path)}
@@ -333,7 +333,7 @@ def test_a_run_at_several_lengths_is_scored_per_length_as_ruler_reports_it(tmp_p
     """RULER reports each length on its own: a policy that keeps every needle at 4k and none at 8k scores 100 and 0,
     not a pooled 50, and its gap is paired with the full cache of the same length."""
     from snapkv_lab.evaluation import full_cache_fails
-    from snapkv_lab.evaluation.figures import draw
+    from snapkv_lab.evaluation.leaderboard_plots import draw
 
     rows = [("a", f"{n}-0-{e}", "FullCache", 0.0, "full", 1.0) for n in (4096, 8192) for e in range(3)] + \
            [("b", f"{n}-0-{e}", "FullCache", 0.0, "full", float(n == 4096)) for n in (4096, 8192) for e in range(3)] + \
@@ -402,7 +402,7 @@ def test_joined_tables_keep_each_examples_full_cache_rows_once():
 
 @pytest.mark.slow
 def test_cli_eval_runs_ruler_on_the_bundled_model_and_a_rerun_resumes(tmp_path, capsys):
-    from snapkv_lab.cli import main
+    from snapkv_lab.app.cli import main
     from snapkv_lab.evaluation.metrics import string_match_all
 
     data, figures = tmp_path / "data", tmp_path / "figures"
@@ -549,7 +549,7 @@ def test_the_committed_leaderboard_is_reused_whole_by_a_fresh_clone(tmp_path):
 def test_cli_eval_says_when_it_replaces_a_table_holding_more(tmp_path, monkeypatch, capsys):
     """A quick look run in the repository writes data/eval_ruler.csv over the committed leaderboard: said, not silent."""
     import snapkv_lab.evaluation as evaluation
-    from snapkv_lab.cli import main
+    from snapkv_lab.app.cli import main
 
     def table(specs, policies):
         return pd.DataFrame([dict(spec=s, policy=p, score=1.0) for s in specs for p in policies])
@@ -576,7 +576,7 @@ def test_cli_eval_draws_beside_its_tables_unless_told(tmp_path, monkeypatch, cap
     closing line counts examples per task (an example id repeats across tasks)."""
     import snapkv_lab.evaluation as evaluation
     import snapkv_lab.models
-    from snapkv_lab.cli import main
+    from snapkv_lab.app.cli import main
 
     drawn = []
     monkeypatch.setattr(snapkv_lab.models, "check_model", lambda model: None)
@@ -600,7 +600,7 @@ def test_cli_eval_draws_beside_its_tables_unless_told(tmp_path, monkeypatch, cap
 
 
 def test_figure_titles_count_tasks_and_examples_in_words():
-    from snapkv_lab.evaluation.figures import _title, counted
+    from snapkv_lab.evaluation.leaderboard_plots import _title, counted
 
     one = _scores([("a", 0, "FullCache", 0.0, "full", 1.0), ("a", 0, "SnapKV", 0.5, "query-aware", 0.0)])
     assert _title(one, "Score").endswith("toy, 1 task, 1 example per task")

@@ -18,12 +18,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import snapkv_lab as C
-from snapkv_lab.attention import AttentionSettings
+from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.compression.recorder import kept_from_scores
 from snapkv_lab.compression.shared import SharedPrefill
-from snapkv_lab.hooks import intercept_attention
+from snapkv_lab.core.hooks import intercept_attention
 from snapkv_lab.policies.base import AttentionCall
-from snapkv_lab.rope import LayerRope
+from snapkv_lab.core.rope import LayerRope
 
 N, CAPACITY = 96, 40
 N_FUTURE, N_SINK = 512, 4  # kvpress ExpectedAttentionPress defaults (expected_attention_press.py:56-57)
@@ -283,7 +283,7 @@ def test_refuses_ropes_it_cannot_reproduce():
 
 @pytest.mark.slow
 def test_matches_reference_smollm(smollm):
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     model, tokenizer = smollm
     ids = torch.tensor([haystack_ids(tokenizer, 600, start=3)])

@@ -14,10 +14,10 @@ from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 from reference import assert_same_selection, reference_kept
 
 from snapkv_lab import SnapKV, capture, generate
-from snapkv_lab.experiments import (draw, findings_tables, generation_consistency, prompt_segments, question_dependence,
-                                    question_placement, run_findings, select_mask)
-from snapkv_lab.findings_figures import figure_d, layer_groups, layer_ranges
-from snapkv_lab.metrics import THETA, SinkRule
+from snapkv_lab.findings.experiments import (draw, findings_tables, generation_consistency, prompt_segments,
+    question_dependence, question_placement, run_findings, select_mask)
+from snapkv_lab.findings.findings_plots import figure_d, layer_groups, layer_ranges
+from snapkv_lab.core.overlap import THETA, SinkRule
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_figure_d_merges_identical_sink_panels_and_names_its_lines():
 
 
 def test_figure_panels_name_the_series_they_leave_out_and_the_ones_they_hide(tmp_path):
-    from snapkv_lab.findings_figures import Grid, _coinciding, _panel_title, draw_png
+    from snapkv_lab.findings.findings_plots import Grid, _coinciding, _panel_title, draw_png
 
     summary = pd.DataFrame([dict(split="dev", sinks="kept", metric="recall", layer=layer, segment=w,
                                  defined=not (w == 2 and layer == 1), support=3 if (w == 2 and layer == 1) else 100,
@@ -196,7 +196,7 @@ def test_layer_helpers():
 def chat_tokenizer():
     from transformers import AutoTokenizer
 
-    from snapkv_lab.models import bundled_checkpoint
+    from snapkv_lab.core.models import bundled_checkpoint
 
     return AutoTokenizer.from_pretrained(bundled_checkpoint())
 
@@ -204,8 +204,8 @@ def chat_tokenizer():
 def test_run_findings_stores_cells_and_resumes(chat_tokenizer, tmp_path, monkeypatch):
     """Both splits, every table with sample and split; a rerun captures nothing and writes the same tables; a
     lost cell is the only one rerun."""
-    from snapkv_lab import experiments
-    from snapkv_lab.prompts import load_recipes
+    from snapkv_lab.findings import experiments
+    from snapkv_lab.tasks.prompts import load_recipes
 
     model = make_tiny_llama(vocab_size=len(chat_tokenizer), max_position_embeddings=2048)
     recipes = load_recipes()

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from conftest import ByteTokenizer, make_tiny_llama
 
 from snapkv_lab import capture
-from snapkv_lab.explorer import explore
-from snapkv_lab.trace import AttentionTrace, LazyLayers
+from snapkv_lab.views.explorer import explore
+from snapkv_lab.core.trace import AttentionTrace, LazyLayers
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_a_saved_trace_opens_lazily(trace, tmp_path):
 
 
 def test_saved_tiles_open_every_head_without_its_pass(trace, tmp_path):
-    from snapkv_lab.tiles import AttentionTiles
+    from snapkv_lab.views.tiles import AttentionTiles
 
     path = AttentionTiles(trace, progress=False).precompute(layers=[1]).save(tmp_path / "tiles.safetensors")
     ex = explore(trace, layer=1, head=3, tiles=path, progress=False)

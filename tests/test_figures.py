@@ -2,8 +2,9 @@
 
 import pytest
 
-from snapkv_lab import figures
-from snapkv_lab.figures import FigureSet, make_figures
+from snapkv_lab.app import figure_sets as figures
+from snapkv_lab.core.figure_files import FigureSet
+from snapkv_lab.app.figure_sets import make_figures
 
 
 @pytest.fixture

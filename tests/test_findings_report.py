@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from snapkv_lab.findings_report import markdown, read_tables, report, verdicts
+from snapkv_lab.findings.report import markdown, read_tables, report, verdicts
 
 
 def _rows(values: dict, key: str, n_samples=8, chance=0.05, support=1000.0, noise=0.02, seed=0) -> pd.DataFrame:
@@ -57,7 +57,7 @@ def test_sliding_and_global_layers_get_verdicts_apart():
 
 
 def test_side_by_side_puts_each_models_headline_verdicts_next_to_each_other():
-    from snapkv_lab.findings_report import side_by_side, short_verdict
+    from snapkv_lab.findings.report import side_by_side, short_verdict
 
     one = verdicts({"c": _rows({"front": 0.5, "back": 0.5}, "placement")})
     global_rows = _rows({"front": 0.5, "back": 0.5}, "placement").assign(layer=5)
@@ -94,8 +94,8 @@ def test_tables_and_settings_from_before_the_segment_rename_still_read(tmp_path)
     the same table, the same verdicts, and the settings under their new keys (docs/glossary.md, "segment")."""
     import json
 
-    from snapkv_lab.experiments import DEFAULTS, _options
-    from snapkv_lab.legacy import upgrade_options
+    from snapkv_lab.findings.experiments import DEFAULTS, _options
+    from snapkv_lab.findings.legacy import upgrade_options
 
     table = _rows({-1: 0.6, -2: 0.4, -3: 0.3}, "segment").assign(model="m")
     table.rename(columns={"segment": "window"}).to_csv(tmp_path / "findings_a.csv", index=False)

@@ -10,10 +10,10 @@ from conftest import eager_twin
 from reference import assert_same_selection, eager_maps, reference_kept
 
 import snapkv_lab
-from snapkv_lab.corpus import haystack_ids
-from snapkv_lab.framing import bos_text
-from snapkv_lab.pressure.tasks import found_exactly, needle_context
-from snapkv_lab.tokens import encode
+from snapkv_lab.tasks.corpus import haystack_ids
+from snapkv_lab.core.framing import bos_text
+from snapkv_lab.tasks.needles import found_exactly, needle_context
+from snapkv_lab.core.tokens import encode
 
 pytestmark = pytest.mark.slow
 GLOBAL_LAYERS = (5, 11, 17)
@@ -36,7 +36,7 @@ def test_gemma_loads_by_name_as_the_base_model_it_is(gemma):
 def test_gemma_converted_copy_equals_gguf_model(gemma):
     from transformers import AutoModelForCausalLM
 
-    from snapkv_lab.models import bundled_gguf_path
+    from snapkv_lab.core.models import bundled_gguf_path
 
     gguf = bundled_gguf_path("gemma-3-270m")
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()

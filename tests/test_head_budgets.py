@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import ByteTokenizer, make_tiny_llama
 from reference import eager_attentions
 import snapkv_lab as C
-from snapkv_lab import retrieval_heads
+from snapkv_lab.policies import retrieval_heads
 from snapkv_lab.policies import headkv
 
 WINDOW, CAPACITY, N = 8, 40, 96

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from snapkv_lab.head_types import findings_by_head_type, head_types
+from snapkv_lab.findings.head_types import findings_by_head_type, head_types
 
 
 def tables():

@@ -13,10 +13,11 @@ from conftest import ByteTokenizer, make_tiny_llama
 from plotly.callbacks import Points
 from reference import eager_maps
 
-from snapkv_lab import capture, heads
-from snapkv_lab.attention import AttentionSettings
-from snapkv_lab.heads import head_table, heads_grid, heads_grid_figure
-from snapkv_lab.trace import AttentionTrace
+from snapkv_lab import capture
+from snapkv_lab.views import heads
+from snapkv_lab.core.attention import AttentionSettings
+from snapkv_lab.views.heads import head_table, heads_grid, heads_grid_figure
+from snapkv_lab.core.trace import AttentionTrace
 
 OPTIONS = dict(sinks=4, local=16, obs_window=32, capacity=0.05)
 
@@ -195,7 +196,7 @@ def test_figure_z_is_the_table_column(table):
 def test_a_retrieval_heads_table_draws_as_a_grid_and_a_figure_set(tmp_path):
     """retrieval_heads' columns (not a head_table's) draw: the page's grid is the table's score, hover names its
     columns; the "heads" figure set writes the page and a PNG from data_dir's table, and nothing without one."""
-    from snapkv_lab.retrieval_heads import TABLE, draw
+    from snapkv_lab.findings.heads_study import TABLE, draw
 
     layers, n_heads = 3, 4
     rng = np.random.default_rng(0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from snapkv_lab.attention import AttentionSettings
+from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.compression.layers import HeadwiseLayer, cache_bytes, fork, headwise_attention
 
 BATCH, KV_HEADS, GROUP, N, HEAD_DIM = 2, 3, 2, 40, 8

@@ -8,7 +8,7 @@ from conftest import ByteTokenizer, make_tiny_llama
 
 from snapkv_lab import AdaKV, SnapKV, attention_coverage, capture, generate
 from snapkv_lab.compression import SharedPrefill
-from snapkv_lab.kept import kept_mask
+from snapkv_lab.compression.kept import kept_mask
 from snapkv_lab.pressure.runner import kept_fraction
 
 

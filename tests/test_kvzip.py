@@ -290,8 +290,8 @@ def test_smollm_chat_prompt_reconstruction_and_scores(smollm):
     """SmolLM2 (30 layers, 9 query / 3 KV heads), a chat prompt of 600 tokens of essay: the system prompt is the
     template's head, the feeds are the official prompts in its chat template token by token, and the scores equal the
     reference from eager attention over 3 chunks of 256."""
-    from snapkv_lab.framing import framed_ids
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.core.framing import framed_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     model, tokenizer = smollm
     ids, _ = framed_ids(tokenizer, [], [("context", haystack_ids(tokenizer, 600, start=5))])

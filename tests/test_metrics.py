@@ -11,9 +11,9 @@ import torch
 from conftest import eager_twin, make_tiny_llama
 
 from snapkv_lab import capture
-from snapkv_lab.metrics import (SinkRule, attention_recall, coarse_overlap, difference, hit_rate, metric_rows,
-                                selection_overlap, selection_vs_generation, summarise, to_mask)
-from snapkv_lab.selection import pool_votes, select, select_from_trace, topk_count, votes_per_kv_head
+from snapkv_lab.core.overlap import (SinkRule, attention_recall, coarse_overlap, difference, hit_rate, metric_rows,
+    selection_overlap, selection_vs_generation, summarise, to_mask)
+from snapkv_lab.core.selection import pool_votes, select, select_from_trace, topk_count, votes_per_kv_head
 
 
 def one_head(*rows):
@@ -197,7 +197,7 @@ def test_selection_equals_eager_reference_tiny(byte_tokenizer):
 
 @pytest.mark.slow
 def test_vote_equals_eager_rows_on_real_prompt(smollm):
-    from snapkv_lab.corpus import paul_graham_essays
+    from snapkv_lab.tasks.corpus import paul_graham_essays
 
     model, tokenizer = smollm
     trace = capture(model, tokenizer, paul_graham_essays()["founders"][:1500], max_new_tokens=2, progress=False)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from snapkv_lab import capture, load_model
-from snapkv_lab import models
-from snapkv_lab.models import BUNDLED_MODELS, BundledModel, bundled_checkpoint, bundled_gguf_path, bundled_model, model_name
+from snapkv_lab.core import models
+from snapkv_lab.core.models import (BUNDLED_MODELS, BundledModel, bundled_checkpoint, bundled_gguf_path, bundled_model,
+    model_name)
 
 
 def test_unknown_model_says_what_to_do(tmp_path):
@@ -109,7 +110,7 @@ def test_an_unknown_hub_name_fails_in_seconds_offline(monkeypatch, tmp_path):
 def test_check_model_refuses_what_load_model_cannot_load_and_trusts_a_reachable_hub(monkeypatch, tmp_path):
     import huggingface_hub.constants
 
-    from snapkv_lab.models import ModelNotFoundError, check_model
+    from snapkv_lab.core.models import ModelNotFoundError, check_model
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: False)
@@ -154,7 +155,7 @@ def test_smollm_trace_matches_eager_on_real_text(smollm):
     """A few hundred tokens of real chat text: prompt and generated rows equal eager output_attentions."""
     from conftest import eager_twin
 
-    from snapkv_lab.corpus import pydoc_topics
+    from snapkv_lab.tasks.corpus import pydoc_topics
 
     model, tokenizer = smollm
     text = pydoc_topics()["assert"][:1200]

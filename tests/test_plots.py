@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import ByteTokenizer, make_tiny_llama
 
-from snapkv_lab import capture, plots
+from snapkv_lab import capture
+from snapkv_lab.views import plots
 
 
 @pytest.fixture(scope="module")

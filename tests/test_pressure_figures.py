@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from snapkv_lab.pressure import accuracy_table, wilson
-from snapkv_lab.pressure.figures import draw
+from snapkv_lab.pressure.pressure_plots import draw
 from snapkv_lab.pressure import budget_labels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_budgets_sort_as_numbers():
 
 
 def test_the_first_24_policy_lines_all_look_different():
-    from snapkv_lab.pressure.figures import line_style
+    from snapkv_lab.views.palette import line_style
 
     styles = [tuple(sorted(line_style(i).items())) for i in range(24)]  # a leaderboard of every policy draws 24
     assert len(set(styles)) == 24
@@ -169,7 +169,7 @@ def test_methods_table_counts_intervals_and_means_by_hand():
 
 
 def test_methods_figure_and_docs_block_from_the_table(tmp_path):
-    from snapkv_lab import docs_tables
+    from snapkv_lab.app import docs_tables
 
     methods_rows().to_csv(tmp_path / "pressure_methods.csv", index=False)
     written = draw(tmp_path, tmp_path)

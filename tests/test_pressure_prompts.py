@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from snapkv_lab.framing import chat_frame
-from snapkv_lab.inputs import check_context_length, encode_prompt
-from snapkv_lab.models import bundled_checkpoint
+from snapkv_lab.core.framing import chat_frame
+from snapkv_lab.core.inputs import check_context_length, encode_prompt
+from snapkv_lab.core.models import bundled_checkpoint
 from snapkv_lab.pressure import Context, Query, lines_context, needle_context, run_retrieval
-from snapkv_lab.pressure.haystacks import HAYSTACKS, boundary
-from snapkv_lab.tokens import decoded_offsets, token_span
+from snapkv_lab.tasks.haystacks import HAYSTACKS, boundary
+from snapkv_lab.core.tokens import decoded_offsets, token_span
 
 from conftest import ByteTokenizer, make_tiny_llama
 
@@ -181,7 +181,7 @@ def test_a_tokenizer_without_chat_template_gets_plain_text_framing(digits_tokeni
 
 
 def test_cli_chat_framing_of_a_template_less_model_fails_before_running(tmp_path, capsys):
-    from snapkv_lab.cli import main
+    from snapkv_lab.app.cli import main
 
     folder = tmp_path / "plain-model"
     make_tiny_llama().save_pretrained(folder)
@@ -224,7 +224,7 @@ def test_run_retrieval_refuses_a_context_longer_than_the_model_before_any_prefil
 
 
 def test_run_findings_refuses_prompts_longer_than_the_model(smollm_tokenizer, tmp_path):
-    from snapkv_lab.experiments import run_findings
+    from snapkv_lab.findings.experiments import run_findings
 
     (tmp_path / "prompt_recipes.json").write_text(open("data/prompt_recipes.json").read())
     model = make_tiny_llama(max_position_embeddings=1024)  # the chat prompts are over 3k tokens

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from snapkv_lab.models import bundled_checkpoint
-from snapkv_lab.prompts import chat_prompts, load_recipes, make_recipes, qa_prompts
+from snapkv_lab.core.models import bundled_checkpoint
+from snapkv_lab.tasks.prompts import chat_prompts, load_recipes, make_recipes, qa_prompts
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from conftest import eager_twin, make_tiny_llama
 from reference import assert_same_selection
 import snapkv_lab as C
-from snapkv_lab.attention import AttentionSettings
+from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.compression.shared import SharedPrefill
-from snapkv_lab.hooks import intercept_attention
+from snapkv_lab.core.hooks import intercept_attention
 from snapkv_lab.policies.base import AttentionCall
 
 WINDOW, CAPACITY, N = 8, 40, 96
@@ -317,7 +317,7 @@ def test_criticalkv_refuses_attention_without_o_proj():
 
 @pytest.fixture(scope="module")
 def smollm_run(smollm):
-    from snapkv_lab.corpus import haystack_ids
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     model, tokenizer = smollm
     ids = torch.tensor([haystack_ids(tokenizer, 600, start=3)])

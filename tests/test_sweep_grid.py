@@ -34,7 +34,7 @@ N_CELLS = len(LENGTHS) * len(DEPTHS)
 def tiny_chat_model(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from snapkv_lab.models import bundled_checkpoint
+    from snapkv_lab.core.models import bundled_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_checkpoint())
     model = make_tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from snapkv_lab.attention import AttentionSettings
-from snapkv_lab.tiles import HEAD_MEAN, AttentionTiles
-from snapkv_lab.trace import AttentionTrace
+from snapkv_lab.core.attention import AttentionSettings
+from snapkv_lab.views.tiles import HEAD_MEAN, AttentionTiles
+from snapkv_lab.core.trace import AttentionTrace
 
 N, HEADS, KV_HEADS, DIM = 203, 4, 2, 8  # 203: no block size divides it, so the last cells are cut short
 

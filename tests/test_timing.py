@@ -4,7 +4,7 @@ import math
 
 import pandas as pd
 
-from snapkv_lab.timing import over_full_cache
+from snapkv_lab.core.timing import over_full_cache
 
 
 def test_each_row_is_divided_by_the_full_cache_of_its_own_length_and_batch():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inputs import eos_ids
+from ..core.inputs import eos_ids
 from ..policies.base import FullCache, Policy
 from .compressor import CompressionState, applied
 from .generation import decode_text, forward, greedy_decode

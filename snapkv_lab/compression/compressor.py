@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..attention import AttentionSettings
-from ..hooks import intercept_attention
-from ..inputs import PADDING_REFUSED, left_pads
+from ..core.attention import AttentionSettings
+from ..core.hooks import intercept_attention
+from ..core.inputs import PADDING_REFUSED, left_pads
 from ..policies.base import NO_POSITION, AttentionCall, FullCache, Policy
 from ..policies.decoding import prefill_seeds, seeded
-from ..timing import SectionTimer
+from ..core.timing import SectionTimer
 from .layers import (CompressedLayer, HeadwiseLayer, compressed_layer, gather_kv, headwise_attention, held_positions,
                      hidden_future, padded_layer, slot_positions, stack_rows)
 

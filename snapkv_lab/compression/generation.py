@@ -6,11 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from ..inputs import (check_context_length, encode_batch, encode_continuation, eos_ids, extended_mask,
-                      padded_positions)
-from ..hooks import with_cache
+from ..core.inputs import (check_context_length, encode_batch, encode_continuation, eos_ids, extended_mask,
+    padded_positions)
+from ..core.hooks import with_cache
 from ..policies.base import FullCache, Policy
-from ..timing import ms_per_token, stopwatch
+from ..core.timing import ms_per_token, stopwatch
 from .compressor import CompressionState, applied, compress, refuse_after_prefill
 from .layers import cache_bytes, cache_lengths, fork, row_cache_lengths, stack_forks
 from .shared import SharedPrefill

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..attention import AttentionSettings
+from ..core.attention import AttentionSettings
 from ..policies.base import NO_POSITION
 
 

@@ -16,8 +16,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionSettings
-from ..inputs import left_pads
+from ..core.attention import AttentionSettings
+from ..core.inputs import left_pads
 from .compressor import all_where_none, attention_calls, stack_kept
 
 

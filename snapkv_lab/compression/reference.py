@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..hooks import intercept_attention, model_eager_function, returned_cache, with_cache
-from ..kept import kept_mask
+from ..core.hooks import intercept_attention, model_eager_function, returned_cache, with_cache
+from .kept import kept_mask
 from ..policies.decoding import EvictsWhileDecoding
 
 

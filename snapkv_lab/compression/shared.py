@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..hooks import capture_final_hidden, intercept_attention, with_cache
+from ..core.hooks import capture_final_hidden, intercept_attention, with_cache
 from ..policies.base import Policy
-from ..timing import SectionTimer, stopwatch
+from ..core.timing import SectionTimer, stopwatch
 from ..policies.decoding import prefill_seeds, seeded
-from ..inputs import padded_positions
+from ..core.inputs import padded_positions
 from .compressor import CompressionState, refuse_unseen_layers
 from .layers import compressed_copy, fork, held_positions, padded_layer, row_cache, stack_rows
 from .recorder import ScoreRecorder, kept_from_scores

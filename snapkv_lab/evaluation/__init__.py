@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..figures import FigureSet, register
+from ..core.figure_files import FigureSet, register
 from .examples import Benchmark, Example, Question
 from .explain import Explanation, explain
 from .prompting import EncodedExample, encode_example
@@ -44,7 +44,7 @@ def __getattr__(name):
 
 def draw(data_dir, figures_dir, names=None) -> list[Path]:
     """Every benchmark figure of data_dir's eval_*.csv tables (evaluation.figures, imported when drawing)."""
-    from .figures import draw as draw_figures
+    from .leaderboard_plots import draw as draw_figures
 
     return draw_figures(data_dir, figures_dir, names)
 

@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from ..ab import kept_tokens_html
-from ..capture import capture
+from ..compression.compare import kept_tokens_html
+from ..core.capture import capture
 from ..compression import SharedPrefill
 from ..compression.answering import AnswerRun, answer_runs
-from ..corpus import redact_essays
-from ..coverage import attention_coverage, coverage_summary
+from ..tasks.corpus import redact_essays
+from ..views.coverage import attention_coverage, coverage_summary
 from ..policies import FullCache, policy_from_config, upgrade_config
-from ..tokens import token_span
-from ..trace import AttentionTrace
+from ..core.tokens import token_span
+from ..core.trace import AttentionTrace
 from .examples import Example
 from .prompting import EncodedExample, encode_example, frame_texts
 from .run import _benchmark, score_answer

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from ..tokens import encode
+from ..core.tokens import encode
 from .examples import Example, Question
 
 INSTALL_HINT = "pip install 'snapkv_lab[eval]'"

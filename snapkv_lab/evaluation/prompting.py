@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..framing import bos_text, chat_frame, resolve_framing
-from ..tokens import encode
+from ..core.framing import bos_text, chat_frame, resolve_framing
+from ..core.tokens import encode
 from .examples import Example
 
 

@@ -36,7 +36,7 @@ Where this differs from RULER, and why:
   '.', '?' or '!' (and closing quotes or brackets) followed by a space, except after a few abbreviations and
   initials. Needles land between sentences as in RULER; the boundaries can differ from punkt's at rare places.
 - Essays: RULER's PaulGrahamEssays.json holds the 49 essays of gkamradt's repository (the ones
-  snapkv_lab.corpus.paul_graham_essays() reads, in the same file order) followed by 169 essays downloaded from
+  snapkv_lab.tasks.corpus.paul_graham_essays() reads, in the same file order) followed by 169 essays downloaded from
   paulgraham.com; only the 49 are available offline, so the haystack repeats them (about 150k tokens) where RULER
   would go on with the others. Up to that length the essay haystack is RULER's own.
 - Random draws: RULER seeds global `random`/`numpy` once per task file (seed 42) and re-shuffles some lists with a
@@ -61,8 +61,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Callable, ClassVar
 
-from ..corpus import paul_graham_essays
-from ..tokens import encode
+from ..tasks.corpus import paul_graham_essays
+from ..core.tokens import encode
 from .examples import Example, Question
 
 DATASET = "ruler"

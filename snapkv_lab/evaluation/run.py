@@ -24,12 +24,12 @@ import pandas as pd
 import torch
 
 from ..compression import SharedPrefill
-from ..corpus import redact_essays
+from ..tasks.corpus import redact_essays
 from ..compression.answering import MODES, answer_runs
-from ..inputs import check_context_length
+from ..core.inputs import check_context_length
 from ..policies import expand_policies, parse_policy, policy_config, policy_from_config, upgrade_config
-from ..progress import progress_bar
-from ..timing import ms_per_token
+from ..core.progress import progress_bar
+from ..core.timing import ms_per_token
 from .examples import Example, Question
 from .prompting import encode_example
 
@@ -238,7 +238,7 @@ def reuse_rows(cells, store, table: pd.DataFrame) -> int:
     cell takes them from the first group's: the same prompts answered by the same model; only their timings are the
     other cell's, and a join drops them again.
     """
-    from ..models import model_name
+    from ..core.models import model_name
 
     table = table.astype({"ratio": "Float64", "capacity": "Int64", "length": "Int64"})
     by_example = dict(list(table.groupby(["model", "spec"], sort=False)))
@@ -291,7 +291,7 @@ def _check_lengths(model: str | None, lengths) -> None:
         return
     from transformers import AutoConfig
 
-    from ..models import model_source
+    from ..core.models import model_source
 
     try:
         config = AutoConfig.from_pretrained(model_source(model))

@@ -30,8 +30,8 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionSettings
-from ..selection import GQA_REDUCTIONS, POOLINGS, pool_votes, votes_per_kv_head
+from ..core.attention import AttentionSettings
+from ..core.selection import GQA_REDUCTIONS, POOLINGS, pool_votes, votes_per_kv_head
 
 SELECTION = ("pooling", "kernel_size", "gqa", "per_query_head")  # applied to scores by `keep`, with the budget
 # A field's metadata flag: added after results were stored, with the former behaviour as its default, so that

@@ -37,7 +37,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..attention import attention_probs
+from ..core.attention import attention_probs
 from .base import AttentionCall, top_positions
 from .snapkv import SnapKV
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hooks import attention_modules
-from ..selection import votes_per_kv_head
+from ..core.hooks import attention_modules
+from ..core.selection import votes_per_kv_head
 from .base import AttentionCall, prefix_share
 from .wrapper import Wrapper
 

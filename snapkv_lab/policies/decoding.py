@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..selection import votes_per_kv_head
+from ..core.selection import votes_per_kv_head
 from .base import AttentionCall, Policy
 from .snapkv import SnapKV
 from .wrapper import Wrapper

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rope import LayerRope
+from ..core.rope import LayerRope
 from .base import AttentionCall, Policy
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..attention import attention_column_sums
+from ..core.attention import attention_column_sums
 from .base import AttentionCall, Policy
 from .decoding import EvictsWhileDecoding
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import retrieval_heads
-from ..hooks import attention_modules
-from ..models import sliding_layers
+from . import retrieval_heads
+from ..core.hooks import attention_modules
+from ..core.models import sliding_layers
 from .base import ADDED_LATER, Policy
 from .wrapper import Wrapper
 

@@ -45,10 +45,10 @@ from typing import ClassVar
 import torch
 from einops import rearrange
 
-from ..attention import BLOCK_ELEMENTS, AttentionSettings
-from ..framing import chat_frame
-from ..hooks import intercept_attention, with_cache
-from ..tokens import encode
+from ..core.attention import BLOCK_ELEMENTS, AttentionSettings
+from ..core.framing import chat_frame
+from ..core.hooks import intercept_attention, with_cache
+from ..core.tokens import encode
 from .base import ADDED_LATER, Policy, top_positions
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # model/wrapper.py:211

@@ -40,9 +40,9 @@ from typing import ClassVar
 
 import torch
 
-from ..hooks import intercept_attention
-from ..inputs import eos_ids
-from ..selection import window_votes
+from ..core.hooks import intercept_attention
+from ..core.inputs import eos_ids
+from ..core.selection import window_votes
 from .base import AttentionCall, Policy
 from .snapkv import SnapKV
 

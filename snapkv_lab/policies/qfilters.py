@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from ..hooks import attention_modules
-from ..query_filters import TOKENS, filters_path, query_filters
+from ..core.hooks import attention_modules
+from .query_filters import TOKENS, filters_path, query_filters
 from .base import AttentionCall, Policy
 
 # attention module -> {calibration tokens: (kv_heads, head_dim) its filters}: set by `prepare`, so that scoring needs

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..attention import attention_logits
+from ..core.attention import attention_logits
 from .base import AttentionCall
 from .decoding import EvictsWhileDecoding
 from .snapkv import SnapKV

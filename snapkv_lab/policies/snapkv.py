@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..selection import window_votes
+from ..core.selection import window_votes
 from .base import ADDED_LATER, AttentionCall, Policy
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..attention import attention_column_sums
+from ..core.attention import attention_column_sums
 from .base import AttentionCall, Policy
 from .decoding import EvictsWhileDecoding
 

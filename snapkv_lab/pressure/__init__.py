@@ -19,14 +19,14 @@ The full cache is the same in both modes. The prefill logits are the full cache'
 Results are tidy tables (one row per question x policy x budget x mode) in data/pressure_*.csv.
 """
 
-from ..figures import FigureSet, register
-from .figures import draw
+from ..core.figure_files import FigureSet, register
+from .pressure_plots import draw
 from .grid import SUITES, Suite, grid_cells, recompute, run_context
 from .intervals import accuracy_intervals, wilson
-from .ruler import TASKS, VALUE_KINDS, ruler_context
+from ..tasks.ruler_needles import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tables import accuracy_table, budget_labels, ruler_table, run_label
-from .tasks import Context, Query, found, found_exactly, lines_context, needle_context
+from ..tasks.needles import Context, Query, found, found_exactly, lines_context, needle_context
 
 register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from ..capture import capture
-from ..coverage import GenerationAttention, attention_coverage, sinks_rows, span_attention
-from ..kept import kept_mask
+from ..core.capture import capture
+from ..views.coverage import GenerationAttention, attention_coverage, sinks_rows, span_attention
+from ..compression.kept import kept_mask
 from ..policies import AdaKV, ChunkKV, CriticalKV, ExpectedAttention, KNorm, PyramidKV, SnapKV, StreamingLLM, TOVA
 from .intervals import accuracy_intervals
-from .tasks import Context, Query
+from ..tasks.needles import Context, Query
 
 ABLATION_LENGTH = 4000
 ABLATION_CAPACITY = 1024  # 25% of the prompt

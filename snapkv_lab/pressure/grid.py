@@ -16,10 +16,10 @@ from ..policies import (CAKE, RKV, TOVA, AdaKV, DuoAttention, HeadKV, KeyDiff, K
                         parse_policy, policy_config, policy_from_config)
 from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
                         coverage_describer)
-from .haystacks import HAYSTACKS
-from .ruler import TASKS, VALUE_KINDS, ruler_context
+from ..tasks.haystacks import HAYSTACKS
+from ..tasks.ruler_needles import TASKS, VALUE_KINDS, ruler_context
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
-from .tasks import lines_context, needle_context
+from ..tasks.needles import lines_context, needle_context
 
 NEEDLE_LENGTHS = (2000, 4000, 7500)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -200,8 +200,8 @@ def _check_before_running(model_name, by_suite: dict[str, list]) -> None:
     be read here (a Ray head node without it): the cells check the same things where they run."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..inputs import check_context_length
-    from ..models import model_source
+    from ..core.inputs import check_context_length
+    from ..core.models import model_source
 
     try:
         source = model_source(model_name)

@@ -20,7 +20,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from ..compression import generate
-from ..framing import resolve_framing
+from ..core.framing import resolve_framing
 from ..policies import FullCache
 
 LIST_HEAD = "Here is a list of {n} codes, one per line:\n\n"
@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     the decoding-time policies and two prefill-time ones at each budget on the bundled model; the table to --out."""
     import argparse
 
-    from ..models import load_model
+    from ..core.models import load_model
     from ..policies import H2O, RKV, TOVA, DecodingEviction, SnapKV, StreamingLLM
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])

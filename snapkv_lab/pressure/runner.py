@@ -16,13 +16,13 @@ import torch
 from ..compression import SharedPrefill
 from ..compression.answering import MODES, answer_runs
 from ..compression.compressor import CompressionState
-from ..corpus import redact_essays
-from ..inputs import check_context_length
-from ..kept import kept_mask
+from ..tasks.corpus import redact_essays
+from ..core.inputs import check_context_length
+from ..compression.kept import kept_mask
 from ..policies import H2O, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
-from .tasks import Context, found, found_exactly
-from ..progress import progress_bar
-from ..timing import ms_per_token
+from ..tasks.needles import Context, found, found_exactly
+from ..core.progress import progress_bar
+from ..core.timing import ms_per_token
 
 DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKeep())
 CAPACITIES = (256, 512, 1024, 2048)

@@ -22,7 +22,7 @@ from contextlib import nullcontext
 
 import pandas as pd
 
-from ..progress import progress_bar
+from ..core.progress import progress_bar
 from .store import Cell, ResultStore
 
 EXECUTORS = ("local", "ray")
@@ -130,7 +130,7 @@ def _work_of(work, cell: Cell):
 
 
 def _load_model(name):
-    from ..models import load_model
+    from ..core.models import load_model
 
     return load_model(name)
 

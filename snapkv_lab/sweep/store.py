@@ -144,7 +144,7 @@ def _as_csv(column: pd.Series) -> list[str]:
 
 def versions() -> dict:
     """Python, platform, and the installed torch, transformers, pandas, ray (None when absent) and snapkv_lab."""
-    from .. import __version__
+    from ..core import __version__
 
     found = {}
     for name in ("torch", "transformers", "pandas", "ray"):

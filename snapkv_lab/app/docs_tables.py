@@ -1,0 +1,327 @@
+"""The docs' tables that come from data/ (and the benchmarks' committed results beside it): each written by code
+between markers in its page, so that a page never says other numbers than the committed tables (tests/test_docs.py
+checks every block; `snapkv-lab figures` rewrites them whenever it draws).
+
+In a page a block reads
+
+    <!-- generated: NAME (snapkv_lab.app.docs_tables; do not edit by hand) -->
+    ...
+    <!-- /generated: NAME -->
+
+and `BLOCKS[NAME]` says which page holds it and how it is written from a data folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Block:
+    """A generated part of a docs page: the page (relative to the docs folder), the tables it reads (relative to the
+    data folder; a block whose tables are missing is left as it is) and how it is written."""
+
+    page: str
+    reads: tuple[str, ...]
+    render: Callable[[Path], str]
+
+
+def _findings(data_dir: Path) -> str:
+    from ..findings.report import markdown, report
+
+    return markdown(report(data_dir))
+
+
+def _findings_side_by_side(data_dir: Path) -> str:
+    from ..findings.report import report, side_by_side
+
+    return side_by_side({"SmolLM2-135M": report(data_dir), "Gemma 3 270M": report(data_dir / "gemma-3-270m")})
+
+
+def _interval_cell(score: float, low: float, high: float) -> str:
+    return f"{score:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
+
+
+def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
+    """A committed RULER run (<model>/eval_<name>.csv: the 4k leaderboard, the 8k run, Gemma's): its size, the score
+    per policy, mode and ratio, and the full cache per task."""
+    from ..evaluation import leaderboard, read_results
+    from ..evaluation.leaderboard_plots import counted
+
+    table = read_results(data_dir / model / f"eval_{name}.csv")
+    board = leaderboard(table)
+    full, compressed = board[board.policy == "FullCache"], board[board.policy != "FullCache"]
+    columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware") for ratio in sorted(compressed.ratio.unique())]
+    examples = table.drop_duplicates(["task", "example"]).groupby("task", sort=False).size()
+    per_task = f"{examples.min()}" if examples.min() == examples.max() else f"{examples.min()} to {examples.max()}"
+    lines = [f"{counted(len(examples), 'task')}, {counted(int(examples.sum()), 'example')} ({per_task} per task); "
+             "score (0-100) per policy, mode and compression ratio, the mean over tasks, [95% interval] over examples "
+             "where a task has two or more:", "",
+             "| policy | " + " | ".join(f"{mode.removeprefix('query-')} {ratio:g}" for mode, ratio in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    base = full.iloc[0]
+    lines.append("| FullCache | " + " | ".join(_interval_cell(base.score, base.low, base.high) for _ in columns) + " |")
+    for policy, part in compressed.groupby("policy", sort=False):
+        part = part.set_index(["mode", "ratio"])
+        lines.append(f"| {policy} | " + " | ".join(
+            _interval_cell(*part.loc[c, ["score", "low", "high"]]) if c in part.index else "-" for c in columns) + " |")
+    return "\n".join(lines + ["", _full_cache_per_task(table)])
+
+
+def _full_cache_per_task(table) -> str:
+    """The full cache's score per task of an eval table, and the tasks it fails (evaluation.full_cache_fails: under 50)."""
+    from ..evaluation import full_cache_fails, task_scores
+    from ..evaluation.summary import lengths
+
+    fails = full_cache_fails(table)
+    scores = task_scores(table[table["mode"] == "full"])
+    by_length = len(lengths(table)) > 1
+    lines = ["The full cache per task (what compression can be judged on: "
+             + ("it fails " + ", ".join(fails) if fails else "it fails none") + "):", "",
+             "| task | " + ("length | " if by_length else "") + "full cache | examples |",
+             "|---|" + ("---:|" if by_length else "") + "---|---|"]
+    for _, row in scores.iterrows():
+        lines.append(f"| {row.task} | " + (f"{row.length} | " if by_length else "")
+                     + f"{_interval_cell(row.score, row.low, row.high)} | {row.examples} |")
+    return "\n".join(lines)
+
+
+def _full_cache_tasks(data_dir: Path, name: str, model: str = "") -> str:
+    """The full cache per task of a committed eval run (<model>/eval_<name>.csv) that asks every task."""
+    from ..evaluation import read_results
+
+    return _full_cache_per_task(read_results(data_dir / model / f"eval_{name}.csv"))
+
+
+def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_budget: bool = False) -> str:
+    """A committed RULER run's paired differences to SnapKV (evaluation.paired_difference) at its middle budget, or
+    at every budget: per policy, mode (and budget), the difference [95% interval] and the sign-flip test's p, bold
+    where Holm's adjustment over the run's comparisons leaves it under 0.05."""
+    from ..evaluation import paired_difference, read_results
+    from ..evaluation.leaderboard_plots import BASELINE, _at, _modes, by_difference, middle_budget
+    from ..evaluation.summary import _budget
+
+    table = read_results(data_dir / model / f"eval_{name}.csv")
+    budget = _budget(table)
+    differences = paired_difference(table, BASELINE)
+    asked = len(differences)
+    steps = sorted(differences[budget].unique()) if every_budget else [middle_budget(table)]
+    differences = differences[differences[budget].isin(steps)]
+    columns = [(mode, step) for mode in _modes(differences) for step in steps]
+    policies = by_difference(differences)
+    differences = differences.set_index(["policy", "mode", budget])
+    where = f"per {budget}" if every_budget else f"at {_at(budget, steps[0])}"
+    lines = [f"Score less {BASELINE}'s on the same examples {where} (points, the mean over tasks), "
+             f"[95% bootstrap interval] and the p of a paired sign-flip test; bold where it holds after Holm's "
+             f"adjustment for the run's {asked} comparisons (every policy, {budget} and mode), p_holm < 0.05:", "",
+             "| policy | " + " | ".join(mode.removeprefix("query-") + (f" {step:g}" if every_budget else "")
+                                       for mode, step in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for policy in policies:
+        cells = []
+        for mode, step in columns:
+            if (policy, mode, step) not in differences.index:
+                cells.append("-")
+                continue
+            row = differences.loc[(policy, mode, step)]
+            cell = f"{_interval_cell(row.difference, row.low, row.high)}, p {row.p:.2g}"
+            cells.append(f"**{cell}**" if row.separated else cell)
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# The benchmark scripts' committed results sit beside data/ in the repository: blocks read them from there.
+RESULTS = "../benchmarks/results"
+
+
+def _kvpress_timing(data_dir: Path) -> str:
+    import pandas as pd
+
+    table = pd.read_csv(data_dir / RESULTS / "kvpress_timing.csv")
+    lines = ["| method | tokens | kept | lab s | kvpress s | lab / kvpress | same answers |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in table.itertuples():
+        ratio = f"{row.lab_over_kvpress:.2f}"  # the script's own (from unrounded times); bold where the lab is ahead
+        lines.append(f"| {row.method} | {row.tokens} | {row.kept} | {row.lab_s:.2f} | {row.kvpress_s:.2f} | "
+                     f"{f'**{ratio}**' if row.lab_over_kvpress <= 1 else ratio} | {row.same_answers:.2f} |")
+    return "\n".join(lines)
+
+
+def _kvpress_timing_summary(data_dir: Path) -> str:
+    import pandas as pd
+
+    table = pd.read_csv(data_dir / RESULTS / "kvpress_timing.csv")
+    ratios = table.pivot(index="method", columns="tokens", values="lab_over_kvpress").reindex(table.method.unique())
+    lines = ["| lab time / kvpress time | " + " | ".join(f"{n} tokens" for n in ratios.columns) + " |",
+             "|---|" + "---:|" * len(ratios.columns)]
+    lines += [f"| {method} | " + " | ".join(f"{value:.2f}" for value in row) + " |" for method, row in ratios.iterrows()]
+    return "\n".join(lines)
+
+
+def _end_to_end_gpu(data_dir: Path) -> str:
+    """bench_end_to_end.py on the random 8B shape (bf16, CUDA): per batch and policy, prefill, scoring, decode and
+    peak memory, the prefill and decode also over the full cache's."""
+    import pandas as pd
+
+    from ..core.timing import over_full_cache
+
+    table = over_full_cache(pd.read_csv(data_dir / RESULTS / "end_to_end_llama3-8b_bf16_sdpa_cuda.csv"))
+    lines = ["| tokens | batch | policy | prefill s (x full) | scoring s | decode ms/token (x full) | KV MiB | "
+             "peak GPU GiB | status |", "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for (tokens, batch), part in table.groupby(["tokens", "batch"], sort=True):
+        for row in part.itertuples():
+            if row.status != "ok":
+                lines.append(f"| {tokens} | {batch} | {row.policy} | | | | | | {row.status} |")
+                continue
+            lines.append(f"| {tokens} | {batch} | {row.policy} | {row.prefill_s:.2f} ({row.prefill_s_vs_full:.2f}) "
+                         f"| {row.scoring_s:.2f} | {row.decode_ms:.1f} ({row.decode_ms_vs_full:.2f}) | "
+                         f"{row.kv_mib:.0f} | {row.peak_mb / 1024:.1f} | ok |")
+    return "\n".join(lines)
+
+
+def _head_types(data_dir: Path, model: str = "") -> str:
+    """Finding (b) on retrieval heads and the others, per split: value [95% interval] per metric and sinks rule, from
+    the model's folder of data_dir ("" for the default model)."""
+    import pandas as pd
+
+    from ..findings.head_types import findings_by_head_type
+    from ..findings.legacy import read_table
+
+    data_dir = data_dir / model
+    table = findings_by_head_type(read_table(data_dir / "findings_b.csv"), pd.read_csv(data_dir / "retrieval_heads.csv"))
+    heads = table.dropna(subset=["n_heads"]).drop_duplicates("head_type").set_index("head_type").n_heads
+    lines = [f"Retrieval heads (score > 0.1): {heads.get('retrieval', 0):.0f} of {heads.sum():.0f}; value [95% interval "
+             "over prompts], chance in parentheses:", "",
+             "| split | metric | sinks | retrieval heads | other heads | retrieval - other |", "|---|---|---|---|---|---|"]
+    for (split, metric, sinks), part in table.groupby(["split", "metric", "sinks"], sort=True):
+        cells = part.set_index("head_type")
+        shown = [f"{r.value:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]" + ("" if pd.isna(r.chance) else f" ({r.chance:.3f})")
+                 for r in (cells.loc[t] for t in ("retrieval", "other", "retrieval - other"))]
+        lines.append(f"| {split} | {metric} | {sinks} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
+def _methods(data_dir: Path) -> str:
+    """The methods suite per method: needles found [95% Wilson interval] in each mode, kept tokens and the coverage
+    columns of the query-aware runs."""
+    import pandas as pd
+
+    from ..pressure.tables import methods_table
+
+    table = pd.read_csv(data_dir / "pressure_methods.csv")
+    summary = methods_table(table)
+    found = {(r.policy, r.mode): f"{int(r.correct)}/{int(r.asked)} [{r.correct_low:.2f}, {r.correct_high:.2f}]"
+             for r in summary.itertuples()}
+    aware = summary[summary["mode"].isin(["query-aware", "full"])].set_index("policy")
+    lines = ["| method | query-aware: found [95%] | query-agnostic: found [95%] | kept tokens (longest layer) | "
+             "coverage / oracle | needle attention served |", "|---|---|---|---:|---:|---:|"]
+    for policy in dict.fromkeys(summary.policy):
+        row = aware.loc[policy]
+        if policy == "FullCache":
+            lines.append(f"| FullCache | {found[(policy, 'full')]} | (the same run) | {row.cache_length:.0f} | 1 | 1 |")
+            continue
+        lines.append(f"| {policy} | {found[(policy, 'query-aware')]} | {found.get((policy, 'query-agnostic'), '-')} | "
+                     f"{row.cache_length:.0f} | {row.coverage_of_oracle:.2f} | {row.value_served:.2f} |")
+    return "\n".join(lines)
+
+
+BLOCKS = {
+    "findings": Block("findings.md", ("findings_a.csv",), _findings),
+    "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
+                                   _findings_side_by_side),
+    "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
+    "difference": Block("benchmarks.md", ("eval_ruler.csv",), _differences),
+    "leaderboard-answered": Block("benchmarks.md", ("eval_ruler_4k_answered.csv",),
+                                  functools.partial(_leaderboard, name="ruler_4k_answered")),
+    "difference-answered": Block("benchmarks.md", ("eval_ruler_4k_answered.csv",),
+                                 functools.partial(_differences, name="ruler_4k_answered")),
+    "difference-answered-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_answered.csv",),
+                                       functools.partial(_differences, name="ruler_4k_answered",
+                                                         model="gemma-3-270m")),
+    "leaderboard-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv",),
+                                functools.partial(_leaderboard, name="ruler_4k_ratios")),
+    "difference-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv",),
+                               functools.partial(_differences, name="ruler_4k_ratios", every_budget=True)),
+    "leaderboard-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv",),
+                                      functools.partial(_leaderboard, name="ruler_4k_ratios", model="gemma-3-270m")),
+    "difference-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv",),
+                                     functools.partial(_differences, name="ruler_4k_ratios", model="gemma-3-270m",
+                                                       every_budget=True)),
+    "leaderboard-8k": Block("benchmarks.md", ("eval_ruler_8k.csv",), functools.partial(_leaderboard, name="ruler_8k")),
+    "leaderboard-8k-answered": Block("benchmarks.md", ("eval_ruler_8k_answered.csv",),
+                                     functools.partial(_leaderboard, name="ruler_8k_answered")),
+    "difference-8k-answered": Block("benchmarks.md", ("eval_ruler_8k_answered.csv",),
+                                    functools.partial(_differences, name="ruler_8k_answered", every_budget=True)),
+    "full-cache-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_tasks.csv",),
+                              functools.partial(_full_cache_tasks, name="ruler_4k_tasks", model="gemma-3-270m")),
+    "leaderboard-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k.csv",),
+                               functools.partial(_leaderboard, name="ruler_4k", model="gemma-3-270m")),
+    "full-cache-gemma-long": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_long.csv",),
+                                   functools.partial(_full_cache_tasks, name="ruler_long", model="gemma-3-270m")),
+    "leaderboard-16k-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_16k.csv",),
+                                   functools.partial(_leaderboard, name="ruler_16k", model="gemma-3-270m")),
+    "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
+    "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
+    "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),
+                              functools.partial(_head_types, model="gemma-3-270m")),
+    "kvpress-timing": Block("performance.md", (f"{RESULTS}/kvpress_timing.csv",), _kvpress_timing),
+    "end-to-end-gpu": Block("performance.md", (f"{RESULTS}/end_to_end_llama3-8b_bf16_sdpa_cuda.csv",),
+                            _end_to_end_gpu),
+    "kvpress-timing-summary": Block("../README.md", (f"{RESULTS}/kvpress_timing.csv",), _kvpress_timing_summary),
+}
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- generated: {name} (snapkv_lab.app.docs_tables; do not edit by hand) -->", f"<!-- /generated: {name} -->"
+
+
+def _span(text: str, name: str, page: Path) -> tuple[int, int]:
+    start, end = _markers(name)
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"{page} must hold the markers of block {name!r} once each: {start} ... {end}")
+    return text.index(start) + len(start), text.index(end)
+
+
+def rendered(name: str, data_dir="data") -> str | None:
+    """Block `name` as written from `data_dir`, or None when its tables are not there."""
+    block = BLOCKS[name]
+    data_dir = Path(data_dir)
+    if not all((data_dir / table).exists() for table in block.reads):
+        return None
+    return "\n" + block.render(data_dir).strip() + "\n"
+
+
+def stale(docs_dir="docs", data_dir="data") -> list[str]:
+    """Names of the blocks whose page says something else than their tables do now."""
+    out = []
+    for name, block in BLOCKS.items():
+        page = Path(docs_dir) / block.page
+        if not page.exists():
+            continue  # as in write: a docs folder without that page has nothing to keep
+        text = page.read_text()
+        start, end = _span(text, name, page)
+        new = rendered(name, data_dir)
+        if new is not None and text[start:end] != new:
+            out.append(name)
+    return out
+
+
+def write(docs_dir="docs", data_dir="data") -> list[Path]:
+    """Rewrite every block from its tables; returns the pages changed."""
+    changed = []
+    for name, block in BLOCKS.items():
+        page = Path(docs_dir) / block.page
+        if not page.exists():
+            continue  # outside the repository (e.g. a figures run elsewhere): no docs to keep
+        text = page.read_text()
+        start, end = _span(text, name, page)
+        new = rendered(name, data_dir)
+        if new is not None and text[start:end] != new:
+            page.write_text(text[:start] + new + text[end:])
+            changed.append(page)
+    return changed
+
