@@ -8,7 +8,7 @@ import torch
 
 from conftest import make_tiny_llama
 import snapkv_lab as sl
-from snapkv_lab.views.coverage import sinks_rows
+from snapkv_lab.coverage import sinks_rows  # the old path binds snapkv_lab.coverage, which the test reads
 from snapkv_lab.pressure import Context, Query, run_retrieval
 from snapkv_lab.pressure.ablations import (ANSWER_TOKENS, AXES, ablation_policies, ablation_table, coverage_describer,
                                            retrieval_predictors)

@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny_llama
 from reference import assert_same_selection, reference_kept
 import snapkv_lab as sl
-from snapkv_lab.compression.compressor import refuse_padding
+from snapkv_lab.core.inputs import left_pads as refuse_padding  # the compressor refuses what left_pads refuses
 
 WINDOW, CAPACITY = 8, 40
 

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 
 import snapkv_lab as C
 from snapkv_lab.core.attention import AttentionSettings
-from snapkv_lab.compression.recorder import kept_from_scores
+from snapkv_lab.compression.engine import kept_from_scores
 from snapkv_lab.compression.shared import SharedPrefill
 from snapkv_lab.core.hooks import intercept_attention
 from snapkv_lab.policies.base import AttentionCall

@@ -14,6 +14,7 @@ import torch
 import snapkv_lab
 from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 from snapkv_lab.policies import NO_POSITION, kvzip
+from snapkv_lab.compression.shared import SharedPrefill
 from snapkv_lab.policies.kvzip import REPEAT_NEXT_BY, reconstruction_feeds
 
 N = 64
@@ -92,15 +93,14 @@ def reference_scores(model, tokenizer, ids, *, sinks: int, start: int, protected
     return scores
 
 
-def prefilled(model, ids):
-    with torch.no_grad():
-        return model(ids, use_cache=True).past_key_values
+def prefilled(model, tokenizer, ids):
+    return SharedPrefill.run(model, tokenizer, ids, []).prompt()
 
 
 def our_scores(policy, model, tokenizer, ids) -> torch.Tensor:
     """(layers, kv_heads, n) of batch row 0."""
     with torch.no_grad():
-        scores = policy.prompt_scores(model, tokenizer, ids, prefilled(model, ids))
+        scores = policy.prompt_scores(prefilled(model, tokenizer, ids))
     return torch.stack([scores[layer][0] for layer in sorted(scores)])
 
 
@@ -149,7 +149,7 @@ def test_scores_use_the_layers_own_softmax_and_skip_sliding_layers():
     model, tokenizer = FAMILIES["gemma2-softcap"](), ByteTokenizer()
     ids = random_ids(4)
     with torch.no_grad():
-        scores = snapkv_lab.KVzip(chunk_size=24).prompt_scores(model, tokenizer, ids, prefilled(model, ids))
+        scores = snapkv_lab.KVzip(chunk_size=24).prompt_scores(prefilled(model, tokenizer, ids))
     full = [layer for layer in range(3) if layer not in sliding_layers(model.config)]
     assert sorted(scores) == full and full
     reference = reference_scores(model, tokenizer, ids, sinks=4, start=4, protected=4,

@@ -1,8 +1,9 @@
 """The module paths of the flat package (before 2026-11-28) still import, warn, and hold the names they held.
 
 MOVED lists each former module, where it went, and every public name it defined then (read off the code of
-2026-11-28, before the move): `import snapkv_lab.<old>` must warn with a DeprecationWarning naming the new path, and
-each name must read as the object the package holds now. Run in a fresh interpreter, where no alias was imported
+2026-11-28, before the move): `import snapkv_lab.<old>` must warn with a DeprecationWarning naming the new path (at
+the import, or, for snapkv_lab.capture, whose name is the function's, at the first name read), and each name must
+read as the object the package holds now. Run in a fresh interpreter, where no alias was imported
 before (a module warns once, when first imported).
 """
 
@@ -64,8 +65,8 @@ for old, (new, names) in moved.items():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = importlib.import_module("snapkv_lab." + old)
+        missing = [name for name in names if not hasattr(module, name)]
     said = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    missing = [name for name in names if not hasattr(module, name)]
     report[old] = dict(warned=any("snapkv_lab." + new in text for text in said), missing=missing)
 print(json.dumps(report))
 """

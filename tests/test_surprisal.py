@@ -11,6 +11,7 @@ from reference import assert_same_selection
 import snapkv_lab as sl
 import snapkv_lab.policies.surprisal as surprisal
 from snapkv_lab.compression.shared import SharedPrefill
+from snapkv_lab.policies.base import Prompt
 
 WINDOW, CAPACITY, N = 8, 40, 96
 
@@ -46,9 +47,9 @@ def test_token_surprisal_from_the_prefill_equals_the_loss_of_every_position(spli
     policies = [sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW)]
     shared = SharedPrefill.run(model, byte_tokenizer, ids, policies) if split is None else \
         SharedPrefill.run(model, byte_tokenizer, ids[:, :split], policies).extend(ids[:, split:])
-    assert shared.cache.final_hidden.shape == (1, N, model.config.hidden_size)
+    assert shared.final_hidden.shape == (1, N, model.config.hidden_size)
     with torch.no_grad():
-        mine = surprisal.token_surprisal(model, shared.cache.final_hidden, ids)
+        mine = surprisal.token_surprisal(model, shared.final_hidden, ids)
     torch.testing.assert_close(mine[0], reference_surprisal(model, ids), atol=1e-4, rtol=1e-5)
 
 
@@ -59,7 +60,7 @@ def test_token_surprisal_caps_the_logits_as_the_model_does(byte_tokenizer):
 
     model = make(Gemma2Config, attn="eager", final_logit_softcapping=2.0, **GEMMA_SCALE, **GQA)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
-    hidden = SharedPrefill.run(model, byte_tokenizer, ids, [sl.Surprisal()]).cache.final_hidden
+    hidden = SharedPrefill.run(model, byte_tokenizer, ids, [sl.Surprisal()]).final_hidden
     with torch.no_grad():
         mine = surprisal.token_surprisal(model, hidden, ids)
     torch.testing.assert_close(mine[0], reference_surprisal(model, ids), atol=1e-4, rtol=1e-5)
@@ -83,12 +84,12 @@ def test_only_prefills_with_a_reader_keep_the_final_hidden_states(byte_tokenizer
     model = make_tiny_llama(initializer_range=0.3)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(2))
     snapkv = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
-    assert not hasattr(SharedPrefill.run(model, byte_tokenizer, ids, [snapkv]).extend(ids[:, :5]).cache, "final_hidden")
+    assert SharedPrefill.run(model, byte_tokenizer, ids, [snapkv]).extend(ids[:, :5]).final_hidden is None
     wrapped = sl.AdaKV(policy=sl.Surprisal(), capacity=CAPACITY, kept_tail=WINDOW)
     assert wrapped.reads_final_hidden
-    assert SharedPrefill.run(model, byte_tokenizer, ids, [snapkv, wrapped]).cache.final_hidden.shape[1] == N
+    assert SharedPrefill.run(model, byte_tokenizer, ids, [snapkv, wrapped]).final_hidden.shape[1] == N
     with pytest.raises(ValueError, match="final hidden states of the prefill"):  # a cache no prefill left them on
-        sl.Surprisal().prompt_scores(model, byte_tokenizer, ids, model(ids, use_cache=True).past_key_values)
+        sl.Surprisal().prompt_scores(Prompt(model, byte_tokenizer, ids, model(ids, use_cache=True).past_key_values))
 
 
 @pytest.mark.parametrize("kernel", [1, 5, 31])
@@ -128,13 +129,13 @@ def test_keeps_exactly_its_sinks_however_wide_the_pooling(byte_tokenizer):
     model = make_tiny_llama(initializer_range=0.3)
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
     policy = sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW)
-    cache = SharedPrefill.run(model, byte_tokenizer, ids, [policy]).cache
+    prompt = SharedPrefill.run(model, byte_tokenizer, ids, [policy]).prompt()
     flat = torch.zeros(1, N)
     flat[:, 50] = 1.0  # one surprising token: its 31 neighbours rank next, the sinks' neighbours do not
     original = surprisal.token_surprisal
     try:
         surprisal.token_surprisal = lambda model, hidden, ids: flat.clone()
-        scores = policy.prompt_scores(model, byte_tokenizer, ids, cache)
+        scores = policy.prompt_scores(prompt)
     finally:
         surprisal.token_surprisal = original
     kept = policy.keep(scores[0][0], N, model.config.num_key_value_heads, 0, 2)[0].tolist()

@@ -1,21 +1,38 @@
-"""Applying compression policies (snapkv_lab.policies) to a live transformers KV cache.
+"""The compression engine: a policy (snapkv_lab.policies) applied to a live transformers KV cache, and the answers
+over it. One scoring path, one way to keep and build, one answer engine:
 
+    recorder.py     ScoreRecorder: a policy's `score` at the prefill's attention calls, for one policy or many
+    engine.py       compress_layers: scores -> kept positions -> the layers holding them (batches as rows)
     layers.py       cache layers holding kept positions (dense, or ragged per head), fork, bytes
-    compressor.py   compress(): the hook callback that compresses at prefill and routes later calls
-    recorder.py     ScoreRecorder: scores of many policies from one prefill
-    generation.py   generate(): greedy decoding over a compressed cache, one context and many questions
-    shared.py       SharedPrefill: one full prefill serving many policies (compare, the pressure tests)
-    answering.py    answer_runs: the full cache and every policy x mode answering each question of one prefilled context
+    state.py        CompressionState: a compressed cache, its phase, and every later attention call (eviction too)
+    compressor.py   compress(): the live compressor, layer by layer as the prefill (or each prompt chunk) runs
+    shared.py       SharedPrefill: one full prefill serving many policies, and what policies need beyond it (Prompt)
+    greedy.py       feeding tokens, greedy decoding, the end of an answer
+    generation.py   the answer engine: generate(), answer() over one state, answer_runs() over policies x modes
+    compare.py      compare(): policies side by side on the same prompts, with a notebook display
+    kept.py         kept_mask: what a compressed cache holds, as a mask over prompt positions
     reference.py    masked_decode: the plain definition the fast path is tested against (the full cache, each head's
                     evicted positions hidden, eager attention)
 """
 
-from .compressor import CompressionState, applied, compress
-from .generation import GenerationResult, branch, decode_text, forward, generate, greedy_decode, prefill
-from .layers import CompressedLayer, HeadwiseLayer, cache_bytes, cache_lengths, compressed_copy, fork, gather_kv
-from .recorder import ScoreRecorder, kept_from_scores
-from .shared import SharedPrefill
+import warnings
 
-__all__ = ["CompressedLayer", "CompressionState", "GenerationResult", "HeadwiseLayer", "ScoreRecorder", "SharedPrefill", "applied",
-           "branch", "cache_bytes", "cache_lengths", "compress", "compressed_copy", "decode_text", "fork", "forward",
-           "gather_kv", "generate", "greedy_decode", "kept_from_scores", "prefill"]
+from .compressor import compress
+from .engine import compress_layers, kept_from_scores
+from .generation import MODES, GenerationResult, answer, answer_runs, generate, prefill
+from .greedy import decode_text, forward, greedy_decode
+from .layers import CompressedLayer, HeadwiseLayer, build_layer, cache_bytes, cache_lengths, fork, gather_kv
+from .recorder import ScoreRecorder
+from .shared import SharedPrefill
+from .state import CompressionState, Phase, applied
+
+__all__ = ["MODES", "CompressedLayer", "CompressionState", "GenerationResult", "HeadwiseLayer", "Phase", "ScoreRecorder",
+           "SharedPrefill", "answer", "answer_runs", "applied", "build_layer", "cache_bytes", "cache_lengths", "compress",
+           "compress_layers", "decode_text", "fork", "forward", "gather_kv", "generate", "greedy_decode",
+           "kept_from_scores", "prefill"]
+
+
+def branch(state: CompressionState) -> CompressionState:
+    """Replaced on 2026-11-28 by `state.fork()`: an alias that warns, for one release."""
+    warnings.warn("compression.branch(state) is state.fork() now", DeprecationWarning, stacklevel=2)
+    return state.fork()

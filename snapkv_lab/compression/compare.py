@@ -15,12 +15,12 @@ import html
 import pandas as pd
 import torch
 
-from . import GenerationResult, SharedPrefill
-from .generation import answers, encode_questions
 from ..core.inputs import encode_batch, eos_ids
-from .kept import kept_mask
-from ..policies import FullCache, SnapKV
 from ..core.progress import progress_bar
+from ..policies import FullCache, SnapKV
+from .generation import GenerationResult, answer_runs, encode_questions, several_questions
+from .kept import kept_mask
+from .shared import SharedPrefill
 
 
 # The highlighted span gets one box around all its tokens. A border, unlike an outline, takes its own room in the
@@ -143,9 +143,11 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
     if len(set(labels)) < len(labels):
         raise ValueError(f"two policies share a label (the same settings): {labels}")
     items = [_as_item(p, i) for i, p in enumerate(prompts)]
+    asked = sum(len(item["question"]) if several_questions(item.get("question")) else 1 for item in items)
     rows, results = [], {}
-    bar = progress_bar(total=len(items) * len(policies), desc="compare", disable=not progress)
+    bar = progress_bar(total=asked * len(policies), desc="compare", disable=not progress)
     eos = eos_ids(model, tokenizer)
+    order = {policy.label: i for i, policy in enumerate(policies)}
     for item in items:
         batch = encode_batch(tokenizer, item["prompt"]).to(model.device)
         ids, mask = batch.ids, (None if batch.pads is None else batch.mask)
@@ -153,23 +155,24 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
         expected = item.get("answer")
         expected = list(expected) if isinstance(expected, (list, tuple)) else [expected] * len(questions)
         shared = SharedPrefill.run(model, tokenizer, ids, policies, mask=mask)
-        for policy in policies:
-            state = shared.state(policy)
-            runs = answers(model, tokenizer, state, shared.logits, ids, questions, extras,
-                           shared.seconds + state.selection_seconds, max_new_tokens, mask=mask)
-            for run, question, answer in zip(runs, questions, expected, strict=True):
-                row_runs = run.rows(eos) if ids.shape[0] > 1 else [run]  # a batch: one row per prompt
-                for b, run in enumerate(row_runs):
-                    results[len(rows)] = run
-                    rows.append(dict(
-                        prompt=item["name"] if len(row_runs) == 1 else f"{item['name']}/{b}", policy=policy.label,
-                        mode="query-aware" if question is None else "query-agnostic",
-                        question=run.question, answer=run.text, expected=answer,
-                        correct=pd.NA if answer is None else answer.lower() in run.text.lower(),
-                        kv_bytes=run.kv_bytes, cache_length=max(run.cache_lengths), prompt_tokens=run.prompt_ids.shape[1],
-                        prefill_s=shared.seconds, selection_s=run.selection_seconds,
-                        decode_ms_per_token=run.decode_ms_per_token, new_tokens=run.token_ids.shape[1]))
+        modes = ("query-aware",) if extras == [None] else ("query-agnostic",)
+        runs = []
+        for run in answer_runs(model, tokenizer, shared, extras, policies, modes, max_new_tokens, full=False,
+                               texts=questions):
+            runs.append(run)
             bar.update()
+        for run in sorted(runs, key=lambda run: (order[run.policy.label], run.question_index)):  # policy by policy
+            answer = expected[run.question_index]
+            row_runs = run.rows(eos) if ids.shape[0] > 1 else [run]  # a batch: one row per prompt
+            for b, one in enumerate(row_runs):
+                results[len(rows)] = one
+                rows.append(dict(
+                    prompt=item["name"] if len(row_runs) == 1 else f"{item['name']}/{b}", policy=run.policy.label,
+                    mode=run.mode, question=one.question, answer=one.text, expected=answer,
+                    correct=pd.NA if answer is None else answer.lower() in one.text.lower(),
+                    kv_bytes=one.kv_bytes, cache_length=max(one.cache_lengths), prompt_tokens=one.prompt_ids.shape[1],
+                    prefill_s=shared.seconds, selection_s=one.selection_seconds,
+                    decode_ms_per_token=one.decode_ms_per_token, new_tokens=one.token_ids.shape[1]))
     bar.close()
     table = ABTable(rows)
     table["kv_ratio"] = table.groupby("prompt").kv_bytes.transform("max") / table.kv_bytes

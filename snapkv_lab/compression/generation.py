@@ -1,19 +1,42 @@
-"""Greedy generation over a compressed cache: one prompt, or one compressed context and many questions."""
+"""The answer engine: greedy answers over a prefilled, compressed cache; one prompt, or one context and many
+questions, under one policy or many.
+
+    generate(model, tokenizer, prompt, policy=SnapKV(capacity=1024), question=[...])   # the front door
+    answer(model, tokenizer, state, logits, ids, questions, extras, ...)               # one state, its questions
+    answer_runs(model, tokenizer, shared, questions, policies, modes)                  # a context, every policy x mode
+
+Every answer goes through `answer`: its question fed over a fork of the state (several questions over one
+compressed context decode together as one left-filled batch where they can: `batched_answers`), greedy decoding,
+the end of answer found once (greedy.eos_cut), one result type (GenerationResult). `answer_runs` is the loop of
+compare, the pressure runner, evaluate and explain: the full cache, then each policy in each mode, answering each
+question of one prefilled context (shared.SharedPrefill).
+
+Query-aware: the question is fed on a fork of the full cache and the context and question are compressed together.
+Query-agnostic (kvpress's protocol): the context alone is compressed, then the question is fed over the compressed
+cache. The full cache ("full" mode, once per question) is the baseline of both.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
-from ..core.inputs import (check_context_length, encode_batch, encode_continuation, eos_ids, extended_mask,
-    padded_positions)
-from ..core.hooks import with_cache
-from ..policies.base import FullCache, Policy
+
+from ..core.checks import check_int
+from ..core.inputs import check_context_length, encode_batch, encode_continuation, eos_ids, extended_mask
 from ..core.timing import ms_per_token, stopwatch
-from .compressor import CompressionState, applied, compress, refuse_after_prefill
-from .layers import cache_bytes, cache_lengths, fork, row_cache_lengths, stack_forks
+from ..policies.base import FullCache, Policy
+from .compressor import PADDED_CHUNKS_REFUSED, compress, refuse_after_prefill
+from .greedy import decode_text, eos_cut, forward, greedy_decode
+from .layers import cache_bytes, cache_lengths, row_cache_lengths, stack_forks
 from .shared import SharedPrefill
+from .state import CompressionState, applied
+
+MODES = ("query-aware", "query-agnostic")
+# Questions answered in one batch at most (each holds its own copy of the compressed cache while decoding).
+QUESTION_BATCH = 8
 
 
 @dataclass
@@ -32,6 +55,13 @@ class GenerationResult:
     one per prompt, each as its batch-1 run reports it.
     Timings are wall-clock seconds read after synchronising the device; prefill_seconds includes scoring
     (selection_seconds) and any extra scoring pass (KVzip).
+
+    Where one context answers several questions under several policies (`answer_runs`): mode ("full", "query-aware",
+    "query-agnostic"), question_index (its place in the questions asked), compressed_tokens (the prompt length the
+    state compressed: the context alone query-agnostic), compressed (whether a layer was compressed: a prompt within
+    its budget, or only sliding layers, is not), prompt_tokens (context and question), sliding_layers (layers left to
+    their own bounded cache), step_seconds (the decode steps after the first token), extra (the describe hook's
+    columns, read from the state before decoding).
     """
 
     text: str | list[str]
@@ -47,6 +77,14 @@ class GenerationResult:
     question: str | None = None
     prompt_mask: torch.Tensor | None = None
     row_cache_lengths: list[list[int]] | None = None
+    mode: str = "query-aware"
+    question_index: int = 0
+    compressed_tokens: int = 0
+    compressed: bool = False
+    prompt_tokens: int = 0
+    sliding_layers: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         """One line: the policy, the prompt, the cache, the answer (printing every layer's kept positions helps no one)."""
@@ -70,8 +108,7 @@ class GenerationResult:
         texts = self.text if isinstance(self.text, list) else [self.text]
         results = []
         for b in range(batch):
-            tokens = self.token_ids[b].tolist()
-            cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+            cut = eos_cut(self.token_ids[b].tolist(), eos) + 1
             kept = []
             for layer in self.kept_indices:
                 row = layer[b:b + 1]
@@ -83,57 +120,6 @@ class GenerationResult:
                 cache_lengths=lengths[b], kv_bytes=round(self.kv_bytes * sum(lengths[b]) / total),
                 prompt_mask=None, row_cache_lengths=None))
         return results
-
-
-@torch.inference_mode()
-def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids=(), stop=None,
-                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
-    """Greedy decoding from the last prompt logits (batch, vocab), positions counted from `start`.
-
-    Run it inside `applied(model, state)` when the cache is compressed. Positions are passed explicitly: the
-    compressed cache is shorter than the number of tokens seen. stop(token_ids) -> bool ends early (e.g. once
-    an answer is complete). mask: a padded batch's (batch, m) padding mask of the slots before `start` (each
-    row's positions then count from its first token, and the mask, extended by ones, goes to the model so that
-    it masks the pads of the layers the compressor leaves whole). Returns ((batch, new), step seconds).
-    """
-    pads = None if mask is None else (mask == 0).sum(-1)
-    tokens, seconds = [], []
-    done = torch.zeros(logits.shape[0], dtype=torch.bool)
-    next_token = logits.argmax(-1)
-    for step in range(max_new_tokens):
-        tokens.append(next_token)
-        done |= torch.isin(next_token.cpu(), torch.tensor(list(eos_ids), dtype=torch.long))
-        if bool(done.all()) or step == max_new_tokens - 1 or (stop is not None and stop(torch.stack(tokens, 1))):
-            break
-        with stopwatch(model.device) as elapsed:
-            position = padded_positions(pads, start + step, 1, model.device).expand(logits.shape[0], 1)
-            padding = None if mask is None else extended_mask(mask, start + step + 1)
-            out = model(next_token[:, None], **with_cache(model, cache), position_ids=position, use_cache=True,
-                        attention_mask=padding)
-            next_token = out.logits[:, -1].argmax(-1)
-        seconds.append(elapsed.seconds)
-    return torch.stack(tokens, 1), seconds
-
-
-def decode_text(tokenizer, token_ids: torch.Tensor, eos_ids) -> list[str]:
-    """(batch, new) -> texts, each cut at its first EOS."""
-    texts = []
-    for row in token_ids.tolist():
-        cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
-        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
-    return texts
-
-
-def forward(model, ids: torch.Tensor, cache, start: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Feed ids (batch, n) at slots start.. over `cache`; the last position's logits (batch, vocab).
-    logits_to_keep=1: the full-vocabulary logits of a long prompt would cost more memory than its KV cache.
-    mask: a padded batch's (batch, m) padding mask of the slots before and among these (extended by ones to
-    start + n): each row's positions count from its own first token, and the model masks the pads."""
-    pads = None if mask is None else (mask == 0).sum(-1)
-    positions = padded_positions(pads, start, ids.shape[1], model.device)
-    padding = None if mask is None else extended_mask(mask, start + ids.shape[1]).to(model.device)
-    return model(ids, **with_cache(model, cache), position_ids=positions, use_cache=True, logits_to_keep=1,
-                 attention_mask=padding).logits[:, -1]
 
 
 def several_questions(question) -> bool:
@@ -152,12 +138,6 @@ def encode_questions(model, tokenizer, ids, question, max_new_tokens: int) -> tu
     longest = max(0 if e is None else e.shape[1] for e in extras)
     check_context_length(model, ids.shape[1] + longest + max_new_tokens, "the prompt, question and new tokens")
     return questions, extras
-
-
-def branch(state: CompressionState) -> CompressionState:
-    """A state over a fork of `state`'s cache, for one more question on the same compressed context."""
-    return dataclasses.replace(state, cache=fork(state.cache), kept_indices=dict(state.kept_indices), _groups={},
-                               _trackers={}, _evicted={}, timer=None)
 
 
 def chunk_sizes(n: int, chunk: int) -> list[int]:
@@ -193,13 +173,11 @@ def prefill(model, tokenizer, ids: torch.Tensor, policy: Policy, prefill_chunk: 
     mask: (batch, n) 0 on a padded batch's left pads (None: no row is padded)."""
     if prefill_chunk is not None:
         if mask is not None:
-            raise NotImplementedError("a chunked prefill of a padded batch is not supported (each row's chunks "
-                                      "would start at different positions): prefill it whole, or row by row")
+            raise NotImplementedError(PADDED_CHUNKS_REFUSED)
         return chunked_prefill(model, ids, policy, prefill_chunk, tokenizer)
     if not policy.compresses_after_prefill:
         with compress(model, policy, tokenizer=tokenizer) as state, stopwatch(model.device) as elapsed:
-            logits = forward(model, ids, state.cache, 0, mask)
-            state.check_prefill_seen()
+            logits = forward(model, ids, state.cache, 0, mask)  # the prefill: one forward, which ends it
         return state, logits, elapsed.seconds
     shared = SharedPrefill.run(model, tokenizer, ids, [policy], mask=mask)
     state = shared.state(policy)
@@ -225,61 +203,62 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
     Timings: prefill_seconds covers the compressed forward (the question's included), selection_seconds the
     part of it spent scoring, selecting and gathering; decode ms/token the steps after the first token.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int (the first token comes from the prefill), got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 1, why=" (the first token comes from the prefill)")
     policy = policy or FullCache()
     batch = encode_batch(tokenizer, prompt).to(model.device)
     ids, mask = batch.ids, (None if batch.pads is None else batch.mask)
     many = several_questions(question)
     questions, extras = encode_questions(model, tokenizer, ids, question, max_new_tokens)
     state, logits, prefill_seconds = prefill(model, tokenizer, ids, policy, prefill_chunk, mask)
-    results = answers(model, tokenizer, state, logits, ids, questions, extras, prefill_seconds, max_new_tokens, stop,
-                      mask)
+    results = answer(model, tokenizer, state, logits, ids, questions, extras, prefill_seconds=prefill_seconds,
+                     max_new_tokens=max_new_tokens, stop=stop, mask=mask)
     return results if many else results[0]
 
 
 @torch.inference_mode()  # the state was built in inference mode: its tensors cannot meet autograd
-def answers(model, tokenizer, state: CompressionState, logits, ids, questions, extras, prefill_seconds: float,
-            max_new_tokens: int, stop=None, mask: torch.Tensor | None = None) -> list[GenerationResult]:
-    """Decode after a prefill of ids (batch, n) compressed into `state`: once per question (its text or None, its
-    ids (batch, m) or None), each on its own fork of the cache when there are several; several questions over one
-    context decode together as one batch where they can (`batched_answers`), each as its own run. mask: (batch, n)
-    0 on a padded batch's pads."""
+def answer(model, tokenizer, state: CompressionState, logits, ids, questions, extras, *, prefill_seconds: float,
+           max_new_tokens: int, stop=None, mask: torch.Tensor | None = None, mode: str = "query-aware",
+           question_index: int = 0, describe: Callable[[int, CompressionState, int], dict] | None = None
+           ) -> list[GenerationResult]:
+    """Answer after a prefill of ids (batch, n) compressed into `state`: once per question (its text or None, its ids
+    (batch, m) or None: the answer follows the prefill's own `logits`), each on its own fork of the cache when there
+    are several; several questions over one context decode together as one batch where they can (`batched_answers`),
+    each as its own run. mask: (batch, n) 0 on a padded batch's pads. mode, question_index (of the first question)
+    and describe(question index, state, n) (extra columns read before decoding): what the results record."""
     eos = eos_ids(model, tokenizer)
     lengths, kv_bytes = cache_lengths(state.cache), cache_bytes(state.cache)
     row_lengths = None if mask is None else row_cache_lengths(state.cache, (mask == 0).sum(-1).cpu())
     batch, n = ids.shape
+    compressed = bool(set(state.kept_indices) - set(state.sliding_layers)) and state.policy.budget(n) is not None
+    described = [{} if describe is None else describe(question_index + i, state, n) for i in range(len(questions))]
     decoded = None
     if batch == 1 and mask is None and stop is None and answers_batched(state, extras):
-        decoded = [answer for group in range(0, len(extras), QUESTION_BATCH)
-                   for answer in batched_answers(model, state, extras[group:group + QUESTION_BATCH], n,
-                                                 max_new_tokens, eos)]
+        decoded = [one for group in range(0, len(extras), QUESTION_BATCH)
+                   for one in batched_answers(model, state, extras[group:group + QUESTION_BATCH], n, max_new_tokens, eos)]
     results = []
     for index, (text, extra) in enumerate(zip(questions, extras, strict=True)):
         if decoded is not None:
-            (token_ids, appended, seconds), kept = decoded[index], state.kept_indices
+            (token_ids, fed, seconds), kept = decoded[index], state.kept_indices
         else:
-            asked = branch(state) if len(questions) > 1 else state
+            asked = state.fork() if len(questions) > 1 else state
             with applied(model, asked):
                 with stopwatch(model.device) as feeding:
                     first = logits if extra is None else forward(model, extra, asked.cache, n, mask)
                 start = n + (0 if extra is None else extra.shape[1])
                 token_ids, seconds = greedy_decode(model, asked.cache, first, start, max_new_tokens, eos, stop,
                                                    None if mask is None else extended_mask(mask, start))
-            appended, kept = feeding.seconds, asked.kept_indices
+            fed, kept = feeding.seconds, asked.kept_indices
         texts = decode_text(tokenizer, token_ids, eos)
         results.append(GenerationResult(
             text=texts[0] if batch == 1 else texts, token_ids=token_ids.cpu(), prompt_ids=ids.cpu(),
             kept_indices=[kept[i].cpu() for i in sorted(kept)], cache_lengths=lengths,
-            kv_bytes=kv_bytes, prefill_seconds=prefill_seconds + appended, selection_seconds=state.selection_seconds,
+            kv_bytes=kv_bytes, prefill_seconds=prefill_seconds + fed, selection_seconds=state.selection_seconds,
             decode_ms_per_token=ms_per_token(seconds), policy=state.policy,
             question=text if isinstance(text, str) else None, prompt_mask=None if mask is None else mask.cpu(),
-            row_cache_lengths=row_lengths))
+            row_cache_lengths=row_lengths, mode=mode, question_index=question_index + index, compressed_tokens=n,
+            compressed=compressed, prompt_tokens=n + (0 if extra is None else extra.shape[1]),
+            sliding_layers=list(state.sliding_layers), step_seconds=seconds, extra=described[index]))
     return results
-
-
-# Questions answered in one batch at most (each holds its own copy of the compressed cache while decoding).
-QUESTION_BATCH = 8
 
 
 def answers_batched(state: CompressionState, extras) -> bool:
@@ -297,19 +276,47 @@ def batched_answers(model, state: CompressionState, extras, n: int, max_new_toke
     Returns per question (token ids (1, new), seconds its question took to feed, the shared decode steps' seconds)."""
     forks, firsts, fed = [], [], []
     for extra in extras:
-        asked = branch(state)
+        asked = state.fork()
         with applied(model, asked), stopwatch(model.device) as appended:
             firsts.append(forward(model, extra, asked.cache, n))
         forks.append(asked.cache)
         fed.append(appended.seconds)
     cache, pads = stack_forks(forks)
-    together = dataclasses.replace(branch(state), cache=cache, pads=pads)
+    together = dataclasses.replace(state.fork(), cache=cache, pads=pads)
     start = n + max(extra.shape[1] for extra in extras)
     mask = (torch.arange(start)[None] >= pads[:, None]).long().to(model.device)
     with applied(model, together):
         token_ids, seconds = greedy_decode(model, cache, torch.cat(firsts), start, max_new_tokens, eos, mask=mask)
     out = []
     for row, appended in zip(token_ids, fed, strict=True):
-        cut = next((i + 1 for i, t in enumerate(row.tolist()) if t in eos), row.shape[0])
+        cut = eos_cut(row.tolist(), eos) + 1
         out.append((row[None, :cut], appended, seconds[:cut - 1]))
     return out
+
+
+@torch.inference_mode()
+def answer_runs(model, tokenizer, shared: SharedPrefill, questions: list, policies, modes=MODES,
+                max_new_tokens: int = 24, describe: Callable[[int, CompressionState, int], dict] | None = None, *,
+                full: bool = True, texts: list | None = None) -> Iterator[GenerationResult]:
+    """The full cache (unless full=False), then each policy in each of `modes`, answering each question of the context
+    `shared` prefilled (its policies must include `policies`), question by question; yields each answer as it is made.
+
+    questions: per question its ids (1, m), or None where the prompt prefilled holds its question (the whole prompt is
+    compressed: query-aware, its answer following the prefill's own logits). texts: the questions as texts, where
+    they were given so (reported in the results). describe(question index, state, n_compressed) -> dict of extra
+    columns, read from the state before decoding."""
+    if set(modes) - set(MODES):
+        raise ValueError(f"modes must be among {MODES}, got {list(modes)}")
+    texts = texts or [None] * len(questions)
+    runs = [(FullCache(), "full")] if full else []
+    runs += [(policy, mode) for policy in policies for mode in MODES if mode in modes]
+    needs_aware = full or "query-aware" in modes  # the question fed on the full cache
+    for index, question in enumerate(questions):
+        aware = shared.extend(question) if question is not None and needs_aware else shared
+        for policy, mode in runs:
+            agnostic = mode == "query-agnostic" and question is not None
+            state = (shared if agnostic else aware).state(policy)
+            yield from answer(model, tokenizer, state, None if agnostic else aware.logits,
+                              shared.ids if agnostic else aware.ids, [texts[index]], [question if agnostic else None],
+                              prefill_seconds=shared.seconds + state.selection_seconds, max_new_tokens=max_new_tokens,
+                              mask=shared.mask, mode=mode, question_index=index, describe=describe)

@@ -17,7 +17,7 @@ Padded batches (prompts of different lengths, left-padded to the longest): a *po
 own prompt, a *slot* an index in the cache. Row b's first `pads[b]` prompt slots are pads, so its token at position
 p sits at slot p + pads[b] of an uncompressed layer. A compressed layer holds only real tokens; a row keeping fewer
 slots than the fullest row is left-filled with slots whose position is NO_POSITION, which every later attention call
-masks (compressor.attend_cache). Each row's positions, and those of the tokens it appends, are its own.
+masks (state.attend_cache). Each row's positions, and those of the tokens it appends, are its own.
 """
 
 from __future__ import annotations
@@ -309,15 +309,6 @@ def fork(cache: DynamicCache) -> DynamicCache:
     return forked
 
 
-def compressed_layer(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor) -> DynamicLayer:
-    """The layer holding positions `kept` (batch, kv_heads or heads, k) of keys/values (batch, kv_heads, n, d):
-    dense when every head keeps as many, ragged (HeadwiseLayer) when `kept` is padded with NO_POSITION."""
-    if bool((kept == NO_POSITION).any()):
-        return HeadwiseLayer(keys, values, kept)
-    return CompressedLayer(gather_kv(keys, kept), gather_kv(values, kept), kept, keys.shape[-2],
-                           kept.shape[1] // keys.shape[1])
-
-
 def stack_rows(rows: list[torch.Tensor], left: bool = False, value=NO_POSITION) -> torch.Tensor:
     """Per batch row (heads, k_b) -> (batch, heads, max k_b), filled with `value` after each row (or before it)."""
     widest = max(r.shape[-1] for r in rows)
@@ -325,27 +316,31 @@ def stack_rows(rows: list[torch.Tensor], left: bool = False, value=NO_POSITION) 
                         for r in rows])
 
 
-def padded_layer(keys: torch.Tensor, values: torch.Tensor, rows: list[torch.Tensor],
-                 pads: torch.Tensor) -> tuple[DynamicLayer, torch.Tensor]:
-    """(layer, kept positions) for a padded batch: rows[b] (heads, k_b) the positions row b keeps (its own, head-wise
-    rows NO_POSITION-padded), of keys/values (batch, kv_heads, n, d) whose row b starts after pads[b] left pads.
+def build_layer(keys: torch.Tensor, values: torch.Tensor, slots: list[torch.Tensor], positions: torch.Tensor, seen: int,
+                pads: torch.Tensor | None = None) -> tuple[DynamicLayer, torch.Tensor]:
+    """(layer, kept positions (batch, rows, k)): the layer holding, of keys/values (batch, kv_heads, n, d), the slots
+    `slots[b]` (rows, k_b) each batch row keeps (its own slots; rows: KV heads, or query heads for one selection per
+    query head; NO_POSITION after a head's last where its heads keep different counts). positions: (batch, kv_heads,
+    n) the token position of every slot; seen: tokens the layer has seen; pads (batch,): a padded batch's left pads.
 
-    Rows whose heads keep different counts: a HeadwiseLayer (each head's positions then NO_POSITION, as for one
-    row). Otherwise a CompressedLayer whose rows keeping fewer than the fullest are left-filled with NO_POSITION
-    slots (the attention masks them), so that every row's kept slots end where its new tokens begin."""
-    if any(bool((r == NO_POSITION).any()) for r in rows):
-        kept = stack_rows(rows)
+    Heads keeping different counts: a HeadwiseLayer, each head's positions then NO_POSITION (slots are then the
+    prompt's own: a position's slot is itself plus the row's pads). Otherwise a CompressedLayer whose rows keeping
+    fewer than the fullest are left-filled with NO_POSITION slots (the attention masks them), so that every row's kept
+    slots end where its new tokens begin. An unpadded batch of one length is the case with no fill and no pads."""
+    if any(bool((row == NO_POSITION).any()) for row in slots):
+        kept = stack_rows([row - (0 if pads is None else int(pads[b])) * (row >= 0) for b, row in enumerate(slots)])
         return HeadwiseLayer(keys, values, kept, pads), kept
-    kept = stack_rows(rows, left=True)
-    slots = torch.where(kept >= 0, kept + pads.to(kept.device)[:, None, None], 0)
-    layer = CompressedLayer(gather_kv(keys, slots), gather_kv(values, slots), kept, keys.shape[-2],
-                            kept.shape[1] // keys.shape[1], pads)
+    stacked = stack_rows(slots, left=True)  # (batch, rows, k), NO_POSITION on a row's fill
+    groups = stacked.shape[1] // keys.shape[1]
+    fill, picked = stacked < 0, stacked.clamp(min=0)
+    kept = positions.repeat_interleave(groups, dim=1).gather(-1, picked).masked_fill(fill, NO_POSITION)
+    layer = CompressedLayer(gather_kv(keys, picked), gather_kv(values, picked), kept, seen, groups, pads)
     return layer, kept
 
 
 def row_cache(cache: DynamicCache, b: int, pads: int) -> DynamicCache:
     """Row b of an uncompressed cache as its batch-1 cache: its slots after its `pads` left pads, no copy (a
-    policy's extra scoring passes run row by row on these)."""
+    policy that scores after the prefill reads one prompt at a time: shared.SharedPrefill.prompt)."""
     row = DynamicCache()
     row.layers = []
     for layer in cache.layers:
@@ -357,11 +352,6 @@ def row_cache(cache: DynamicCache, b: int, pads: int) -> DynamicCache:
             if hasattr(layer, "cumulative_length"):
                 layer.cumulative_length = total - pads
         row.layers.append(layer)
-    if hasattr(cache, "final_hidden"):  # kept by SharedPrefill for a policy that reads them (Surprisal)
-        row.final_hidden = cache.final_hidden[b:b + 1, pads:]
-    if hasattr(cache, "voter_queries"):  # the prompt's last queries, as SharedPrefill hands them on (LookaheadQCache)
-        row.voter_queries = {layer: (query[b:b + 1], slots - pads, settings)
-                             for layer, (query, slots, settings) in cache.voter_queries.items()}
     return row
 
 
@@ -372,7 +362,7 @@ def stack_forks(caches: list[DynamicCache]) -> tuple[DynamicCache, torch.Tensor]
     Row b is laid out as a left-padded prompt: pads[b] = (the most tokens any fork appended) - (its own), so every
     row's tokens end at the same slot; a compressed layer's rows are left-filled with NO_POSITION slots, an
     uncompressed layer's with zero slots that its positions (slot minus pads) mark as pads, and a sliding layer
-    holds each row's own last tokens. Every later call masks them (compressor.attend_cache), and each row's new
+    holds each row's own last tokens. Every later call masks them (state.attend_cache), and each row's new
     tokens get its own positions; a HeadwiseLayer's appended tokens are left-filled with slots it masks (`fill`)."""
     seen = [layer_seen(fork.layers[0]) for fork in caches]
     total = max(seen)
@@ -408,14 +398,6 @@ def layer_seen(layer) -> int:
     if isinstance(layer, (CompressedLayer, HeadwiseLayer)):
         return layer.seen
     return getattr(layer, "cumulative_length", None) or layer.keys.shape[-2]
-
-
-def compressed_copy(cache: DynamicCache, kept: dict[int, torch.Tensor]) -> DynamicCache:
-    """A fork of `cache` whose layers in `kept` ({layer: (batch, kv_heads, kept)}) hold only those positions."""
-    forked = fork(cache)
-    for i, positions in kept.items():
-        forked.layers[i] = compressed_layer(cache.layers[i].keys, cache.layers[i].values, positions)
-    return forked
 
 
 def layer_nbytes(layer) -> int:

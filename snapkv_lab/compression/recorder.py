@@ -1,12 +1,12 @@
-"""Scores recorded at prefill without compressing, so that one prefill serves many policies and budgets.
+"""Scores of policies at the prefill's attention calls: the one place a policy's `score` runs on a prompt.
 
-    recorder = ScoreRecorder(policies)                       # a hook callback
+    recorder = ScoreRecorder(policies, n_layers)            # a hook callback, or called by the live compressor
     with intercept_attention(model, recorder): model(ids, past_key_values=full_cache)
-    kept = kept_from_scores(policy, recorder.scores[policy.scorer_label], n, kv_heads, n_layers)
-    compressed_copy(full_cache, kept)                        # what compress() would have built
+    kept, slots, seeds = engine.compress_layers(policy, recorder.scores[policy.scorer_label], compressed, n_layers)
 
-The prefill's attention runs on the full keys under compression too, so scores recorded over a full
-prefill equal those `compress` computes layer by layer.
+The shared prefill records every policy's scores over a full prefill (shared.SharedPrefill); the live compressor
+records its one policy's at each layer's call and compresses that layer at once (compressor.compress). The prefill's
+attention runs on the full keys under compression too, so the two give the same scores.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..core.attention import AttentionSettings
 from ..core.inputs import left_pads
-from .compressor import all_where_none, attention_calls, stack_kept
+from .engine import attention_calls
 
 
 class ScoreRecorder:
@@ -31,11 +31,11 @@ class ScoreRecorder:
     sees each chunk's own queries, and what it carries from chunk to chunk (AttentionCall.carry), so its scores
     never depend on which other policies are recorded beside it. scores[policy.scorer_label][layer]: (batch, heads or
     kv_heads, n_keys). Policies sharing a scorer_label (differing only in budget) share one entry. Sliding-window
-    layers are not scored: they are never compressed (see CompressionState).
+    layers are not scored: they are never compressed (see state.CompressionState).
 
     A padded batch (pads read off the first call's mask): each row is scored on its own tokens (its pads cut off,
-    as CompressionState does), and its scores are stored left-padded with zeros to the batch's slots; `kept_from_scores`
-    cuts them off again.
+    as its batch-1 run is), and its scores are stored left-padded with zeros to the batch's slots; the engine
+    (engine.kept_rows) cuts them off again.
     """
 
     def __init__(self, policies, n_layers: int):
@@ -55,6 +55,7 @@ class ScoreRecorder:
         self._prefilled = False  # the first call (the prompt's) has been seen: its mask told the pads
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        """The hook: record every policy's scores of a prompt chunk (its slots are its positions: a full cache)."""
         if not self._prefilled:
             self.pads, self._prefilled = left_pads(attention_mask), True
         self.seen_layers.add(module.layer_idx)
@@ -62,13 +63,22 @@ class ScoreRecorder:
         if settings.sliding_window is not None:
             self.sliding_layers.add(module.layer_idx)
             return
+        self.record(module, query, key, value, settings)
+
+    def record(self, module, query, key, value, settings: AttentionSettings, positions: torch.Tensor | None = None
+               ) -> dict[str, torch.Tensor]:
+        """Score one attention call of a full-attention layer, whose new query rows are its last cache slots, for
+        every policy; returns {scorer_label: (batch, rows, slots)} as stored. positions (rows,): the new rows' token
+        positions where they are not their slots (a live chunked prefill over held slots)."""
         layer, n, rows = module.layer_idx, key.shape[2], query.shape[2]
         self.settings[layer] = settings
-        slots = torch.arange(n - rows, n)  # at prefill a query's cache slot is its position
+        slots = torch.arange(n - rows, n)  # a full cache: a query's cache slot is its position
         pads = self.pads
-        new_calls = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
+        new_calls = attention_calls(module, query, key, value, slots, settings, self.n_layers, positions, lead=pads)
         spanning = new_calls
-        if layer in self.recent and rows < self.voters:  # (batch, heads, rows, d) with earlier chunks' last queries
+        # (batch, heads, rows, d) with earlier chunks' last queries, over a full cache (a live chunked prefill's chunk
+        # holds its own voters: compressor.check_chunking)
+        if positions is None and layer in self.recent and rows < self.voters:
             earlier, earlier_slots = self.recent[layer]
             query, slots = torch.cat([earlier, query], 2)[:, :, -self.voters:], torch.cat([earlier_slots, slots])[-self.voters:]
             spanning = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
@@ -87,6 +97,17 @@ class ScoreRecorder:
             if policy.accumulates and old is not None:
                 new = new + F.pad(old, (0, n - old.shape[-1]))
             self.scores[label][layer] = new
+        return {label: layers[layer] for label, layers in self.scores.items() if layer in layers}
+
+    def compact(self, layer: int, slots: torch.Tensor) -> None:
+        """Keep only the slots `slots` (batch, rows, k) of `layer`'s stored scores, those its cache still holds after
+        a live compression (a chunked prefill's accumulated scores go on over them); earlier queries no longer sit at
+        their slots, so none are held for spanning."""
+        for label, layers in self.scores.items():
+            if layer in layers:
+                held = layers[layer]
+                layers[layer] = held.gather(-1, slots.repeat_interleave(held.shape[1] // slots.shape[1], 1))
+        self.recent.pop(layer, None)
 
     def copy(self) -> ScoreRecorder:
         """A recorder that goes on from this one's scores (a question chunk after a shared context)."""
@@ -98,31 +119,3 @@ class ScoreRecorder:
         other.seen_layers, other.sliding_layers = set(self.seen_layers), set(self.sliding_layers)
         other.pads, other._prefilled = self.pads, self._prefilled
         return other
-
-
-def kept_from_scores(policy, scores: dict[int, torch.Tensor], n: int, kv_heads: int, n_layers: int,
-                     pads: torch.Tensor | None = None) -> dict | None:
-    """{layer: kept positions (batch, kv_heads, k)} for every scored layer ({layer: (batch, rows, n)}), by the
-    policy's `keep_layers` for each batch row (none when no layer was scored: all slide); None if the prompt fits the
-    budget. A padded batch (pads (batch,)): {layer: [per row (heads, k_b) its own kept positions]}, each row by its
-    own length and scores (all its positions where it fits), None if every row fits."""
-    if pads is not None:
-        return _row_kept_from_scores(policy, scores, n, kv_heads, n_layers, pads)
-    if policy.budget(n) is None:
-        return None
-    layers = sorted(scores)
-    if not layers:
-        return {}
-    rows = [policy.keep_layers({layer: scores[layer][b] for layer in layers}, n, kv_heads, n_layers)
-            for b in range(scores[layers[0]].shape[0])]
-    return {layer: stack_kept([row[layer] for row in rows]) for layer in layers}
-
-
-def _row_kept_from_scores(policy, scores, n, kv_heads, n_layers, pads) -> dict | None:
-    lengths = (n - pads).tolist()
-    if all(policy.budget(length) is None for length in lengths):
-        return None
-    layers = sorted(scores)
-    rows = [policy.keep_layers({layer: scores[layer][b][:, n - length:] for layer in layers}, length, kv_heads, n_layers)
-            if policy.budget(length) is not None else {} for b, length in enumerate(lengths)]
-    return {layer: all_where_none([row.get(layer) for row in rows], lengths, kv_heads) for layer in layers}

@@ -1,22 +1,24 @@
-"""One full prefill serving many policies: the A/B engine of `compare` and the pressure tests.
+"""One full prefill serving many policies: the prefill object every comparison starts from.
 
     shared = SharedPrefill.run(model, tokenizer, ids, policies)   # one forward, every policy's scores recorded
     asked = shared.extend(question_ids)                           # the question on a fork of the full cache
     state = asked.state(policy)                                   # a compressed copy, as compress() would build
     with applied(model, state): greedy_decode(model, state.cache, asked.logits, ...)
 
-The prefill's attention runs on the full keys under compression too, so a state built here equals the
-one `compress` builds layer by layer (tested). Policies with extra scoring passes (KVzip) pay only for
-those passes, over a fork of the full cache, once per prefill for all budgets and selection settings.
-Where a policy reads the decoder's final hidden states (Surprisal), the prefill's forward keeps them
-(hooks.capture_final_hidden) on its cache as `cache.final_hidden` (batch, n, hidden_size), the chunks' (context,
-then question) one after the other: no second forward. Other prefills keep none. A policy that votes after the
-prefill with the prompt's last queries (LookaheadQCache) finds them on the cache as `cache.voter_queries`, kept by
-the recorder, which holds the last `voters` queries of every full-attention layer for every policy it is given.
+The prefill's attention runs on the full keys under compression too, so a state built here equals the one `compress`
+builds layer by layer (tested): both go through engine.compress_layers. What a policy needs beyond the prefill's
+attention calls (`Policy.needs`) is kept here, on the prefill object, and handed to it in a `Prompt` (`prompt`): the
+decoder's final hidden states (Surprisal, LookaheadQCache: kept only when a policy reads them, context and question
+chunks one after the other, no second forward), the prompt's last queries of every full-attention layer (the
+recorder holds the last `voters` for every policy it is given), a pass of more tokens over a fork of the cache
+(KVzip's reconstruction) and a drafted answer over a compressed copy (LookaheadQCache). Scores made after the prefill
+are paid once per prefill for all budgets and selection settings (`Policy.scoring_key`), one prompt (batch row) at
+a time.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -24,33 +26,39 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ..core.attention import AttentionSettings
 from ..core.hooks import capture_final_hidden, intercept_attention, with_cache
-from ..policies.base import Policy
+from ..core.inputs import eos_ids, padded_positions
 from ..core.timing import SectionTimer, stopwatch
-from ..policies.decoding import prefill_seeds, seeded
-from ..core.inputs import padded_positions
-from .compressor import CompressionState, refuse_unseen_layers
-from .layers import compressed_copy, fork, held_positions, padded_layer, row_cache, stack_rows
-from .recorder import ScoreRecorder, kept_from_scores
+from ..policies.base import Policy, Prompt
+from ..policies.decoding import seeded
+from .engine import compress_layers, refuse_unseen_layers, row_lengths
+from .greedy import greedy_decode
+from .layers import fork, held_positions, row_cache
+from .recorder import ScoreRecorder
+from .state import CompressionState, applied
 
 
 @dataclass
 class SharedPrefill:
-    """A full cache after feeding `ids` (batch, n), the last logits (batch, vocab), every policy's scores."""
+    """A full cache after feeding `ids` (batch, n), the last logits (batch, vocab), every policy's scores.
+
+    final_hidden: (batch, n, hidden_size) the decoder's final hidden states over every fed token, kept when a policy
+    reads them (`Policy.reads_final_hidden`), else None. mask: (batch, slots) 0 on a padded batch's left pads (every
+    policy's rows are scored on their own tokens), else None."""
 
     model: object
     tokenizer: object
     ids: torch.Tensor
     cache: DynamicCache
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     recorder: ScoreRecorder
     seconds: float  # the forward that fed the last chunk
-    # Scores made after the prefill (Policy.scores_after_prefill) by scoring_key: paid once per prefill, by the first
-    # state that needs them.
-    after_prefill_scores: dict = field(default_factory=dict)
-    keeps_final_hidden: bool = False  # some policy reads them (Policy.reads_final_hidden): cache.final_hidden
-    # (batch, slots) 0 on a padded batch's left pads (every policy's rows are scored on their own tokens), else None
+    keeps_final_hidden: bool = False
+    final_hidden: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    # Scores made after the prefill (Policy.needs) by scoring_key: paid once per prefill, by the first state that needs them.
+    after_prefill_scores: dict = field(default_factory=dict)
 
     @classmethod
     @torch.inference_mode()
@@ -67,6 +75,10 @@ class SharedPrefill:
     def pads(self) -> torch.Tensor | None:
         return None if self.mask is None else (self.mask == 0).sum(-1).cpu()
 
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.shape[1]
+
     @torch.inference_mode()
     def _fed(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> SharedPrefill:
         """Feed ids after this prefill, on a fork of its cache, recording on a copy of its scores (mask: their
@@ -77,99 +89,95 @@ class SharedPrefill:
         positions = padded_positions(None if mask is None else (mask == 0).sum(-1), start, ids.shape[1], self.model.device)
         capture = capture_final_hidden(self.model) if self.keeps_final_hidden else nullcontext()
         with intercept_attention(self.model, recorder), capture as hidden, stopwatch(self.model.device) as elapsed:
-            logits = self.model(ids, **with_cache(self.model, cache), position_ids=positions, use_cache=True, logits_to_keep=1,
-                                attention_mask=mask).logits[:, -1]
+            logits = self.model(ids, **with_cache(self.model, cache), position_ids=positions, use_cache=True,
+                                logits_to_keep=1, attention_mask=mask).logits[:, -1]
+        final_hidden = None
         if self.keeps_final_hidden:  # every fed id's: the earlier chunks', then these
-            cache.final_hidden = torch.cat([self.cache.final_hidden, *hidden], 1) if start else hidden[0]
+            final_hidden = torch.cat([self.final_hidden, *hidden], 1) if start else hidden[0]
         return SharedPrefill(self.model, self.tokenizer, torch.cat([self.ids, ids], 1), cache, logits, recorder,
-                             elapsed.seconds, keeps_final_hidden=self.keeps_final_hidden, mask=mask)
+                             elapsed.seconds, keeps_final_hidden=self.keeps_final_hidden, final_hidden=final_hidden,
+                             mask=mask)
 
     def extend(self, ids: torch.Tensor) -> SharedPrefill:
         """The prefill of this context followed by ids (batch, m), e.g. a question (query-aware mode)."""
         return self._fed(ids)
 
-    @property
-    def n_tokens(self) -> int:
-        return self.ids.shape[1]
+    def prompt(self, row: int = 0) -> Prompt:
+        """Batch row `row` of this prefill as its batch-1 prompt (its pads cut off), with all a policy that scores after
+        the prefill may need (`Policy.needs`; see policies.base.Prompt)."""
+        pads = 0 if self.pads is None else int(self.pads[row])
+        cache = row_cache(self.cache, row, pads)
+        hidden = None if self.final_hidden is None else self.final_hidden[row:row + 1, pads:]
+        queries = {layer: (query[row], slots - pads, self.recorder.settings[layer])
+                   for layer, (query, slots) in self.recorder.recent.items()}
+        return Prompt(self.model, self.tokenizer, self.ids[row:row + 1, pads:], cache, hidden, queries,
+                      feed=functools.partial(feed, self.model, cache),
+                      draft=functools.partial(draft, self.model, self.tokenizer, cache, hidden))
 
     def _after_prefill_scores(self, policy: Policy) -> dict:
+        """{layer: (batch, rows, n)} the policy's scores made after the prefill, each prompt's left-padded back to the
+        batch's slots; paid once per scoring_key."""
         key = policy.scoring_key
         if key not in self.after_prefill_scores:
-            # The prompt's last queries of every full-attention layer, for a policy that votes with them after the
-            # prefill (LookaheadQCache's draft window): {layer: ((batch, heads, voters, head_dim), slots, settings)}
-            self.cache.voter_queries = {layer: (query, slots, self.recorder.settings[layer])
-                                        for layer, (query, slots) in self.recorder.recent.items()}
-            pads = self.pads
-            if pads is None:
-                self.after_prefill_scores[key] = policy.prompt_scores(self.model, self.tokenizer, self.ids, self.cache)
-            else:  # row by row, each on its batch-1 slice (its own tokens and cache), left-padded back to the slots
-                n = self.n_tokens
-                rows = [policy.prompt_scores(self.model, self.tokenizer, self.ids[b:b + 1, int(p):],
-                                             row_cache(self.cache, b, int(p))) for b, p in enumerate(pads.tolist())]
-                self.after_prefill_scores[key] = {layer: torch.cat([F.pad(row[layer], (n - row[layer].shape[-1], 0)) for row in rows])
-                                          for layer in rows[0]}
+            n = self.n_tokens
+            rows = [policy.prompt_scores(self.prompt(b)) for b in range(self.ids.shape[0])]
+            self.after_prefill_scores[key] = {
+                layer: torch.cat([F.pad(row[layer], (n - row[layer].shape[-1], 0)) for row in rows]) for layer in rows[0]}
         return self.after_prefill_scores[key]
 
     @torch.inference_mode()
     def state(self, policy: Policy) -> CompressionState:
-        """The compressor's state after prefill under `policy`: a compressed copy of the full cache (or a fork
-        when the prompt fits), kept_indices for every layer, the selection time (scoring after the prefill included)."""
-        n, n_layers = self.n_tokens, self.model.config.num_hidden_layers
-        if self.pads is not None:
-            return self._padded_state(policy)
-        timer = SectionTimer(self.model.device)
-        if policy.budget(n) is not None:
+        """The compressor's state after prefill under `policy`: a compressed copy of the full cache (a fork where every
+        row fits its budget), kept_indices for every layer, the selection time (scoring after the prefill included)."""
+        n, n_layers, pads = self.n_tokens, self.model.config.num_hidden_layers, self.pads
+        compresses = any(policy.budget(length) is not None for length in row_lengths(n, self.ids.shape[0], pads))
+        if compresses:
             # A model whose attention bypasses the registry records nothing: the state would be the full cache.
             refuse_unseen_layers(self.cache, self.recorder.seen_layers, self.recorder.sliding_layers, policy.label)
-        with timer.section():
-            scores = {}
-            if policy.budget(n) is not None or seeded(policy):
-                scores = self._after_prefill_scores(policy) if policy.scores_after_prefill else self.recorder.scores[policy.scorer_label]
-            kept = {} if policy.budget(n) is None else \
-                kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers)
-            state = compressed_state(policy, self.cache, kept, n, n_layers, self.recorder.sliding_layers, timer)
-            if seeded(policy):
-                state.seeds = {layer: prefill_seeds(list(scores[layer]), state.kept_indices[layer]) for layer in scores}
-        return state
-
-    def _padded_state(self, policy: Policy) -> CompressionState:
-        """`state` for a padded batch: each row's kept positions by its own scores and length (recorder,
-        kept_from_scores), the rows' layers left-filled where they keep different counts (layers.padded_layer)."""
-        n, n_layers, pads = self.n_tokens, self.model.config.num_hidden_layers, self.pads
-        lengths = (n - pads).tolist()
-        compresses = any(policy.budget(length) is not None for length in lengths)
-        held = {i: held_positions(layer, n, pads) for i, layer in enumerate(self.cache.layers)}
         timer = SectionTimer(self.model.device)
-        if compresses:
-            refuse_unseen_layers(self.cache, self.recorder.seen_layers, self.recorder.sliding_layers, policy.label)
         with timer.section():
             scores = {}
             if compresses or seeded(policy):
-                scores = self._after_prefill_scores(policy) if policy.scores_after_prefill else self.recorder.scores[policy.scorer_label]
-            rows = kept_from_scores(policy, scores, n, self.cache.layers[0].keys.shape[1], n_layers, pads) or {}
+                scores = (self._after_prefill_scores(policy) if policy.scores_after_prefill
+                          else self.recorder.scores[policy.scorer_label])
             cache = fork(self.cache)
-            for layer, kept in rows.items():
-                cache.layers[layer], held[layer] = padded_layer(self.cache.layers[layer].keys,
-                                                                self.cache.layers[layer].values, kept, pads)
-            seeds = {}
-            if seeded(policy):  # per row: its own scores at its kept positions, left-filled as the layer's slots
-                for layer in scores:
-                    own = [r for r in (rows[layer] if layer in rows else
-                                       [torch.arange(length).expand(held[layer].shape[1], -1) for length in lengths])]
-                    seeds[layer] = stack_rows([prefill_seeds([scores[layer][b][:, n - lengths[b]:]], k[None])[0]
-                                               for b, k in enumerate(own)], True, 0.0)
-        state = CompressionState(policy, cache, n_layers, kept_indices=held, timer=timer, seeds=seeds, pads=pads)
-        state.sliding_layers = sorted(self.recorder.sliding_layers) if rows else []
-        return state
+            kept = {i: held_positions(layer, n, pads) for i, layer in enumerate(self.cache.layers)}
+            compressed, _, seeds = compress_layers(policy, scores, cache, n_layers, pads=pads)
+            kept.update(compressed)
+        sliding = sorted(self.recorder.sliding_layers) if compresses and scores else []
+        return CompressionState(policy, cache, kept_indices=kept, sliding_layers=sliding, seeds=seeds, pads=pads,
+                                timer=timer)
 
 
-def compressed_state(policy: Policy, cache: DynamicCache, kept: dict, n: int, n_layers: int, sliding, timer=None
-                     ) -> CompressionState:
-    """The compressor's state over a compressed copy of the full `cache` of an n-token prompt: the layers in `kept`
-    ({layer: (batch, rows, k)}) hold those positions, the others all they hold (`sliding`: the sliding-window layers,
-    left their own bounded cache)."""
-    held = {i: held_positions(layer, n) for i, layer in enumerate(cache.layers)}
-    held.update(kept)
-    state = CompressionState(policy, compressed_copy(cache, kept), n_layers, kept_indices=held, timer=timer)
-    state.sliding_layers = sorted(sliding) if kept else []
-    return state
+def feed(model, cache, ids: torch.Tensor, positions: torch.Tensor, on_call) -> None:
+    """Prompt.feed: run ids (1, m) at `positions` through the decoder over a fork of `cache` (no output head: only the
+    attention calls are read), on_call(module, query, key, value, settings) seeing every attention call."""
+    def record(module, query, key, value, attention_mask, **kwargs):
+        on_call(module, query, key, value, AttentionSettings.of_call(module, kwargs))
+
+    decoder = model.get_decoder()
+    with torch.inference_mode(), intercept_attention(model, record):
+        decoder(input_ids=ids, **with_cache(decoder, fork(cache)), position_ids=positions, use_cache=True)
+
+
+def draft(model, tokenizer, cache, final_hidden: torch.Tensor, policy: Policy, scores: dict, tokens: int
+          ) -> dict[int, torch.Tensor]:
+    """Prompt.draft: {layer: (heads, k, head_dim)} the post-RoPE queries of the k <= tokens drafted tokens, fed greedily
+    at positions n, n + 1, ... over `cache` (one n-token prompt) compressed by `policy` from its `scores` ({layer:
+    (1, rows, n)}); the first token is the prefill's own next token (its final hidden state's argmax); none when it
+    ends the answer."""
+    n, n_layers = final_hidden.shape[1], model.config.num_hidden_layers
+    compressed = fork(cache)
+    kept = {i: held_positions(layer, n) for i, layer in enumerate(cache.layers)}
+    kept.update(compress_layers(policy, scores, compressed, n_layers)[0])
+    state = CompressionState(policy, compressed, kept_indices=kept)
+    drafted = {layer: [] for layer in scores}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        if module.layer_idx in drafted:
+            drafted[module.layer_idx].append(query[0, :, -1:])
+
+    logits = model.get_output_embeddings()(final_hidden[:, -1]).float()
+    with applied(model, state), intercept_attention(model, record):
+        greedy_decode(model, state.cache, logits, n, tokens + 1, eos_ids(model, tokenizer))
+    return {layer: torch.cat(rows, dim=1) for layer, rows in drafted.items() if rows}

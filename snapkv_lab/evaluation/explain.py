@@ -8,7 +8,7 @@ full cache's attention captured, and show the answers, the attention coverage an
 
 The row's `spec` and `policy_config` columns rebuild its example and policy exactly; the prompt is framed and cut
 as the run framed and cut it, and the run is redone the way `evaluate` did it (one prefill of the context, the
-question after: compression.answering), so its answer is the table's prediction (checked).
+question after: compression.generation.answer_runs), so its answer is the table's prediction (checked).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from ..compression.compare import kept_tokens_html
 from ..core.capture import capture
 from ..compression import SharedPrefill
-from ..compression.answering import AnswerRun, answer_runs
+from ..compression.generation import GenerationResult, answer_runs
 from ..tasks.corpus import redact_essays
 from ..views.coverage import attention_coverage, coverage_summary
 from ..policies import FullCache, policy_from_config, upgrade_config
@@ -50,7 +50,7 @@ class Explanation:
     example: Example
     encoded: EncodedExample
     prompt_ids: torch.Tensor
-    run: AnswerRun
+    run: GenerationResult
     kept_indices: list[torch.Tensor]
     trace: AttentionTrace
     coverage: pd.DataFrame
@@ -145,7 +145,7 @@ def explain(model, tokenizer, row: pd.Series, *, progress: bool = False) -> Expl
     if redact_essays(run.text).strip() != redact_essays(expected).strip():
         raise ValueError(f"the rerun answered {run.text!r} where the table has {expected!r}: another model, framing "
                          "or library version made this table")
-    kept = [run.state.kept_indices[layer].cpu() for layer in sorted(run.state.kept_indices)]
+    kept = run.kept_indices
     trace = capture(model, tokenizer, prompt_ids, max_new_tokens=example.max_new_tokens, progress=progress)
     coverage = attention_coverage(trace, kept)
     return Explanation(row, example, encoded, prompt_ids, run, kept, trace, coverage,

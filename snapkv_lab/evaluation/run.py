@@ -5,7 +5,7 @@
 
 Each example is a cell of snapkv_lab.sweep: its context is prefilled once with the full cache while every policy
 records its scores, then the full cache and every policy x budget x mode answer each of its questions
-(compression.answering). A rerun skips the stored cells; `executor="ray"` spreads them over a cluster.
+(compression.generation.answer_runs). A rerun skips the stored cells; `executor="ray"` spreads them over a cluster.
 
 Budgets are kvpress's compression ratios (the fraction of the compressed prompt's KV pairs removed: 0.25 keeps
 75%), or capacities in tokens per KV head. A ratio r runs a policy at capacity 1 - r (Policy.capacity as a share).
@@ -24,8 +24,8 @@ import pandas as pd
 import torch
 
 from ..compression import SharedPrefill
+from ..compression.generation import MODES, answer_runs
 from ..tasks.corpus import redact_essays
-from ..compression.answering import MODES, answer_runs
 from ..core.inputs import check_context_length
 from ..policies import expand_policies, parse_policy, policy_config, policy_from_config, upgrade_config
 from ..core.progress import progress_bar
@@ -134,19 +134,19 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
     # A cell is stored whole, and one at 8k takes most of an hour here: its answers get a bar of their own (transient,
     # quiet in log files).
     for run in progress_bar(runs, desc=f"{example.task} #{example.id} answers", total=answers, leave=False):
-        question = example.questions[run.question]
+        question = example.questions[run.question_index]
         budget = {"ratio": 0.0} if run.mode == "full" else budget_of[run.policy.label]
         rows.append(dict(
             model=model.config.name_or_path, dataset=example.dataset, task=example.task, example=example.id,
             spec=json.dumps(config["example"], sort_keys=True), policy_config=json.dumps(policy_config(run.policy)),
-            question=run.question, metric=question.metric or example.metric, policy=run.policy.scorer_label,
+            question=run.question_index, metric=question.metric or example.metric, policy=run.policy.scorer_label,
             ratio=budget.get("ratio"), capacity=budget.get("capacity"), mode=run.mode,
             score=score_answer(example, question, run.text), prediction=redact_essays(run.text),
             references=json.dumps(list(question.answers), ensure_ascii=False),
             context_tokens=len(encoded.context_ids), prompt_tokens=run.prompt_tokens,
-            kept_tokens=run.cache_length,
+            kept_tokens=max(run.cache_lengths),
             truncated_tokens=encoded.truncated, framing=encoded.framing, length=example.meta.get("length"),
-            prefill_s=shared.seconds, selection_s=run.state.selection_seconds,
+            prefill_s=shared.seconds, selection_s=run.selection_seconds,
             decode_ms_per_token=ms_per_token(run.step_seconds), new_tokens=run.token_ids.shape[1]))
     table = pd.DataFrame(rows)
     # One type per column, so that the table reads back from the store as written.

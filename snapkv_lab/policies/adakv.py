@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import prefix_share
+from .base import LayerBudget, prefix_share
 from .wrapper import Wrapper
 
 ALLOCATIONS = ("paper", "safeguard")
@@ -46,32 +46,32 @@ class AdaKV(Wrapper):
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
 
-    def _floor(self, scores, n_tokens, kv_heads, layer, n_layers) -> int:
+    def _floor(self, scores, budget: LayerBudget) -> int:
         """The prefix positions a head is guaranteed: int(alpha * b), b the inner policy's (uniform) prefix budget per
         head (the official code); under allocation="safeguard", kvpress's int(alpha * B) less the kept tail W."""
-        share = min(self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers))
+        share = min(self.policy.head_budgets(scores, budget))
         if self.allocation == "paper":
             return int(self.alpha_safeguard * share)
-        tail = self.policy.tail(self.policy.layer_budget(n_tokens, layer, n_layers))
+        tail = self.policy.tail(self.policy.layer_budget(budget))
         return prefix_share(self.alpha_safeguard, share, tail)
 
-    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
+    def ranked(self, scores, budget: LayerBudget) -> torch.Tensor:
         """The inner ranking; under allocation="safeguard", each head's own top floor(alpha b) positions raised to +inf
         (taken before the heads compete, and first by any wrapper around this one)."""
-        ranked = self.policy.ranked(scores, n_tokens, kv_heads, layer, n_layers)
+        ranked = self.policy.ranked(scores, budget)
         if self.allocation == "paper":
             return ranked
-        safe = ranked.topk(self._floor(scores, n_tokens, kv_heads, layer, n_layers), dim=-1).indices
+        safe = ranked.topk(self._floor(scores, budget), dim=-1).indices
         return ranked.scatter(-1, safe, math.inf)
 
-    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
+    def head_budgets(self, scores, budget: LayerBudget) -> list[int]:
         """Each head's prefix budget: its count c_h in one top-k of the layer's total over all heads' rankings, under
         allocation="paper" blended as round((1 - alpha) c_h + floor(alpha b))."""
-        ranked = self.ranked(scores, n_tokens, kv_heads, layer, n_layers)  # (kv_heads, prefix)
-        total = sum(self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers))
+        ranked = self.ranked(scores, budget)  # (kv_heads, prefix)
+        total = sum(self.policy.head_budgets(scores, budget))
         chosen = ranked.flatten().topk(total).indices // ranked.shape[-1]
         counts = torch.bincount(chosen, minlength=ranked.shape[0])
         if self.allocation == "safeguard":
             return counts.tolist()
-        floor = self._floor(scores, n_tokens, kv_heads, layer, n_layers)
+        floor = self._floor(scores, budget)
         return torch.round(counts * (1 - self.alpha_safeguard) + floor).long().tolist()

@@ -1,36 +1,42 @@
-"""What every compression policy shares: its budget, the attention call it scores, and how scores become
-kept positions.
+"""What every compression policy shares: its budget, what it scores, and how scores become kept positions.
 
 A policy scores the prompt's key positions once, at prefill, and keeps `capacity` of them per KV head:
 the top-ranked prefix positions plus its kept tail, the last `tail(budget)` prompt tokens (always kept; SnapKV's
-tail is its observation window, the `window_size` queries that vote). The pipeline, each step a
-method that a policy may override:
+tail is its observation window, the `window_size` queries that vote). The pipeline, each step a method that a policy
+may override, `budget` a LayerBudget (the prompt's length, the KV heads, the layer, the policy's budget in tokens):
 
     policy.score(call: AttentionCall) -> (heads or kv_heads, n_keys) float32, higher kept first; None: keep all
-    policy.ranked(scores, ...)        -> (kv_heads or heads, prefix) the scores of the prefix as ranked: pooled
-                                         along positions, combined over each KV head's query heads
-    policy.head_budgets(scores, ...)  -> (rows,) how many prefix positions each row keeps (uniform by default)
-    policy.keep(scores, ...)          -> (rows, kept) sorted positions: each row's top prefix positions, the tail
-    policy.keep_layers({layer: scores}, ...) -> {layer: kept}: every layer at once (budgets shared across layers)
+    policy.prompt_scores(prompt: Prompt) -> {layer: (1, rows, n)}: scores made after the prefill (see `needs`)
+    policy.ranked(scores, budget)       -> (kv_heads or heads, prefix) the scores of the prefix as ranked: pooled
+                                           along positions, combined over each KV head's query heads
+    policy.head_budgets(scores, budget) -> (rows,) how many prefix positions each row keeps (uniform by default)
+    policy.keep(scores, budget)         -> (rows, kept) sorted positions: each row's top prefix positions, the tail
+    policy.keep_layers({layer: scores}, budget) -> {layer: kept}: every layer at once (budgets shared across layers)
 
-`AttentionCall` holds what the attention call had (queries, keys, values, the module, the layer's own
-softmax settings): a scorer reads what it needs and ignores the rest. A score of +inf marks a protected position
-(attention sinks): it is always kept and is left out of pooling, so it never spreads to its neighbours.
-Policies with budgets that vary by layer override `layer_budget`; by head, `head_budgets` (rows keeping fewer
-positions than the widest are padded with NO_POSITION, and the layer is stored ragged: see
-compression.layers.HeadwiseLayer).
+`AttentionCall` holds what the attention call had (queries, keys, values, the module, the layer's own softmax
+settings): a scorer reads what it needs and ignores the rest. A policy that needs more than one attention call
+declares it in `needs` (the prefill's final hidden states, the prompt's last queries, a pass of more tokens over the
+cache, a drafted answer); the engine (snapkv_lab.compression) provides it in a `Prompt` after the prefill and calls
+`prompt_scores`. A score of +inf marks a protected position (attention sinks): it is always kept and is left out of
+pooling, so it never spreads to its neighbours. Policies with budgets that vary by layer override `layer_budget`;
+by head, `head_budgets` (rows keeping fewer positions than the widest are padded with NO_POSITION, and the layer is
+stored ragged: see compression.layers.HeadwiseLayer).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from ..core.attention import AttentionSettings
+from ..core.checks import check_int
 from ..core.selection import GQA_REDUCTIONS, POOLINGS, pool_votes, votes_per_kv_head
 
 SELECTION = ("pooling", "kernel_size", "gqa", "per_query_head")  # applied to scores by `keep`, with the budget
@@ -39,6 +45,8 @@ SELECTION = ("pooling", "kernel_size", "gqa", "per_query_head")  # applied to sc
 ADDED_LATER = "added_later"
 NO_POSITION = -1  # fills the kept positions of heads that keep fewer than the layer's widest head
 _ABSENT = object()  # a field the default being compared with lacks: always a difference
+# What a policy may need beyond the prefill's attention calls (`Policy.needs`; the engine provides each in a Prompt).
+NEEDS = ("final_hidden", "last_queries", "feed", "draft")
 
 
 @dataclass
@@ -78,6 +86,56 @@ class AttentionCall:
         return self.key.shape[1]
 
 
+@dataclass(frozen=True)
+class LayerBudget:
+    """What a policy's selection in one layer is told besides the scores (`Policy.ranked`, `head_budgets`, `keep`).
+
+    tokens: the prompt positions scored (n). kv_heads: the layer's KV heads. layer, n_layers: which layer, of how
+    many. capacity: positions kept per head on average, the policy's `budget(tokens)` (prefix picks and kept tail).
+    `keep_layers` reads every layer's with `at(layer)`."""
+
+    tokens: int
+    kv_heads: int
+    layer: int
+    n_layers: int
+    capacity: int
+
+    def at(self, layer: int) -> LayerBudget:
+        return dataclasses.replace(self, layer=layer)
+
+
+@dataclass
+class Prompt:
+    """One prompt after its prefill, as a policy that scores after the prefill reads it (`Policy.prompt_scores`).
+    The engine (compression.shared.SharedPrefill) fills in what the policy declares in `Policy.needs`; the rest is None.
+
+    ids: (1, n) the prompt's tokens. cache: the full cache after its prefill (read it, never write it).
+    final_hidden: (1, n, hidden_size) the decoder's final hidden states over the prompt ("final_hidden").
+    last_queries: {layer: (query (heads, voters, head_dim), slots (voters,), AttentionSettings)} the prompt's last
+        `voters` post-RoPE queries of every full-attention layer ("last_queries").
+    feed(ids, positions, on_call): run `ids` (1, m) at `positions` (1, m) over a fork of `cache` (the cache itself
+        unchanged), `on_call(module, query, key, value, settings)` seeing every attention call ("feed": KVzip's
+        reconstruction).
+    draft(policy, scores, tokens) -> {layer: (heads, k, head_dim)}: compress `cache` by `policy` from its
+        {layer: (1, rows, n)} scores, decode up to `tokens` greedy tokens over it from the prefill's own next token
+        (stopping at an end of answer), and hand back the post-RoPE queries of the k tokens fed ("draft": Lookahead
+        Q-Cache's pseudo queries).
+    """
+
+    model: object
+    tokenizer: object
+    ids: torch.Tensor
+    cache: object
+    final_hidden: torch.Tensor | None = None
+    last_queries: dict | None = None
+    feed: Callable | None = None
+    draft: Callable | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.shape[1]
+
+
 @dataclass
 class Policy:
     """Base policy: keep `capacity` positions per KV head after prefill (see module doc).
@@ -102,31 +160,32 @@ class Policy:
     gqa: str = "mean"  # how a KV head's query heads' pooled scores combine into its one selection: "mean" or "max"
     # True: scores of successive prompt chunks add up (accumulated attention); False: the last chunk's stand.
     accumulates: ClassVar[bool] = False
-    # True: scores need the whole prompt, so they are made after the prefill (KVzip's reconstruction forward,
-    # Surprisal's output head over every final hidden state), never inside a layer's attention call; False: the
-    # prefill's own attention calls suffice.
-    scores_after_prefill: ClassVar[bool] = False
-    # True: scores from the decoder's final hidden states over the whole prompt (Surprisal), which the prefill's
-    # forward keeps only when a policy of it needs them (compression.shared.SharedPrefill, hooks.capture_final_hidden).
-    reads_final_hidden: ClassVar[bool] = False
+    # What scoring needs beyond the prefill's attention calls, among NEEDS (see `Prompt`); a policy that needs any
+    # scores after the prefill (`prompt_scores`), never inside a layer's attention call.
+    needs: ClassVar[frozenset[str]] = frozenset()
     # False: `score` gives one row per KV head (or one row shared by all heads), so per_query_head has no meaning.
     scores_query_heads: ClassVar[bool] = True
     # True: each layer's budget depends on every layer's scores (CAKE), so the cache is compressed once the whole
     # prompt is prefilled, from the scores its attention calls recorded, never layer by layer as the prefill runs.
     layers_share_budget: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _read_old_budget_arguments(cls)
+
     def __post_init__(self):
         if self.kept_tail is None:  # allowed where `tail` derives it (SnapKV: its window; H2O: the recent half)
             if type(self).tail is Policy.tail:
                 raise ValueError(f"{self.name} needs an int kept_tail, got None")
-        elif not isinstance(self.kept_tail, int) or isinstance(self.kept_tail, bool) or self.kept_tail < 0:
-            raise ValueError(f"kept_tail must be a non-negative int, got {self.kept_tail!r}")
+        else:
+            check_int("kept_tail", self.kept_tail)
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.gqa not in GQA_REDUCTIONS:
             raise ValueError(f"gqa must be one of {GQA_REDUCTIONS}, got {self.gqa!r}")
-        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be a positive odd int (pooling keeps positions centred), got {self.kernel_size!r}")
+        if not (isinstance(self.kernel_size, int) and self.kernel_size >= 1 and self.kernel_size % 2):
+            raise ValueError(f"kernel_size must be a positive odd int (pooling keeps positions centred), got "
+                             f"{self.kernel_size!r}")
         if self.per_query_head and not self.scores_query_heads:
             raise ValueError(f"{self.name} scores KV heads (or positions), not query heads: per_query_head=True would "
                              "only repeat one selection per query head")
@@ -134,8 +193,7 @@ class Policy:
             if not 0 < self.capacity < 1:
                 raise ValueError(f"a capacity ratio must lie in (0, 1), got {self.capacity}")
         elif self.capacity is not None:
-            if not isinstance(self.capacity, int) or self.capacity < 1:
-                raise ValueError(f"capacity must be a positive int, a ratio in (0, 1) or None, got {self.capacity!r}")
+            check_int("capacity", self.capacity, 1, why=", a ratio in (0, 1) or None")
             if self.tail(self.capacity) >= self.capacity:
                 raise ValueError(
                     f"{self.tail_setting(self.capacity)} must be smaller than capacity ({self.capacity}): the cache "
@@ -145,6 +203,16 @@ class Policy:
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    @property
+    def scores_after_prefill(self) -> bool:
+        """Whether scoring needs more than the prefill's attention calls (`needs`): then it runs after the prefill."""
+        return bool(self.needs)
+
+    @property
+    def reads_final_hidden(self) -> bool:
+        """Whether the prefill must keep the decoder's final hidden states for this policy (Surprisal, LookaheadQCache)."""
+        return "final_hidden" in self.needs
 
     @property
     def compresses_after_prefill(self) -> bool:
@@ -203,6 +271,11 @@ class Policy:
             )
         return budget
 
+    def layer_budget_of(self, n_tokens: int, kv_heads: int, n_layers: int) -> LayerBudget | None:
+        """The LayerBudget of an n-token prompt (at layer 0: `at(layer)` for another), None when it fits."""
+        capacity = self.budget(n_tokens)
+        return None if capacity is None else LayerBudget(n_tokens, kv_heads, 0, n_layers, capacity)
+
     def prepare(self, model, tokenizer) -> None:
         """Make what scoring needs from the model itself before its first prefill (QFilters: its query directions,
         calibrated once per model and cached). Called by every entry point (generate, compress, compare's shared
@@ -217,52 +290,93 @@ class Policy:
         """The kept tail under `budget`, named by the setting that makes it, for messages."""
         return f"the kept tail ({self.tail(budget)} tokens)"
 
-    def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
-        """Positions kept per head in `layer` (the same in every layer unless a policy says otherwise)."""
-        return self.budget(n_tokens)
+    def layer_budget(self, budget: LayerBudget) -> int:
+        """Positions kept per head in `budget.layer` (the same in every layer unless a policy says otherwise)."""
+        return budget.capacity
 
     def score(self, call: AttentionCall) -> torch.Tensor | None:
         """(heads or kv_heads, n_keys) float32 scores of the key positions, higher kept first; +inf: always kept."""
         raise NotImplementedError
 
-    def prefix_len(self, n_tokens: int, layer: int, n_layers: int) -> int:
-        """Positions before the kept tail of `layer`, among which the budget is chosen."""
-        return n_tokens - self.tail(self.layer_budget(n_tokens, layer, n_layers))
+    def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
+        """{layer: (1, rows, n)} float32 scores of one prompt made after its prefill, for a policy that `needs` more
+        than the prefill's attention calls (KVzip, Surprisal, LookaheadQCache)."""
+        raise NotImplementedError(f"{self.name} scores at the prefill's attention calls (`score`)")
 
-    def ranked(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
+    def prefix_len(self, budget: LayerBudget) -> int:
+        """Positions before the kept tail of `budget.layer`, among which the budget is chosen."""
+        return budget.tokens - self.tail(self.layer_budget(budget))
+
+    def ranked(self, scores: torch.Tensor, budget: LayerBudget) -> torch.Tensor:
         """The prefix's scores as `keep` ranks them, (kv_heads, or heads if per_query_head, prefix_len) float32: pooled
         along positions (protected +inf positions left out of the pooling, then restored), then combined over
         each KV head's query heads with `gqa`."""
-        prefix = scores[:, : self.prefix_len(n_tokens, layer, n_layers)].float()
+        prefix = scores[:, : self.prefix_len(budget)].float()
         protected = prefix == math.inf
         pooled = pool_votes(prefix.masked_fill(protected, 0.0), self.pooling, self.kernel_size).masked_fill(protected, math.inf)
-        rows = self._reduce_to(pooled, kv_heads)
+        rows = self._reduce_to(pooled, budget.kv_heads)
         return pooled if rows is None else votes_per_kv_head(pooled, rows, self.gqa)
 
-    def head_budgets(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> list[int]:
+    def head_budgets(self, scores: torch.Tensor, budget: LayerBudget) -> list[int]:
         """How many prefix positions each row of `ranked` keeps (the same for every row unless a policy says
         otherwise): a list of ints, one per row."""
-        rows = scores.shape[0] if self._reduce_to(scores, kv_heads) is None else kv_heads
-        budget = self.layer_budget(n_tokens, layer, n_layers)
-        return [budget - self.tail(budget)] * rows
+        rows = scores.shape[0] if self._reduce_to(scores, budget.kv_heads) is None else budget.kv_heads
+        layer_budget = self.layer_budget(budget)
+        return [layer_budget - self.tail(layer_budget)] * rows
 
-    def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
+    def keep(self, scores: torch.Tensor, budget: LayerBudget) -> torch.Tensor:
         """Kept positions (kv_heads, or heads if per_query_head, widest) long: each row its top `head_budgets`
         prefix positions by `ranked` (ascending), then the kept tail, then NO_POSITION padding when rows keep
-        different counts. Call only when budget(n) is not None."""
-        ranked = self.ranked(scores, n_tokens, kv_heads, layer, n_layers)
-        budgets = self.head_budgets(scores, n_tokens, kv_heads, layer, n_layers)
-        return top_positions(ranked, budgets, n_tokens)
+        different counts."""
+        return top_positions(self.ranked(scores, budget), self.head_budgets(scores, budget), budget.tokens)
 
-    def keep_layers(self, scores: dict[int, torch.Tensor], n_tokens: int, kv_heads: int, n_layers: int) -> dict[int, torch.Tensor]:
+    def keep_layers(self, scores: dict[int, torch.Tensor], budget: LayerBudget) -> dict[int, torch.Tensor]:
         """{layer: kept} for every layer of `scores` ({layer: (rows, n_keys)}, one batch row), each by `keep`. A policy
         whose budgets are shared across layers (KVzip) overrides this; the live compressor, which sees one layer at
         a time, refuses such a policy."""
-        return {layer: self.keep(layer_scores, n_tokens, kv_heads, layer, n_layers) for layer, layer_scores in scores.items()}
+        return {layer: self.keep(layer_scores, budget.at(layer)) for layer, layer_scores in scores.items()}
 
     def _reduce_to(self, scores: torch.Tensor, kv_heads: int) -> int | None:
         """The KV heads to reduce `scores`' rows onto, or None to keep one selection per row."""
         return None if self.per_query_head or scores.shape[0] == kv_heads else kv_heads
+
+
+# The pipeline's methods and where their LayerBudget stands among their arguments (after the scores or first). Before
+# 2026-11-28 they took (n_tokens, kv_heads, layer, n_layers) (`layer_budget` and `prefix_len`: (n_tokens, layer,
+# n_layers); `keep_layers`: (n_tokens, kv_heads, n_layers)): a call written so still runs, with a DeprecationWarning.
+_BUDGET_ARGUMENT = {"layer_budget": 0, "prefix_len": 0, "ranked": 1, "head_budgets": 1, "keep": 1, "keep_layers": 1}
+
+
+def _read_old_budget_arguments(cls) -> None:
+    """Let each pipeline method `cls` defines take its former arguments too (see _BUDGET_ARGUMENT)."""
+    for name, at in _BUDGET_ARGUMENT.items():
+        method = vars(cls).get(name)
+        if method is None or getattr(method, "_reads_old_arguments", False):
+            continue
+
+        @functools.wraps(method)
+        def reading(self, *args, _method=method, _name=name, _at=at, **kwargs):
+            if len(args) > _at and isinstance(args[_at], int):
+                args = (*args[:_at], _old_budget(self, _name, args[_at:]))
+            return _method(self, *args, **kwargs)
+
+        reading._reads_old_arguments = True
+        setattr(cls, name, reading)
+
+
+def _old_budget(policy: Policy, name: str, old: tuple) -> LayerBudget:
+    warnings.warn(f"{policy.name}.{name} takes a LayerBudget now, not (n_tokens, kv_heads, layer, n_layers)",
+                  DeprecationWarning, stacklevel=4)
+    if name in ("layer_budget", "prefix_len"):
+        (n_tokens, layer, n_layers), kv_heads = old, 0
+    elif name == "keep_layers":
+        (n_tokens, kv_heads, n_layers), layer = old, 0
+    else:
+        n_tokens, kv_heads, layer, n_layers = old
+    return LayerBudget(n_tokens, kv_heads, layer, n_layers, policy.budget(n_tokens))
+
+
+_read_old_budget_arguments(Policy)
 
 
 def top_positions(ranked: torch.Tensor, budgets: list[int], n_tokens: int) -> torch.Tensor:

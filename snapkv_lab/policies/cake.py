@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..core.attention import attention_probs
-from .base import AttentionCall, top_positions
+from .base import AttentionCall, LayerBudget, top_positions
 from .snapkv import SnapKV
 
 
@@ -104,11 +104,11 @@ class CAKE(SnapKV):
         shift = prefix_probs.var(1).sum()
         return float(entropy ** (1 / self.tau1) * shift ** (1 / self.tau2))
 
-    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers):
-        return super().ranked(scores[:-1], n_tokens, kv_heads, layer, n_layers)
+    def ranked(self, scores, budget: LayerBudget):
+        return super().ranked(scores[:-1], budget)
 
-    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers):
-        return super().head_budgets(scores[:-1], n_tokens, kv_heads, layer, n_layers)
+    def head_budgets(self, scores, budget: LayerBudget):
+        return super().head_budgets(scores[:-1], budget)
 
     def layer_budgets(self, preferences: list[float], n_tokens: int) -> list[int]:
         """Each layer's prefix budget from the layers' preferences, the total (B - W) x layers."""
@@ -119,9 +119,8 @@ class CAKE(SnapKV):
             all(math.isfinite(p) for p in preferences) else [total / len(preferences)] * len(preferences)
         return [min(b, n_tokens - tail) for b in adjust_budgets(shares, total, n_tokens - tail)]
 
-    def keep_layers(self, scores: dict[int, torch.Tensor], n_tokens: int, kv_heads: int,
-                    n_layers: int) -> dict[int, torch.Tensor]:
+    def keep_layers(self, scores: dict[int, torch.Tensor], budget: LayerBudget) -> dict[int, torch.Tensor]:
         layers = sorted(scores)
-        budgets = self.layer_budgets([float(scores[i][-1, 0]) for i in layers], n_tokens)
-        ranked = {i: self.ranked(scores[i], n_tokens, kv_heads, i, n_layers) for i in layers}
-        return {i: top_positions(ranked[i], [b] * ranked[i].shape[0], n_tokens) for i, b in zip(layers, budgets)}
+        budgets = self.layer_budgets([float(scores[i][-1, 0]) for i in layers], budget.tokens)
+        ranked = {i: self.ranked(scores[i], budget.at(i)) for i in layers}
+        return {i: top_positions(ranked[i], [b] * ranked[i].shape[0], budget.tokens) for i, b in zip(layers, budgets)}

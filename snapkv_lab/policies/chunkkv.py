@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import top_positions
+from ..core.checks import check_int
+from .base import LayerBudget, top_positions
 from .wrapper import Wrapper
 
 
@@ -35,8 +36,7 @@ class ChunkKV(Wrapper):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        check_int("chunk_size", self.chunk_size, 1)
 
     def _chunk_order(self, ranked: torch.Tensor) -> torch.Tensor:
         """(rows, length) scores -> (rows, length) long, distinct per row: the order in which positions are taken,
@@ -50,19 +50,20 @@ class ChunkKV(Wrapper):
         rank = means.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # 0: the best chunk of its row
         return rank[:, chunk] * self.chunk_size + position % self.chunk_size
 
-    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
+    def ranked(self, scores, budget: LayerBudget) -> torch.Tensor:
         """(rows, prefix_len) the negated order of the prefix's positions by chunk (exact_budget's ranking, and what a
         wrapper around ChunkKV ranks by)."""
-        return -self._chunk_order(self.policy.ranked(scores, n_tokens, kv_heads, layer, n_layers)).float()
+        return -self._chunk_order(self.policy.ranked(scores, budget)).float()
 
-    def keep(self, scores: torch.Tensor, n_tokens: int, kv_heads: int, layer: int, n_layers: int) -> torch.Tensor:
+    def keep(self, scores: torch.Tensor, budget: LayerBudget) -> torch.Tensor:
         if self.exact_budget:
-            return super().keep(scores, n_tokens, kv_heads, layer, n_layers)
-        inner = self.policy.ranked(scores, n_tokens, kv_heads, layer, n_layers)  # (rows, prefix_len)
+            return super().keep(scores, budget)
+        n_tokens = budget.tokens
+        inner = self.policy.ranked(scores, budget)  # (rows, prefix_len)
         whole = torch.cat([inner, inner.new_full((inner.shape[0], n_tokens - inner.shape[-1]), math.inf)], dim=-1)
         order = self._chunk_order(whole)  # (rows, n_tokens)
         n_chunks = -(-n_tokens // self.chunk_size)
-        kept_chunks = max(1, n_chunks * self.layer_budget(n_tokens, layer, n_layers) // n_tokens)
+        kept_chunks = max(1, n_chunks * self.layer_budget(budget) // n_tokens)
         taken = order < kept_chunks * self.chunk_size  # (rows, n_tokens): positions of the best kept_chunks chunks
         counts = taken.sum(-1).tolist()
         # Positions as scores, so that top_positions lists each row's taken ones (and pads rows that took fewer).

@@ -11,7 +11,7 @@ import torch
 
 from ..core.hooks import attention_modules
 from ..core.selection import votes_per_kv_head
-from .base import AttentionCall, prefix_share
+from .base import AttentionCall, LayerBudget, Prompt, prefix_share
 from .wrapper import Wrapper
 
 
@@ -76,12 +76,12 @@ class CriticalKV(Wrapper):
             norms[:, : int(call.slots[0])] = 0
         return torch.cat([scores, norms.to(scores)])
 
-    def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
-        """The inner policy's extra-pass scores {layer: (batch, rows, n)}, each stacked on the value norms."""
-        scores = self.policy.prompt_scores(model, tokenizer, ids, cache)
-        modules, heads = attention_modules(model), model.config.num_attention_heads
-        return {layer: torch.stack([torch.cat([row, self._norms(modules[layer], value, heads, row.shape[0]).to(row)])
-                                    for row, value in zip(inner, cache.layers[layer].values, strict=True)])
+    def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
+        """The inner policy's scores made after the prefill {layer: (1, rows, n)}, each stacked on the value norms."""
+        scores = self.policy.prompt_scores(prompt)
+        modules, heads = attention_modules(prompt.model), prompt.model.config.num_attention_heads
+        return {layer: torch.cat([inner, self._norms(modules[layer], prompt.cache.layers[layer].values[0], heads,
+                                                     inner.shape[1]).to(inner)[None]], dim=1)
                 for layer, inner in scores.items()}
 
     @staticmethod
@@ -90,20 +90,20 @@ class CriticalKV(Wrapper):
         norms = output_norms(module, value, heads)
         return norms if rows == heads else votes_per_kv_head(norms, rows)
 
-    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
+    def ranked(self, scores, budget: LayerBudget) -> torch.Tensor:
         """Stage-1 picks at +inf, the rest by (s + epsilon) * norm: (rows, prefix_len)."""
         inner, norms = scores.chunk(2)
-        first = self.policy.ranked(inner, n_tokens, kv_heads, layer, n_layers)  # (rows, prefix_len)
+        first = self.policy.ranked(inner, budget)  # (rows, prefix_len)
         norms = norms[:, : first.shape[-1]].float()
         if norms.shape[0] != first.shape[0]:
             norms = votes_per_kv_head(norms, first.shape[0])
-        budgets = self.policy.head_budgets(inner, n_tokens, kv_heads, layer, n_layers)  # prefix budgets, the kept tail apart
-        tail = n_tokens - first.shape[-1]
+        budgets = self.policy.head_budgets(inner, budget)  # prefix budgets, the kept tail apart
+        tail = budget.tokens - first.shape[-1]
         second = (first + self.epsilon) * norms
-        for row, budget in enumerate(budgets):  # each head's stage 1: a share of its whole budget, the tail first
-            stage1 = first[row].topk(prefix_share(self.first_stage_ratio, budget, tail)).indices
+        for row, row_budget in enumerate(budgets):  # each head's stage 1: a share of its whole budget, the tail first
+            stage1 = first[row].topk(prefix_share(self.first_stage_ratio, row_budget, tail)).indices
             second[row, stage1] = math.inf
         return second
 
-    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers):
-        return self.policy.head_budgets(scores.chunk(2)[0], n_tokens, kv_heads, layer, n_layers)
+    def head_budgets(self, scores, budget: LayerBudget):
+        return self.policy.head_budgets(scores.chunk(2)[0], budget)

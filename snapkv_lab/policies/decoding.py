@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.selection import votes_per_kv_head
-from .base import AttentionCall, Policy
+from ..core.checks import check_int
+from .base import AttentionCall, LayerBudget, Policy
 from .snapkv import SnapKV
 from .wrapper import Wrapper
 
@@ -46,8 +47,7 @@ class EvictsWhileDecoding:
     def check_interval(self) -> None:
         if self.interval is None:
             return
-        if not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"interval must be a positive int or None, got {self.interval!r}")
+        check_int("interval", self.interval, 1, optional=True)
         scorer = self.eviction_scorer()
         if self.interval < scorer.voters:
             raise ValueError(f"{scorer.name} votes with the last {scorer.voters} generated queries: interval "
@@ -153,7 +153,8 @@ class EvictionTracker:
                 rows = voters.shape[1]
                 scores = self.policy.score(dataclasses.replace(
                     call, query=voters, slots=torch.arange(n_slots - rows, n_slots), positions=self.recent_positions, carry={}))
-            kept.append(self.policy.keep(scores, n_slots, call.key.shape[0], self.layer, self.n_layers))
+            budget = LayerBudget(n_slots, call.key.shape[0], self.layer, self.n_layers, self.policy.budget(n_slots))
+            kept.append(self.policy.keep(scores, budget))
         if self.policy.accumulates:
             self.scores = [s.gather(-1, k) for s, k in zip(self.scores, kept, strict=True)]
         else:

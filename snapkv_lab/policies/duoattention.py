@@ -27,7 +27,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import AttentionCall, Policy
+from ..core.checks import check_int
+from .base import AttentionCall, LayerBudget, Policy
 from .headkv import model_head_scores
 
 
@@ -56,8 +57,8 @@ class DuoAttention(Policy):
         super().__post_init__()
         if self.per_query_head:
             raise ValueError("DuoAttention picks full and streaming KV heads: per_query_head=True is not supported")
-        if self.sink_size < 0 or self.recent_size < 0:
-            raise ValueError(f"sink_size and recent_size must be at least 0, got {self.sink_size}, {self.recent_size}")
+        check_int("sink_size", self.sink_size)
+        check_int("recent_size", self.recent_size)
 
     def prepare(self, model, tokenizer) -> None:
         scores = model_head_scores(model, tokenizer, self.label)  # (L, query heads)
@@ -101,8 +102,8 @@ class DuoAttention(Policy):
                                "heads' retrieval scores are unknown")
         return full_heads(kv_scores, self.full_count(n_tokens, self._compressed_heads))
 
-    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
-        full = self.full_head_mask(n_tokens)[layer]
-        prefix = self.prefix_len(n_tokens, layer, n_layers)
-        streaming = self.streaming_budget(n_tokens) - (n_tokens - prefix)  # the kept tail is part of the recent tokens
+    def head_budgets(self, scores, budget: LayerBudget) -> list[int]:
+        full = self.full_head_mask(budget.tokens)[budget.layer]
+        prefix = self.prefix_len(budget)
+        streaming = self.streaming_budget(budget.tokens) - (budget.tokens - prefix)  # the kept tail: recent tokens too
         return [prefix if is_full else streaming for is_full in full.tolist()]

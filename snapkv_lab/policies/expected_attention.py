@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.checks import check_int
 from ..core.rope import LayerRope
 from .base import AttentionCall, Policy
 
@@ -68,10 +69,8 @@ class ExpectedAttention(Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative int, got {self.n_sink!r}")
-        if not isinstance(self.n_future_positions, int) or self.n_future_positions < 1:
-            raise ValueError(f"n_future_positions must be a positive int, got {self.n_future_positions!r}")
+        check_int("n_sink", self.n_sink)
+        check_int("n_future_positions", self.n_future_positions, 1)
 
     def budget(self, n_tokens: int) -> int | None:
         budget = super().budget(n_tokens)

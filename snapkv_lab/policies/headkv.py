@@ -29,7 +29,7 @@ import torch
 from . import retrieval_heads
 from ..core.hooks import attention_modules
 from ..core.models import sliding_layers
-from .base import ADDED_LATER, Policy
+from .base import ADDED_LATER, LayerBudget, Policy
 from .wrapper import Wrapper
 
 
@@ -124,19 +124,19 @@ class HeadKV(Wrapper):
         self._sharing = compressed[:, None].expand_as(scores)
         self._shares = head_shares(scores, self.temperature) if self._pooled_heads else torch.zeros_like(scores)
 
-    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers) -> list[int]:
+    def head_budgets(self, scores, budget: LayerBudget) -> list[int]:
         shares = getattr(self, "_shares", None)
         if shares is None:
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
                                "heads' retrieval scores are unknown")
-        uniform = Policy.head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers)  # b per row, whatever the inner
-        prefix = self.prefix_len(n_tokens, layer, n_layers)
+        uniform = Policy.head_budgets(self, scores, budget)  # b per row, whatever the inner
+        prefix = self.prefix_len(budget)
         capacities = head_capacities(shares, uniform[0], self.beta, self._pooled_heads)  # (layers, query heads)
         if self.redistribute:  # among the rows the cache holds (KV heads: their query heads' mean), exactly
             grouped = lambda t: t.view(t.shape[0], len(uniform), -1)
             capacities = redistributed(grouped(capacities).double().mean(-1), grouped(shares).mean(-1), prefix,
                                        grouped(self._sharing).all(-1))
-        capacities = capacities[layer]
+        capacities = capacities[budget.layer]
         if len(uniform) != capacities.numel():  # one row per KV head: the mean of its query heads'
             capacities = torch.round(capacities.view(len(uniform), -1).double().mean(-1)).long()
         return capacities.clamp(max=prefix).tolist()

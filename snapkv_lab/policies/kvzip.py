@@ -47,9 +47,9 @@ from einops import rearrange
 
 from ..core.attention import BLOCK_ELEMENTS, AttentionSettings
 from ..core.framing import chat_frame
-from ..core.hooks import intercept_attention, with_cache
 from ..core.tokens import encode
-from .base import ADDED_LATER, Policy, top_positions
+from ..core.checks import check_int
+from .base import ADDED_LATER, LayerBudget, Policy, Prompt, top_positions
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # model/wrapper.py:211
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "  # model/wrapper.py:214
@@ -172,15 +172,13 @@ class KVzip(Policy):
     allocation: str = "global"
     repeat_prompts: str = field(default="official", metadata={ADDED_LATER: True})
 
-    scores_after_prefill: ClassVar[bool] = True  # a reconstruction forward over the cached prompt
+    needs: ClassVar[frozenset[str]] = frozenset({"feed"})  # a reconstruction forward over the cached prompt
     scores_query_heads: ClassVar[bool] = False  # the largest attention over each KV head's query heads
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
-        if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
-            raise ValueError(f"sinks must be None or a non-negative int, got {self.sinks!r}")
+        check_int("chunk_size", self.chunk_size, 1)
+        check_int("sinks", self.sinks, 0, optional=True)
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
         if self.repeat_prompts not in REPEAT_NEXT_BY:
@@ -199,58 +197,50 @@ class KVzip(Policy):
         system = head or min(FALLBACK_SINKS, ids.shape[1])
         return Layout(protected=system, sinks=system, start=system, suffix=suffix)
 
-    def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
-        """{layer: (batch, kv_heads, n)} float32 for ids (batch, n) already prefilled into `cache` (left
-        unchanged): reconstruction scores of the context, +inf on the protected positions, 0 on those never
-        scored. Sliding-window layers are left out (never compressed)."""
-        from ..compression.layers import fork  # compression imports policies: import at call time
-
-        n = ids.shape[1]
-        layout = self.layout(tokenizer, ids)
-        scores = {i: torch.zeros(ids.shape[0], layer.keys.shape[1], n, device=ids.device)
-                  for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)}
-        for start, end, feed in reconstruction_feeds(tokenizer, ids[:, layout.start:], layout.suffix, self.chunk_size,
-                                                     REPEAT_NEXT_BY[self.repeat_prompts]):
+    def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
+        """{layer: (1, kv_heads, n)} float32 for a prompt (1, n): reconstruction scores of the context, +inf on the
+        protected positions, 0 on those never scored, from the reconstruction forwards the engine feeds over a fork of
+        the prompt's cache (`prompt.feed`). Sliding-window layers are left out (never compressed)."""
+        ids, n = prompt.ids, prompt.n_tokens
+        layout = self.layout(prompt.tokenizer, ids)
+        scores = {i: torch.zeros(1, layer.keys.shape[1], n, device=ids.device)
+                  for i, layer in enumerate(prompt.cache.layers) if not getattr(layer, "is_sliding", False)}
+        for start, end, feed in reconstruction_feeds(prompt.tokenizer, ids[:, layout.start:], layout.suffix,
+                                                     self.chunk_size, REPEAT_NEXT_BY[self.repeat_prompts]):
             chunk = slice(layout.start + start, layout.start + end)
 
-            def record(module, query, key, value, attention_mask, **kwargs):
-                settings = AttentionSettings.of_call(module, kwargs)
-                if settings.sliding_window is not None:
-                    return
-                for b, (q, k) in enumerate(zip(query, key, strict=True)):
-                    scores[module.layer_idx][b, :, chunk] = reconstruction_scores(q, k, layout.sinks, chunk, settings)
+            def record(module, query, key, value, settings):
+                if settings.sliding_window is None:
+                    scores[module.layer_idx][0, :, chunk] = reconstruction_scores(query[0], key[0], layout.sinks,
+                                                                                   chunk, settings)
 
-            positions = torch.arange(n, n + feed.shape[1], device=ids.device)[None]
-            with intercept_attention(model, record):
-                decoder = model.get_decoder()
-                decoder(input_ids=feed, **with_cache(decoder, fork(cache)), position_ids=positions, use_cache=True)
+            prompt.feed(feed, torch.arange(n, n + feed.shape[1], device=ids.device)[None], record)
         for layer_scores in scores.values():
             layer_scores[..., :layout.protected] = math.inf
         return scores
 
-    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers) -> torch.Tensor:
+    def ranked(self, scores, budget: LayerBudget) -> torch.Tensor:
         """The base ranking; refused when a row's protected positions outnumber its prefix budget."""
-        ranked = super().ranked(scores, n_tokens, kv_heads, layer, n_layers)
+        ranked = super().ranked(scores, budget)
         protected = int((ranked == math.inf).sum(-1).max())
-        room = min(self.head_budgets(scores, n_tokens, kv_heads, layer, n_layers))
+        room = min(self.head_budgets(scores, budget))
         if protected > room:
             raise ValueError(f"{self.label} keeps {protected} protected positions (the system prompt or sinks) of a "
-                             f"{n_tokens}-token prompt, more than the {room} its budget leaves per head: raise the "
+                             f"{budget.tokens}-token prompt, more than the {room} its budget leaves per head: raise the "
                              "capacity or set sinks=")
         return ranked
 
-    def keep_layers(self, scores: dict[int, torch.Tensor], n_tokens: int, kv_heads: int,
-                    n_layers: int) -> dict[int, torch.Tensor]:
+    def keep_layers(self, scores: dict[int, torch.Tensor], budget: LayerBudget) -> dict[int, torch.Tensor]:
         """{layer: (kv_heads, widest) kept positions}. allocation="global": one top count of budget x layers x KV
         heads over every layer's and head's ranking, then each row keeps its share (kvpress kvzip_press.py:384-387;
         official score.py:88-102 thresholds instead); "uniform": each layer by `keep`."""
         if self.allocation == "uniform":
-            return super().keep_layers(scores, n_tokens, kv_heads, n_layers)
+            return super().keep_layers(scores, budget)
         layers = sorted(scores)
         # (layers, rows, prefix): every layer's prefix is as long (one budget and tail for all)
-        ranked = torch.stack([self.ranked(scores[i], n_tokens, kv_heads, i, n_layers) for i in layers])
-        total = sum(sum(self.head_budgets(scores[i], n_tokens, kv_heads, i, n_layers)) for i in layers)
+        ranked = torch.stack([self.ranked(scores[i], budget.at(i)) for i in layers])
+        total = sum(sum(self.head_budgets(scores[i], budget.at(i))) for i in layers)
         rows = ranked.shape[0] * ranked.shape[1]
         counts = torch.bincount(ranked.flatten().topk(total).indices // ranked.shape[-1], minlength=rows)
         counts = counts.view(len(layers), -1).tolist()
-        return {i: top_positions(ranked[j], counts[j], n_tokens) for j, i in enumerate(layers)}
+        return {i: top_positions(ranked[j], counts[j], budget.tokens) for j, i in enumerate(layers)}

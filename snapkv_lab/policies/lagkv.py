@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import torch
 
+from ..core.checks import check_int
 from .base import AttentionCall, Policy
 
 TAIL = 2.0  # tail scores lie in (TAIL, TAIL + 1): above every partition's, below the sinks' +inf
@@ -46,10 +47,8 @@ class LagKV(Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
-        if not isinstance(self.lag_size, int) or self.lag_size < 2:
-            raise ValueError(f"lag_size must be an int of at least 2, got {self.lag_size!r}")
+        check_int("sinks", self.sinks)
+        check_int("lag_size", self.lag_size, 2)
 
     def score(self, call: AttentionCall):
         kv_heads, n, _ = call.key.shape

@@ -29,21 +29,20 @@ Differences, named:
   first token that is one is not fed (official: fed), which leaves an empty answer either way.
 - Votes are averaged over the voters (official: summed): the same ranking.
 The prompt's last queries come from the prefill itself (the score recorder keeps the last `voters` of every layer),
-the first drafted token from its final hidden state: scoring costs the draft's selection, `lookahead_size` decode
-steps over the draft cache and one softmax per voter, paid in selection_seconds.
+the first drafted token from its final hidden state, the lookahead from the engine's drafting function (`Prompt.draft`:
+compress, decode, hand back the queries); the votes are SnapKV's over the voters. Scoring costs the draft's
+selection, `lookahead_size` decode steps over the draft cache and one softmax per voter, paid in selection_seconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from ..core.hooks import intercept_attention
-from ..core.inputs import eos_ids
-from ..core.selection import window_votes
-from .base import AttentionCall, Policy
+from ..core.checks import check_int
+from .base import AttentionCall, Policy, Prompt
 from .snapkv import SnapKV
 
 MASKS = ("causal", "official")
@@ -67,16 +66,13 @@ class LookaheadQCache(Policy):
     lookahead_window: int = 32
     mask: str = "causal"
 
-    scores_after_prefill: ClassVar[bool] = True  # the votes need the whole prompt's cache and a drafted answer
-    reads_final_hidden: ClassVar[bool] = True  # the first drafted token is the prefill's argmax
+    # the votes need the prompt's last queries, a drafted answer from the prefill's final hidden state
+    needs: ClassVar[frozenset[str]] = frozenset({"final_hidden", "last_queries", "draft"})
 
     def __post_init__(self):
-        for name in ("lookahead_size", "lookahead_window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.window_size, int) or isinstance(self.window_size, bool) or self.window_size < 0:
-            raise ValueError(f"window_size must be a non-negative int, got {self.window_size!r}")
+        check_int("lookahead_size", self.lookahead_size, 1)
+        check_int("lookahead_window", self.lookahead_window, 1)
+        check_int("window_size", self.window_size)
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
         super().__post_init__()
@@ -112,66 +108,40 @@ class LookaheadQCache(Policy):
         return SnapKV(capacity=self.capacity, window_size=self.lookahead_window, per_query_head=self.per_query_head,
                       gqa=self.gqa)
 
-    def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
-        """{layer: (batch, heads, n)} float32 votes for ids (batch, n) prefilled into `cache` (left unchanged), every
-        full-attention layer. `cache` must carry what SharedPrefill hands on: the prompt's last queries
-        (`cache.voter_queries`) and final hidden states (`cache.final_hidden`)."""
-        from ..compression.layers import row_cache  # compression imports policies: import at call time
-
-        queries, hidden = getattr(cache, "voter_queries", None), getattr(cache, "final_hidden", None)
-        if not queries or hidden is None:
+    def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
+        """{layer: (1, heads, n)} float32 votes of every full-attention layer for a prompt (1, n), from the prompt's
+        last queries (`prompt.last_queries`) and the queries of the answer drafted over the draft cache
+        (`prompt.draft`, from the prefill's final hidden state)."""
+        queries = prompt.last_queries
+        if not queries or prompt.final_hidden is None:
             raise ValueError(f"{self.label} votes with the prefill's last queries and drafts from its final hidden "
-                             "states, which SharedPrefill keeps: run it through snapkv_lab.generate or compare")
-        held = min(query.shape[2] for query, _, _ in queries.values())
+                             "states, which the engine keeps: run it through snapkv_lab.generate or compare")
+        held = min(query.shape[1] for query, _, _ in queries.values())
         if held < self.voters:
             raise ValueError(f"{self.label} reads the prompt's last {self.voters} queries; the prefill kept {held}")
-        rows = [self._row_scores(model, tokenizer, ids[b:b + 1], row_cache(cache, b, 0)) for b in range(ids.shape[0])]
-        return {layer: torch.cat([row[layer] for row in rows]) for layer in rows[0]}
-
-    def _row_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
-        """prompt_scores for one row: ids (1, n), its batch-1 cache."""
-        n, n_layers, draft = ids.shape[1], model.config.num_hidden_layers, self.draft()
-        draft_votes = {layer: draft.score(AttentionCall(query[0], cache.layers[layer].keys[0], cache.layers[layer].values[0],
-                                                        slots, settings, None, layer, n_layers))[None]
-                       for layer, (query, slots, settings) in cache.voter_queries.items()}
+        n, draft = prompt.n_tokens, self.draft()
+        draft_votes = {layer: draft.score(self._call(prompt, layer, query, slots, settings))[None]
+                       for layer, (query, slots, settings) in queries.items()}
         # A row that fits its budget (in a padded batch) keeps everything whatever its scores; a first token that
         # ends the answer drafts nothing, and the answer is empty whatever is kept: the draft's votes stand.
-        lookahead = {} if self.budget(n) is None else self.lookahead_queries(model, tokenizer, n, cache, draft,
-                                                                             draft_votes)
+        lookahead = {} if self.budget(n) is None else prompt.draft(draft, draft_votes, self.lookahead_size)
         if not lookahead:
             return draft_votes
         scores = {}
-        for layer, (query, slots, settings) in cache.voter_queries.items():
-            prompt = query[0, :, query.shape[2] - self.window_size:]
-            voters = torch.cat([prompt, lookahead[layer]], dim=1)  # (heads, window_size + k, head_dim)
+        for layer, (query, slots, settings) in queries.items():
+            voters = torch.cat([query[:, query.shape[1] - self.window_size:], lookahead[layer]], dim=1)
             if self.mask == "causal":  # a lookahead query sees every prompt key, as the prompt's last one does
                 positions = torch.cat([slots[len(slots) - self.window_size:],
                                        slots.new_full((lookahead[layer].shape[1],), n - 1)])
             else:  # the official mask: the voters as if they were the prompt's last tokens
                 positions = torch.arange(n - voters.shape[1], n, device=slots.device)
-            votes = window_votes(voters, cache.layers[layer].keys[0], settings.scaling, positions, n, **settings.options())
-            scores[layer] = (votes / voters.shape[1])[None]
+            votes = SnapKV(window_size=voters.shape[1])  # every voter votes: SnapKV's mean attention over them
+            scores[layer] = votes.score(self._call(prompt, layer, voters, positions, settings))[None]
         return scores
 
-    def lookahead_queries(self, model, tokenizer, n: int, cache, draft: SnapKV, draft_votes: dict) -> dict[int, torch.Tensor]:
-        """{layer: (heads, k, head_dim)} post-RoPE queries of the k <= lookahead_size drafted tokens, fed greedily over
-        the draft cache at positions n, n + 1, ...; empty when the first token is an EOS. The draft cache: the full
-        `cache` of one n-token row, compressed by `draft` (this policy's `draft()`) from its votes ({layer: (1, heads, n)})."""
-        from ..compression.compressor import applied
-        from ..compression.generation import greedy_decode
-        from ..compression.recorder import kept_from_scores
-        from ..compression.shared import compressed_state
-
-        n_layers = model.config.num_hidden_layers
-        kept = kept_from_scores(draft, draft_votes, n, cache.layers[min(draft_votes)].keys.shape[1], n_layers)
-        state = compressed_state(draft, cache, kept, n, n_layers, set(range(len(cache.layers))) - set(draft_votes))
-        drafted = {layer: [] for layer in draft_votes}
-
-        def record(module, query, key, value, attention_mask, **kwargs):
-            if module.layer_idx in drafted:
-                drafted[module.layer_idx].append(query[0, :, -1:])
-
-        logits = model.get_output_embeddings()(cache.final_hidden[:, -1]).float()
-        with applied(model, state), intercept_attention(model, record):
-            greedy_decode(model, state.cache, logits, n, self.lookahead_size + 1, eos_ids(model, tokenizer))
-        return {layer: torch.cat(rows, dim=1) for layer, rows in drafted.items() if rows}
+    @staticmethod
+    def _call(prompt: Prompt, layer: int, query: torch.Tensor, slots: torch.Tensor, settings) -> AttentionCall:
+        """The attention call of `query` (heads, rows, head_dim) at `slots` over the prompt's cached keys of `layer`."""
+        cached = prompt.cache.layers[layer]
+        return AttentionCall(query, cached.keys[0], cached.values[0], slots, settings, None, layer,
+                             prompt.model.config.num_hidden_layers)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.checks import check_int
+from .base import LayerBudget
 from .snapkv import SnapKV
 
 SCHEDULES = ("paper", "kvpress")
@@ -38,13 +40,13 @@ class PyramidKV(SnapKV):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.beta, int) or self.beta < 1:
-            raise ValueError(f"beta must be an int >= 1, got {self.beta!r}")
+        check_int("beta", self.beta, 1)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
-    def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
-        budget = self.budget(n_tokens)
+    def layer_budget(self, budget: LayerBudget) -> int:
+        n_tokens, layer, n_layers = budget.tokens, budget.layer, budget.n_layers
+        budget = budget.capacity
         if n_layers == 1:
             return budget
         tail = self.tail(budget)

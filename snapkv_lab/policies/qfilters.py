@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from ..core.checks import check_int
 from ..core.hooks import attention_modules
 from .query_filters import TOKENS, filters_path, query_filters
 from .base import AttentionCall, Policy
@@ -38,8 +39,7 @@ class QFilters(Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 1:
-            raise ValueError(f"calibration_tokens must be a positive int, got {self.calibration_tokens!r}")
+        check_int("calibration_tokens", self.calibration_tokens, 1)
 
     def prepare(self, model, tokenizer) -> None:
         modules = attention_modules(model)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.checks import check_int
 from ..core.selection import window_votes
 from .base import ADDED_LATER, AttentionCall, Policy
 
@@ -28,9 +29,8 @@ class SnapKV(Policy):
     window_size: int = 32
 
     def __post_init__(self):
-        if not isinstance(self.window_size, int) or isinstance(self.window_size, bool) or self.window_size < 1:
-            raise ValueError(f"{self.name} votes with its observation window: window_size must be at least 1, got "
-                             f"{self.window_size!r}")
+        check_int("window_size", self.window_size, 1, kind="at least 1",
+                  why=f" ({self.name} votes with its observation window)")
         super().__post_init__()
 
     def tail(self, budget: int) -> int:

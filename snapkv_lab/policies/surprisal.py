@@ -28,7 +28,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Policy
+from ..core.checks import check_int
+from .base import Policy, Prompt
 from .snapkv import FACT_TOKENS
 
 # Logits held at a time (256 MiB in float32): the (n, vocab) logits of a long context would take GBs, and rows of a
@@ -64,24 +65,22 @@ class Surprisal(Policy):
     kernel_size: int = FACT_TOKENS
     sinks: int = 4
 
-    scores_after_prefill: ClassVar[bool] = True  # the output head over every prompt position's final hidden states: no second forward
-    reads_final_hidden: ClassVar[bool] = True
+    # The output head over every prompt position's final hidden states, which the prefill keeps: no second forward.
+    needs: ClassVar[frozenset[str]] = frozenset({"final_hidden"})
     scores_query_heads: ClassVar[bool] = False  # one set of positions serves every head
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
+        check_int("sinks", self.sinks)
 
-    def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
-        """{layer: (batch, kv_heads, n)} for every full-attention layer of `cache` (sliding ones keep their own).
-        `cache`: the full cache after the prefill of ids, holding that prefill's final hidden states (batch, n,
-        hidden_size) as `cache.final_hidden`, as SharedPrefill leaves it."""
-        hidden = getattr(cache, "final_hidden", None)
+    def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
+        """{layer: (1, kv_heads, n)} for every full-attention layer of the prompt's cache (sliding ones keep their
+        own), from the final hidden states (1, n, hidden_size) its prefill kept (`prompt.final_hidden`)."""
+        hidden, ids = prompt.final_hidden, prompt.ids
         if hidden is None or hidden.shape[:2] != ids.shape:
-            raise ValueError(f"{self.label} scores from the final hidden states of the prefill of ids, kept on its cache "
-                             "(cache.final_hidden) by SharedPrefill: run it through snapkv_lab.generate or compare")
-        scores = token_surprisal(model, hidden, ids)
+            raise ValueError(f"{self.label} scores from the final hidden states of the prefill of ids, which the engine "
+                             "keeps (SharedPrefill): run it through snapkv_lab.generate or compare")
+        scores = token_surprisal(prompt.model, hidden, ids)
         scores[:, :self.sinks] = math.inf  # protected: kept, and never pooled into their neighbours (base.Policy.ranked)
         return {i: scores[:, None].expand(-1, layer.keys.shape[1], -1)
-                for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)}
+                for i, layer in enumerate(prompt.cache.layers) if not getattr(layer, "is_sliding", False)}

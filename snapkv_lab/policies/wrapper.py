@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import AttentionCall, FullCache, Policy
+from .base import AttentionCall, FullCache, LayerBudget, Policy, Prompt
 from .snapkv import SnapKV
-
 
 
 def _inner(name: str) -> property:
@@ -53,8 +52,7 @@ class Wrapper(Policy):
 
     # Everything the inner policy decides about scoring is the wrapper's too.
     accumulates = _inner("accumulates")
-    scores_after_prefill = _inner("scores_after_prefill")
-    reads_final_hidden = _inner("reads_final_hidden")
+    needs = _inner("needs")
     scores_query_heads = _inner("scores_query_heads")
     voters = _inner("voters")
     scoring_key = _inner("scoring_key")
@@ -62,8 +60,8 @@ class Wrapper(Policy):
     def score(self, call: AttentionCall):
         return self.policy.score(call)
 
-    def prompt_scores(self, model, tokenizer, ids: torch.Tensor, cache) -> dict[int, torch.Tensor]:
-        return self.policy.prompt_scores(model, tokenizer, ids, cache)
+    def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
+        return self.policy.prompt_scores(prompt)
 
     def prepare(self, model, tokenizer) -> None:
         self.policy.prepare(model, tokenizer)
@@ -71,14 +69,14 @@ class Wrapper(Policy):
     def tail(self, budget: int) -> int:
         return self.policy.tail(budget)
 
-    def layer_budget(self, n_tokens: int, layer: int, n_layers: int) -> int:
-        return self.policy.layer_budget(n_tokens, layer, n_layers)  # same capacity: a per-layer budget carries over
+    def layer_budget(self, budget: LayerBudget) -> int:
+        return self.policy.layer_budget(budget)  # same capacity: a per-layer budget carries over
 
-    def ranked(self, scores, n_tokens, kv_heads, layer, n_layers):
-        return self.policy.ranked(scores, n_tokens, kv_heads, layer, n_layers)
+    def ranked(self, scores, budget: LayerBudget):
+        return self.policy.ranked(scores, budget)
 
-    def head_budgets(self, scores, n_tokens, kv_heads, layer, n_layers):
-        return self.policy.head_budgets(scores, n_tokens, kv_heads, layer, n_layers)
+    def head_budgets(self, scores, budget: LayerBudget):
+        return self.policy.head_budgets(scores, budget)
 
     def _inner_settings(self) -> str:
         """The inner policy as written: its name and the settings the wrapper does not set for it, e.g.

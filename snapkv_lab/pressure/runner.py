@@ -14,8 +14,8 @@ import pandas as pd
 import torch
 
 from ..compression import SharedPrefill
-from ..compression.answering import MODES, answer_runs
-from ..compression.compressor import CompressionState
+from ..compression.generation import MODES, GenerationResult, answer_runs
+from ..compression.state import CompressionState
 from ..tasks.corpus import redact_essays
 from ..core.inputs import check_context_length
 from ..compression.kept import kept_mask
@@ -28,11 +28,13 @@ DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKe
 CAPACITIES = (256, 512, 1024, 2048)
 
 
-def kept_fraction(state: CompressionState, span: tuple[int, int]) -> float:
-    """Fraction of the span's token positions held, averaged over the compressed layers and their KV heads."""
+def kept_fraction(kept: CompressionState | GenerationResult, span: tuple[int, int]) -> float:
+    """Fraction of the span's token positions held, averaged over the compressed layers and their KV heads, by a
+    compression state or an answer (its kept positions at the end of its run)."""
     start, end = span
-    compressed = [i for i, layer in enumerate(sorted(state.kept_indices)) if layer not in state.sliding_layers]
-    return float(kept_mask(state, end)[compressed, :, start:end].float().mean())
+    layers = sorted(kept.kept_indices) if isinstance(kept.kept_indices, dict) else range(len(kept.kept_indices))
+    compressed = [i for i, layer in enumerate(layers) if layer not in kept.sliding_layers]
+    return float(kept_mask(kept, end)[compressed, :, start:end].float().mean())
 
 
 @torch.inference_mode()
@@ -67,16 +69,16 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
             lambda index, state, n, context=context: describe(context, context.queries[index], state, n))
         questions = [as_ids(query.question_ids) for query in context.queries]
         for run in answer_runs(model, tokenizer, shared, questions, policies, modes, max_new_tokens, hook):
-            query = context.queries[run.question]
+            query = context.queries[run.question_index]
             rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
                              model=model.config.name_or_path,
                              policy=run.policy.scorer_label, capacity=pd.NA if run.mode == "full" else run.policy.capacity,
                              mode=run.mode, expected=query.answer, output=redact_essays(run.text),
                              correct=found(query.answer, run.text),
                              exact=found_exactly(query.answer, run.text),
-                             fact_kept=kept_fraction(run.state, query.span) if run.compressed else 1.0,
-                             value_kept=kept_fraction(run.state, query.value_span) if run.compressed else 1.0,
-                             cache_length=run.cache_length, prompt_tokens=run.prompt_tokens, prefill_s=shared.seconds,
+                             fact_kept=kept_fraction(run, query.span) if run.compressed else 1.0,
+                             value_kept=kept_fraction(run, query.value_span) if run.compressed else 1.0,
+                             cache_length=max(run.cache_lengths), prompt_tokens=run.prompt_tokens, prefill_s=shared.seconds,
                              decode_ms_per_token=ms_per_token(run.step_seconds), **run.extra))
             bar.update()
         if on_context is not None:
