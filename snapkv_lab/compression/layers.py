@@ -85,10 +85,19 @@ class CompressedLayer(DynamicLayer):
 
     def evict(self, kept_slots: torch.Tensor) -> None:
         """Keep only the slots `kept_slots` (batch, heads, k) of the layer (eviction while decoding); a slot of -1
-        is a fill slot (a row keeping fewer than the fullest), its position NO_POSITION."""
+        is a fill slot (a row keeping fewer than the fullest), its position NO_POSITION. The kept slots are written
+        back into the layer's own reserve where no fork shares it, so the next token is written after them instead
+        of the layer being copied into new room at every step."""
         fill = kept_slots < 0
         slots = kept_slots.clamp(min=0)
-        self.keys, self.values = gather_kv(self.keys, slots), gather_kv(self.values, slots)
+        keys, values = gather_kv(self.keys, slots), gather_kv(self.values, slots)
+        reserve, kept = self._reserve, slots.shape[-1]
+        if (reserve is not None and not reserve.shared and reserve.used == self.keys.shape[-2]
+                and self.keys.data_ptr() == reserve.keys.data_ptr() and keys.shape[1] == reserve.keys.shape[1]):
+            reserve.keys[:, :, :kept], reserve.values[:, :, :kept] = keys, values
+            reserve.used = kept
+            keys, values = reserve.keys[:, :, :kept], reserve.values[:, :, :kept]
+        self.keys, self.values = keys, values
         self.positions = self.positions.gather(-1, slots).masked_fill(fill, NO_POSITION)
 
     def nbytes(self) -> int:
@@ -138,11 +147,12 @@ class _Reserve:
     keys, values: (batch, kv_heads, capacity, head_dim); `used` slots of them hold tokens. Only a layer whose own
     tokens are the reserve's first `used` slots may write on in place; any other (a fork that another fork has
     already written past, or a layer whose tensors were replaced) copies its tokens into a reserve of its own
-    first, so that no two forks ever write into the same room.
+    first, so that no two forks ever write into the same room. shared: a fork was made while the reserve held
+    tokens, so its first `used` slots may be another layer's too: eviction must not rewrite them.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, used: int):
-        self.keys, self.values, self.used = keys, values, used
+        self.keys, self.values, self.used, self.shared = keys, values, used, False
 
 
 def appended(reserve: _Reserve | None, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
@@ -306,6 +316,9 @@ def fork(cache: DynamicCache) -> DynamicCache:
     `cache` as it was and forks can share it."""
     forked = DynamicCache()
     forked.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in cache.layers:
+        if getattr(layer, "_reserve", None) is not None:
+            layer._reserve.shared = True
     return forked
 
 

@@ -107,21 +107,24 @@ class CompressionState:
         self.eviction.step(self, module, query, key, value, cache_layer, AttentionSettings.of_call(module, kwargs))
 
     def attend(self, function, module, query, key, value, attention_mask, **kwargs):
-        evicted = None if self.eviction is None else self.eviction.evicted.pop(module.layer_idx, None)
-        return attend_cache(self.cache, function, module, query, key, value, attention_mask, pads=self.pads,
-                            evicted=evicted, **kwargs)
+        output = attend_cache(self.cache, function, module, query, key, value, attention_mask, pads=self.pads, **kwargs)
+        if self.eviction is not None and module.layer_idx in self.eviction.pending:  # the call attended every slot
+            cache_layer = self.cache.layers[module.layer_idx]
+            cache_layer.evict(self.eviction.pending.pop(module.layer_idx))
+            self.kept_indices[module.layer_idx] = cache_layer.positions
+        return output
 
 
 @dataclass
 class Eviction:
     """Eviction while decoding: one tracker (`policy.tracker`) per layer and batch row, each seeing the row's own
     slots (its fill slots cut off) as its batch-1 run's tracker sees them; rows that evict keep their picks, the
-    others all their slots. evicted[layer]: the slot positions of the call that just evicted in that layer (it still
-    attends every slot it was handed: its mask needs them)."""
+    others all their slots. pending[layer]: (batch, heads, k) the slots the layer keeps, evicted once the call that
+    chose them has attended every slot it was handed (`CompressionState.attend`)."""
 
     policy: Policy
     trackers: dict[int, list] = field(default_factory=dict)
-    evicted: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def step(self, state: CompressionState, module, query, key, value, cache_layer: CompressedLayer,
              settings: AttentionSettings) -> None:
@@ -144,10 +147,7 @@ class Eviction:
             return
         heads = cache_layer.keys.shape[1]
         slots = [torch.arange(fill[b], n).expand(heads, -1) if p is None else p[0] + fill[b] for b, p in enumerate(picked)]
-        if state.pads is not None or any(fill):  # this call still attends every slot: its mask must hide pads and fill
-            self.evicted[layer] = cache_layer.positions
-        cache_layer.evict(stack_rows(slots, left=True))
-        state.kept_indices[layer] = cache_layer.positions
+        self.pending[layer] = stack_rows(slots, left=True)
 
 
 def _visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, module,
@@ -166,20 +166,15 @@ def _visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, m
     return mask.expand(query.shape[0], 1, rows, n_keys)
 
 
-def attend_cache(cache: DynamicCache, function, module, query, key, value, attention_mask, *, pads=None,
-                 evicted=None, **kwargs):
+def attend_cache(cache: DynamicCache, function, module, query, key, value, attention_mask, *, pads=None, **kwargs):
     """Compute one attention call over `cache`'s layer: see the module doc. pads (batch,): a padded batch's left
-    pads: every call after the prefill over a full-attention layer then masks the slots holding no token.
-    evicted: (batch, heads, slots) the slot positions of this call's keys when the layer evicted some of them in
-    this call (the call still attends them all, as an unpadded one does)."""
+    pads: every call after the prefill over a full-attention layer then masks the slots holding no token."""
     layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
     # The prefill call that has just swapped in a HeadwiseLayer still attends the full keys it was handed
     # (they outnumber the layer's appended tokens, which are none yet): only later calls read the ragged cache.
     if isinstance(layer, HeadwiseLayer) and key.shape[-2] == layer.keys.shape[-2]:
         return headwise_attention(layer, query, AttentionSettings.of_call(module, kwargs)), None
-    if evicted is not None and evicted.shape[-1] == key.shape[-2]:
-        attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module, evicted[:, 0] < 0)
-    elif (pads is not None and layer is not None and not getattr(layer, "is_sliding", False)
+    if (pads is not None and layer is not None and not getattr(layer, "is_sliding", False)
             and query.shape[-2] < key.shape[-2] == layer.keys.shape[-2]):
         # Transformers' mask is sized and filled for the first layer's slots; this layer's pads and fill slots are
         # where its positions are NO_POSITION. (The prefill's own call, all keys new, keeps transformers' mask.)

@@ -118,18 +118,19 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, ch
     by blocks of feed rows of at most BLOCK_ELEMENTS probabilities, each in four whole-block operations: on a
     shared CPU every operation waits for both of its threads, so fewer, larger ones are faster there."""
     kv_heads, (heads, m, _) = key.shape[0], query.shape
-    grouped = rearrange(query.float() * settings.scaling, "(kv g) q d -> kv g q d", kv=kv_heads)
+    # (kv, rows, group, d): a block of rows is one contiguous (kv, rows * group, d) matrix, multiplied without a copy
+    grouped = rearrange(query.float() * settings.scaling, "(kv g) q d -> kv q g d", kv=kv_heads)
     keys = torch.cat([key[:, :sinks], key[:, chunk], key[:, -m:]], dim=1).float().mT  # (kv, d, keys)
     width = keys.shape[-1] - m  # sinks and chunk: every feed query sees them; the feed's own keys causally
-    feed_column = torch.arange(keys.shape[-1], device=query.device) - width
-    later = feed_column > torch.arange(m, device=query.device)[:, None]  # (m, keys): a feed key after the query
+    later = torch.ones(m, m, dtype=torch.bool, device=query.device).triu(1)  # (m, m): a feed key after the query
     best = torch.zeros(kv_heads, width - sinks, device=query.device)
     rows = max(1, BLOCK_ELEMENTS // (heads * keys.shape[-1]))
     for start in range(0, m, rows):
-        block, seen = slice(start, min(start + rows, m)), width + min(start + rows, m)  # keys the block's rows see
-        queries = grouped[:, :, block]  # (kv, g, rows, d)
-        logits = (queries.flatten(1, 2) @ keys[..., :seen]).unflatten(1, queries.shape[1:3])  # (kv, g, rows, seen)
-        logits = _capped(logits, settings.softcap).masked_fill_(later[block, :seen], -math.inf)
+        stop = min(start + rows, m)
+        block = grouped[:, start:stop]  # (kv, rows, g, d)
+        logits = (block.flatten(1, 2) @ keys[..., :width + stop]).unflatten(1, block.shape[1:3])  # (kv, rows, g, seen)
+        logits = _capped(logits, settings.softcap)
+        logits[..., width:].masked_fill_(later[start:stop, None, :stop], -math.inf)  # only the feed's keys are causal
         best = torch.maximum(best, torch.softmax(logits, dim=-1)[..., sinks:width].amax(dim=(1, 2)))
     return best
 
