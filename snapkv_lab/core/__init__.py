@@ -14,7 +14,7 @@
     timing.py       wall-clock timing that synchronises the device first
     progress.py     progress bars that read well in a terminal, a notebook and a log file
     figure_files.py figure sets, PNG and offline HTML files, each model's folders
-    moved.py        the old module paths (before 2026-11-28), kept as aliases that warn for one release
+    moved.py        the old module paths (before 2026-11-28) and keyword names, kept as aliases that warn
 
 Nothing here imports another layer of the package: the layers above are tasks < policies < compression < views,
 sweep < findings, pressure, evaluation < app (docs/getting-started.md, "Code layout").

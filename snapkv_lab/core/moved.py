@@ -5,11 +5,15 @@ and hands back the module that now holds its names, the very module object, so t
 path reaches the code that reads it. A former module whose names went to several modules is an `Alias` that reads
 and writes each name in the module holding it. `snapkv_lab.capture` names the function, as it always did: its old
 module path is registered with the package (snapkv_lab/__init__.py), so that importing it never replaces the function.
+
+Keyword names go the same way: `renamed` lets a function take a keyword by its former name, warning.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import sys
 import types
 import warnings
@@ -64,3 +68,28 @@ class Alias(types.ModuleType):
 
     def __dir__(self) -> list[str]:
         return sorted({name for module in self._modules() for name in dir(module)})
+
+
+def renamed(since: str, **renames: str):
+    """Decorator: the function also takes a keyword by its name before `since` (renames: old name=new name), warning
+    (DeprecationWarning) and passing it on under the new name. Only the renames the function can take apply: its
+    parameters' names, or any name where it takes **keywords. Old and new name given together are refused
+    (TypeError), as Python refuses a keyword given twice. Returns the decorator."""
+    def decorate(function):
+        parameters = inspect.signature(function).parameters.values()
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        olds = {old: new for old, new in renames.items() if takes_any or new in {p.name for p in parameters}}
+
+        @functools.wraps(function)
+        def with_old_names(*args, **keywords):
+            for old in olds.keys() & keywords.keys():
+                new = olds[old]
+                if new in keywords:
+                    raise TypeError(f"{function.__name__}() got both {old!r} and {new!r}, one keyword under its "
+                                    f"name before {since} and today's: pass {new!r} alone")
+                warnings.warn(f"{function.__name__}(): the keyword {old!r} is now named {new!r} (since {since})",
+                              DeprecationWarning, stacklevel=2)
+                keywords[new] = keywords.pop(old)
+            return function(*args, **keywords)
+        return with_old_names
+    return decorate

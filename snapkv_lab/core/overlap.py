@@ -37,12 +37,15 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .moved import renamed
+
 THETA = 0.05
 COARSE_THRESHOLD = 0.005
 MIN_SUPPORT = 5
 RESAMPLES = 2000  # bootstrap replicates: the percentile interval's ends move by about 0.005 between seeds
 COLUMNS = ["layer", "head", "segment", "metric", "sinks", "numerator", "chance_numerator", "support", "value", "chance"]
 PARTS = ["numerator", "chance_numerator", "support"]
+RENAMED = "2026-11-26"  # the findings' windows became segments (findings.legacy), and these keywords with them
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ def selection_overlap(a, b, *, eligible=None) -> dict[str, torch.Tensor]:
     return dict(numerator=(a & b).sum(-1).double(), chance_numerator=support * _chance_rate(b, eligible), support=support)
 
 
+@renamed(RENAMED, attn_window="attn_voters")
 def coarse_overlap(attn_generated, attn_voters, *, threshold=COARSE_THRESHOLD, eligible=None) -> dict[str, torch.Tensor]:
     """Positions with mean attention above `threshold` over the generated rows vs over the voters' rows."""
     generated = attn_generated.mean(1) > threshold
@@ -139,6 +143,7 @@ def metric_rows(parts: dict[str, torch.Tensor], *, metric, sinks, min_support=MI
             for h in range(len(value))]
 
 
+@renamed(RENAMED, windows="segments")
 def selection_vs_generation(attn, selections: dict, *, sinks, segments: dict | None = None, observed=None, theta=THETA,
                             min_support=MIN_SUPPORT, **columns) -> list[dict]:
     """hit_rate, recall (and coarse, given `observed`) of selections against segments of generated rows, sinks kept

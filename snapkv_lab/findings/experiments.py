@@ -27,6 +27,7 @@ import itertools
 import json
 import shlex
 import sys
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -36,7 +37,7 @@ from ..core.capture import capture
 from ..core.framing import resolve_framing
 from ..core.figure_files import FigureSet, register
 from ..core.inputs import check_context_length
-from .legacy import upgrade_options
+from .legacy import COLUMNS, RENAMED, old_keywords, upgrade_options
 from ..core.overlap import (MIN_SUPPORT, PARTS, THETA, SinkRule, metric_rows, selection_overlap,
     selection_vs_generation, to_mask)
 from ..core.models import load_tokenizer, model_source, sliding_layers
@@ -76,6 +77,7 @@ def _generated_attention(trace, layer: int, sink_rule: SinkRule) -> tuple[torch.
     return attn, sink_rule.mask(attn)
 
 
+@old_keywords(**COLUMNS)  # prompt_windows' `window` is today's `segment`
 def prompt_segments(trace, *, segment=128, n_prompt_segments=20, p=TOP_P, sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
     """(a) Each of the last `n_prompt_segments` segments of `segment` prompt tokens votes on the common prefix
     before the earliest one; in column `segment`, -1 is the last (the observation window), -2 the one before."""
@@ -83,6 +85,13 @@ def prompt_segments(trace, *, segment=128, n_prompt_segments=20, p=TOP_P, sink_r
     rows = [row for layer in trace.layers
             for row in _segment_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), segment, n_prompt_segments, p)]
     return _segment_table(rows, sample)
+
+
+def prompt_windows(trace, **options) -> pd.DataFrame:
+    """`prompt_segments` under its name before 2026-11-26, which took `window` and `n_windows`: warns, and returns
+    prompt_segments' table."""
+    warnings.warn(f"prompt_windows is now named prompt_segments (since {RENAMED})", DeprecationWarning, stacklevel=2)
+    return prompt_segments(trace, **options)
 
 
 def _segment_rows(trace, layer, attn, sinks, segment, n_prompt_segments, p) -> list[dict]:
@@ -112,6 +121,7 @@ def select_mask(votes: torch.Tensor, p: float, selection: str, n_kv_heads: int) 
     return mask.repeat_interleave(votes.shape[0] // mask.shape[0], dim=0)
 
 
+@old_keywords()
 def generation_consistency(trace, *, obs_window=32, gen_segment=128, n_gen_segments=4, p=TOP_P, selection="paper",
                            sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
     """(b) The observation window's top-p selection vs each segment of `gen_segment` generated tokens (column
@@ -349,6 +359,7 @@ def findings_cell(model, tokenizer, config: dict) -> pd.DataFrame:
     return WORK[config["finding"]](model, tokenizer, config)
 
 
+@old_keywords()  # the options of **options, as keywords: old and new name together are refused
 def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=None, executor="local", ray_address=None,
                  cpus_per_worker=None, **options) -> dict[str, pd.DataFrame]:
     """Run every findings cell not yet stored (<data_dir>/cells/findings/) and write data/findings_{a,b,
@@ -441,6 +452,7 @@ def findings_tables(raw: dict[str, pd.DataFrame], obs_window: int) -> dict[str, 
 def _recompute(options: dict) -> None:
     from ..sweep import import_ray
 
+    options = upgrade_options(options)  # make_figures' options, written by a caller before the rename
     if options.get("executor") == "ray":
         import_ray()  # a missing Ray is said before any model loads
     split = options.get("split")
