@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from transformers import AutoTokenizer
 
 from snapkv_lab.core.models import bundled_checkpoint
-from snapkv_lab.tasks.prompts import chat_prompts, load_recipes, make_recipes, qa_prompts
+from snapkv_lab.tasks.prompts import (PACKAGED_RECIPES, chat_prompts, folder_recipes, load_recipes, make_recipes,
+    qa_prompts, save_recipes)
+
+COMMITTED = Path(__file__).resolve().parents[1] / "data" / "prompt_recipes.json"
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +26,22 @@ def test_committed_recipes_are_reproducible_and_hold_no_text():
     for kind in ("chat", "qa"):
         assert not set(committed[kind]["dev"]) & set(committed[kind]["heldout"])
     assert max(len(name) for kind in ("chat", "qa") for name in committed[kind]["dev"]) < 40
+
+
+def test_the_packaged_recipes_are_the_committed_ones_byte_for_byte(tmp_path):
+    """The package's copy is data/prompt_recipes.json, and make_recipes (save_recipes) writes that same file again."""
+    committed = COMMITTED.read_bytes()
+    assert PACKAGED_RECIPES.read_bytes() == committed
+    assert save_recipes(tmp_path / "made.json", seed=json.loads(committed)["seed"]).read_bytes() == committed
+
+
+def test_a_new_data_folder_starts_from_the_packaged_recipes_and_keeps_its_own(tmp_path):
+    path = tmp_path / "new" / "prompt_recipes.json"
+    assert folder_recipes(path) == load_recipes(COMMITTED)
+    assert path.read_bytes() == PACKAGED_RECIPES.read_bytes()  # written: the folder says what its tables came from
+    edited = dict(load_recipes(COMMITTED), seed=7)
+    path.write_text(json.dumps(edited))
+    assert folder_recipes(path) == edited  # a folder's own recipes are never replaced
 
 
 def test_chat_prompts_are_long_chats_ending_in_a_request(tokenizer):

@@ -368,17 +368,18 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
 
     model: a model name for `models.load_model` (None: the bundled SmolLM2), loaded only if a cell is left to
     run; or a loaded model, with its `tokenizer`. options: see DEFAULTS (splits, samples, documents, observation
-    window and segment sizes, new tokens, modes, framing). recipes_path: the prompt recipes (default <data_dir>/prompt_recipes.json).
+    window and segment sizes, new tokens, modes, framing). recipes_path: the prompt recipes (default
+    <data_dir>/prompt_recipes.json; where missing, the packaged recipes are written there first: `folder_recipes`).
     executor / ray_address / cpus_per_worker: see `sweep.run_cells`.
     """
     from transformers import AutoConfig
 
-    from ..tasks.prompts import load_recipes
+    from ..tasks.prompts import folder_recipes
     from ..sweep import ResultStore, run_cells
 
     o = _options(options)
     data_dir = Path(data_dir)
-    recipes = load_recipes(recipes_path or data_dir / "prompt_recipes.json")
+    recipes = folder_recipes(recipes_path or data_dir / "prompt_recipes.json")
     loaded = tokenizer is not None
     name = (model.config.name_or_path or type(model).__name__) if loaded else model
     cells = findings_cells(o, recipes, name)

@@ -9,7 +9,8 @@
   question are exact: each part is tokenised on its own and the frame is wrapped around them.
 
 Recipes live in data/prompt_recipes.json with a dev split (used while building the experiments) and a
-held-out split (kept apart); `snapkv-lab figures --recompute` runs both and reports each on its own. Prompt i of a
+held-out split (kept apart); `snapkv-lab figures --recompute` runs both and reports each on its own. The package
+ships the same file (PACKAGED_RECIPES): a data folder without recipes starts from it (`folder_recipes`). Prompt i of a
 split is drawn by a generator seeded with (seed, split, i), so any prompt is rebuilt alone (a findings cell).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,10 @@ class Prompt:
     def n_tokens(self) -> int:
         return self.ids.shape[1]
 
+# The committed data/prompt_recipes.json, byte for byte (tests/test_prompts.py), shipped with the package: an installed
+# package has no repository data/ to start a new data folder from.
+PACKAGED_RECIPES = Path(__file__).with_name("prompt_recipes.json")
+
 
 def make_recipes(seed: int = 0) -> dict:
     """Recipes with dev / held-out splits: topic and essay names only, shuffled by `seed`."""
@@ -75,6 +81,17 @@ def load_recipes(path="data/prompt_recipes.json") -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; write it with snapkv_lab.tasks.prompts.save_recipes()")
     return json.loads(path.read_text())
+
+
+def folder_recipes(path) -> dict:
+    """The recipes at `path`, a data folder's prompt_recipes.json. A folder without them yet (a new --data-dir) starts
+    from PACKAGED_RECIPES, copied there first: the folder then holds the recipes its tables were made from. Returns
+    the recipes."""
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(PACKAGED_RECIPES, path)
+    return load_recipes(path)
 
 
 def save_recipes(path="data/prompt_recipes.json", seed: int = 0) -> Path:
