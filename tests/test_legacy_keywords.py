@@ -86,7 +86,8 @@ def test_the_overlap_measures_take_their_old_keywords():
     segments = {1: slice(0, 8), 2: slice(8, 20)}
     with pytest.warns(DeprecationWarning, match="'windows' is now named 'segments'"):
         before = selection_vs_generation(attn, selections, sinks=sinks, windows=segments, observed=observed, layer=3)
-    assert before == selection_vs_generation(attn, selections, sinks=sinks, segments=segments, observed=observed, layer=3)
+    assert before == selection_vs_generation(attn, selections, sinks=sinks, segments=segments, observed=observed,
+                                             layer=3)
     with pytest.raises(TypeError, match="got both 'windows' and 'segments'"):
         selection_vs_generation(attn, selections, sinks=sinks, windows=segments, segments=segments)
     with pytest.warns(DeprecationWarning, match="'attn_window' is now named 'attn_voters'"):
