@@ -251,3 +251,91 @@ def test_eval_refuses_bad_options_before_any_model_loads(options, said, tmp_path
     assert main(["eval", "--data-dir", str(tmp_path), *options]) == 2
     assert said in capsys.readouterr().err
     assert not (tmp_path / "cells").exists()
+
+
+def fresh_run(args: list[str], tmp_path) -> tuple[str, list[str]]:
+    """`main(args)` in a fresh process, offline, as a newcomer runs it: its stdout (exit status and the heavy modules
+    it imported) and the lines of stderr the command wrote (argparse's usage aside)."""
+    code = ("import sys\nfrom snapkv_lab.cli import main\n"
+            f"try:\n    status = main({args!r})\nexcept SystemExit as exit:\n    status = exit.code\n"
+            "print('heavy:', [m for m in ('torch', 'transformers') if m in sys.modules], 'status:', status)")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stdout, [line for line in result.stderr.splitlines() if line.startswith("snapkv-lab")]
+
+
+@pytest.mark.parametrize("args, said, suggested", [
+    (["eval", "--tasks", "vtt"], "unknown tasks ['vtt'] for ['ruler']", "did you mean vt?"),
+    (["eval", "--dataset", "longbench", "--tasks", "Qasper", "narative_qa"], "unknown tasks ['Qasper', 'narative_qa']",
+     "did you mean qasper for 'Qasper', narrativeqa for 'narative_qa'?"),
+    (["eval", "--dataset", "LongBench"], "unknown dataset 'LongBench'", "did you mean longbench?"),
+    (["eval", "--policies", "snapkv"], "unknown policy 'snapkv'", "did you mean SnapKV?"),
+    (["needle", "--policies", "AdaKV(snapkv)"], "unknown policy 'snapkv'", "did you mean SnapKV?"),
+    (["needle", "--suites", "needles"], "unknown suites ['needles']", "did you mean needle?"),
+    (["figures", "--only", "finding"], "unknown figure sets ['finding']", "did you mean findings?"),
+    (["figures", "--recompute", "--only", "eval", "--samples", "niah_single_11=3"], "unknown tasks ['niah_single_11']",
+     "did you mean niah_single_1?"),
+])
+def test_a_misspelt_name_is_one_line_with_the_closest_name_and_no_torch(args, said, suggested, tmp_path):
+    """Every name the command line refuses (policy, dataset, task, suite, figure set) is refused before torch is
+    imported, in one line that names the closest known name, case aside."""
+    out, lines = fresh_run(args, tmp_path)
+    assert "heavy: [] status: 2" in out
+    assert len(lines) == 1 and said in lines[0] and suggested in lines[0], lines
+
+
+def test_a_name_with_nothing_close_gets_no_suggestion(tmp_path):
+    out, lines = fresh_run(["eval", "--tasks", "niah"], tmp_path)
+    assert "heavy: [] status: 2" in out and len(lines) == 1
+    assert "unknown tasks ['niah']" in lines[0] and "did you mean" not in lines[0] and "niah_single_1" in lines[0]
+
+
+def test_the_name_tables_are_the_registries():
+    """app.catalog copies the names of registries that import torch, so that the command line checks names without
+    them: the copies must be the registries' names, in their order."""
+    from snapkv_lab.app.catalog import DATASET_TASKS, LEADERBOARD_DATASETS, SUITE_NAMES
+    from snapkv_lab.evaluation import DATASETS, LEADERBOARD
+    from snapkv_lab.pressure import SUITES
+
+    assert DATASET_TASKS == {name: tuple(benchmark.tasks) for name, benchmark in DATASETS.items()}
+    assert list(DATASET_TASKS) == list(DATASETS)
+    assert LEADERBOARD_DATASETS == tuple(LEADERBOARD["datasets"])
+    assert SUITE_NAMES == tuple(SUITES)
+
+
+def test_the_library_refuses_the_same_names_the_same_way():
+    """The registries' own checks (eval_cells, grid_cells, make_figures, policy_spec) give the command line's message,
+    closest name included."""
+    from snapkv_lab.app.figure_sets import make_figures
+    from snapkv_lab.evaluation import eval_cells
+    from snapkv_lab.policies import policy_spec
+    from snapkv_lab.pressure import grid_cells
+
+    with pytest.raises(ValueError, match=r"unknown tasks \['vtt'\] for \['ruler'\] \(did you mean vt\?\)"):
+        eval_cells(None, ["ruler"], tasks=["vtt"], ratios=[0.5])
+    with pytest.raises(ValueError, match=r"unknown dataset 'Ruler' \(did you mean ruler\?\)"):
+        eval_cells(None, ["Ruler"], ratios=[0.5])
+    with pytest.raises(ValueError, match=r"unknown suites \['Needle'\] \(did you mean needle\?\)"):
+        grid_cells(dict(suites=["Needle"]))
+    with pytest.raises(ValueError, match=r"unknown figure sets \['Findings'\] \(did you mean findings\?\)"):
+        make_figures(only=["Findings"])
+    with pytest.raises(ValueError, match=r"unknown policy 'H20' \(did you mean H2O\?\)"):
+        policy_spec("H20")
+
+
+def test_figures_recompute_in_a_new_folder_starts_from_the_packaged_recipes(monkeypatch, tmp_path, capsys):
+    """A new --data-dir has no prompt_recipes.json: the run starts from the packaged ones (the repository's
+    data/prompt_recipes.json), written into the folder, instead of ending in a traceback."""
+    import snapkv_lab.findings.experiments as experiments
+    import snapkv_lab.models
+
+    def stop(*args, **kwargs):
+        raise ValueError("stopped before any model runs")
+
+    monkeypatch.setattr(snapkv_lab.models, "check_model", lambda name: None)
+    monkeypatch.setattr(experiments, "findings_cells", stop)  # the recipes are read: stop before the model
+    new = tmp_path / "new"
+    assert main(["figures", "--recompute", "--only", "findings", "--data-dir", str(new)]) == 2
+    assert capsys.readouterr().err.strip() == "snapkv-lab figures: error: stopped before any model runs"
+    assert (new / "prompt_recipes.json").read_bytes() == (ROOT / "data" / "prompt_recipes.json").read_bytes()

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.checks import check_datasets_and_tasks, check_names
+from .catalog import DATASET_TASKS, LEADERBOARD_DATASETS, SUITE_NAMES
+
 
 @dataclass(frozen=True)
 class Command:
@@ -67,18 +70,20 @@ def figures(args) -> int:
 def needle(args) -> int:
     from .figure_sets import make_figures
     from ..core.figure_files import model_folders
+
+    start = time.perf_counter()
+    if not _names_known("needle", lambda: check_names(args.suites or [], SUITE_NAMES, "suites")):
+        return 2
     from ..pressure import grid_cells, recompute
     from ..sweep import import_ray
 
-    start = time.perf_counter()
     figures_dir = _figures_dir(args)  # the base folder: make_figures adds the model's own subfolder
     data_dir, _ = model_folders(args.data_dir, figures_dir, args.model)
     suites = args.suites or [NEEDLE_SUITE]
     if not args.suites:  # the grid the options describe; the other suites (hours here) only when named
-        from ..pressure import SUITES
-
-        print(f"snapkv-lab needle: running the needle grid; the other suites ({', '.join(s for s in SUITES if s != NEEDLE_SUITE)}) "
-              f"run when named: --suites NAME ...", file=sys.stderr)
+        others = ", ".join(name for name in SUITE_NAMES if name != NEEDLE_SUITE)
+        print(f"snapkv-lab needle: running the needle grid; the other suites ({others}) run when named: --suites NAME ...",
+              file=sys.stderr)
     options = dict(data_dir=data_dir, model=args.model, framing=args.framing, samples=args.samples, first_sample=args.first_sample,
                    lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths,
                    suites=suites, policies=args.policies, capacities=args.capacities, modes=args.modes,
@@ -114,12 +119,14 @@ NEEDLE_SUITE = "needle"  # what `snapkv-lab needle` runs unless --suites names o
 
 
 def evaluate(args) -> int:
+    start = time.perf_counter()
+    if not _names_known("eval", lambda: check_datasets_and_tasks(args.dataset, args.tasks, DATASET_TASKS)):
+        return 2
     from ..evaluation import RATIOS, draw, eval_cells, evaluate as run
     from ..evaluation.leaderboard_plots import counted
     from ..core.figure_files import model_folders
     from ..sweep import import_ray
 
-    start = time.perf_counter()
     data_dir, figures_dir = model_folders(args.data_dir, _figures_dir(args), args.model)
     ratios = args.ratios if args.ratios or args.capacities else list(RATIOS)
     options = dict(datasets=args.dataset, tasks=args.tasks, policies=args.policies, ratios=ratios,
@@ -152,6 +159,17 @@ def evaluate(args) -> int:
     examples = len(table[["dataset", "task", "example"]].drop_duplicates())  # an example id repeats across tasks
     print(f"{len(table)} answers ({counted(examples, 'example')}) in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def _names_known(command: str, check: Callable[[], None]) -> bool:
+    """Whether `check` (of the names the options give: core.checks, against the tables of app.catalog) passes; if not,
+    its refusal is said in one line. Called before the library is imported: a misspelt name costs no torch import."""
+    try:
+        check()
+    except ValueError as err:
+        print(f"snapkv-lab {command}: error: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 def _examples_and_policies(path: Path) -> tuple[set, set]:
@@ -199,6 +217,7 @@ def _figures_samples(samples: list | None, only: list | None) -> int | dict[str,
         raise ValueError(f"--samples names a task twice: {' '.join(f'{task}={n}' for task, n in entries)}")
     if only != ["eval"]:
         raise ValueError("--samples TASK=N grows the eval leaderboard's tasks: it needs --only eval")
+    check_datasets_and_tasks(LEADERBOARD_DATASETS, list(named), DATASET_TASKS)
     return named
 
 
@@ -212,6 +231,17 @@ def _share(low_closed: bool, what: str):
             raise argparse.ArgumentTypeError(f"{value} is not in {'[0, 1]' if low_closed else '(0, 1)'}: {what}")
         return value
     return share
+
+
+def _one_of(names: list[str], what: str):
+    """An option type taking one of `names`: argparse's own choices check says no closest name, this one does."""
+    def one_of(text: str) -> str:
+        try:
+            check_names([text], names, what)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+    return one_of
 
 
 def _policy(text: str) -> str:
@@ -256,7 +286,8 @@ def _figures_arguments(p) -> None:
                         "cores, resumable). The needle grid and the eval leaderboard are not rerun but redrawn from their "
                         "tables, as their runs are far longer: rerun them with --recompute --only pressure (or `snapkv-lab "
                         "needle`) and --recompute --only eval (or `snapkv-lab eval`)")
-    p.add_argument("--only", nargs="*", choices=list(FIGURE_MODULES), metavar="SET",
+    p.add_argument("--only", nargs="*", type=_one_of(list(FIGURE_MODULES), "figure sets"), choices=list(FIGURE_MODULES),
+                   metavar="SET",
                    help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
                                                                             in FIGURE_MODULES.items()))
     p.add_argument("--samples", type=_samples, nargs="+", default=None, metavar="N|TASK=N",

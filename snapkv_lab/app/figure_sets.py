@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..core.checks import check_names
 from ..core.figure_files import FIGURE_SETS, FigureSet, model_data_folders, model_folders
 
 # The figure sets by name: the module whose import registers the set (it calls `register`) and what the set
@@ -42,9 +43,7 @@ def make_figures(data_dir="data", figures_dir="figures", *, recompute: bool = Fa
     only when `only` names it.
     """
     sets = load_figure_sets()
-    unknown = set(only or []) - set(sets)
-    if unknown:
-        raise ValueError(f"unknown figure sets {sorted(unknown)}; known: {sorted(sets)}")
+    check_names(only or [], list(sets), "figure sets")
     model = (options or {}).get("model")
     data_dir, figures_dir = Path(data_dir), Path(figures_dir)
     options = {**(options or {}), "recipes_path": data_dir / "prompt_recipes.json"}

@@ -26,6 +26,7 @@ import torch
 from ..compression import SharedPrefill
 from ..compression.generation import MODES, answer_runs
 from ..tasks.corpus import redact_essays
+from ..core.checks import check_datasets_and_tasks
 from ..core.inputs import check_context_length
 from ..policies import expand_policies, parse_policy, policy_config, policy_from_config, upgrade_config
 from ..core.progress import progress_bar
@@ -37,13 +38,22 @@ RATIOS = (0.25, 0.5, 0.75)
 CELL_KIND = "eval"
 
 
-def _benchmark(name: str):
-    """The registered benchmark of that name (evaluation.registry, imported when first needed), or a clear error."""
-    from .registry import DATASETS as registry
+def _registry() -> dict:
+    """evaluation.registry.DATASETS, imported when first needed (its modules are many)."""
+    from .registry import DATASETS
 
-    if name not in registry:
-        raise ValueError(f"unknown dataset {name!r}; the datasets are {', '.join(registry)}")
-    return registry[name]
+    return DATASETS
+
+
+def _check_names(datasets, tasks=None) -> None:
+    """Refuse an unknown dataset, or a task none of `datasets` has, with the closest names (core.checks)."""
+    check_datasets_and_tasks(datasets, tasks, {name: benchmark.tasks for name, benchmark in _registry().items()})
+
+
+def _benchmark(name: str):
+    """The registered benchmark of that name, or a clear error."""
+    _check_names([name])
+    return _registry()[name]
 
 
 def budgets(ratios=None, capacities=None) -> list[dict]:
@@ -91,13 +101,8 @@ def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("Sn
         raise ValueError(f"modes must be among {MODES}, got {list(modes)}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of examples per task, got {limit}")
-    benchmarks = [_benchmark(name) for name in datasets]
-    if tasks:
-        known = {task for benchmark in benchmarks for task in benchmark.tasks}
-        unknown = [task for task in tasks if task not in known]
-        if unknown:
-            listing = "; ".join(f"{b.name}: {', '.join(b.tasks)}" for b in benchmarks)
-            raise ValueError(f"unknown tasks {unknown} for {list(datasets)}; the tasks are {listing}")
+    _check_names(datasets, tasks)
+    benchmarks = [_registry()[name] for name in datasets]
     config = dict(model=model, policies=[policy_config(p) for p in named], budgets=steps, modes=list(modes),
                   max_context=max_context, framing=framing)
     cells = []

@@ -16,6 +16,8 @@ import ast
 import dataclasses
 import importlib
 
+from ..core.checks import did_you_mean
+
 # The registry, in its order: each policy's name and the module that holds it.
 _MODULES = {
     "FullCache": "base", "SnapKV": "snapkv", "SnapKVNoPooling": "snapkv", "SnapKVFactKernel": "snapkv", "H2O": "h2o",
@@ -91,7 +93,8 @@ def upgrade_config(config: dict) -> dict:
 
 def _check_name(name) -> None:
     if name not in _MODULES:
-        raise ValueError(f"unknown policy {name!r}; registered policies (snapkv_lab.POLICIES): {', '.join(POLICY_NAMES)}")
+        raise ValueError(f"unknown policy {name!r}{did_you_mean([name], POLICY_NAMES)}; registered policies "
+                         f"(snapkv_lab.POLICIES): {', '.join(POLICY_NAMES)}")
 
 
 def policy_spec(text: str) -> dict:

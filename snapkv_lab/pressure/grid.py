@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..core.checks import check_names
 from ..policies import (CAKE, RKV, TOVA, AdaKV, DuoAttention, HeadKV, KeyDiff, KVzip, LagKV, LookaheadQCache, PyramidKV,
                         QFilters, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, Surprisal, expand_policies,
                         parse_policy, policy_config, policy_from_config)
@@ -166,9 +167,7 @@ def grid_cells(options: dict) -> dict[str, list]:
     from ..sweep import Cell
 
     names = list(options.get("suites") or SUITES)
-    unknown = [name for name in names if name not in SUITES]
-    if unknown:
-        raise ValueError(f"unknown suites {unknown}; the pressure suites are {', '.join(SUITES)}")
+    check_names(names, list(SUITES), "suites")
     names = [name for name in names if not (name == "lines" and options.get("skip_lines"))]
     named = [parse_policy(text) for text in expand_policies(options.get("policies") or ())]
     if any(policy.capacity is None for policy in named):
