@@ -107,7 +107,8 @@ class CompressionState:
         self.eviction.step(self, module, query, key, value, cache_layer, AttentionSettings.of_call(module, kwargs))
 
     def attend(self, function, module, query, key, value, attention_mask, **kwargs):
-        output = attend_cache(self.cache, function, module, query, key, value, attention_mask, pads=self.pads, **kwargs)
+        output = attend_cache(self.cache, function, module, query, key, value, attention_mask, pads=self.pads,
+                              after_prefill=self.phase is Phase.DECODE, **kwargs)
         if self.eviction is not None and module.layer_idx in self.eviction.pending:  # the call attended every slot
             cache_layer = self.cache.layers[module.layer_idx]
             cache_layer.evict(self.eviction.pending.pop(module.layer_idx))
@@ -166,23 +167,23 @@ def _visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, m
     return mask.expand(query.shape[0], 1, rows, n_keys)
 
 
-def attend_cache(cache: DynamicCache, function, module, query, key, value, attention_mask, *, pads=None, **kwargs):
+def attend_cache(cache: DynamicCache, function, module, query, key, value, attention_mask, *, pads=None,
+                 after_prefill: bool = True, **kwargs):
     """Compute one attention call over `cache`'s layer: see the module doc. pads (batch,): a padded batch's left
-    pads: every call after the prefill over a full-attention layer then masks the slots holding no token."""
+    pads: every call after the prefill over a full-attention layer then masks the slots holding no token.
+    after_prefill: False for a prefill call, which attends the keys it was handed (the layer the compressor may have
+    just swapped in is read by later calls only); a prompt chunk's mask is still resized to its layer's slots."""
     layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
-    # The prefill call that has just swapped in a HeadwiseLayer still attends the full keys it was handed
-    # (they outnumber the layer's appended tokens, which are none yet): only later calls read the ragged cache.
-    if isinstance(layer, HeadwiseLayer) and key.shape[-2] == layer.keys.shape[-2]:
+    if after_prefill and isinstance(layer, HeadwiseLayer):
         return headwise_attention(layer, query, AttentionSettings.of_call(module, kwargs)), None
-    if (pads is not None and layer is not None and not getattr(layer, "is_sliding", False)
-            and query.shape[-2] < key.shape[-2] == layer.keys.shape[-2]):
+    if after_prefill and pads is not None and layer is not None and not getattr(layer, "is_sliding", False):
         # Transformers' mask is sized and filled for the first layer's slots; this layer's pads and fill slots are
-        # where its positions are NO_POSITION. (The prefill's own call, all keys new, keeps transformers' mask.)
+        # where its positions are NO_POSITION.
         hidden = slot_positions(layer, pads)[:, 0] < 0  # a row's pads and fill are the same slots in every head
         attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module, hidden)
     elif attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] != key.shape[-2]:
         attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module)
-    if isinstance(layer, CompressedLayer) and layer.groups > 1 and key.shape[1] == query.shape[1]:
+    if after_prefill and isinstance(layer, CompressedLayer) and layer.groups > 1:
         # one KV head per query head (per_query_head): the keys are repeated already, so the call must not repeat them
         groups, module.num_key_value_groups = module.num_key_value_groups, 1
         try:
