@@ -56,6 +56,8 @@ class AttentionCall:
     query: (heads, rows, head_dim) post-RoPE queries of the call's new tokens (or, while decoding, the recent
         generated queries a scorer votes with).
     key, value: (kv_heads, n_keys, head_dim) the layer's whole cache so far (post-RoPE keys), one key per cache slot.
+        Views of the cache, valid during the call: an eviction while decoding rewrites the layer's room in place,
+        so a scorer (or a spy) that keeps them past the call keeps a copy.
     slots: (rows,) the cache slot of each query row: row i sees the key slots 0..slots[i] (causal masks).
     positions: (rows,) the token position of each query row (what RoPE rotated it by). Equal to `slots` at
         prefill; larger once a compressed cache holds fewer slots than the tokens seen.
