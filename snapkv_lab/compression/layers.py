@@ -34,16 +34,17 @@ from ..core.attention import AttentionSettings
 from ..policies.base import NO_POSITION
 
 
-def gather_kv(tensor: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def gather_kv(tensor: torch.Tensor, kept: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Keep positions of one layer's keys or values.
 
     tensor: (batch, kv_heads, n, head_dim); kept: (batch, kv_heads or heads, budget).
     With one selection per query head, the KV heads are first repeated as transformers' repeat_kv does.
-    Returns (batch, kept heads, budget, head_dim), contiguous (the full tensor can be freed).
+    Returns (batch, kept heads, budget, head_dim), contiguous (the full tensor can be freed), or written into `out`
+    (a view of that shape) and returned.
     """
     if kept.shape[1] != tensor.shape[1]:
         tensor = tensor.repeat_interleave(kept.shape[1] // tensor.shape[1], dim=1)
-    return tensor.gather(2, kept[..., None].expand(-1, -1, -1, tensor.shape[-1]))
+    return torch.gather(tensor, 2, kept[..., None].expand(-1, -1, -1, tensor.shape[-1]), out=out)
 
 
 _ROLLBACK_REFUSED = (
@@ -85,19 +86,18 @@ class CompressedLayer(DynamicLayer):
 
     def evict(self, kept_slots: torch.Tensor) -> None:
         """Keep only the slots `kept_slots` (batch, heads, k) of the layer (eviction while decoding); a slot of -1
-        is a fill slot (a row keeping fewer than the fullest), its position NO_POSITION. The kept slots are written
-        back into the layer's own reserve where no fork shares it, so the next token is written after them instead
-        of the layer being copied into new room at every step."""
+        is a fill slot (a row keeping fewer than the fullest), its position NO_POSITION. The kept slots are gathered
+        straight into a new reserve with room past them, so the next token is written after them instead of the
+        layer being copied once more; the tensors the layer held before are left as they were (a scorer's call
+        may still hold them)."""
         fill = kept_slots < 0
         slots = kept_slots.clamp(min=0)
-        keys, values = gather_kv(self.keys, slots), gather_kv(self.values, slots)
-        reserve, kept = self._reserve, slots.shape[-1]
-        if (reserve is not None and not reserve.shared and reserve.used == self.keys.shape[-2]
-                and self.keys.data_ptr() == reserve.keys.data_ptr() and keys.shape[1] == reserve.keys.shape[1]):
-            reserve.keys[:, :, :kept], reserve.values[:, :, :kept] = keys, values
-            reserve.used = kept
-            keys, values = reserve.keys[:, :, :kept], reserve.values[:, :, :kept]
-        self.keys, self.values = keys, values
+        kept = slots.shape[-1]
+        room = (*slots.shape[:2], kept + max(16, kept // 8), self.keys.shape[-1])
+        reserve = _Reserve(self.keys.new_empty(room), self.values.new_empty(room), kept)
+        self.keys = gather_kv(self.keys, slots, out=reserve.keys[:, :, :kept])
+        self.values = gather_kv(self.values, slots, out=reserve.values[:, :, :kept])
+        self._reserve = reserve
         self.positions = self.positions.gather(-1, slots).masked_fill(fill, NO_POSITION)
 
     def nbytes(self) -> int:
@@ -147,12 +147,11 @@ class _Reserve:
     keys, values: (batch, kv_heads, capacity, head_dim); `used` slots of them hold tokens. Only a layer whose own
     tokens are the reserve's first `used` slots may write on in place; any other (a fork that another fork has
     already written past, or a layer whose tensors were replaced) copies its tokens into a reserve of its own
-    first, so that no two forks ever write into the same room. shared: a fork was made while the reserve held
-    tokens, so its first `used` slots may be another layer's too: eviction must not rewrite them.
+    first, so that no two forks ever write into the same room.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, used: int):
-        self.keys, self.values, self.used, self.shared = keys, values, used, False
+        self.keys, self.values, self.used = keys, values, used
 
 
 def appended(reserve: _Reserve | None, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
@@ -316,9 +315,6 @@ def fork(cache: DynamicCache) -> DynamicCache:
     `cache` as it was and forks can share it."""
     forked = DynamicCache()
     forked.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in cache.layers:
-        if getattr(layer, "_reserve", None) is not None:
-            layer._reserve.shared = True
     return forked
 
 

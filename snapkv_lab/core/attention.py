@@ -92,15 +92,18 @@ def attention_row_blocks(
         rows = slice(start, min(start + rows_per_block, n_queries))
         last = int(host_positions[rows].max()) + 1
         first = 0 if sliding_window is None else max(0, int(host_positions[rows].min()) - sliding_window + 1)
+        sees_all = int(host_positions[rows].min()) + 1 == last and (sliding_window is None or last - first <= sliding_window)
         logits = attention_logits(query[:, rows], key, scaling, device_positions[rows], first=first, last=last,
-                                  kv_index=kv_index, sliding_window=sliding_window, softcap=softcap)
+                                  kv_index=kv_index, sliding_window=sliding_window, softcap=softcap, sees_all=sees_all)
         yield rows, first, torch.softmax(logits, dim=-1)
 
 
 def attention_logits(query, key, scaling, query_positions, *, first: int = 0, last: int | None = None,
-                     kv_index=None, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                     kv_index=None, sliding_window: int | None = None, softcap: float | None = None,
+                     sees_all: bool = False) -> torch.Tensor:
     """The logits softmax reads, (heads, n_queries, last - first) float32, for keys first..last-1: q.k * scaling,
-    soft-capped, and -inf where a row cannot see the key (causal or sliding-window mask).
+    soft-capped, and -inf where a row cannot see the key (causal or sliding-window mask); sees_all: the caller knows
+    every row sees every one of these keys (no mask to build).
 
     query_positions: (n_queries,) on the query's device. A row's probabilities over these keys are
     exp(logits - logsumexp of its whole row).
@@ -109,6 +112,8 @@ def attention_logits(query, key, scaling, query_positions, *, first: int = 0, la
     logits = _logits(query, key[:, first:last], kv_index) * scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    if sees_all:  # every row sees every key from first to last (a decode step's query): nothing to mask
+        return logits
     columns = torch.arange(first, last, device=logits.device)[None, :]
     positions = torch.as_tensor(query_positions, device=logits.device)
     hidden = columns > positions[:, None]

@@ -56,8 +56,6 @@ class AttentionCall:
     query: (heads, rows, head_dim) post-RoPE queries of the call's new tokens (or, while decoding, the recent
         generated queries a scorer votes with).
     key, value: (kv_heads, n_keys, head_dim) the layer's whole cache so far (post-RoPE keys), one key per cache slot.
-        Views of the cache, valid during the call: an eviction while decoding rewrites the layer's room in place,
-        so a scorer (or a spy) that keeps them past the call keeps a copy.
     slots: (rows,) the cache slot of each query row: row i sees the key slots 0..slots[i] (causal masks).
     positions: (rows,) the token position of each query row (what RoPE rotated it by). Equal to `slots` at
         prefill; larger once a compressed cache holds fewer slots than the tokens seen.
@@ -313,9 +311,11 @@ class Policy:
         """The prefix's scores as `keep` ranks them, (kv_heads, or heads if per_query_head, prefix_len) float32: pooled
         along positions (protected +inf positions left out of the pooling, then restored), then combined over
         each KV head's query heads with `gqa`."""
-        prefix = scores[:, : self.prefix_len(budget)].float()
-        protected = prefix == math.inf
-        pooled = pool_votes(prefix.masked_fill(protected, 0.0), self.pooling, self.kernel_size).masked_fill(protected, math.inf)
+        pooled = scores[:, : self.prefix_len(budget)].float()
+        if self.pooling is not None and self.kernel_size > 1:
+            protected = pooled == math.inf
+            pooled = pool_votes(pooled.masked_fill(protected, 0.0), self.pooling, self.kernel_size).masked_fill(
+                protected, math.inf)
         rows = self._reduce_to(pooled, budget.kv_heads)
         return pooled if rows is None else votes_per_kv_head(pooled, rows, self.gqa)
 
