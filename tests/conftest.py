@@ -45,6 +45,27 @@ def eager_twin(model):
     return twin.to(model.device)
 
 
+def gguf_reference(path):
+    """transformers' own fp32 load of a GGUF file (the reference a converted copy is checked against), its header
+    parsed once: from_pretrained reads the file once for the config and again for the weights, and each read parses
+    every metadata field (Gemma 3's 262k-token vocabulary) anew."""
+    from unittest import mock
+
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    parse, readers = gguf.GGUFReader, {}
+
+    def reader(file, *args, **kwargs):
+        key = (str(file), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = parse(file, *args, **kwargs)
+        return readers[key]
+
+    with mock.patch.object(gguf, "GGUFReader", reader):
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 def build_with_tail(name: str, tail: int, **settings):
     """The registered policy `name` with a kept tail of `tail` tokens, for prompts too short for the defaults: SnapKV's
     family (and a wrapper's default inner SnapKV) votes with that many queries and keeps them, as SnapKV alone; the

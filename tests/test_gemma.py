@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import eager_twin
+from conftest import eager_twin, gguf_reference
 from reference import assert_same_selection, eager_maps, reference_kept
 
 import snapkv_lab
@@ -34,12 +34,9 @@ def test_gemma_loads_by_name_as_the_base_model_it_is(gemma):
 
 
 def test_gemma_converted_copy_equals_gguf_model(gemma):
-    from transformers import AutoModelForCausalLM
-
     from snapkv_lab.core.models import bundled_gguf_path
 
-    gguf = bundled_gguf_path("gemma-3-270m")
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    reference = gguf_reference(bundled_gguf_path("gemma-3-270m"))
     ids = real_text(gemma[1], 64)[None]
     with torch.no_grad():
         torch.testing.assert_close(gemma[0](ids).logits, reference(ids).logits, atol=1e-4, rtol=0)

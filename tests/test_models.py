@@ -142,8 +142,9 @@ def test_converted_copy_equals_gguf_model():
     """The cached fp32 checkpoint gives the same logits as transformers' own GGUF load."""
     from transformers import AutoModelForCausalLM
 
-    gguf = bundled_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    from conftest import gguf_reference
+
+    reference = gguf_reference(bundled_gguf_path())
     converted = AutoModelForCausalLM.from_pretrained(bundled_checkpoint(), dtype=torch.float32).eval()
     ids = torch.arange(100, 164)[None]
     with torch.no_grad():
