@@ -37,12 +37,11 @@ def make_tiny_llama(attn_implementation: str = "sdpa", seed: int = 0, **override
 
 
 def eager_twin(model):
-    """Same weights under eager attention; the config is deep-copied because twins share it otherwise."""
-    config = copy.deepcopy(model.config)
-    config._attn_implementation = "eager"
-    twin = type(model)(config).eval()
-    twin.load_state_dict(model.state_dict())
-    return twin.to(model.device)
+    """Same weights under eager attention: a deep copy (its own config, which it would share otherwise; its parameters
+    and buffers copied rather than initialised at random and then overwritten, which took seconds on a real model)."""
+    twin = copy.deepcopy(model)
+    twin.config._attn_implementation = "eager"
+    return twin.eval()
 
 
 def gguf_reference(path):
