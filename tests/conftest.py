@@ -46,22 +46,12 @@ def eager_twin(model):
 
 def gguf_reference(path):
     """transformers' own fp32 load of a GGUF file (the reference a converted copy is checked against), its header
-    parsed once: from_pretrained reads the file once for the config and again for the weights, and each read parses
-    every metadata field (Gemma 3's 262k-token vocabulary) anew."""
-    from unittest import mock
-
-    import gguf
+    parsed once rather than once for the config and again for the weights (models.gguf_parsed_once)."""
     from transformers import AutoModelForCausalLM
 
-    parse, readers = gguf.GGUFReader, {}
+    from snapkv_lab.core.models import gguf_parsed_once
 
-    def reader(file, *args, **kwargs):
-        key = (str(file), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = parse(file, *args, **kwargs)
-        return readers[key]
-
-    with mock.patch.object(gguf, "GGUFReader", reader):
+    with gguf_parsed_once():
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -155,14 +156,37 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@contextmanager
+def gguf_parsed_once():
+    """Inside the block each GGUF file is parsed once: transformers parses a file's whole header (every metadata field,
+    Gemma 3's 262k-token vocabulary among them: seconds) anew for the tokenizer, for the config and for the weights.
+    The parsed reader maps the file read-only, so the reads that share it see what each would have parsed."""
+    import gguf
+
+    parse, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = parse(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
+
+
 def _convert_bundled(model: BundledModel, target: Path) -> None:
     """De-quantise the GGUF once and save an ordinary fp32 checkpoint (config, weights, tokenizer)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = bundled_gguf_path(model.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; a fresh model built from the same config without
     # its quantization_config holds the same weights and saves normally.
     config_dict = loaded.config.to_dict()
