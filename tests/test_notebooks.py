@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from pathlib import Path
 
@@ -11,6 +12,42 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
+# Every notebook of a test session runs in one kernel, which imports torch, transformers, plotly and the package once
+# rather than once per notebook. Before each notebook a first cell (dropped from its outputs, its errors still
+# counted) clears what the last one left: its variables (%reset), pandas' display options, the model it was told to
+# use (SNAPKV_LAB_MODEL) and the working folder.
+_KERNEL: dict = {}
+FRESH = """%reset -f
+import gc, os, sys, warnings
+if "pandas" in sys.modules:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sys.modules["pandas"].reset_option("all")
+os.environ.pop("SNAPKV_LAB_MODEL", None)
+if {model!r}:
+    os.environ["SNAPKV_LAB_MODEL"] = {model!r}
+os.chdir({folder!r})
+gc.collect()
+del gc, os, sys, warnings
+"""
+
+
+def notebook_kernel():
+    """The session's kernel (started here on first use, with SNAPKV_LAB_SMALL=1, in the notebooks' folder), shut down
+    when the session ends."""
+    from jupyter_client.manager import AsyncKernelManager
+    from jupyter_core.utils import run_sync
+
+    km = _KERNEL.get("km")
+    if km is not None and run_sync(km.is_alive)():
+        return km
+    env = {k: v for k, v in os.environ.items() if k != "SNAPKV_LAB_MODEL"} | {"SNAPKV_LAB_SMALL": "1"}
+    km = AsyncKernelManager(kernel_name="python3")
+    run_sync(km.start_kernel)(env=env, cwd=str(NOTEBOOKS), extra_arguments=["--HistoryManager.hist_file=:memory:"])
+    atexit.register(run_sync(km.shutdown_kernel), now=True)
+    _KERNEL["km"] = km
+    return km
+
 
 def run_notebook(name: str, timeout: int = 600, model: str | None = None) -> list:
     """Execute a notebook in its folder with SNAPKV_LAB_SMALL=1 on `model` (SNAPKV_LAB_MODEL; None: the default
@@ -19,11 +56,12 @@ def run_notebook(name: str, timeout: int = 600, model: str | None = None) -> lis
     # took over 180 s beside a 32k-token run on this 2-core machine (2026-11-24), so the limit only catches hangs
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     os.environ["SNAPKV_LAB_SMALL"] = "1"
-    env = {k: v for k, v in os.environ.items() if k != "SNAPKV_LAB_MODEL"} | ({"SNAPKV_LAB_MODEL": model} if model else {})
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute(env=env)
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(FRESH.format(model=model or "", folder=str(NOTEBOOKS))))
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3", km=notebook_kernel(),
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    fresh = notebook.cells.pop(0)
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
-    errors = [f"{o.ename}: {o.evalue}" for o in outputs if o.output_type == "error"]
+    errors = [f"{o.ename}: {o.evalue}" for o in fresh.outputs + outputs if o.output_type == "error"]
     assert not errors, errors
     return outputs
 
