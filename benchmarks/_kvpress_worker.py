@@ -11,7 +11,7 @@ out.pt (torch.save): {"versions": {...}, "last_logits": (vocab,) float32 of the 
     "presses": {name: {"kept": [per layer (kv_heads, kept) long, sorted, -1 padded] or None, "error": str or None}}}.
 
 The model is the checkpoint folder snapkv_lab loads (the bundled GGUF converted once to fp32 safetensors,
-snapkv_lab.models.bundled_checkpoint(), tokenizer and chat template included), loaded by this transformers in
+snapkv_lab.core.models.bundled_checkpoint(), tokenizer and chat template included), loaded by this transformers in
 fp32: the same weights on both sides, and the tokenizer KVzipPress loads from model.config.name_or_path.
 
 Every press runs under its own context manager, `with press(model)`, so its own `forward_hook` and `compress`

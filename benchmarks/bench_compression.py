@@ -10,7 +10,7 @@ token ids. Each (length, policy) runs `--repeats` times, alternating full and Sn
 "selection" is the time spent inside the compressor (scoring, top-k, gathering), the direct measure of its
 prefill overhead; the prefill-time ratio also carries run-to-run noise. Decode ms/token averages the steps
 after the first token. These three times are the ones `snapkv_lab.generate` measures: right on a GPU only if it
-synchronises (snapkv_lab.timing) before reading its clock. On CUDA each (length, policy) first runs once untimed:
+synchronises (snapkv_lab.core.timing) before reading its clock. On CUDA each (length, policy) first runs once untimed:
 sdpa's cuDNN backend builds a plan for every new (query, key) length it meets, which made a cold decode step of an
 8B model 2-3x slower than a warm one, and 60x for PyramidKV, whose layers hold different lengths (docs/performance.md). On CUDA, `peak_gpu_mib` is the most memory torch allocated during a run (the largest
 of the repeats); a run that runs out of memory is reported in `status`. Other processes on the machine inflate

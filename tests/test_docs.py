@@ -53,7 +53,7 @@ def test_docs_site_builds_strictly(tmp_path):
 
 
 def test_the_docs_say_what_the_committed_tables_say(tmp_path, monkeypatch):
-    """Every generated block of docs/ equals what snapkv_lab.docs_tables writes from data/; a hand edit is caught
+    """Every generated block of docs/ equals what snapkv_lab.app.docs_tables writes from data/; a hand edit is caught
     and undone by write()."""
     import functools
     import shutil

@@ -1,4 +1,4 @@
-"""snapkv_lab.timing's table helper: each row over the full cache's of the same length and batch."""
+"""snapkv_lab.core.timing's table helper: each row over the full cache's of the same length and batch."""
 
 import math
 
