@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+
 def load_model(checkpoint: str, attn: str):
     """The model in fp32, eval mode."""
     from transformers import AutoModelForCausalLM

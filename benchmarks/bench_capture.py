@@ -42,8 +42,17 @@ import sys
 
 import pandas as pd
 import torch
-from _common import (OUT_OF_MEMORY, PeakMemory, add_model_options, attempt, describe, load_subject,
-                     parse_model_options, report, result_name)
+from _common import (
+    OUT_OF_MEMORY,
+    PeakMemory,
+    add_model_options,
+    attempt,
+    describe,
+    load_subject,
+    parse_model_options,
+    report,
+    result_name,
+)
 
 from snapkv_lab import AttentionTrace, capture
 from snapkv_lab.core.attention import AttentionSettings

@@ -24,7 +24,16 @@ import statistics
 
 import pandas as pd
 import torch
-from _common import PeakMemory, add_model_options, attempt, describe, load_subject, parse_model_options, report, result_name
+from _common import (
+    PeakMemory,
+    add_model_options,
+    attempt,
+    describe,
+    load_subject,
+    parse_model_options,
+    report,
+    result_name,
+)
 from tqdm.auto import tqdm
 
 from snapkv_lab import FullCache, SnapKV, generate

@@ -31,8 +31,18 @@ from unittest import mock
 
 import pandas as pd
 import torch
-from _common import (RANDOM_SHAPES, RESULTS, PeakMemory, add_model_options, attempt, describe, load_subject, markdown,
-                     parse_model_options, result_name)
+from _common import (
+    RANDOM_SHAPES,
+    RESULTS,
+    PeakMemory,
+    add_model_options,
+    attempt,
+    describe,
+    load_subject,
+    markdown,
+    parse_model_options,
+    result_name,
+)
 from tqdm.auto import tqdm
 
 import snapkv_lab

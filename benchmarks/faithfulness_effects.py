@@ -28,8 +28,8 @@ from _common import report  # noqa: E402
 
 import snapkv_lab  # noqa: E402
 from snapkv_lab.core.framing import chat_frame  # noqa: E402
-from snapkv_lab.tasks.corpus import haystack_ids  # noqa: E402
 from snapkv_lab.core.tokens import encode  # noqa: E402
+from snapkv_lab.tasks.corpus import haystack_ids  # noqa: E402
 
 # Per method: named variants (constructor keyword arguments) whose effect is measured against the default.
 VARIANTS = {

@@ -42,8 +42,8 @@ def capture_one(threads: int, path: str, new_tokens: int, index: int) -> None:
 def compare(reference, other) -> dict:
     import torch
 
-    from snapkv_lab.findings.experiments import generation_consistency
     from snapkv_lab.core.overlap import THETA
+    from snapkv_lab.findings.experiments import generation_consistency
 
     same_tokens = torch.equal(reference.token_ids, other.token_ids)
     out = dict(same_tokens=same_tokens)

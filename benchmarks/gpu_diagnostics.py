@@ -24,7 +24,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from snapkv_lab import POLICIES, capture, generate
 
-
 # sdpa's backends, each run alone (the default lets torch choose: cuDNN for bf16 on an H100 with torch 2.11).
 BACKENDS = {
     "default": None,

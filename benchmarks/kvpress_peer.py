@@ -201,8 +201,8 @@ def n_kept(n: int, ratio: float) -> int:
 def prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     """n_tokens ids: the chat template's head (up to the user message's content), then essays (see module doc)."""
     from snapkv_lab.core.framing import chat_frame
-    from snapkv_lab.tasks.corpus import haystack_ids
     from snapkv_lab.core.tokens import encode
+    from snapkv_lab.tasks.corpus import haystack_ids
 
     head = encode(tokenizer, chat_frame(tokenizer)[0])
     return head + haystack_ids(tokenizer, n_tokens - len(head))

@@ -53,7 +53,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's snapkv_lab, before any installed copy (and before _common imports it)
 from _common import markdown  # noqa: E402 (benchmarks/ is on sys.path when this script runs)
 from kvpress_peer import (  # noqa: E402
-    N_TOKENS, RATIO, ROWS, KvpressServer, build, default_venv, kvpress_style_ids, n_kept, side_by_side, venv_problem)
+    N_TOKENS,
+    RATIO,
+    ROWS,
+    KvpressServer,
+    build,
+    default_venv,
+    kvpress_style_ids,
+    n_kept,
+    side_by_side,
+    venv_problem,
+)
 
 from snapkv_lab.tasks.corpus import redact_essays  # noqa: E402
 
@@ -207,7 +217,7 @@ class Quiet:
 def quiet_run(quiet: Quiet, call, threshold: float, tries: int, patience: float = 600.0):
     """(seconds, output, others' share, runs redone) of call(): timed after others have gone quiet, redone (up to
     `tries` runs in all) while others took more than `threshold` of the machine during it."""
-    for attempt in range(tries):
+    for attempt in range(tries):  # noqa: B007 - read after the loop (the runs redone)
         quiet.wait(threshold, patience)
         gc.collect()
         quiet.start()
@@ -249,7 +259,7 @@ def run_timing(args) -> None:
         print(f"kvpress worker: model and pipeline loaded in {server.loaded['seconds']:.1f} s, "
               f"{server.loaded['threads']} threads", file=sys.stderr)
         warm_text, warm_ids, _ = fitted_context(tokenizer, WARMUP_TOKENS, questions[:1], 2, limit, source)
-        for label, row in rows.items():  # warm-up: every code path once on both sides, untimed
+        for row in rows.values():  # warm-up: every code path once on both sides, untimed
             policy = build(row.ours, n_kept(len(warm_ids), args.ratio))
             lab_call(model, tokenizer, policy, warm_text, questions[:1], 2)
             server.ask(cmd="run", press=row.press.format(ratio=args.ratio), context=warm_text,
@@ -291,7 +301,7 @@ def run_timing(args) -> None:
                           f"kvpress {times[label]['kvpress'][-1]:.2f} s", file=sys.stderr)
             loads.append(os.getloadavg())
             noise.append((n, max(disturbed), statistics.median(disturbed), redos))
-            for label, row in rows.items():
+            for label in rows:
                 lab, kv = statistics.median(times[label]["lab"]), statistics.median(times[label]["kvpress"])
                 pairs = [(a, b) for ours, theirs in zip(answers[label]["lab"], answers[label]["kvpress"])
                          for a, b in zip(ours, theirs, strict=True)]

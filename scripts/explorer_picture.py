@@ -25,8 +25,8 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     import snapkv_lab as sl
-    from snapkv_lab.tasks.corpus import paul_graham_essays
     from snapkv_lab.core.tokens import encode
+    from snapkv_lab.tasks.corpus import paul_graham_essays
 
     model, tokenizer = sl.load_model()
     essay = paul_graham_essays()["founders"][:6000]

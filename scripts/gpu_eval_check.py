@@ -45,9 +45,8 @@ def random_model_folder(tokenizer_folder: Path, shape: str, folder: Path) -> Pat
     import json
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
     from _common import RANDOM_SHAPES
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     settings = {**RANDOM_SHAPES[shape], "vocab_size": len(tokenizer)}
@@ -74,8 +73,8 @@ def run(args) -> int:
     from _common import markdown
 
     import snapkv_lab
-    from snapkv_lab.evaluation import eval_cells, run_example
     from snapkv_lab.core.models import load_model
+    from snapkv_lab.evaluation import eval_cells, run_example
     from snapkv_lab.sweep.executors import many_shapes_attention
 
     policies = [name for name in args.policies or snapkv_lab.POLICIES if name != "FullCache" and name not in args.skip]

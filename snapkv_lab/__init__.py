@@ -17,7 +17,7 @@ The package's layers, bottom to top (an import never runs up them; tests/test_la
 import importlib
 import sys
 
-from .core import __version__
+from .core import __version__ as __version__
 from .core.moved import Alias
 
 _EXPORTS = {  # public name -> its module

@@ -9,10 +9,10 @@ from html.parser import HTMLParser
 import pandas as pd
 import pytest
 import torch
-
 from conftest import make_tiny_llama
+
 import snapkv_lab as sl
-from snapkv_lab import FullCache, H2O, SnapKV, StreamingLLM, compare, generate
+from snapkv_lab import H2O, FullCache, SnapKV, StreamingLLM, compare, generate
 from snapkv_lab.compression.compare import kept_tokens_html
 from snapkv_lab.compression.kept import kept_mask
 from snapkv_lab.pressure import Context, Query, accuracy_table, run_retrieval
@@ -145,8 +145,8 @@ def test_needle_context_places_the_needle(smollm):
 
 
 def test_pressure_figures_draw_from_tables(tmp_path):
-    from snapkv_lab.core.figure_files import FIGURE_SETS
     from snapkv_lab.app.figure_sets import load_figure_sets
+    from snapkv_lab.core.figure_files import FIGURE_SETS
 
     rows = [dict(task="needle", length=n, depth=d, sample=0, policy=p, capacity=c, mode=m, correct=(d + (c or 4096) / 4096) > 0.5,
                  value_kept=0.5, fact_kept=0.5)

@@ -5,13 +5,19 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-
 from conftest import make_tiny_llama
+
 import snapkv_lab as sl
 from snapkv_lab.coverage import sinks_rows  # the old path binds snapkv_lab.coverage, which the test reads
 from snapkv_lab.pressure import Context, Query, run_retrieval
-from snapkv_lab.pressure.ablations import (ANSWER_TOKENS, AXES, ablation_policies, ablation_table, coverage_describer,
-                                           retrieval_predictors)
+from snapkv_lab.pressure.ablations import (
+    ANSWER_TOKENS,
+    AXES,
+    ablation_policies,
+    ablation_table,
+    coverage_describer,
+    retrieval_predictors,
+)
 
 WINDOW, CAPACITY = 8, 40
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
 from conftest import eager_twin, make_tiny_llama
 from reference import assert_same_selection
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
 import snapkv_lab as C
 from snapkv_lab.policies.query_filters import query_filters
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_with_tail, make_tiny_llama
 
 import snapkv_lab
-from conftest import build_with_tail, make_tiny_llama
 from snapkv_lab.core.inputs import encode_batch
 
 LENGTHS, NEW = (150, 97, 160), 6

@@ -98,8 +98,8 @@ def test_kept_view_digits_are_drawn_uncovered(browser):
     """Rendered, each digit of a highlighted needle is the topmost element at its own centre (nothing paints over
     it) and lies inside the one highlight box."""
     import torch
-
     from conftest import ByteTokenizer
+
     from snapkv_lab.compression.compare import kept_tokens_html
 
     text = "Some essay text before it. The special magic number is: 9935848. And the essay goes on after it." * 3
@@ -246,8 +246,8 @@ def wait_for_title(page, title, accept, action: str) -> str:
 def test_trace_view_export_renders_offline(browser, tmp_path):
     """explore(...).to_html: one file, plotly.js inlined; its buttons switch between the overview and the zooms."""
     import torch
-
     from conftest import ByteTokenizer, make_tiny_llama
+
     from snapkv_lab import capture, explore
 
     trace = capture(make_tiny_llama(), ByteTokenizer(), torch.arange(600) % 240 + 3, max_new_tokens=4,

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import eager_twin, make_tiny_llama
 from reference import eager_attentions, kv_heads, top_with_tail
+
 import snapkv_lab as C
 from snapkv_lab.compression.layers import HeadwiseLayer
 
@@ -113,7 +113,9 @@ def assert_same_pairs(kept, ref, scores, rtol=1e-4):
         theirs = {(h, int(p)) for h in range(kept.shape[1]) for p in ref[b][h]}
         if mine != theirs:
             assert len(mine) == len(theirs), b
-            values = lambda pairs: torch.tensor(sorted(float(scores[b, h, p]) for h, p in pairs))
+            def values(pairs):
+                return torch.tensor(sorted(float(scores[b, h, p]) for h, p in pairs))
+
             torch.testing.assert_close(values(mine), values(theirs), rtol=rtol, atol=1e-6)
             assert len(mine & theirs) > 0.9 * len(mine), b
 

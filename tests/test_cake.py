@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import make_tiny_llama
 from reference import eager_attentions, kv_heads
+
 import snapkv_lab as C
 from snapkv_lab.policies.cake import adjust_budgets
 

@@ -181,8 +181,8 @@ def test_bf16_recompute_is_exact_and_eager_bf16_within_its_bound(byte_tokenizer)
 def test_bf16_bounds_on_smollm():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from snapkv_lab.tasks.corpus import pydoc_topics
     from snapkv_lab.core.models import bundled_checkpoint
+    from snapkv_lab.tasks.corpus import pydoc_topics
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_checkpoint())
     model = AutoModelForCausalLM.from_pretrained(bundled_checkpoint(), dtype=torch.bfloat16).eval()

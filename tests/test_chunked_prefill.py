@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 
 import snapkv_lab
-from conftest import make_tiny_llama
 from snapkv_lab.compression.generation import chunk_sizes, forward
 
 N, NEW, CHUNK = 160, 6, 48

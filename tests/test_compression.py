@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-
 from conftest import make_tiny_llama
 from reference import assert_same_selection, reference_kept
+
 import snapkv_lab as sl
 from snapkv_lab.core.inputs import left_pads as refuse_padding  # the compressor refuses what left_pads refuses
 

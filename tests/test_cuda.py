@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 
-from snapkv_lab import AttentionTrace, capture
 import snapkv_lab as sl
+from snapkv_lab import AttentionTrace, capture
 from snapkv_lab.core.overlap import SinkRule, selection_vs_generation, to_mask
 from snapkv_lab.core.selection import select_from_trace
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import snapkv_lab
 from conftest import eager_twin, make_tiny_llama
 from reference import assert_same_selection, eager_attentions, top_with_tail
+
+import snapkv_lab
 
 N, WINDOW, CAPACITY, INTERVAL, NEW = 48, 4, 20, 5, 24
 

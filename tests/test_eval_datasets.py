@@ -9,8 +9,8 @@ import types
 from pathlib import Path
 
 import pytest
-
 from conftest import ByteTokenizer
+
 from snapkv_lab.evaluation import hub
 from snapkv_lab.evaluation.examples import Example
 from snapkv_lab.evaluation.hub import NEEDLE_HUB, RULER_HUB, load_rows

@@ -13,9 +13,20 @@ import math
 import pytest
 
 from snapkv_lab.evaluation.metrics import (
-    METRICS, cloze_counts, extract_choice, first_line,
-    fuzz_ratio, normalize_answer, normalize_zh_answer, rouge_l, rouge_lsum, rouge_n, ruler_postprocess, score,
-    sentence_bleu)
+    METRICS,
+    cloze_counts,
+    extract_choice,
+    first_line,
+    fuzz_ratio,
+    normalize_answer,
+    normalize_zh_answer,
+    rouge_l,
+    rouge_lsum,
+    rouge_n,
+    ruler_postprocess,
+    score,
+    sentence_bleu,
+)
 
 HAS_JIEBA = importlib.util.find_spec("jieba") is not None
 NEEDS_JIEBA = {"qa_f1_zh_score", "rouge_zh_score"}

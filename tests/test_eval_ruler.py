@@ -11,12 +11,23 @@ from collections import Counter
 import pytest
 from transformers import AutoTokenizer
 
-from snapkv_lab.evaluation.examples import Example
-from snapkv_lab.evaluation.metrics import score
-from snapkv_lab.evaluation.ruler import (CONFIGS, DEPTHS, NOISE, RULER, SYNTHETIC_TASKS, TEMPLATES, HubOnlyTask,
-                                         _zeta, essay_words, largest_fitting, split_sentences)
 from snapkv_lab.core.models import bundled_checkpoint
 from snapkv_lab.core.tokens import encode
+from snapkv_lab.evaluation.examples import Example
+from snapkv_lab.evaluation.metrics import score
+from snapkv_lab.evaluation.ruler import (
+    CONFIGS,
+    DEPTHS,
+    NOISE,
+    RULER,
+    SYNTHETIC_TASKS,
+    TEMPLATES,
+    HubOnlyTask,
+    _zeta,
+    essay_words,
+    largest_fitting,
+    split_sentences,
+)
 
 NIAH = [task for task in SYNTHETIC_TASKS if task.startswith("niah")]
 NEEDLE = re.compile(r"One of the special magic (numbers|uuids) for (\S+) is: (\S+)\.")

@@ -10,12 +10,24 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import ByteTokenizer, make_tiny_llama
-from snapkv_lab.evaluation import (Example, Question, budgets, encode_example, eval_cells, evaluate, gap_to_full,
-                                   leaderboard, paired_difference, read_results, run_example, task_scores)
-from snapkv_lab.evaluation import registry
-from snapkv_lab.evaluation import explain
+
+from snapkv_lab.evaluation import (
+    Example,
+    Question,
+    budgets,
+    encode_example,
+    eval_cells,
+    evaluate,
+    explain,
+    gap_to_full,
+    leaderboard,
+    paired_difference,
+    read_results,
+    registry,
+    run_example,
+    task_scores,
+)
 from snapkv_lab.policies import SnapKV, StreamingLLM, policy_config
 
 

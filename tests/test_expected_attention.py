@@ -18,12 +18,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import snapkv_lab as C
-from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.compression.engine import kept_from_scores
 from snapkv_lab.compression.shared import SharedPrefill
+from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.core.hooks import intercept_attention
-from snapkv_lab.policies.base import AttentionCall
 from snapkv_lab.core.rope import LayerRope
+from snapkv_lab.policies.base import AttentionCall
 
 N, CAPACITY = 96, 40
 N_FUTURE, N_SINK = 512, 4  # kvpress ExpectedAttentionPress defaults (expected_attention_press.py:56-57)
@@ -140,7 +140,9 @@ def assert_matches_reference(model, ids, layers, rtol=1e-4, **reference):
         ref_kept = top_with_tail(ref, CAPACITY, ids.shape[1])
         assert bool((kept[layer][..., :N_SINK] == torch.arange(N_SINK)).all())
         if not torch.equal(kept[layer], ref_kept):  # a swap at the boundary only between scores tied within rtol
-            picked = lambda k: ref.gather(-1, k).sort(-1).values[..., :-N_SINK]  # the sinks (inf) sort last
+            def picked(k):
+                return ref.gather(-1, k).sort(-1).values[..., :-N_SINK]  # the sinks (inf) sort last
+
             torch.testing.assert_close(picked(kept[layer]), picked(ref_kept), rtol=rtol, atol=0)
 
 
@@ -253,8 +255,10 @@ def test_covariance_and_value_norms_change_the_selection():
     """Else the reference checks could pass with either term missing."""
     model = make_tiny_llama(initializer_range=0.3)
     ids = prompt(seed=8)
-    run = lambda **kw: C.generate(model, ByteTokenizer(), ids, policy=C.ExpectedAttention(capacity=CAPACITY, **kw),
-                                  max_new_tokens=1).kept_indices
+    def run(**kw):
+        return C.generate(model, ByteTokenizer(), ids, policy=C.ExpectedAttention(capacity=CAPACITY, **kw),
+                          max_new_tokens=1).kept_indices
+
     base = run()
     assert any(not torch.equal(a, b) for a, b in zip(base, run(use_covariance=False)))
     assert any(not torch.equal(a, b) for a, b in zip(base, run(use_vnorm=False)))

@@ -14,10 +14,18 @@ from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 from reference import assert_same_selection, reference_kept
 
 from snapkv_lab import SnapKV, capture, generate
-from snapkv_lab.findings.experiments import (draw, findings_tables, generation_consistency, prompt_segments,
-    question_dependence, question_placement, run_findings, select_mask)
-from snapkv_lab.findings.findings_plots import figure_d, layer_groups, layer_ranges
 from snapkv_lab.core.overlap import THETA, SinkRule
+from snapkv_lab.findings.experiments import (
+    draw,
+    findings_tables,
+    generation_consistency,
+    prompt_segments,
+    question_dependence,
+    question_placement,
+    run_findings,
+    select_mask,
+)
+from snapkv_lab.findings.findings_plots import figure_d, layer_groups, layer_ranges
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from conftest import ByteTokenizer, make_tiny_llama
 
 from snapkv_lab import capture
-from snapkv_lab.views.explorer import explore
 from snapkv_lab.core.trace import AttentionTrace, LazyLayers
+from snapkv_lab.views.explorer import explore
 
 
 @pytest.fixture(scope="module")

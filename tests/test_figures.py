@@ -3,8 +3,8 @@
 import pytest
 
 from snapkv_lab import figures  # the old path: figure_sets and figure_files together
-from snapkv_lab.core.figure_files import FigureSet
 from snapkv_lab.app.figure_sets import make_figures
+from snapkv_lab.core.figure_files import FigureSet
 
 
 @pytest.fixture

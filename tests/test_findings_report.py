@@ -57,7 +57,7 @@ def test_sliding_and_global_layers_get_verdicts_apart():
 
 
 def test_side_by_side_puts_each_models_headline_verdicts_next_to_each_other():
-    from snapkv_lab.findings.report import side_by_side, short_verdict
+    from snapkv_lab.findings.report import short_verdict, side_by_side
 
     one = verdicts({"c": _rows({"front": 0.5, "back": 0.5}, "placement")})
     global_rows = _rows({"front": 0.5, "back": 0.5}, "placement").assign(layer=5)

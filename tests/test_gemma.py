@@ -10,10 +10,10 @@ from conftest import eager_twin, gguf_reference
 from reference import assert_same_selection, eager_maps, reference_kept
 
 import snapkv_lab
-from snapkv_lab.tasks.corpus import haystack_ids
 from snapkv_lab.core.framing import bos_text
-from snapkv_lab.tasks.needles import found_exactly, needle_context
 from snapkv_lab.core.tokens import encode
+from snapkv_lab.tasks.corpus import haystack_ids
+from snapkv_lab.tasks.needles import found_exactly, needle_context
 
 pytestmark = pytest.mark.slow
 GLOBAL_LAYERS = (5, 11, 17)

@@ -11,12 +11,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ByteTokenizer, make_tiny_llama
 from reference import eager_attentions
+
 import snapkv_lab as C
-from snapkv_lab.policies import retrieval_heads
-from snapkv_lab.policies import headkv
+from snapkv_lab.policies import headkv, retrieval_heads
 
 WINDOW, CAPACITY, N = 8, 40, 96
 

@@ -14,10 +14,10 @@ from plotly.callbacks import Points
 from reference import eager_maps
 
 from snapkv_lab import capture
-from snapkv_lab.views import heads
 from snapkv_lab.core.attention import AttentionSettings
-from snapkv_lab.views.heads import head_table, heads_grid, heads_grid_figure
 from snapkv_lab.core.trace import AttentionTrace
+from snapkv_lab.views import heads
+from snapkv_lab.views.heads import head_table, heads_grid, heads_grid_figure
 
 OPTIONS = dict(sinks=4, local=16, obs_window=32, capacity=0.05)
 

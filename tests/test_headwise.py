@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.compression.layers import HeadwiseLayer, cache_bytes, fork, headwise_attention
+from snapkv_lab.core.attention import AttentionSettings
 
 BATCH, KV_HEADS, GROUP, N, HEAD_DIM = 2, 3, 2, 40, 8
 COUNTS = [[5, 0, 17], [9, 12, 3]]  # kept per (batch row, KV head): ragged, one head empty, row totals 22 and 24

@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
+from conftest import ByteTokenizer, eager_twin, make_tiny_llama
 
 import snapkv_lab
-from conftest import ByteTokenizer, eager_twin, make_tiny_llama
-from snapkv_lab.policies import NO_POSITION, kvzip
 from snapkv_lab.compression.shared import SharedPrefill
+from snapkv_lab.policies import NO_POSITION, kvzip
 from snapkv_lab.policies.kvzip import REPEAT_NEXT_BY, reconstruction_feeds
 
 N = 64

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import snapkv_lab as C
 from conftest import make_tiny_llama
+
+import snapkv_lab as C
 from snapkv_lab.pressure.long_generation import list_scores, list_task, long_generation
 
 

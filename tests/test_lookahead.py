@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_tiny_llama
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from conftest import make_tiny_llama
 import snapkv_lab as C
 
 

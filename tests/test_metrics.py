@@ -11,8 +11,18 @@ import torch
 from conftest import eager_twin, make_tiny_llama
 
 from snapkv_lab import capture
-from snapkv_lab.core.overlap import (SinkRule, attention_recall, coarse_overlap, difference, hit_rate, metric_rows,
-    selection_overlap, selection_vs_generation, summarise, to_mask)
+from snapkv_lab.core.overlap import (
+    SinkRule,
+    attention_recall,
+    coarse_overlap,
+    difference,
+    hit_rate,
+    metric_rows,
+    selection_overlap,
+    selection_vs_generation,
+    summarise,
+    to_mask,
+)
 from snapkv_lab.core.selection import pool_votes, select, select_from_trace, topk_count, votes_per_kv_head
 
 
@@ -93,7 +103,7 @@ def test_selection_vs_generation_equals_the_metrics_one_by_one():
                     "recall": lambda: attention_recall(block, selections[name], eligible=eligible),
                     "coarse": lambda: coarse_overlap(block, observed, eligible=eligible)}[metric]()
         for column, values in expected.items():
-            assert part.sort_values("head")[column].tolist() == pytest.approx(values.tolist(), rel=1e-6), (window, name, metric)
+            assert part.sort_values("head")[column].tolist() == pytest.approx(values.tolist(), rel=1e-6), (segment, name, metric)
 
 
 def plain_bootstrap(numerators, supports, resamples, seed, ci):

@@ -10,8 +10,14 @@ import torch
 
 from snapkv_lab import capture, load_model
 from snapkv_lab.core import models
-from snapkv_lab.core.models import (BUNDLED_MODELS, BundledModel, bundled_checkpoint, bundled_gguf_path, bundled_model,
-    model_name)
+from snapkv_lab.core.models import (
+    BUNDLED_MODELS,
+    BundledModel,
+    bundled_checkpoint,
+    bundled_gguf_path,
+    bundled_model,
+    model_name,
+)
 
 
 def test_unknown_model_says_what_to_do(tmp_path):
@@ -140,9 +146,8 @@ def test_check_model_refuses_what_load_model_cannot_load_and_trusts_a_reachable_
 @pytest.mark.slow
 def test_converted_copy_equals_gguf_model():
     """The cached fp32 checkpoint gives the same logits as transformers' own GGUF load."""
-    from transformers import AutoModelForCausalLM
-
     from conftest import gguf_reference
+    from transformers import AutoModelForCausalLM
 
     reference = gguf_reference(bundled_gguf_path())
     converted = AutoModelForCausalLM.from_pretrained(bundled_checkpoint(), dtype=torch.float32).eval()

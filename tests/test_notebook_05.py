@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from test_notebooks import count_plotly, printed, run_notebook
 
 

@@ -13,9 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from snapkv_lab.pressure import accuracy_table, wilson
+from snapkv_lab.pressure import accuracy_table, budget_labels, wilson
 from snapkv_lab.pressure.pressure_plots import draw
-from snapkv_lab.pressure import budget_labels
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = (1024, 256, 2048, 512)  # written out of order on purpose: text order would put 1024 first

@@ -7,16 +7,15 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from conftest import ByteTokenizer, make_tiny_llama
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from snapkv_lab.core.framing import chat_frame
 from snapkv_lab.core.inputs import check_context_length, encode_prompt
 from snapkv_lab.core.models import bundled_checkpoint
+from snapkv_lab.core.tokens import decoded_offsets, token_span
 from snapkv_lab.pressure import Context, Query, lines_context, needle_context, run_retrieval
 from snapkv_lab.tasks.haystacks import HAYSTACKS, boundary
-from snapkv_lab.core.tokens import decoded_offsets, token_span
-
-from conftest import ByteTokenizer, make_tiny_llama
 
 SMOLLM_HEAD = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                "<|im_start|>user\n")
@@ -30,6 +29,7 @@ def digit_merging_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on Python docs and random numbers: it merges digits and a leading space
     (" 51", "23", "456"), as GPT-2 or Llama-3 tokenizers do, unlike SmolLM2's one token per digit."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = random.Random(0)

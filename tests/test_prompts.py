@@ -9,8 +9,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from snapkv_lab.core.models import bundled_checkpoint
-from snapkv_lab.tasks.prompts import (PACKAGED_RECIPES, chat_prompts, folder_recipes, load_recipes, make_recipes,
-    qa_prompts, save_recipes)
+from snapkv_lab.tasks.prompts import (
+    PACKAGED_RECIPES,
+    chat_prompts,
+    folder_recipes,
+    load_recipes,
+    make_recipes,
+    qa_prompts,
+    save_recipes,
+)
 
 COMMITTED = Path(__file__).resolve().parents[1] / "data" / "prompt_recipes.json"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_with_tail, make_tiny_llama
 
 import snapkv_lab
-from conftest import build_with_tail, make_tiny_llama
 from snapkv_lab.policies import NO_POSITION
 
 N, NEW = 160, 6  # a 25% budget (40) exceeds the default window (32)

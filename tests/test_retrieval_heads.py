@@ -6,8 +6,8 @@ import pytest
 from reference import eager_maps
 
 from snapkv_lab import capture
-from snapkv_lab.pressure import needle_context
 from snapkv_lab.policies.retrieval_heads import retrieval_heads
+from snapkv_lab.pressure import needle_context
 
 LENGTHS, DEPTHS, NEW = (500,), (0.3, 0.7), 12
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import make_tiny_llama
+
 import snapkv_lab as C
 from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.policies.base import AttentionCall

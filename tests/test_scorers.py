@@ -3,16 +3,15 @@ eager attention maps and its own cache (post-RoPE keys, values), on the tiny ran
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import eager_twin, make_tiny_llama
 from reference import assert_same_selection
+
 import snapkv_lab as C
-from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.compression.shared import SharedPrefill
+from snapkv_lab.core.attention import AttentionSettings
 from snapkv_lab.core.hooks import intercept_attention
 from snapkv_lab.policies.base import AttentionCall
 

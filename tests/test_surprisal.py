@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny_llama
 from reference import assert_same_selection
+
 import snapkv_lab as sl
 import snapkv_lab.policies.surprisal as surprisal
 from snapkv_lab.compression.shared import SharedPrefill

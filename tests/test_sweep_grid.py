@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]

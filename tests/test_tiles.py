@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from snapkv_lab.core.attention import AttentionSettings
-from snapkv_lab.views.tiles import HEAD_MEAN, AttentionTiles
 from snapkv_lab.core.trace import AttentionTrace
+from snapkv_lab.views.tiles import HEAD_MEAN, AttentionTiles
 
 N, HEADS, KV_HEADS, DIM = 203, 4, 2, 8  # 203: no block size divides it, so the last cells are cut short
 

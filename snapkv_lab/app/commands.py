@@ -68,8 +68,8 @@ def figures(args) -> int:
 
 
 def needle(args) -> int:
-    from .figure_sets import make_figures
     from ..core.figure_files import model_folders
+    from .figure_sets import make_figures
 
     start = time.perf_counter()
     if not _names_known("needle", lambda: check_names(args.suites or [], SUITE_NAMES, "suites")):
@@ -122,9 +122,10 @@ def evaluate(args) -> int:
     start = time.perf_counter()
     if not _names_known("eval", lambda: check_datasets_and_tasks(args.dataset, args.tasks, DATASET_TASKS)):
         return 2
-    from ..evaluation import RATIOS, draw, eval_cells, evaluate as run
-    from ..evaluation.leaderboard_plots import counted
     from ..core.figure_files import model_folders
+    from ..evaluation import RATIOS, draw, eval_cells
+    from ..evaluation import evaluate as run
+    from ..evaluation.leaderboard_plots import counted
     from ..sweep import import_ray
 
     data_dir, figures_dir = model_folders(args.data_dir, _figures_dir(args), args.model)

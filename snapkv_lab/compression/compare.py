@@ -22,7 +22,6 @@ from .generation import GenerationResult, answer_runs, encode_questions, several
 from .kept import kept_mask
 from .shared import SharedPrefill
 
-
 # The highlighted span gets one box around all its tokens. A border, unlike an outline, takes its own room in the
 # line: it never paints over a character (an outline per token covered single digits of a needle). Its vertical
 # extent (2 px) fits in the half-leading of line-height 1.6, so it does not reach the lines above and below.

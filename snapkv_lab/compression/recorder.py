@@ -103,7 +103,7 @@ class ScoreRecorder:
         """Keep only the slots `slots` (batch, rows, k) of `layer`'s stored scores, those its cache still holds after
         a live compression (a chunked prefill's accumulated scores go on over them); earlier queries no longer sit at
         their slots, so none are held for spanning."""
-        for label, layers in self.scores.items():
+        for layers in self.scores.values():
             if layer in layers:
                 held = layers[layer]
                 layers[layer] = held.gather(-1, slots.repeat_interleave(held.shape[1] // slots.shape[1], 1))

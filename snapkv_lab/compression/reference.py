@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..core.hooks import intercept_attention, model_eager_function, returned_cache, with_cache
-from .kept import kept_mask
 from ..policies.decoding import EvictsWhileDecoding
+from .kept import kept_mask
 
 
 @torch.inference_mode()

@@ -26,8 +26,16 @@ from ..core.hooks import intercept_attention
 from ..core.timing import SectionTimer
 from ..policies.base import Policy
 from .engine import attention_calls
-from .layers import (CompressedLayer, HeadwiseLayer, fork, headwise_attention, held_positions, hidden_future,
-                     slot_positions, stack_rows)
+from .layers import (
+    CompressedLayer,
+    HeadwiseLayer,
+    fork,
+    headwise_attention,
+    held_positions,
+    hidden_future,
+    slot_positions,
+    stack_rows,
+)
 
 
 class Phase(enum.Enum):

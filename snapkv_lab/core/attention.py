@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 from einops import rearrange
 
+
 @dataclass(frozen=True)
 class AttentionSettings:
     """What one layer's attention computes besides q.k: its scale, sliding window and logit soft-cap."""

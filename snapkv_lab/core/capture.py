@@ -10,8 +10,8 @@ from transformers import DynamicCache
 from .attention import AttentionSettings
 from .hooks import intercept_attention, with_cache
 from .inputs import check_context_length, encode_continuation, encode_prompt, eos_ids
-from .trace import AttentionTrace
 from .progress import progress_bar
+from .trace import AttentionTrace
 
 
 class _QKRecorder:

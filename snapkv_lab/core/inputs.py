@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from .framing import plain_prompt
 
-
 _RAW_TEXT_NOTICED: set[str] = set()  # tokenizers already told that a str prompt skips their chat template
 
 

@@ -24,8 +24,18 @@ from ..core.figure_files import FigureSet, register
 from .examples import Benchmark, Example, Question
 from .explain import Explanation, explain
 from .prompting import EncodedExample, encode_example
-from .run import (CELL_KIND, RATIOS, _check_lengths, budgets, eval_cells, evaluate, read_results, reuse_rows,
-                  run_eval_cells, run_example)
+from .run import (
+    CELL_KIND,
+    RATIOS,
+    _check_lengths,
+    budgets,
+    eval_cells,
+    evaluate,
+    read_results,
+    reuse_rows,
+    run_eval_cells,
+    run_example,
+)
 from .summary import full_cache_fails, gap_to_full, leaderboard, paired_difference, task_scores
 
 

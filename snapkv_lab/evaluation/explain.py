@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from ..compression.compare import kept_tokens_html
-from ..core.capture import capture
 from ..compression import SharedPrefill
+from ..compression.compare import kept_tokens_html
 from ..compression.generation import GenerationResult, answer_runs
-from ..tasks.corpus import redact_essays
-from ..views.coverage import attention_coverage, coverage_summary
-from ..policies import FullCache, policy_from_config, upgrade_config
+from ..core.capture import capture
 from ..core.tokens import token_span
 from ..core.trace import AttentionTrace
+from ..policies import FullCache, policy_from_config, upgrade_config
+from ..tasks.corpus import redact_essays
+from ..views.coverage import attention_coverage, coverage_summary
 from .examples import Example
 from .prompting import EncodedExample, encode_example, frame_texts
 from .run import _benchmark, score_answer

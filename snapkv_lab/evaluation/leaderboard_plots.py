@@ -83,8 +83,8 @@ def _finish(fig, legend_axes, title: str, stem: Path) -> Path:
 
 
 def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
-    from matplotlib.figure import Figure
     import plotly.express as px
+    from matplotlib.figure import Figure
 
     board, budget = leaderboard(table), _budget(table)
     full = board[board.policy == "FullCache"].set_index("mode")
@@ -128,8 +128,8 @@ def _policy_task_grid(values: pd.DataFrame, column: str, title: str, stem: Path,
                       label: str, hover: list[str]) -> list[Path]:
     """values (policy, task, mode, column, hover...) as one policy x task grid per mode, each cell labelled: policies
     down and tasks across, so that a dozen of each stay legible in a page-wide figure."""
-    from matplotlib.figure import Figure
     import plotly.express as px
+    from matplotlib.figure import Figure
 
     modes = _modes(values)
     policies, tasks = list(dict.fromkeys(values.policy)), list(dict.fromkeys(values.task))
@@ -199,8 +199,8 @@ def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE)
     """Each policy's score less `baseline`'s on the same examples, per mode (columns) and budget (rows): the paired
     difference over tasks with its 95% interval (summary.paired_difference), filled where it is `separated`
     (p_holm < 0.05, Holm over every panel); policies ordered by their difference averaged over modes and budgets."""
-    from matplotlib.figure import Figure
     import plotly.express as px
+    from matplotlib.figure import Figure
 
     budget = _budget(table)
     differences = paired_difference(table, baseline)

@@ -61,8 +61,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Callable, ClassVar
 
-from ..tasks.corpus import paul_graham_essays
 from ..core.tokens import encode
+from ..tasks.corpus import paul_graham_essays
 from .examples import Example, Question
 
 DATASET = "ruler"

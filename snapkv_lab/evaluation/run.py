@@ -25,12 +25,12 @@ import torch
 
 from ..compression import SharedPrefill
 from ..compression.generation import MODES, answer_runs
-from ..tasks.corpus import redact_essays
 from ..core.checks import check_datasets_and_tasks
 from ..core.inputs import check_context_length
-from ..policies import expand_policies, parse_policy, policy_config, policy_from_config, upgrade_config
 from ..core.progress import progress_bar
 from ..core.timing import ms_per_token
+from ..policies import expand_policies, parse_policy, policy_config, policy_from_config, upgrade_config
+from ..tasks.corpus import redact_essays
 from .examples import Example, Question
 from .prompting import encode_example
 

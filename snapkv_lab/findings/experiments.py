@@ -34,16 +34,24 @@ import pandas as pd
 import torch
 
 from ..core.capture import capture
-from ..core.framing import resolve_framing
 from ..core.figure_files import FigureSet, register
+from ..core.framing import resolve_framing
 from ..core.inputs import check_context_length
-from .legacy import COLUMNS, RENAMED, old_keywords, upgrade_options
-from ..core.overlap import (MIN_SUPPORT, PARTS, THETA, SinkRule, metric_rows, selection_overlap,
-    selection_vs_generation, to_mask)
 from ..core.models import load_tokenizer, model_source, sliding_layers
-from ..policies.snapkv import SnapKV
+from ..core.overlap import (
+    MIN_SUPPORT,
+    PARTS,
+    THETA,
+    SinkRule,
+    metric_rows,
+    selection_overlap,
+    selection_vs_generation,
+    to_mask,
+)
 from ..core.selection import TOP_P, select, select_from_trace
 from ..core.tokens import encode
+from ..policies.snapkv import SnapKV
+from .legacy import COLUMNS, RENAMED, old_keywords, upgrade_options
 
 MODES = ("generated", "teacher-forced")
 SPLITS = ("dev", "heldout")
@@ -374,8 +382,8 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     """
     from transformers import AutoConfig
 
-    from ..tasks.prompts import folder_recipes
     from ..sweep import ResultStore, run_cells
+    from ..tasks.prompts import folder_recipes
 
     o = _options(options)
     data_dir = Path(data_dir)

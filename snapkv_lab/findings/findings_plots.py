@@ -16,8 +16,8 @@ import pandas as pd
 
 from ..core import overlap as metrics
 from ..core.figure_files import write_html, write_png
-from .report import read_run, read_tables
 from ..core.overlap import summarise
+from .report import read_run, read_tables
 
 CI = 0.95
 Y_LABELS = {"hit_rate": "hit rate H (theta 0.05)", "recall": "recall (attention mass share)",

@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 
 from ..core.figure_files import write_html, write_png
-from ..views.heads import heads_grid_figure
 from ..policies.retrieval_heads import layer_head_grid
+from ..views.heads import heads_grid_figure
 
 
 def draw_retrieval_heads(table: pd.DataFrame, figures_dir: Path) -> list[Path]:

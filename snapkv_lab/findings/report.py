@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .legacy import read_table, upgrade_options
 from ..core.overlap import difference, summarise
+from .legacy import read_table, upgrade_options
 
 CI = 0.95
 MEASURES = {"paper's hit rate, sinks kept": ("hit_rate", "kept"), "recall, sinks excluded": ("recall", "excluded")}
@@ -235,7 +235,7 @@ def markdown(table: pd.DataFrame) -> str:
     """The verdicts as a markdown table: one row per (finding, measure, mode), the splits side by side."""
     lines = ["| finding | measure | chance | dev: value [95% interval] | dev verdict | held-out: value [95% interval] | held-out verdict |",
              "|---|---|---|---|---|---|---|"]
-    for (finding, measure, mode, group), part in _with_layers(table).groupby(["finding", "measure", "mode", "layers"],
+    for (_finding, measure, mode, group), part in _with_layers(table).groupby(["finding", "measure", "mode", "layers"],
                                                                              sort=False):
         by_split = part.set_index("split")
         cells = []

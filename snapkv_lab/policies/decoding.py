@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.selection import votes_per_kv_head
 from ..core.checks import check_int
+from ..core.selection import votes_per_kv_head
 from .base import AttentionCall, LayerBudget, Policy
 from .snapkv import SnapKV
 from .wrapper import Wrapper

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import retrieval_heads
 from ..core.hooks import attention_modules
 from ..core.models import sliding_layers
+from . import retrieval_heads
 from .base import ADDED_LATER, LayerBudget, Policy
 from .wrapper import Wrapper
 
@@ -133,7 +133,9 @@ class HeadKV(Wrapper):
         prefix = self.prefix_len(budget)
         capacities = head_capacities(shares, uniform[0], self.beta, self._pooled_heads)  # (layers, query heads)
         if self.redistribute:  # among the rows the cache holds (KV heads: their query heads' mean), exactly
-            grouped = lambda t: t.view(t.shape[0], len(uniform), -1)
+            def grouped(t):
+                return t.view(t.shape[0], len(uniform), -1)
+
             capacities = redistributed(grouped(capacities).double().mean(-1), grouped(shares).mean(-1), prefix,
                                        grouped(self._sharing).all(-1))
         capacities = capacities[budget.layer]

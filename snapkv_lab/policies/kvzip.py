@@ -46,9 +46,9 @@ import torch
 from einops import rearrange
 
 from ..core.attention import BLOCK_ELEMENTS, AttentionSettings
+from ..core.checks import check_int
 from ..core.framing import chat_frame
 from ..core.tokens import encode
-from ..core.checks import check_int
 from .base import ADDED_LATER, LayerBudget, Policy, Prompt, top_positions
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # model/wrapper.py:211
@@ -95,7 +95,9 @@ def reconstruction_feeds(tokenizer, context: torch.Tensor, suffix: list[int], ch
     reconstruct it, (batch, m): the instruction (`repeat_next` quoting the previous chunk's last OVERLAP tokens after
     the first chunk), the suffix, the chunk (model/wrapper.py:18-37, :197-221)."""
     batch = context.shape[0]
-    as_ids = lambda tokens: torch.tensor(tokens, dtype=context.dtype, device=context.device).expand(batch, -1)
+    def as_ids(tokens):
+        return torch.tensor(tokens, dtype=context.dtype, device=context.device).expand(batch, -1)
+
     first, suffix = as_ids(encode(tokenizer, REPEAT_FIRST)), as_ids(suffix)
     feeds = []
     for start in range(0, context.shape[1], chunk_size):

@@ -13,8 +13,8 @@ import torch
 
 from ..core.checks import check_int
 from ..core.hooks import attention_modules
-from .query_filters import TOKENS, filters_path, query_filters
 from .base import AttentionCall, Policy
+from .query_filters import TOKENS, filters_path, query_filters
 
 # attention module -> {calibration tokens: (kv_heads, head_dim) its filters}: set by `prepare`, so that scoring needs
 # only the call's module

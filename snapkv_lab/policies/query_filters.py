@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ..tasks.corpus import haystack_ids
 from ..core.hooks import intercept_attention
 from ..core.models import measured_cache_path
+from ..tasks.corpus import haystack_ids
 
 TOKENS, SEQUENCE = 8192, 1024
 

@@ -20,13 +20,13 @@ Results are tidy tables (one row per question x policy x budget x mode) in data/
 """
 
 from ..core.figure_files import FigureSet, register
-from .pressure_plots import draw
+from ..tasks.needles import Context, Query, found, found_exactly, lines_context, needle_context
+from ..tasks.ruler_needles import TASKS, VALUE_KINDS, ruler_context
 from .grid import SUITES, Suite, grid_cells, recompute, run_context
 from .intervals import accuracy_intervals, wilson
-from ..tasks.ruler_needles import TASKS, VALUE_KINDS, ruler_context
+from .pressure_plots import draw
 from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from .tables import accuracy_table, budget_labels, ruler_table, run_label
-from ..tasks.needles import Context, Query, found, found_exactly, lines_context, needle_context
 
 register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from ..core.capture import capture
-from ..views.coverage import GenerationAttention, attention_coverage, sinks_rows, span_attention
 from ..compression.kept import kept_mask
-from ..policies import AdaKV, ChunkKV, CriticalKV, ExpectedAttention, KNorm, PyramidKV, SnapKV, StreamingLLM, TOVA
-from .intervals import accuracy_intervals
+from ..core.capture import capture
+from ..policies import TOVA, AdaKV, ChunkKV, CriticalKV, ExpectedAttention, KNorm, PyramidKV, SnapKV, StreamingLLM
 from ..tasks.needles import Context, Query
+from ..views.coverage import GenerationAttention, attention_coverage, sinks_rows, span_attention
+from .intervals import accuracy_intervals
 
 ABLATION_LENGTH = 4000
 ABLATION_CAPACITY = 1024  # 25% of the prompt

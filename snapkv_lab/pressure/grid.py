@@ -12,15 +12,41 @@ from pathlib import Path
 import pandas as pd
 
 from ..core.checks import check_names
-from ..policies import (CAKE, RKV, TOVA, AdaKV, DuoAttention, HeadKV, KeyDiff, KVzip, LagKV, LookaheadQCache, PyramidKV,
-                        QFilters, SnapKV, SnapKVFactKernel, SnapKVNoPooling, StreamingLLM, Surprisal, expand_policies,
-                        parse_policy, policy_config, policy_from_config)
-from .ablations import (ABLATION_CAPACITY, ABLATION_LENGTH, ABLATION_SAMPLES, ANSWER_TOKENS, ablation_policies,
-                        coverage_describer)
+from ..policies import (
+    CAKE,
+    RKV,
+    TOVA,
+    AdaKV,
+    DuoAttention,
+    HeadKV,
+    KeyDiff,
+    KVzip,
+    LagKV,
+    LookaheadQCache,
+    PyramidKV,
+    QFilters,
+    SnapKV,
+    SnapKVFactKernel,
+    SnapKVNoPooling,
+    StreamingLLM,
+    Surprisal,
+    expand_policies,
+    parse_policy,
+    policy_config,
+    policy_from_config,
+)
 from ..tasks.haystacks import HAYSTACKS
-from ..tasks.ruler_needles import TASKS, VALUE_KINDS, ruler_context
-from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 from ..tasks.needles import lines_context, needle_context
+from ..tasks.ruler_needles import TASKS, VALUE_KINDS, ruler_context
+from .ablations import (
+    ABLATION_CAPACITY,
+    ABLATION_LENGTH,
+    ABLATION_SAMPLES,
+    ANSWER_TOKENS,
+    ablation_policies,
+    coverage_describer,
+)
+from .runner import CAPACITIES, DEFAULT_POLICIES, MODES, run_retrieval
 
 NEEDLE_LENGTHS = (2000, 4000, 7500)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)

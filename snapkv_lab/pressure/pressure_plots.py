@@ -96,8 +96,8 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
 def needle_heatmaps(table: pd.DataFrame, mode: str, stem: Path) -> list[Path]:
     """Depth x length heatmaps, one panel per policy and budget in `mode`; the full cache (the same in both modes,
     no budget) gets one panel on the top row. Each cell: found / asked over its haystacks."""
-    from matplotlib.figure import Figure
     import plotly.graph_objects as go
+    from matplotlib.figure import Figure
     from plotly.subplots import make_subplots
 
     full = table[table.policy == "FullCache"]
@@ -170,8 +170,8 @@ def needle_heatmaps(table: pd.DataFrame, mode: str, stem: Path) -> list[Path]:
 def needle_budget(table: pd.DataFrame, stem: Path) -> list[Path]:
     """Accuracy vs KV budget per policy, one panel per (mode, length), with 95% Wilson intervals; the full
     cache as a dotted line with its interval as a grey band."""
-    from matplotlib.figure import Figure
     import plotly.express as px
+    from matplotlib.figure import Figure
 
     compressed = found_counts(table[table.policy != "FullCache"], ["mode", "length", "policy", "capacity"])
     compressed["budget"] = compressed.capacity.astype(int)
@@ -230,8 +230,8 @@ def needle_budget(table: pd.DataFrame, stem: Path) -> list[Path]:
 
 def ruler_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     """RULER-style suite: a task x run heatmap of the substring grade with counts (PNG), both grades as bars (HTML)."""
-    from matplotlib.figure import Figure
     import plotly.express as px
+    from matplotlib.figure import Figure
 
     table = table.assign(run=run_label(table))
     runs = ["FullCache", *sorted(set(table.run) - {"FullCache"})]
@@ -269,8 +269,8 @@ def lines_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     """Lines retrieval vs budget, SnapKV with and without pooling: accuracy with 95% Wilson intervals against the
     full cache, and the share of the asked value's tokens each kept (which still separates the two where the model
     answers nothing right)."""
-    from matplotlib.figure import Figure
     import plotly.express as px
+    from matplotlib.figure import Figure
 
     compressed = found_counts(table[table.policy != "FullCache"], ["policy", "capacity"])
     compressed["budget"] = compressed.capacity.astype(int)
@@ -397,8 +397,8 @@ def draw_ablations(data_dir, figures_dir) -> list[Path]:
 def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     """The methods suite: needles found per method with 95% Wilson intervals, one panel per mode, the full cache as a
     line with its interval as a band (PNG); the same with the coverage columns on hover (HTML)."""
-    from matplotlib.figure import Figure
     import plotly.express as px
+    from matplotlib.figure import Figure
 
     summary = methods_table(table)
     full = summary[summary.policy == "FullCache"].iloc[0]

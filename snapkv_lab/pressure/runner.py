@@ -15,14 +15,14 @@ import torch
 
 from ..compression import SharedPrefill
 from ..compression.generation import MODES, GenerationResult, answer_runs
-from ..compression.state import CompressionState
-from ..tasks.corpus import redact_essays
-from ..core.inputs import check_context_length
 from ..compression.kept import kept_mask
-from ..policies import H2O, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
-from ..tasks.needles import Context, found, found_exactly
+from ..compression.state import CompressionState
+from ..core.inputs import check_context_length
 from ..core.progress import progress_bar
 from ..core.timing import ms_per_token
+from ..policies import H2O, RandomKeep, SnapKV, SnapKVNoPooling, StreamingLLM
+from ..tasks.corpus import redact_essays
+from ..tasks.needles import Context, found, found_exactly
 
 DEFAULT_POLICIES = (SnapKV(), SnapKVNoPooling(), H2O(), StreamingLLM(), RandomKeep())
 CAPACITIES = (256, 512, 1024, 2048)

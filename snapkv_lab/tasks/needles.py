@@ -95,7 +95,9 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0,
     rng = random.Random(f"lines-{sample}")
     frame = prompt_frame(tokenizer, framing=framing)
     head = encode(tokenizer, frame.head + LINES_HEAD)
-    ask = lambda key: _question(tokenizer, LINES_QUESTION, frame, LINES_ANSWER, key, before="\n")
+    def ask(key):
+        return _question(tokenizer, LINES_QUESTION, frame, LINES_ANSWER, key, before="\n")
+
     question_room = len(ask("wonderful-question"))
     body, facts, keys, longest_question = [], [], set(), 0
     while len(head) + len(body) < n_tokens - question_room - 30:

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from ..core.framing import framed_ids, prompt_frame
-from .corpus import paul_graham_essays, pydoc_topics, pydoc_topics_checksum
 from ..core.tokens import encode
+from .corpus import paul_graham_essays, pydoc_topics, pydoc_topics_checksum
 
 QUESTIONS = [
     "What is the main argument of this essay?",

@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 
 from ..core.framing import prompt_frame
-from .corpus import haystack_ids
 from ..core.tokens import encode
+from .corpus import haystack_ids
 from .haystacks import word_key
 from .needles import Context, Query, _fact, _question, sentence_start
 

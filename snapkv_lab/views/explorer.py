@@ -22,8 +22,8 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from .tiles import HEAD_MEAN, AttentionTiles, as_head, as_span, cell_counts, pool_blocks
 from ..core.trace import AttentionTrace
+from .tiles import HEAD_MEAN, AttentionTiles, as_head, as_span, cell_counts, pool_blocks
 
 LABELLED_TOKENS = 64  # at block 1 and at most this many tokens per side, the axes show the tokens' text
 STATS = ("max", "mean")

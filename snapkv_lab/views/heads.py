@@ -21,8 +21,8 @@ import torch
 from ..core.attention import BLOCK_ELEMENTS
 from ..core.overlap import MIN_SUPPORT, attention_recall, to_mask
 from ..core.selection import TOP_P, select_from_trace
-from ..policies.retrieval_heads import copy_steps, layer_head_grid, retrieval_hits
 from ..core.trace import positions
+from ..policies.retrieval_heads import copy_steps, layer_head_grid, retrieval_hits
 
 if TYPE_CHECKING:  # plotly is imported where a figure is drawn: HeadKV and DuoAttention read head scores without it
     import plotly.graph_objects as go
