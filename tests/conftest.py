@@ -121,3 +121,15 @@ def gemma():
     from snapkv_lab import load_model
 
     return load_model("gemma-3-270m")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The peer tests skip where kvpress's venv is missing (CI sets SNAPKV_LAB_REQUIRE_PEER=1, which fails them
+    instead): said in one loud line at the end of a local run, not only in the skip list that -rs shows."""
+    skipped = [report for report in terminalreporter.stats.get("skipped", [])
+               if report.nodeid.startswith(("tests/test_peer.py", "test_peer.py"))
+               and "pending:" not in str(report.longrepr)]
+    if skipped:
+        reason = skipped[0].longrepr[-1] if isinstance(skipped[0].longrepr, tuple) else str(skipped[0].longrepr)
+        terminalreporter.write_line(f"PEER TESTS NOT RUN: {len(skipped)} side-by-side tests against kvpress "
+                                    f"skipped. {reason}", red=True, bold=True)
