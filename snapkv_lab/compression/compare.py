@@ -135,8 +135,10 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
     one prefill, their selections (plus any extra scoring pass, e.g. KVzip's, paid once per prompt and in the
     selection_s of the first policy that needs it: KVzip at four budgets reconstructs once) and k decodes.
     Columns: prompt, policy (its label: name, non-default settings, budget), mode, question, answer, expected,
-    correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one), cache_length,
-    prompt_tokens, prefill_s (the shared prefill), selection_s, decode_ms_per_token, new_tokens.
+    correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one), cache_length, kv_entries
+    (KV entries held after the prompt's compression, summed over layers and KV heads), kv_share (of the uncompressed
+    cache's), budget_share (the nominal budget's share), over_budget (more held than the budget beyond rounding:
+    compression.entries), prompt_tokens, prefill_s (the shared prefill), selection_s, decode_ms_per_token, new_tokens.
     """
     labels = [policy.label for policy in policies]
     if len(set(labels)) < len(labels):
@@ -169,7 +171,8 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
                     prompt=item["name"] if len(row_runs) == 1 else f"{item['name']}/{b}", policy=run.policy.label,
                     mode=run.mode, question=one.question, answer=one.text, expected=answer,
                     correct=pd.NA if answer is None else answer.lower() in one.text.lower(),
-                    kv_bytes=one.kv_bytes, cache_length=max(one.cache_lengths), prompt_tokens=one.prompt_ids.shape[1],
+                    kv_bytes=one.kv_bytes, cache_length=max(one.cache_lengths), **one.entries.columns(),
+                    prompt_tokens=one.prompt_ids.shape[1],
                     prefill_s=shared.seconds, selection_s=one.selection_seconds,
                     decode_ms_per_token=one.decode_ms_per_token, new_tokens=one.token_ids.shape[1]))
     bar.close()

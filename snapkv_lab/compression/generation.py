@@ -29,6 +29,7 @@ from ..core.inputs import check_context_length, encode_batch, encode_continuatio
 from ..core.timing import ms_per_token, stopwatch
 from ..policies.base import FullCache, Policy
 from .compressor import PADDED_CHUNKS_REFUSED, compress, refuse_after_prefill
+from .entries import HeldEntries
 from .greedy import decode_text, eos_cut, forward, greedy_decode
 from .layers import cache_bytes, cache_lengths, row_cache_lengths, stack_forks
 from .shared import SharedPrefill
@@ -61,7 +62,9 @@ class GenerationResult:
     state compressed: the context alone query-agnostic), compressed (whether a layer was compressed: a prompt within
     its budget, or only sliding layers, is not), prompt_tokens (context and question), sliding_layers (layers left to
     their own bounded cache), step_seconds (the decode steps after the first token), extra (the describe hook's
-    columns, read from the state before decoding).
+    columns, read from the state before decoding), entries (the KV entries held, the uncompressed cache's and the
+    budget's, per row and layer, right after the prompt's compression: compression.entries; kv_entries and kv_share
+    are their totals).
     """
 
     text: str | list[str]
@@ -85,6 +88,17 @@ class GenerationResult:
     sliding_layers: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    entries: HeldEntries | None = None
+
+    @property
+    def kv_entries(self):
+        """KV entries held right after the prompt's compression, summed over layers and KV heads (entries.py)."""
+        return self.entries.total
+
+    @property
+    def kv_share(self):
+        """kv_entries over the uncompressed cache's on the same prompt."""
+        return self.entries.share
 
     def __repr__(self) -> str:
         """One line: the policy, the prompt, the cache, the answer (printing every layer's kept positions helps no one)."""
@@ -118,7 +132,7 @@ class GenerationResult:
                 self, text=texts[b], token_ids=self.token_ids[b:b + 1, :cut],
                 prompt_ids=self.prompt_ids[b:b + 1][:, mask[b].bool()], kept_indices=kept,
                 cache_lengths=lengths[b], kv_bytes=round(self.kv_bytes * sum(lengths[b]) / total),
-                prompt_mask=None, row_cache_lengths=None))
+                prompt_mask=None, row_cache_lengths=None, entries=None if self.entries is None else self.entries.row(b)))
         return results
 
 
@@ -227,8 +241,10 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
     and describe(question index, state, n) (extra columns read before decoding): what the results record."""
     eos = eos_ids(model, tokenizer)
     lengths, kv_bytes = cache_lengths(state.cache), cache_bytes(state.cache)
-    row_lengths = None if mask is None else row_cache_lengths(state.cache, (mask == 0).sum(-1).cpu())
+    pads = None if mask is None else (mask == 0).sum(-1).cpu()
+    row_lengths = None if mask is None else row_cache_lengths(state.cache, pads)
     batch, n = ids.shape
+    entries = HeldEntries.of_state(model, state, batch, n, pads)
     compressed = bool(set(state.kept_indices) - set(state.sliding_layers)) and state.policy.budget(n) is not None
     described = [{} if describe is None else describe(question_index + i, state, n) for i in range(len(questions))]
     decoded = None
@@ -257,7 +273,7 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
             question=text if isinstance(text, str) else None, prompt_mask=None if mask is None else mask.cpu(),
             row_cache_lengths=row_lengths, mode=mode, question_index=question_index + index, compressed_tokens=n,
             compressed=compressed, prompt_tokens=n + (0 if extra is None else extra.shape[1]),
-            sliding_layers=list(state.sliding_layers), step_seconds=seconds, extra=described[index]))
+            sliding_layers=list(state.sliding_layers), step_seconds=seconds, extra=described[index], entries=entries))
     return results
 
 
@@ -305,18 +321,27 @@ def answer_runs(model, tokenizer, shared: SharedPrefill, questions: list, polici
     compressed: query-aware, its answer following the prefill's own logits). texts: the questions as texts, where
     they were given so (reported in the results). describe(question index, state, n_compressed) -> dict of extra
     columns, read from the state before decoding."""
+    texts = texts or [None] * len(questions)
+    for index, _, mode, prompt, state in run_states(shared, questions, policies, modes, full=full):
+        agnostic = mode == "query-agnostic" and questions[index] is not None
+        yield from answer(model, tokenizer, state, None if agnostic else prompt.logits, prompt.ids, [texts[index]],
+                          [questions[index] if agnostic else None],
+                          prefill_seconds=shared.seconds + state.selection_seconds, max_new_tokens=max_new_tokens,
+                          mask=shared.mask, mode=mode, question_index=index, describe=describe)
+
+
+def run_states(shared: SharedPrefill, questions: list, policies, modes=MODES, *, full: bool = True
+               ) -> Iterator[tuple[int, Policy, str, SharedPrefill, CompressionState]]:
+    """The compression states `answer_runs` answers from, in its order: (question index, policy, mode, the prefill
+    compressed: the context's query-agnostic, the context and question's otherwise, the state). A study of what
+    policies keep (compression.entries, a budget audit) reads these without decoding."""
     if set(modes) - set(MODES):
         raise ValueError(f"modes must be among {MODES}, got {list(modes)}")
-    texts = texts or [None] * len(questions)
     runs = [(FullCache(), "full")] if full else []
     runs += [(policy, mode) for policy in policies for mode in MODES if mode in modes]
     needs_aware = full or "query-aware" in modes  # the question fed on the full cache
     for index, question in enumerate(questions):
         aware = shared.extend(question) if question is not None and needs_aware else shared
         for policy, mode in runs:
-            agnostic = mode == "query-agnostic" and question is not None
-            state = (shared if agnostic else aware).state(policy)
-            yield from answer(model, tokenizer, state, None if agnostic else aware.logits,
-                              shared.ids if agnostic else aware.ids, [texts[index]], [question if agnostic else None],
-                              prefill_seconds=shared.seconds + state.selection_seconds, max_new_tokens=max_new_tokens,
-                              mask=shared.mask, mode=mode, question_index=index, describe=describe)
+            prompt = shared if mode == "query-agnostic" and question is not None else aware
+            yield index, policy, mode, prompt, prompt.state(policy)

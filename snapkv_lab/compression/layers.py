@@ -120,8 +120,9 @@ def held_positions(layer, n: int, pads: torch.Tensor | None = None) -> torch.Ten
 
 
 def slot_positions(layer, pads: torch.Tensor | None = None) -> torch.Tensor:
-    """(batch, heads, slots) the position of every slot of a dense layer, NO_POSITION on pads and fill."""
-    if isinstance(layer, CompressedLayer):
+    """(batch, heads, slots) the position of every slot of a layer, NO_POSITION on pads, fill and a head-wise layer's
+    slots that a head does not hold."""
+    if isinstance(layer, (CompressedLayer, HeadwiseLayer)):
         return layer.positions
     return held_positions(layer, getattr(layer, "cumulative_length", None) or layer.keys.shape[-2], pads)
 
@@ -434,11 +435,13 @@ def cache_lengths(cache: DynamicCache) -> list[int]:
 def row_cache_lengths(cache: DynamicCache, pads: torch.Tensor) -> list[list[int]]:
     """[row][layer] the positions a padded batch's row holds per head (pads and fill slots not counted; the mean
     over heads for a ragged layer, rounded): what `cache_lengths` gives for the row's batch-1 run."""
-    lengths = []
-    for layer in cache.layers:
-        if isinstance(layer, HeadwiseLayer):
-            held = (layer.kept >= 0).sum(-1).float().mean(-1).round().long() + layer.keys.shape[-2]
-        else:
-            held = (slot_positions(layer, pads)[:, 0] >= 0).sum(-1)
-        lengths.append(held.tolist())
-    return [list(row) for row in zip(*lengths)]
+    rows = [layer.keys.shape[1] for layer in cache.layers]
+    return [[round(entries / heads) for entries, heads in zip(row, rows, strict=True)]
+            for row in row_entries(cache, pads)]
+
+
+def row_entries(cache: DynamicCache, pads: torch.Tensor | None = None) -> list[list[int]]:
+    """[row][layer] the KV entries (one key and its value in one head of the layer's cache) a batch row holds, summed
+    over the layer's heads: pads, fill and a head-wise layer's empty slots not counted. pads: (batch,) left pads."""
+    held = [(slot_positions(layer, pads) >= 0).sum((1, 2)).tolist() for layer in cache.layers]
+    return [list(row) for row in zip(*held)]

@@ -149,7 +149,8 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
             score=score_answer(example, question, run.text), prediction=redact_essays(run.text),
             references=json.dumps(list(question.answers), ensure_ascii=False),
             context_tokens=len(encoded.context_ids), prompt_tokens=run.prompt_tokens,
-            kept_tokens=max(run.cache_lengths),
+            kept_tokens=max(run.cache_lengths), **run.entries.columns(),
+            layer_kv_share=json.dumps([round(share, 5) for share in run.entries.layer_shares()[0]]),
             truncated_tokens=encoded.truncated, framing=encoded.framing, length=example.meta.get("length"),
             prefill_s=shared.seconds, selection_s=run.selection_seconds,
             decode_ms_per_token=ms_per_token(run.step_seconds), new_tokens=run.token_ids.shape[1]))
@@ -191,7 +192,11 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     mode ("full", "query-aware", "query-agnostic"), score (in [0, 1]), prediction, references (JSON),
     context_tokens, prompt_tokens, kept_tokens (the longest layer's positions per head before decoding: the budget
     where every layer and head keeps as many, more where they differ: PyramidKV, CAKE, AdaKV, HeadKV, DuoAttention),
-    truncated_tokens, framing, length, prefill_s, selection_s, decode_ms_per_token, new_tokens.
+    kv_entries (the KV entries held after the prompt's compression, summed over layers and KV heads: what two policies
+    at one ratio must match), kv_share (of the uncompressed cache's entries on the same prompt), budget_share (the
+    nominal budget's share), over_budget (more entries held than the budget allows beyond one per compressed head:
+    compression.entries), truncated_tokens, framing, length, prefill_s, selection_s, decode_ms_per_token, new_tokens;
+    and in the cell store alone, layer_kv_share (JSON: each layer's share).
     """
     if ratios is None and capacities is None:
         ratios = RATIOS
@@ -205,6 +210,8 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
                    lengths=list(lengths), seed=seed, source=source, framing=framing)
     table = run_eval_cells(cells, model=model, options=options, data_dir=data_dir, executor=executor,
                            ray_address=ray_address, cpus_per_worker=cpus_per_worker, reuse=reuse)
+    # The per-layer shares stay in the cell store: 30 numbers a row would swamp the table.
+    table = table.drop(columns="layer_kv_share", errors="ignore")
     if write:
         table.to_csv(Path(data_dir) / f"eval_{name or '+'.join(datasets)}.csv", index=False)
     return table
