@@ -114,9 +114,9 @@ def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("Sn
     return cells
 
 
-def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
-    """One cell: build the example, prefill its context once, answer every question with the full cache and every
-    policy x budget x mode, and score each answer with the task's metric. One row per answer (module doc)."""
+def prepared_example(model, tokenizer, config: dict):
+    """(example, its encoded ids, {policy label: budget}, the policies at every budget) of a cell's config, the
+    context checked to fit the model with the longest question and the answer's tokens."""
     example = _benchmark(config["example"]["dataset"]).example(config["example"], tokenizer)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     max_context = config["max_context"] or (None if limit is None else limit - example.max_new_tokens)
@@ -130,6 +130,13 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
             policy = dataclasses.replace(policy_from_config(entry), capacity=_capacity(budget))
             budget_of[policy.label] = budget
             policies.append(policy)
+    return example, encoded, budget_of, policies
+
+
+def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
+    """One cell: build the example, prefill its context once, answer every question with the full cache and every
+    policy x budget x mode, and score each answer with the task's metric. One row per answer (module doc)."""
+    example, encoded, budget_of, policies = prepared_example(model, tokenizer, config)
     as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
     shared = SharedPrefill.run(model, tokenizer, as_ids(encoded.context_ids), policies)
     rows = []
