@@ -19,22 +19,22 @@ from snapkv_lab.evaluation.audit import COLUMNS, audit_entries
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("tables", nargs="+", type=Path)
+    parser.add_argument("tables", nargs="+", type=Path, help="tables of one model: their examples are audited once")
     parser.add_argument("--data-dir", default="data", help="where the cells are stored (cells/entries/)")
     args = parser.parse_args()
-    for path in args.tables:
-        table = pd.read_csv(path)
-        models = table.model.unique()
-        if len(models) != 1:
-            raise SystemExit(f"{path}: one model per table, found {list(models)}")
-        audited = audit_entries(table, model=models[0], data_dir=args.data_dir)
-        audited.to_csv(path, index=False)
-        over = audited[audited.over_budget.astype(bool)]
-        print(f"{path}: {len(audited)} rows; kv_share by policy at each ratio (min-max); {len(over)} over budget")
-        spread = audited.groupby(["policy", "ratio"]).kv_share.agg(["min", "max"]).round(3)
-        print(spread.to_string())
-        if set(COLUMNS) - set(audited.columns):
-            raise SystemExit(f"{path}: columns missing after the audit")
+    tables = [pd.read_csv(path) for path in args.tables]
+    joined = pd.concat([t.assign(_table=i) for i, t in enumerate(tables)], ignore_index=True)
+    models = joined.model.unique()
+    if len(models) != 1:
+        raise SystemExit(f"one model per run, found {list(models)}")
+    audited = audit_entries(joined, model=models[0], data_dir=args.data_dir)
+    for i, (path, table) in enumerate(zip(args.tables, tables, strict=True)):
+        own = audited[audited._table == i].drop(columns="_table")
+        columns = [c for c in own.columns if c in table.columns or c in COLUMNS]
+        own[columns].to_csv(path, index=False)
+        over = own[own.over_budget.astype(bool)]
+        print(f"{path}: {len(own)} rows, {len(over)} over budget; kv_share by policy and ratio (min, max):")
+        print(own.groupby(["policy", "ratio"]).kv_share.agg(["min", "max"]).round(3).unstack().to_string())
 
 
 if __name__ == "__main__":
