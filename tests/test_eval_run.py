@@ -643,3 +643,17 @@ def test_a_budget_audit_recomputes_the_entries_a_run_recorded(toy, tiny_as_defau
     changed = older.assign(context_tokens=older.context_tokens + 1)
     with pytest.raises(ValueError, match="cannot be recomputed"):
         audit_entries(changed, model=None, data_dir=tmp_path / "changed")
+
+
+def test_the_leaderboard_flags_a_policy_that_held_more_than_its_budget(toy, tiny_as_default, tmp_path):
+    """A per-query-head SnapKV holds its budget once per query head (twice the KV heads' budget on the tiny model): its
+    rows are over_budget and its leaderboard rows say so, the KV-head SnapKV's do not; kv_share rides along."""
+    table = evaluate(datasets=["toy"], tasks=["repeat"], limit=1, ratios=[0.5], modes=["query-agnostic"],
+                     policies=["SnapKV(window_size=8)", "SnapKV(window_size=8, per_query_head=True)"],
+                     data_dir=tmp_path)
+    board = leaderboard(table).set_index("policy")
+    wide = next(p for p in board.index if "per_query_head" in p)
+    assert board.loc[wide, "over_budget"] and board.loc[wide, "kv_share"] == pytest.approx(1.0, abs=0.02)
+    assert not board.loc["SnapKV(window_size=8)", "over_budget"]
+    assert board.loc["SnapKV(window_size=8)", "kv_share"] == pytest.approx(0.5, abs=0.02)
+    assert not board.loc["FullCache", "over_budget"] and board.loc["FullCache", "kv_share"] == 1

@@ -33,10 +33,13 @@ def lengths(table: pd.DataFrame) -> list[int]:
 
 
 def example_scores(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per (dataset, [length,] task, example, policy, budget, mode): the mean score over its questions, x 100.
-    The full cache's rows are repeated under every mode of the run, so that each mode's line has its baseline."""
+    """One row per (dataset, [length,] task, example, policy, budget, mode): the mean score over its questions, x 100,
+    and where the table records them, the mean kv_share and whether any question's cache held more than its budget
+    (over_budget; compression.entries). The full cache's rows are repeated under every mode of the run, so that each mode's line has its baseline."""
     keys = [*_scope(table), "task", "example", "policy", _budget(table), "mode"]
-    scores = table.groupby(keys, dropna=False, sort=False).score.mean().mul(100).reset_index()
+    held = dict(kv_share=("kv_share", "mean"), over_budget=("over_budget", "any")) if "kv_share" in table else {}
+    scores = table.groupby(keys, dropna=False, sort=False).agg(score=("score", "mean"), **held).reset_index()
+    scores["score"] *= 100
     modes = [m for m in scores["mode"].unique() if m != "full"] or ["full"]
     full = scores[scores["mode"] == "full"]
     return pd.concat([scores[scores["mode"] != "full"], *[full.assign(mode=m) for m in modes]], ignore_index=True)
@@ -69,14 +72,17 @@ def task_scores(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Da
 def leaderboard(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Per (dataset, [length,] policy, budget, mode): the average over tasks of the task scores, with its interval and
     the number of tasks and examples: kvpress's leaderboard (score vs compression ratio per method), full cache
-    included (ratio 0)."""
+    included (ratio 0). Where the table records KV entries: kv_share (the mean share of the uncompressed cache's
+    entries held) and over_budget (some example held more than the budget: not a matched-totals comparison)."""
     scores, budget = example_scores(table), _budget(table)
     keys = [*_scope(table), "policy", budget, "mode"]
     rows = []
     for key, part in scores.groupby(keys, dropna=False, sort=False):
         groups = [task.score.to_numpy() for _, task in part.groupby("task", sort=False)]
         estimate, low, high = _interval(groups, n_boot, seed)
-        rows.append(dict(zip(keys, key), score=estimate, low=low, high=high, tasks=len(groups), examples=len(part)))
+        held = dict(kv_share=part.kv_share.mean(), over_budget=bool(part.over_budget.any())) if "kv_share" in part else {}
+        rows.append(dict(zip(keys, key), score=estimate, low=low, high=high, tasks=len(groups), examples=len(part),
+                         **held))
     return pd.DataFrame(rows).sort_values([*_scope(table), "mode", "policy", budget], ignore_index=True)
 
 
