@@ -159,7 +159,7 @@ class Eviction:
         self.pending[layer] = stack_rows(slots, left=True)
 
 
-def _visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, module,
+def visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, module,
                   hidden_slots: torch.Tensor | None = None) -> torch.Tensor:
     """A causal mask in the style of `like` (bool: True visible; float: 0 visible; None: the style of the model's
     attention, float under eager) for the last `rows` of n_keys keys, every earlier key visible but `hidden_slots`
@@ -188,9 +188,9 @@ def attend_cache(cache: DynamicCache, function, module, query, key, value, atten
         # Transformers' mask is sized and filled for the first layer's slots; this layer's pads and fill slots are
         # where its positions are NO_POSITION.
         hidden = slot_positions(layer, pads)[:, 0] < 0  # a row's pads and fill are the same slots in every head
-        attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module, hidden)
+        attention_mask = visible_mask(attention_mask, query, key.shape[-2], module, hidden)
     elif attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] != key.shape[-2]:
-        attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module)
+        attention_mask = visible_mask(attention_mask, query, key.shape[-2], module)
     if after_prefill and isinstance(layer, CompressedLayer) and layer.groups > 1:
         # one KV head per query head (per_query_head): the keys are repeated already, so the call must not repeat them
         groups, module.num_key_value_groups = module.num_key_value_groups, 1
