@@ -4,6 +4,7 @@ from the two forwards' logits."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,3 +114,48 @@ def test_every_kv_head_chosen_is_the_whole_layer_and_a_sliding_model_runs():
     full_only = span_effects(model, ByteTokenizer(), context, question[0].tolist(), layers=[1], **run)
     # (0, 8) is out of the sliding layers' window (16 - 1 slots): hiding it there changes nothing
     assert every.kl[0] == pytest.approx(full_only.kl[0], abs=1e-6) and every.kl[1] != pytest.approx(full_only.kl[1])
+
+
+class KnownAnswer:
+    """A hand-built probe whose answer changes exactly when every span of `needed` is evicted together (a fact told
+    twice: either copy alone still answers), so the minimal evicting set is known."""
+
+    def __init__(self, needed):
+        self.needed, self.forwards, self.seen = set(needed), 0, []
+
+    def effects(self, sets, layers=None, heads=None):
+        self.forwards += 1
+        self.seen.append(len(sets))
+        return [dict(kl=float(len(s)), logprob_delta=-1.0, answer_changed=self.needed <= set(s)) for s in sets]
+
+
+def test_the_minimal_set_search_finds_the_two_blocks_the_answer_needs_within_its_budget():
+    from snapkv_lab.compression.span_search import minimal_evicting_set
+
+    a, b, c, d = (0, 8), (8, 16), (16, 24), (24, 32)
+    effects = pd.DataFrame(dict(start=[s for s, _ in (c, a, d, b)], end=[e for _, e in (c, a, d, b)],
+                                kl=[0.5, 0.9, 0.7, 0.1]))  # ranked a, d, c, b: b, needed, comes last
+    probe = KnownAnswer({a, b})
+    found = minimal_evicting_set(probe, effects, budget=10, batch_size=2)
+    assert found.changed and sorted(found.spans) == [a, b] and found.forwards == probe.forwards <= 10
+    assert max(probe.seen) <= 2  # never more sets per forward than batch_size
+    starved = minimal_evicting_set(KnownAnswer({a, b}), effects, budget=1, batch_size=2)
+    assert not starved.changed and starved.forwards == 1 and starved.spans == [a, d]
+
+
+def test_the_search_and_the_localisation_run_on_a_model(model):
+    from snapkv_lab.compression.span_effects import EvictionProbe, probe_spans
+    from snapkv_lab.compression.span_search import head_effects, layer_effects, minimal_evicting_set
+
+    context, question, answer = ids(N, 14), ids(4, 15), ids(3, 16)
+    probe = EvictionProbe.prefilled(model, ByteTokenizer(), context, question[0].tolist(), answer=answer[0].tolist())
+    effects = probe_spans(probe, default_spans(N, 32), progress=False)
+    everything = probe.effects([[(0, N)]])[0]
+    found = minimal_evicting_set(probe, effects, budget=4)
+    assert found.changed == everything["answer_changed"] or found.forwards == 4
+    layers = layer_effects(probe, [(0, 32)])
+    assert list(layers.layer) == [0, 1, 2] and layers.kl.ge(0).all()
+    alone = probe.effects([[(0, 32)]], layers=[1])[0]
+    assert layers.kl[1] == pytest.approx(alone["kl"])
+    heads = head_effects(probe, [(0, 32)], layer=1)
+    assert list(heads.kv_head) == [0, 1] and heads.kl.sum() > 0

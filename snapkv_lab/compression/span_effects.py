@@ -25,6 +25,9 @@ the prefill's own logits and is unaffected by any eviction (its KL is 0): only l
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import dataclass
+
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -64,14 +67,15 @@ def _batched(cache: DynamicCache, rows: int) -> DynamicCache:
 
 
 class _Hider:
-    """The attention override that hides each batch row's span from the chosen layers and KV heads (module doc).
-    positions[layer]: (slots,) the context position each cached slot of the layer holds (a sliding layer holds its
-    last ones); the fed tokens' slots come after them and are never hidden."""
+    """The attention override that hides, from the chosen layers and KV heads, each batch row's set of spans (module
+    doc). positions[layer]: (slots,) the prompt position each cached slot of the layer holds (a sliding layer holds
+    its last ones); the fed tokens' slots come after them and are never hidden."""
 
     def __init__(self, cache: DynamicCache, n: int, layers, heads):
         """n: the tokens prefilled into `cache` (the context, and the question when query-aware)."""
         self.positions = {i: held_positions(layer, n)[0, 0] for i, layer in enumerate(cache.layers)}
-        self.layers, self.heads, self.spans = layers, heads, []
+        self.layers, self.heads = layers, heads
+        self.sets: list[list[tuple[int, int]]] = []  # per batch row, the spans it hides
 
     def __call__(self, function, module, query, key, value, attention_mask, **kwargs):
         layer = module.layer_idx
@@ -79,9 +83,10 @@ class _Hider:
             return function(module, query, key, value, attention_mask, **kwargs)
         positions = self.positions[layer].to(key.device)
         slots = key.shape[-2]
-        hidden = torch.zeros(len(self.spans), slots, dtype=torch.bool, device=key.device)
-        for row, (start, end) in enumerate(self.spans):
-            hidden[row, :len(positions)] = (positions >= start) & (positions < end)
+        hidden = torch.zeros(len(self.sets), slots, dtype=torch.bool, device=key.device)
+        for row, spans in enumerate(self.sets):
+            for start, end in spans:
+                hidden[row, :len(positions)] |= (positions >= start) & (positions < end)
         hidden = hidden[:, None, None, :]  # (batch, 1, 1, slots)
         if self.heads is not None:  # hide only from the query heads reading the chosen KV heads
             group = query.shape[1] // key.shape[1]
@@ -99,20 +104,90 @@ class _Hider:
         return function(module, query, key, value, mask, **kwargs)
 
 
-def _answer_logits(model, cache, fed: torch.Tensor, start: int, hider: _Hider | None, vocab: int) -> torch.Tensor:
-    """(rows, len(fed), vocab) float32 log-probabilities after each fed token, over a batched view of `cache`."""
-    rows = 1 if hider is None else len(hider.spans)
-    if fed.shape[1] == 0:  # a one-token answer to a prefilled question: nothing is fed
-        return torch.zeros(rows, 0, vocab, device=model.device)
-    batched = _batched(cache, rows)
-    positions = torch.arange(start, start + fed.shape[1], device=model.device)[None].expand(rows, -1)
-    ids = fed.expand(rows, -1)
-    if hider is None:
-        logits = model(ids, **with_cache(model, batched), position_ids=positions, use_cache=True).logits
-    else:
-        with intercept_attention(model, None, attend=hider):
-            logits = model(ids, **with_cache(model, batched), position_ids=positions, use_cache=True).logits
-    return F.log_softmax(logits.float(), dim=-1)
+@dataclass
+class EvictionProbe:
+    """One context prefilled, its question and answer: the effect of hiding any set of spans from its cache.
+
+    cache: the prefill's (the context, and the question when query-aware); n: the context's tokens; answer: (1, m)
+    ids; fed: (1, k) the tokens teacher-forced after the prefill (the question and the answer but its last token, or
+    the answer but its last); start: the first fed token's position; first: (1, 1, vocab) the prefill's
+    log-probabilities where they give the answer's first token (query-aware), else None; reference: (1, m, vocab)
+    the full cache's log-probabilities of each answer token's draw; forwards: batched forwards run so far."""
+
+    model: object
+    cache: DynamicCache
+    n: int
+    answer: torch.Tensor
+    fed: torch.Tensor
+    start: int
+    first: torch.Tensor | None
+    reference: torch.Tensor | None = None
+    forwards: int = 0
+
+    @classmethod
+    @torch.inference_mode()
+    def prefilled(cls, model, tokenizer, context, question, *, answer=None, query_aware: bool = False,
+                  max_new_tokens: int = 32) -> EvictionProbe:
+        """The probe of one context and question (arguments as `span_effects`)."""
+        ids = encode_batch(tokenizer, context).ids.to(model.device)
+        if ids.shape[0] != 1:
+            raise ValueError(f"span effects take one context, got a batch of {ids.shape[0]}")
+        n = ids.shape[1]
+        asked = encode_continuation(tokenizer, question).to(model.device)[None]
+        prompt = torch.cat([ids, asked], 1) if query_aware else ids
+        cache = DynamicCache(config=model.config)
+        prefill = model(prompt, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
+        if answer is None:  # the full cache's greedy answer to the question
+            asking = fork(cache)
+            logits = prefill if query_aware else forward(model, asked, asking, n)
+            eos = eos_ids(model, tokenizer)
+            generated, _ = greedy_decode(model, asking, logits, n + asked.shape[1], max_new_tokens, eos)
+            answer = generated[:, :eos_cut(generated[0].tolist(), eos) + 1]
+        else:
+            answer = encode_continuation(tokenizer, answer).to(model.device)[None]
+        if answer.shape[1] == 0:
+            raise ValueError("the answer is empty: give one, or a max_new_tokens that lets the model answer")
+        # Teacher forcing: the tokens whose next-token distributions are the answer's (not the last answer token's).
+        fed = answer[:, :-1] if query_aware else torch.cat([asked, answer[:, :-1]], 1)
+        first = F.log_softmax(prefill.float(), -1)[:, None] if query_aware else None
+        probe = cls(model, cache, n, answer, fed, prompt.shape[1] if query_aware else n, first)
+        probe.reference = probe._logprobs(None, prefill.shape[-1])
+        return probe
+
+    @torch.inference_mode()
+    def effects(self, sets: list[list[tuple[int, int]]], *, layers=None, heads=None) -> list[dict]:
+        """Per set of spans (hidden together, one batch row each): kl, logprob_delta, answer_changed (module doc).
+        layers, heads: the layer indices and KV heads they are hidden from (None: all)."""
+        if not sets:
+            return []
+        hider = _Hider(self.cache, self.start if self.first is not None else self.n,
+                       None if layers is None else set(layers), heads)
+        hider.sets = [_checked_spans(spans, self.n) for spans in sets]
+        evicted, reference = self._logprobs(hider, self.reference.shape[-1]), self.reference
+        kl = (reference.exp() * (reference - evicted)).sum(-1).mean(-1)  # (rows,)
+        taken = self.answer[..., None]
+        delta = evicted.gather(-1, taken.expand(len(sets), -1, -1)).sum((1, 2)) - reference.gather(-1, taken).sum()
+        changed = (evicted.argmax(-1) != self.answer).any(-1)
+        return [dict(kl=float(k), logprob_delta=float(d), answer_changed=bool(c))
+                for k, d, c in zip(kl, delta, changed, strict=True)]
+
+    def _logprobs(self, hider: _Hider | None, vocab: int) -> torch.Tensor:
+        """(rows, answer length, vocab) float32: the log-probabilities each answer token was drawn from, over a
+        batched view of the cache (one row per hidden set; one row, nothing hidden, when hider is None)."""
+        rows = 1 if hider is None else len(hider.sets)
+        if self.fed.shape[1] == 0:  # a one-token answer to a prefilled question: nothing is fed
+            logprobs = torch.zeros(rows, 0, vocab, device=self.answer.device)
+        else:
+            model = self.model
+            positions = torch.arange(self.start, self.start + self.fed.shape[1], device=model.device)
+            run = dict(position_ids=positions[None].expand(rows, -1), use_cache=True)
+            with nullcontext() if hider is None else intercept_attention(model, None, attend=hider):
+                logits = model(self.fed.expand(rows, -1), **with_cache(model, _batched(self.cache, rows)), **run).logits
+            logprobs = F.log_softmax(logits.float(), dim=-1)
+            self.forwards += 1
+        if self.first is not None:
+            logprobs = torch.cat([self.first.expand(rows, -1, -1), logprobs], 1)
+        return logprobs[:, -self.answer.shape[1]:]
 
 
 @torch.inference_mode()
@@ -126,56 +201,20 @@ def span_effects(model, tokenizer, context, question, *, spans=None, block: int 
     full cache's greedy answer (up to max_new_tokens, ending at EOS included). spans: [(start, end)] context positions
     (default: consecutive blocks of `block`). layers, heads: the layer indices and KV heads the span is evicted from
     (None: all). batch_size: spans per forward."""
-    ids = encode_batch(tokenizer, context).ids.to(model.device)
-    if ids.shape[0] != 1:
-        raise ValueError(f"span_effects takes one context, got a batch of {ids.shape[0]}")
-    n = ids.shape[1]
-    spans = default_spans(n, block) if spans is None else _checked_spans(spans, n)
-    asked = encode_continuation(tokenizer, question).to(model.device)[None]
-    prompt = torch.cat([ids, asked], 1) if query_aware else ids
-    cache = DynamicCache(config=model.config)
-    prefill = model(prompt, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
-    if answer is None:  # the full cache's greedy answer to the question
-        asking = fork(cache)
-        logits = prefill if query_aware else forward(model, asked, asking, n)
-        generated, _ = greedy_decode(model, asking, logits, n + asked.shape[1], max_new_tokens,
-                                     eos_ids(model, tokenizer))
-        answer = generated[:, :eos_cut(generated[0].tolist(), eos_ids(model, tokenizer)) + 1]
-    else:
-        answer = encode_continuation(tokenizer, answer).to(model.device)[None]
-    if answer.shape[1] == 0:
-        raise ValueError("the answer is empty: give one, or a max_new_tokens that lets the model answer")
-    # Teacher forcing: the tokens whose next-token distributions are the answer's (the last answer token's own is not).
-    fed = answer[:, :-1] if query_aware else torch.cat([asked, answer[:, :-1]], 1)
-    first = F.log_softmax(prefill.float(), -1)[:, None] if query_aware else None
-    start = prompt.shape[1] if query_aware else n
-    reference = _with_first(_answer_logits(model, cache, fed, start, None, prefill.shape[-1]), first, answer)
-    hider = _Hider(cache, prompt.shape[1], None if layers is None else set(layers), heads)
+    probe = EvictionProbe.prefilled(model, tokenizer, context, question, answer=answer, query_aware=query_aware,
+                                    max_new_tokens=max_new_tokens)
+    return probe_spans(probe, default_spans(probe.n, block) if spans is None else spans, layers=layers, heads=heads,
+                       batch_size=batch_size, progress=progress)
+
+
+def probe_spans(probe: EvictionProbe, spans, *, layers=None, heads=None, batch_size: int = 8,
+                progress: bool = True) -> pd.DataFrame:
+    """span_effects' table for a probe already prefilled: one row per span, each hidden alone."""
+    spans = _checked_spans(spans, probe.n)
     rows = []
-    bar = progress_bar(total=len(spans), desc="span effects", disable=not progress)
-    for at in range(0, len(spans), batch_size):
-        hider.spans = spans[at:at + batch_size]
-        evicted = _with_first(_answer_logits(model, cache, fed, start, hider, prefill.shape[-1]), first, answer)
-        rows += _effects(reference, evicted, answer, hider.spans)
-        bar.update(len(hider.spans))
-    bar.close()
+    batches = range(0, len(spans), batch_size)
+    for at in progress_bar(batches, desc="span effects", total=len(batches), disable=not progress):
+        chunk = spans[at:at + batch_size]
+        effects = probe.effects([[span] for span in chunk], layers=layers, heads=heads)
+        rows += [dict(start=s, end=e, **effect) for (s, e), effect in zip(chunk, effects, strict=True)]
     return pd.DataFrame(rows, columns=["start", "end", "kl", "logprob_delta", "answer_changed"])
-
-
-def _with_first(logprobs: torch.Tensor, first: torch.Tensor | None, answer: torch.Tensor) -> torch.Tensor:
-    """(rows, answer length, vocab): the distributions each answer token was drawn from, the prefill's first where
-    the question was prefilled (query-aware)."""
-    if first is not None:
-        logprobs = torch.cat([first.expand(logprobs.shape[0], -1, -1), logprobs], 1)
-    return logprobs[:, -answer.shape[1]:]
-
-
-def _effects(reference: torch.Tensor, evicted: torch.Tensor, answer: torch.Tensor, spans) -> list[dict]:
-    """One row per span from the answer's next-token log-probabilities: reference (1, m, vocab), evicted (rows, m,
-    vocab), answer (1, m)."""
-    kl = (reference.exp() * (reference - evicted)).sum(-1).mean(-1)  # (rows,)
-    index = answer[..., None].expand(evicted.shape[0], -1, -1)
-    delta = evicted.gather(-1, index).sum((1, 2)) - reference.gather(-1, answer[..., None]).sum()
-    changed = (evicted.argmax(-1) != answer).any(-1)
-    return [dict(start=s, end=e, kl=float(k), logprob_delta=float(d), answer_changed=bool(c))
-            for (s, e), k, d, c in zip(spans, kl, delta, changed, strict=True)]
