@@ -67,8 +67,8 @@ def test_sliding_layers_count_their_own_window_in_the_full_cache_and_the_budget(
     model = FAMILIES["gemma3-sliding"]()
     config = model.config
     slides = sliding_layers(config)
-    run = snapkv_lab.generate(model, ByteTokenizer(), prompt(n=120), policy=snapkv_lab.SnapKV(capacity=0.5, window_size=8),
-                              max_new_tokens=1)
+    run = snapkv_lab.generate(model, ByteTokenizer(), prompt(n=120),
+                              policy=snapkv_lab.SnapKV(capacity=0.5, window_size=8), max_new_tokens=1)
     window = (SLIDING_WINDOW - 1) * config.num_key_value_heads
     full_layers = config.num_hidden_layers - len(slides)
     expected_full = full_layers * config.num_key_value_heads * 120 + len(slides) * window

@@ -35,7 +35,8 @@ def test_values_are_the_layers_own_projections(traced):
     d = config.hidden_size // config.num_attention_heads
     for i, layer in enumerate(model.model.layers):
         with torch.inference_mode():
-            expected = layer.self_attn.v_proj(layer.input_layernorm(hidden[i]))[0].view(-1, config.num_key_value_heads, d)
+            projected = layer.self_attn.v_proj(layer.input_layernorm(hidden[i]))[0]
+            expected = projected.view(-1, config.num_key_value_heads, d)
         torch.testing.assert_close(trace.values[i], expected.transpose(0, 1), atol=1e-5, rtol=1e-4)
 
 

@@ -81,7 +81,8 @@ class HeldEntries:
     @property
     def over_budget(self):
         """Whether more entries are held than the nominal budget allows, beyond one per compressed head of rounding."""
-        over = [sum(h) > sum(b) + slack for h, b, slack in zip(self.held, self.budget, self.compressed_heads, strict=True)]
+        rows = zip(self.held, self.budget, self.compressed_heads, strict=True)
+        over = [sum(h) > sum(b) + slack for h, b, slack in rows]
         return over[0] if len(over) == 1 else over
 
     def columns(self) -> dict:

@@ -41,7 +41,8 @@ def minimal_evicting_set(probe: EvictionProbe, effects: pd.DataFrame, *, budget:
     not exhaustive: 2^spans sets)."""
     if budget < 1 or batch_size < 1:
         raise ValueError(f"budget and batch_size are positive counts of forwards and sets, got {budget}, {batch_size}")
-    ranked = [(int(r.start), int(r.end)) for r in effects.sort_values("kl", ascending=False, kind="stable").itertuples()]
+    by_kl = effects.sort_values("kl", ascending=False, kind="stable")
+    ranked = [(int(r.start), int(r.end)) for r in by_kl.itertuples()]
     if not ranked:
         raise ValueError("effects holds no span")
     used, found, effect = 0, None, None
@@ -81,5 +82,6 @@ def head_effects(probe: EvictionProbe, spans: list[tuple[int, int]], layer: int)
     """One row per KV head of `layer`: the effect of hiding `spans` from that head alone: layer, kv_head, kl,
     logprob_delta, answer_changed. One forward per head."""
     heads = probe.cache.layers[layer].keys.shape[1]
-    return pd.DataFrame([dict(layer=layer, kv_head=head, **probe.effects([list(spans)], layers=[layer], heads=[head])[0])
-                         for head in range(heads)])
+    rows = [dict(layer=layer, kv_head=head, **probe.effects([list(spans)], layers=[layer], heads=[head])[0])
+            for head in range(heads)]
+    return pd.DataFrame(rows)

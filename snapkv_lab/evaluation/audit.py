@@ -58,8 +58,9 @@ def example_entries(model, tokenizer, config: dict) -> pd.DataFrame:
     layer_kv_share (JSON)."""
     example, encoded, budget_of, policies = prepared_example(model, tokenizer, config)
     if len(encoded.context_ids) != config["context_tokens"]:
-        raise ValueError(f"{example.dataset}/{example.task} #{example.id} rebuilds to a {len(encoded.context_ids)}-token "
-                         f"context, not the table's {config['context_tokens']}: its budgets cannot be recomputed")
+        raise ValueError(f"{example.dataset}/{example.task} #{example.id} rebuilds to a "
+                         f"{len(encoded.context_ids)}-token context, not the table's {config['context_tokens']}: "
+                         "its budgets cannot be recomputed")
 
     def as_ids(ids):
         return torch.tensor([ids], device=model.device)
