@@ -159,3 +159,40 @@ def test_the_search_and_the_localisation_run_on_a_model(model):
     assert layers.kl[1] == pytest.approx(alone["kl"])
     heads = head_effects(probe, [(0, 32)], layer=1)
     assert list(heads.kv_head) == [0, 1] and heads.kl.sum() > 0
+
+
+def test_the_gradient_estimate_is_kvgrads_score_written_out(model):
+    """position_attribution against KVgrad's formula computed here from a teacher-forced trace of the same tokens
+    (attention and ||W_O^h v|| from capture(values=True)) and the gradient of log p(answer) with respect to each
+    layer's attention output, taken by torch.autograd.grad over a plain forward."""
+    import snapkv_lab
+    from snapkv_lab.compression.span_effects import EvictionProbe
+    from snapkv_lab.compression.span_gradients import gradient_effects, position_attribution
+
+    context, question, answer = ids(40, 17), ids(3, 18), ids(3, 19)
+    probe = EvictionProbe.prefilled(model, ByteTokenizer(), context, question[0].tolist(), answer=answer[0].tolist())
+    scores = position_attribution(probe)
+
+    fed = torch.cat([question, answer[:, :-1]], 1)
+    trace = snapkv_lab.capture(model, ByteTokenizer(), context, continuation=fed[0], values=True, progress=False)
+    outputs = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out[0]))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        logits = model(torch.cat([context, fed], 1)).logits[0, -answer.shape[1]:]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    objective = F.log_softmax(logits.float(), -1).gather(-1, answer[0, :, None]).sum()
+    grads = torch.autograd.grad(objective, [outputs[i] for i in range(3)])
+    n, probes = 40, fed.shape[1]
+    expected = torch.zeros(n)
+    for i in range(3):
+        attention = trace.attention(i, queries=slice(n, n + probes), keys=slice(0, n))  # (heads, probes, n)
+        norm = grads[i][0, n:].norm(dim=-1)  # (probes,)
+        per_head = (attention * norm[None, :, None]).amax(1) * trace.value_norms[i][:, :n]
+        expected += per_head.view(2, 2, n).amax(1).sum(0).detach()
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-3)
+    table = gradient_effects(probe, [(0, 20), (20, 40)])
+    assert table.attribution.tolist() == pytest.approx([float(expected[:20].sum()), float(expected[20:].sum())],
+                                                       rel=1e-3)
