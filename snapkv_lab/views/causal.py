@@ -50,3 +50,49 @@ def causal_coverage(effects: pd.DataFrame, kept, *, effect: str = "kl", n_tokens
     coverage = float((values * span_share).sum() / total) if total > 0 else float("nan")
     return dict(coverage=coverage, oracle=protected / total if total > 0 else float("nan"), chance=kept_entries / n,
                 kept_share=kept_entries / n, total_effect=float(total))
+
+
+def policies_against_effects(model, tokenizer, context, question, effects: pd.DataFrame, policies, *,
+                             trace=None, max_new_tokens: int = 16) -> pd.DataFrame:
+    """One row per policy, each compressing `context` alone and answering `question` after it (query-agnostic, as
+    span_effects feeds it): its answer, causal coverage, oracle and chance (causal_coverage against `effects`), and
+    with `trace` (the full cache's: the context as its prompt, the question and answer teacher-forced after it) its
+    attention coverage of those rows over layers and heads, sinks excluded (views.coverage)."""
+    from ..compression.generation import generate
+    from .coverage import attention_coverage, coverage_summary
+
+    ids = context if isinstance(context, torch.Tensor) else torch.tensor([context])
+    rows = []
+    for policy in policies:
+        run = generate(model, tokenizer, ids, policy=policy, question=question, max_new_tokens=max_new_tokens)
+        row = dict(policy=policy.label, answer=run.text, **causal_coverage(effects, run, n_tokens=ids.shape[1]))
+        if trace is not None:
+            summary = coverage_summary(attention_coverage(trace, run).assign(policy=policy.label)).iloc[0]
+            row.update(attention_coverage=summary.coverage, attention_oracle=summary.oracle)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def span_effects_figure(effects: pd.DataFrame, *, column: str = "kl", marked: tuple[int, int] | None = None,
+                        kept: dict | None = None):
+    """A plotly bar per span of its effect (`column`), the spans whose eviction changes the answer in a darker
+    colour; `marked` (start, end) shaded (a needle); kept: {label: GenerationResult or kept mask} drawn as each
+    policy's kept share per span on a second axis."""
+    import plotly.graph_objects as go
+
+    middle = (effects.start + effects.end) / 2
+    colours = ["#7a1f5c" if changed else "#c9a3bd" for changed in effects.get("answer_changed", [False] * len(effects))]
+    figure = go.Figure(go.Bar(x=middle, y=effects[column], width=(effects.end - effects.start) * 0.9,
+                              marker_color=colours, name=f"{column} of evicting the span (dark: answer changes)"))
+    for label, held in (kept or {}).items():
+        n = int(effects.end.max())
+        mask = held if isinstance(held, torch.Tensor) else kept_mask(held, n)
+        share = mask[..., :n].float().mean(dim=tuple(range(mask.ndim - 1)))
+        spans = [float(share[s:e].mean()) for s, e in zip(effects.start, effects.end, strict=True)]
+        figure.add_trace(go.Scatter(x=middle, y=spans, mode="lines", name=f"{label}: kept share", yaxis="y2"))
+    if marked is not None:
+        figure.add_vrect(x0=marked[0], x1=marked[1], fillcolor="gold", opacity=0.35, line_width=0)
+    figure.update_layout(xaxis_title="context position", yaxis_title=column, height=420,
+                         yaxis2=dict(title="kept share", overlaying="y", side="right", range=[0, 1.05]),
+                         legend=dict(orientation="h", y=-0.25))
+    return figure
