@@ -6,18 +6,19 @@ layers, streaming heads' sink_size + recent_size tokens)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ByteTokenizer, make_tiny_llama
-from reference import eager_attentions
+from reference import eager_attentions, official_capacities
 
 import snapkv_lab as C
 from snapkv_lab.policies import headkv, retrieval_heads
 
-WINDOW, CAPACITY, N = 8, 40, 96
+WINDOW, CAPACITY, N = 8, 40, 96  # WINDOW: the official LongBench run's (FYYFU/HeadKV at 0862a09, run_longbench.py:217)
 
 
 def scored(model, scores):
@@ -26,21 +27,6 @@ def scored(model, scores):
     model.config.name_or_path = "tiny-with-scores"
     retrieval_heads._GRIDS[model] = torch.as_tensor(scores, dtype=torch.float64)
     return model
-
-
-def official_capacities(scores: list[list[float]], base_capacity: int, window: int, beta: float, temp: float):
-    """ReasonSnapKVCluster.__init__, line by line: scores normalised, raised to temp, normalised; a pool of
-    (b // beta) per head shared by them; each head gets round(share * pool + b - b // beta)."""
-    b = base_capacity - window
-    flat = [s for layer in scores for s in layer]
-    total = sum(flat)
-    shares = [(s / total) ** temp for s in flat]
-    shares = [s / sum(shares) for s in shares]
-    pool = (b // beta) * len(flat)
-    floor = b - b // beta
-    caps = [round(s * pool + floor) for s in shares]  # torch.round: half to even, as Python's round
-    width = len(scores[0])
-    return [caps[i:i + width] for i in range(0, len(caps), width)]
 
 
 def official_kept(model, ids, capacities):
@@ -64,6 +50,20 @@ def official_kept(model, ids, capacities):
     return kept
 
 
+def test_the_default_is_the_official_run_and_the_former_window_is_named():
+    """The official run sets SnapKV's window to 8, kernel 7, max pooling (run_longbench.py:217-226, over the cluster's
+    own default of 32): HeadKV() is that. The former default (window 32) keeps a label of its own, which reads back
+    as the same policy (committed tables computed with it carry that label)."""
+    inner = C.HeadKV().policy
+    assert (type(inner), inner.window_size, inner.kernel_size, inner.pooling) == (C.SnapKV, WINDOW, 7, "max")
+    assert (C.HeadKV().beta, C.HeadKV().temperature) == (1.005, 1.0)  # head_start_llama3.sh: betas[0], temp=1
+    assert C.HeadKV(policy=C.SnapKV(window_size=8)).label == C.HeadKV().label == "HeadKV@1024"
+    former = C.HeadKV(policy=C.SnapKV(), redistribute=True)
+    assert former.scorer_label == "HeadKV(policy=SnapKV(window_size=32), redistribute=True)"
+    assert C.policies.parse_policy(former.scorer_label) == dataclasses.replace(former, capacity=1024)
+    assert C.AdaKV(policy=C.SnapKV(window_size=8)).scorer_label == "AdaKV(policy=SnapKV(window_size=8))"  # AdaKV's: 32
+
+
 @pytest.mark.parametrize("beta,temperature", [(1.005, 1.0), (2.0, 1.0), (1.2, 2.0)])
 def test_capacities_are_the_official_allocation(beta, temperature):
     scores = [[0.0, 0.4, 0.1, 0.05], [0.3, 0.0, 0.02, 0.9], [0.01, 0.2, 0.0, 0.0]]
@@ -78,7 +78,7 @@ def test_each_head_keeps_its_top_positions_under_its_capacity(beta):
     scores = torch.tensor([[0.05, 0.6, 0.0, 0.2], [0.3, 0.1, 0.45, 0.0]], dtype=torch.float64)
     model = scored(make_tiny_llama(initializer_range=0.3), scores)  # peaked attention: few ties among votes
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
-    policy = C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), beta=beta)
+    policy = C.HeadKV(capacity=CAPACITY, beta=beta)
     state_kept = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1).kept_indices
     capacities = official_capacities(scores.tolist(), CAPACITY, WINDOW, beta, 1.0)
     for layer, reference in enumerate(official_kept(model, ids, capacities)):
@@ -90,7 +90,7 @@ def test_each_head_keeps_its_top_positions_under_its_capacity(beta):
 def test_kv_bytes_stay_within_the_uniform_budget():
     model = scored(make_tiny_llama(), [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
-    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
+    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY), max_new_tokens=1)
     uniform = C.generate(model, ByteTokenizer(), ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
                          max_new_tokens=1)
     # b = 32: 31 of it pooled over 8 heads (248), a floor of 1. Query heads: layer 0 head 0 gets round(248 / 4 + 1) = 63,
@@ -106,7 +106,7 @@ def test_a_model_whose_heads_score_nothing_is_refused():
     model = scored(make_tiny_llama(), torch.zeros(2, 4))
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(5))
     with pytest.raises(ValueError, match="retrieval scores"):
-        C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
+        C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY), max_new_tokens=1)
     with pytest.raises(ValueError, match="beta"):
         C.HeadKV(capacity=CAPACITY, beta=0.5)
     with pytest.raises(ValueError, match="per_query_head"):
@@ -178,7 +178,7 @@ def test_sliding_layers_share_no_budget(monkeypatch):
     scores = [[0.9, 0.0, 0.0, 0.0], [0.1, 0.3, 0.0, 0.2]]
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(8))
     model = scored(make_tiny_llama(initializer_range=0.3), scores)
-    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
+    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY), max_new_tokens=1)
     layer_one = torch.tensor(official_capacities([scores[1]], CAPACITY, WINDOW, 1.005, 1.0)[0], dtype=torch.float64)
     expected = torch.round(layer_one.view(2, 2).mean(-1)).long().clamp(max=N - WINDOW) + WINDOW
     assert torch.equal((run.kept_indices[1][0] >= 0).sum(-1), expected)
@@ -209,7 +209,7 @@ def test_redistribute_keeps_the_labelled_budget():
     its prefix; redistribute=True hands it to the heads with room, and the cache holds the uniform budget."""
     model = scored(make_tiny_llama(), [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
-    policy = C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), redistribute=True)
+    policy = C.HeadKV(capacity=CAPACITY, redistribute=True)
     assert "redistribute=True" in policy.label and "redistribute" not in C.policies.policy_config(C.HeadKV())
     run = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1)
     held = [(k[0] >= 0).sum(-1) - WINDOW for k in run.kept_indices]  # prefix positions per KV head

@@ -100,9 +100,10 @@ def _check_name(name) -> None:
 def policy_spec(text: str) -> dict:
     """The config (as `policy_from_config` takes it) of a policy written as a call: a registered name, with keyword
     settings of literal values and at most one positional argument, the wrapped policy (itself written the same
-    way): "SnapKV", "SnapKV(window_size=64, kernel_size=7)", "AdaKV(ExpectedAttention)",
-    "ChunkKV(AdaKV(SnapKV(window_size=16)))". Nothing is evaluated and no policy is built (torch is not imported):
-    a syntax or a name outside the registry is refused; the settings' values are checked by `parse_policy`."""
+    way, or as a label writes it, `policy=...`): "SnapKV", "SnapKV(window_size=64, kernel_size=7)",
+    "AdaKV(ExpectedAttention)", "ChunkKV(AdaKV(SnapKV(window_size=16)))", "HeadKV(policy=SnapKV(window_size=32))".
+    Nothing is evaluated and no policy is built (torch is not imported): a syntax or a name outside the registry is
+    refused; the settings' values are checked by `parse_policy`."""
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as error:
@@ -123,6 +124,11 @@ def _spec_from_node(node, text: str) -> dict:
     if node.args:
         config["policy"] = _spec_from_node(node.args[0], text)
     for keyword in node.keywords:
+        if keyword.arg == "policy" and isinstance(keyword.value, (ast.Name, ast.Call)):  # as labels write it
+            if node.args:
+                raise ValueError(f"cannot read the policy {text!r}: the inner policy is given twice")
+            config["policy"] = _spec_from_node(keyword.value, text)
+            continue
         try:
             config[keyword.arg] = ast.literal_eval(keyword.value)
         except ValueError as error:
