@@ -1,14 +1,16 @@
 """The policies that budget by heads from the model's retrieval scores, each against a plain reference written from
 its official code, with the scores handed to it: HeadKV (FYYFU/HeadKV at 3ec9653, headkv/snapkv_utils.py,
 ReasonSnapKVCluster: the capacities in __init__, the per-head top-k plus window in update_kv) over transformers'
-eager attention maps, and DuoAttention (mit-han-lab/duo-attention at 03dca84: full heads by their scores over all
-layers, streaming heads' sink_size + recent_size tokens)."""
+eager attention maps, and DuoAttention (mit-han-lab/duo-attention at 03dca84: full heads by the `sparsity` quantile
+of their gates over all layers, duo_attn/utils.py:353-373; streaming heads' first sink_size and last recent_size
+tokens, duo_attn/patch/static_kv_cache.py:127-160)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,26 +116,51 @@ def test_a_model_whose_heads_score_nothing_is_refused():
     assert math.isclose(float(headkv.head_shares(torch.tensor([[1.0, float("nan")]])).sum()), 1.0)
 
 
-def official_duo_kept(scores, n, budget, sink, recent, kv_heads):
-    """Per layer (kv_heads, widest) kept positions, -1 padded: a KV head's gate is its query heads' mean score; the F
-    best gates of all layers (F as many as L K budget positions pay for beside s = min(sink + recent, budget) per
-    streaming head, ties to the earlier head) keep every position, the others their first sinks and last recent."""
-    layers = len(scores)
-    gates = [[sum(row[k * (len(row) // kv_heads):(k + 1) * (len(row) // kv_heads)]) / (len(row) // kv_heads)
-              for k in range(kv_heads)] for row in scores]
+def official_full_heads(gates: np.ndarray, sparsity: float) -> np.ndarray:
+    """(layers, KV heads) bool, the full-attention heads: duo_attn/utils.py:353-373 at 03dca84 (sparsify_attention_heads)
+    line by line. Noise below 1e-6 breaks ties (the official draws it from numpy's global generator; the gates here
+    differ by more, so the draw changes nothing), the heads at or above the `sparsity` quantile of all gates are
+    full, sparsity >= 1 makes none full and <= 0 all."""
+    gates = gates + np.random.default_rng(0).uniform(0, 1e-6, gates.shape)
+    threshold = np.quantile(gates, sparsity)
+    if sparsity >= 1:
+        threshold = 2
+    if sparsity <= 0:
+        threshold = -1
+    return gates >= threshold
+
+
+def official_pattern_within(gates: np.ndarray, n: int, budget: int, sink: int, recent: int) -> np.ndarray:
+    """The official pattern at the least sparsity whose cache holds at most L K `budget` positions, a full head
+    holding all n and a streaming one min(sink + recent, budget): the official sets the sparsity by hand
+    (eval/LongBench/pred.py:49, 215-216), the lab's budget chooses it. Sparsities scanned in steps of 1e-3 (the count
+    changes in steps of 1 / (heads - 1) of sparsity: 1/15 at the finest here)."""
     streaming = min(sink + recent, budget)
-    count = (layers * kv_heads * (budget - streaming)) // (n - streaming)
-    ranked = sorted(((-gates[l][k], l, k) for l in range(layers) for k in range(kv_heads)))[:count]
-    full = {(l, k) for _, l, k in ranked}
+    for sparsity in np.linspace(0.0, 1.0, 1001):
+        full = official_full_heads(gates, sparsity)
+        if full.sum() * n + (~full).sum() * streaming <= gates.size * budget:
+            return full
+    raise AssertionError("no sparsity fits: even all-streaming heads pass the budget")
+
+
+def kv_gates(scores, kv_heads: int) -> np.ndarray:
+    """(layers, KV heads) gates from (layers, query heads) retrieval scores: a KV head's query heads' mean (kvpress's
+    on-the-fly reduction, duo_attention_press.py:209), as the lab's stand-in for the learned gates."""
+    scores = np.asarray(scores, dtype=float)
+    return scores.reshape(scores.shape[0], kv_heads, -1).mean(-1)
+
+
+def official_duo_kept(full: np.ndarray, n: int, budget: int, sink: int, recent: int):
+    """Per layer (kv_heads, widest) kept positions, -1 padded: a full head keeps every position; a streaming one its
+    first `sink` and last `recent` (duo_attn/patch/static_kv_cache.py:127-160 at 03dca84,
+    compress_and_replace_streaming_kv, after the prefill). A budget short of sink + recent (the official sets none):
+    the lab's documented split, floor(budget x sink / (sink + recent)) sinks and the rest recent."""
+    if budget < sink + recent:
+        sink = (budget * sink) // (sink + recent)
+        recent = budget - sink
     kept = []
-    for layer in range(layers):
-        rows = []
-        for k in range(kv_heads):
-            if (layer, k) in full:
-                rows.append(list(range(n)))
-            else:  # a budget short of sink + recent: sinks and recent tokens in proportion
-                sinks = sink if streaming == sink + recent else (streaming * sink) // (sink + recent)
-                rows.append(list(range(sinks)) + list(range(n - (streaming - sinks), n)))
+    for layer in full:
+        rows = [list(range(n)) if is_full else list(range(sink)) + list(range(n - recent, n)) for is_full in layer]
         widest = max(map(len, rows))
         kept.append(torch.tensor([r + [-1] * (widest - len(r)) for r in rows]))
     return kept
@@ -147,10 +174,26 @@ def test_duoattention_keeps_everything_in_its_best_heads_and_sinks_and_recent_in
     policy = C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent)
     run = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=2)
     budget = capacity if isinstance(capacity, int) else int(capacity * N)
-    for layer, reference in enumerate(official_duo_kept(scores, N, budget, sink, recent, 2)):
+    full = official_pattern_within(kv_gates(scores, 2), N, budget, sink, recent)
+    for layer, reference in enumerate(official_duo_kept(full, N, budget, sink, recent)):
         assert torch.equal(run.kept_indices[layer][0], reference), layer
     held = sum(int((k[0] >= 0).sum()) for k in run.kept_indices)
     assert held <= 2 * 2 * budget  # layers x KV heads x budget: never more than the label's budget
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_duoattention_chooses_its_full_heads_by_the_official_quantile_rule(seed):
+    """On 4 layers x 4 KV heads of distinct random gates, at budgets from all-streaming to nearly all full: the heads
+    DuoAttention keeps whole are the official rule's (official_full_heads) at the least sparsity the budget pays for."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(4, 8, generator=generator, dtype=torch.float64)  # 8 query heads, 2 per KV head
+    model = scored(make_tiny_llama(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4), scores)
+    gates = kv_gates(scores, 4)
+    for capacity, sink, recent in [(24, 4, 12), (40, 4, 12), (56, 8, 8), (72, 4, 12), (90, 4, 12), (30, 16, 32)]:
+        policy = C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent)
+        policy.prepare(model, None)
+        expected = official_pattern_within(gates, N, capacity, sink, recent)
+        assert policy.full_head_mask(N).numpy().tolist() == expected.tolist(), (seed, capacity)
 
 
 def test_duoattention_at_a_budget_that_pays_for_full_heads_gives_them_to_the_best_scores():
