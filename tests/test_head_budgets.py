@@ -18,7 +18,9 @@ from conftest import ByteTokenizer, make_tiny_llama
 from reference import eager_attentions, official_capacities
 
 import snapkv_lab as C
-from snapkv_lab.policies import headkv, retrieval_heads
+from snapkv_lab.compression.reference import masked_decode
+from snapkv_lab.core.hooks import intercept_attention, model_eager_function, returned_cache, with_cache
+from snapkv_lab.policies import headkv, policy_config, policy_from_config, retrieval_heads, upgrade_config
 
 WINDOW, CAPACITY, N = 8, 40, 96  # WINDOW: the official LongBench run's (FYYFU/HeadKV at 0862a09, run_longbench.py:217)
 
@@ -194,6 +196,73 @@ def test_duoattention_chooses_its_full_heads_by_the_official_quantile_rule(seed)
         policy.prepare(model, None)
         expected = official_pattern_within(gates, N, capacity, sink, recent)
         assert policy.full_head_mask(N).numpy().tolist() == expected.tolist(), (seed, capacity)
+
+
+def official_duo_decode(model, ids, full: np.ndarray, sink: int, recent: int, steps: int) -> torch.Tensor:
+    """(1, steps) greedy tokens under the official DuoAttention cache (mit-han-lab/duo-attention at 03dca84,
+    duo_attn/patch/llama.py:146-290, the tuple cache): the prefill attends the whole prompt in every head (:224-232);
+    a streaming KV head's cache is then cut to its first `sink` and last `recent` positions (:273-290); at every step
+    the new token is appended to it (:203-214), attended with it, and the cache cut back again. A full head keeps
+    everything. Each streaming head's cache is kept here as a plain list of the positions it holds, and every step is
+    eager attention over the whole cache with the positions outside that list hidden."""
+    n = ids.shape[1]
+    lists: dict[int, list] = {}
+
+    def cut(held):
+        return held if len(held) <= sink + recent else held[:sink] + held[len(held) - recent:]
+
+    def attend(function, module, query, key, value, attention_mask, **kwargs):
+        n_keys = key.shape[2]
+        if n_keys <= n:
+            return function(module, query, key, value, attention_mask, **kwargs)
+        held = lists.setdefault(module.layer_idx, [None if whole else cut(list(range(n)))
+                                                   for whole in full[module.layer_idx]])
+        visible = torch.ones(len(held), n_keys, dtype=torch.bool)
+        for head, positions in enumerate(held):
+            if positions is not None:
+                positions.append(n_keys - 1)
+                visible[head] = False
+                visible[head, positions] = True
+                held[head] = cut(positions)
+        visible = visible.repeat_interleave(query.shape[1] // len(held), dim=0)[None, :, None]  # query heads
+        mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, torch.finfo(query.dtype).min)
+        return model_eager_function(module)(module, query, key, value, mask, **kwargs)
+
+    tokens = []
+    with torch.no_grad(), intercept_attention(model, None, attend=attend):
+        out = model(ids, use_cache=True)
+        cache, token = returned_cache(out), out.logits[:, -1].argmax(-1)
+        for step in range(steps):
+            tokens.append(token)
+            out = model(token[:, None], **with_cache(model, cache), use_cache=True,
+                        position_ids=torch.tensor([[n + step]]))
+            token = out.logits[:, -1].argmax(-1)
+    return torch.stack(tokens, 1)
+
+
+@pytest.mark.parametrize("capacity", [48, 16])  # ragged (one head full, 1 of 4), every head streaming (dense)
+def test_duoattention_streaming_heads_roll_as_the_official_cache(capacity):
+    """Decoding: each streaming head keeps its sinks and its last recent_size tokens at every step, as the official
+    cache does (official_duo_decode), with recent_size short enough that the window slides off the prompt. The former
+    behaviour, the prefill's set frozen and every generated token kept, is DuoAttention(rolling=False): the plain
+    masked decode (compression.reference) with the prefill's kept set."""
+    scores = [[0.0, 0.7, 0.2, 0.1], [0.4, 0.5, 0.0, 0.0]]
+    model = scored(make_tiny_llama(initializer_range=0.3), scores)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(9))
+    sink, recent, steps = 4, 12, 16
+    rolling = C.generate(model, ByteTokenizer(), ids, max_new_tokens=steps,
+                         policy=C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent))
+    full = official_pattern_within(kv_gates(scores, 2), N, capacity, sink, recent)
+    assert int(full.sum()) == (1 if capacity == 48 else 0)
+    assert torch.equal(rolling.token_ids, official_duo_decode(model, ids, full, sink, recent, steps))
+    frozen_policy = C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent, rolling=False)
+    frozen = C.generate(model, ByteTokenizer(), ids, policy=frozen_policy, max_new_tokens=steps)
+    assert frozen_policy.label == f"DuoAttention(sink_size=4, recent_size=12, rolling=False)@{capacity}"
+    stored = {k: v for k, v in policy_config(frozen_policy).items() if k != "rolling"}  # a table's, before rolling
+    assert policy_from_config(upgrade_config(stored)) == frozen_policy  # reads back as what it ran
+    assert torch.equal(frozen.token_ids, masked_decode(model, ids, frozen, steps))
+    assert not torch.equal(frozen.token_ids, rolling.token_ids)  # the window matters on this prompt
+    assert all(torch.equal(a, b) for a, b in zip(frozen.kept_indices, rolling.kept_indices))  # the same prefill
 
 
 def test_duoattention_at_a_budget_that_pays_for_full_heads_gives_them_to_the_best_scores():

@@ -75,11 +75,14 @@ def policy_from_config(config: dict):
 
 
 def upgrade_config(config: dict) -> dict:
-    """A config stored before the kept tail had its own name (2026-11-26), as it reads today. Then `window_size` named
-    both SnapKV's voters and the last tokens every policy keeps by right: it stays `window_size` on SnapKV's family
-    (whose tail is that window) and becomes `kept_tail` elsewhere; a wrapper's copy of its inner policy's window is
-    dropped (a wrapper now leaves the inner policy's tail alone unless told). Today's configs come back unchanged."""
+    """A config stored before a change of meaning, as it reads today. A DuoAttention config without `rolling` is the
+    frozen one it ran (rolling=False). Before the kept tail had its own name (2026-11-26), `window_size` named both
+    SnapKV's voters and the last tokens every policy keeps by right: it stays `window_size` on SnapKV's family (whose
+    tail is that window) and becomes `kept_tail` elsewhere; a wrapper's copy of its inner policy's window is dropped
+    (a wrapper now leaves the inner policy's tail alone unless told). Today's configs come back unchanged."""
     config = {k: upgrade_config(v) if isinstance(v, dict) else v for k, v in config.items()}
+    if config.get("name") == "DuoAttention" and "rolling" not in config:  # stored before its streaming heads rolled
+        config["rolling"] = False  # (2026-11-29): what the prefill kept stayed, every generated token with it
     if "window_size" not in config:
         return config
     fields = {f.name for f in dataclasses.fields(__getattr__(config["name"]))}
