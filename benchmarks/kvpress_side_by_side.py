@@ -378,8 +378,7 @@ def main(argv=None) -> None:
     summary, detail = [], []
     for label, agreement in result.rows.items():
         status = f"pending: {agreement.pending}" if agreement.pending else "ok"
-        line = dict(method=label, ours=agreement.policy_label, kvpress=agreement.row.press.format(ratio=args.ratio),
-                    status=status)
+        line = dict(method=label, ours=agreement.policy_label, kvpress=agreement.press, status=status)
         if agreement.error:
             summary.append({**line, "note": f"kvpress failed: {agreement.error}. {agreement.row.why}"})
             continue

@@ -184,10 +184,15 @@ def attend_cache(cache: DynamicCache, function, module, query, key, value, atten
     layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
     if after_prefill and isinstance(layer, HeadwiseLayer):
         return headwise_attention(layer, query, AttentionSettings.of_call(module, kwargs)), None
-    if after_prefill and pads is not None and layer is not None and not getattr(layer, "is_sliding", False):
+    window = getattr(layer, "window", None) if after_prefill else None
+    if after_prefill and (pads is not None or window is not None) and layer is not None and \
+            not getattr(layer, "is_sliding", False):
         # Transformers' mask is sized and filled for the first layer's slots; this layer's pads and fill slots are
         # where its positions are NO_POSITION.
-        hidden = slot_positions(layer, pads)[:, 0] < 0  # a row's pads and fill are the same slots in every head
+        positions = slot_positions(layer, pads)
+        hidden = positions[:, 0] < 0  # a row's pads and fill are the same slots in every head
+        if window is not None:  # a dense layer's heads keep equal counts: a row's heads all roll, or none does
+            hidden = hidden | window.hidden(positions, positions[:, 0, -query.shape[-2]])[:, 0]
         attention_mask = visible_mask(attention_mask, query, key.shape[-2], module, hidden)
     elif attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] != key.shape[-2]:
         attention_mask = visible_mask(attention_mask, query, key.shape[-2], module)

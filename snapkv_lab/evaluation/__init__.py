@@ -65,13 +65,16 @@ LEADERBOARD = dict(datasets=["ruler"], lengths=[4096], ratios=list(RATIOS), mode
 
 
 # The committed run's policies, in the groups they joined it in. A cell's key names its policies, so a policy
-# registered later joins through cells of its own over the same examples instead of starting the run over.
+# registered later (or a default changed) joins through cells of its own over the same examples instead of starting
+# the run over. The third group ran HeadKV and DuoAttention under their former defaults, which keep those labels; the
+# last group runs their defaults since 2026-11-29 (HeadKV's official 8-token window, DuoAttention's rolling window).
 LEADERBOARD_GROUPS = (
     ("SnapKV", "SnapKVNoPooling", "SnapKVFactKernel", "H2O", "StreamingLLM", "RandomKeep", "TOVA", "KNorm", "PyramidKV",
      "AdaKV", "ChunkKV", "CriticalKV", "ExpectedAttention", "KVzip", "Surprisal", "DecodingEviction"),
     ("KeyDiff", "LagKV", "QFilters"),
-    ("HeadKV", "DuoAttention", "CAKE"),
+    ("HeadKV(policy=SnapKV(window_size=32))", "DuoAttention(rolling=False)", "CAKE"),
     ("RKV", "LookaheadQCache"),
+    ("HeadKV", "DuoAttention"),
 )
 
 
