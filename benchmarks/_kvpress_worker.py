@@ -172,7 +172,8 @@ def given_filters(press, path: str | None) -> None:
 
 def given_pattern(press, pattern: dict | None) -> None:
     """DuoAttentionPress with the head pattern snapkv_lab chose (its streaming KV heads per layer, sink and recent
-    sizes) instead of the published gates it would fetch from the web (duo_attention_press.py, load_attention_pattern)."""
+    sizes) instead of the published gates it would fetch from the web (duo_attention_press.py,
+    load_attention_pattern)."""
     if pattern is None:
         raise ValueError("DuoAttentionPress needs the request's duo_pattern (the web is out of reach)")
     press.sink_size, press.recent_size = pattern["sink_size"], pattern["recent_size"]
