@@ -30,10 +30,10 @@ from .recorder import ScoreRecorder
 from .shared import SharedPrefill
 from .state import CompressionState, Phase, applied
 
-__all__ = ["MODES", "CompressedLayer", "CompressionState", "GenerationResult", "HeadwiseLayer", "Phase", "ScoreRecorder",
-           "SharedPrefill", "answer", "answer_runs", "applied", "build_layer", "cache_bytes", "cache_lengths", "compress",
-           "compress_layers", "decode_text", "fork", "forward", "gather_kv", "generate", "greedy_decode",
-           "kept_from_scores", "prefill"]
+__all__ = ["MODES", "CompressedLayer", "CompressionState", "GenerationResult", "HeadwiseLayer", "Phase",
+           "ScoreRecorder", "SharedPrefill", "answer", "answer_runs", "applied", "build_layer", "cache_bytes",
+           "cache_lengths", "compress", "compress_layers", "decode_text", "fork", "forward", "gather_kv", "generate",
+           "greedy_decode", "kept_from_scores", "prefill"]
 
 
 def branch(state: CompressionState) -> CompressionState:

@@ -58,7 +58,8 @@ def kept_tokens_html(tokenizer, prompt_ids, kept_indices, *, layer: int | None =
             spans.append("</span>")
     if end < len(ids):
         spans.append("<span style='color:#888'>…</span>")
-    scope = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", KV head {head}")
+    scope = ("all layers and heads" if layer is None
+             else f"layer {layer}" + ("" if head is None else f", KV head {head}"))
     legend = (f"<div style='font-size:80%;color:#555'>green: kept (shade = fraction of {scope}); grey: dropped; "
               "red box: highlighted span</div>")
     return legend + "<div style='font-family:monospace;font-size:85%;line-height:1.6'>" + "".join(spans) + "</div>"
@@ -81,7 +82,8 @@ class ABTable(pd.DataFrame):
     def result(self, prompt, policy: str) -> GenerationResult:
         row = self[(self["prompt"] == prompt) & (self["policy"] == policy)]
         if row.empty:
-            raise KeyError(f"no run for prompt {prompt!r} and policy {policy!r}; policies: {sorted(self['policy'].unique())}")
+            raise KeyError(f"no run for prompt {prompt!r} and policy {policy!r}; policies: "
+                           f"{sorted(self['policy'].unique())}")
         return self.results[row.index[0]]
 
     def kept_view(self, prompt, policy: str, **kwargs):

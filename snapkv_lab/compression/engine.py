@@ -117,8 +117,8 @@ def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: Dyna
         else:
             own = [torch.where(row >= 0, row + drop, NO_POSITION) for row, drop in zip(rows[layer], lead, strict=True)]
             if positions is not None and any(bool((row == NO_POSITION).any()) for row in own):
-                raise NotImplementedError(f"{policy.label}: head-wise budgets under a chunked prefill are not supported "
-                                          "(a ragged cache layer cannot take the next chunk)")
+                raise NotImplementedError(f"{policy.label}: head-wise budgets under a chunked prefill are not "
+                                          "supported (a ragged cache layer cannot take the next chunk)")
             cache.layers[layer], kept[layer] = build_layer(full.keys, full.values, own, held,
                                                            n_slots if seen is None else seen, pads)
             cache.layers[layer].window = rolling_window(policy, rows[layer], lengths, full.keys.device)

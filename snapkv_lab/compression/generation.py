@@ -101,10 +101,12 @@ class GenerationResult:
         return self.entries.share
 
     def __repr__(self) -> str:
-        """One line: the policy, the prompt, the cache, the answer (printing every layer's kept positions helps no one)."""
+        """One line: the policy, the prompt, the cache, the answer (printing every layer's kept positions helps no
+        one)."""
         batch, n = self.prompt_ids.shape
         texts = self.text if isinstance(self.text, list) else [self.text]
-        shown = ", ".join(repr(t if len(t) <= 60 else t[:57] + "...") for t in texts[:2]) + (", ..." if batch > 2 else "")
+        shown = (", ".join(repr(t if len(t) <= 60 else t[:57] + "...") for t in texts[:2])
+                 + (", ..." if batch > 2 else ""))
         prompts = f"{batch} prompts of up to {n} tokens" if batch > 1 else f"a {n}-token prompt"
         cache = sum(self.cache_lengths) / max(1, len(self.cache_lengths))
         asked = "" if self.question is None else f", question {self.question!r}"
@@ -132,7 +134,8 @@ class GenerationResult:
                 self, text=texts[b], token_ids=self.token_ids[b:b + 1, :cut],
                 prompt_ids=self.prompt_ids[b:b + 1][:, mask[b].bool()], kept_indices=kept,
                 cache_lengths=lengths[b], kv_bytes=round(self.kv_bytes * sum(lengths[b]) / total),
-                prompt_mask=None, row_cache_lengths=None, entries=None if self.entries is None else self.entries.row(b)))
+                prompt_mask=None, row_cache_lengths=None,
+                entries=None if self.entries is None else self.entries.row(b)))
         return results
 
 
@@ -161,7 +164,8 @@ def chunk_sizes(n: int, chunk: int) -> list[int]:
 
 
 @torch.inference_mode()
-def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int, tokenizer=None) -> tuple[CompressionState, torch.Tensor, float]:
+def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int,
+                    tokenizer=None) -> tuple[CompressionState, torch.Tensor, float]:
     """Prefill ids (batch, n) in chunks of `chunk` tokens, compressing as it goes (see `compress`): (state, last
     logits, seconds). A capacity ratio is a budget of the whole prompt, fixed in tokens before the first chunk."""
     refuse_after_prefill(policy, "a chunked prefill cannot give: run it without prefill_chunk")
@@ -208,8 +212,8 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
         (its kept positions, cache and greedy answer equal, up to float rounding), pads never kept nor voting;
         `result.rows()` gives one result per prompt.
     question: query-agnostic mode: `prompt` is the context alone, compressed; the question (text, tokenised
-        without special tokens, or ids) is appended after compression, then the answer decoded. A list of
-        questions (texts or id lists): compress once, ask many: one prefill and one compression, each question answered on its
+        without special tokens, or ids) is appended after compression, then the answer decoded. A list of questions
+        (texts or id lists): compress once, ask many: one prefill and one compression, each question answered on its
         own copy of the compressed cache; returns one result per question.
     prefill_chunk=N: prefill in chunks of N tokens, the cache cut back to its budget after each (peak KV memory
         capacity + N per head, whatever the prompt's length; see `compress` for what scores mean then). Equal to
@@ -250,7 +254,8 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
     decoded = None
     if batch == 1 and mask is None and stop is None and answers_batched(state, extras):
         decoded = [one for group in range(0, len(extras), QUESTION_BATCH)
-                   for one in batched_answers(model, state, extras[group:group + QUESTION_BATCH], n, max_new_tokens, eos)]
+                   for one in batched_answers(model, state, extras[group:group + QUESTION_BATCH], n, max_new_tokens,
+                                              eos)]
     results = []
     for index, (text, extra) in enumerate(zip(questions, extras, strict=True)):
         if decoded is not None:

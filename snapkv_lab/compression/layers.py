@@ -343,7 +343,8 @@ def headwise_attention(layer: HeadwiseLayer, query: torch.Tensor, settings: Atte
     kv_heads, slots, new = layer.keys.shape[1], layer.kept_keys.shape[1], layer.keys.shape[-2]
     query = query.reshape(batch, kv_heads, heads // kv_heads * rows, head_dim)  # a KV head's query heads, then rows
     logits = torch.cat([
-        (query.flatten(1, 2) @ layer.kept_keys.mT).view(batch, kv_heads, -1, slots),  # (batch, kv_heads, group * rows, slots)
+        # (batch, kv_heads, group * rows, slots)
+        (query.flatten(1, 2) @ layer.kept_keys.mT).view(batch, kv_heads, -1, slots),
         query @ layer.keys.mT,  # (batch, kv_heads, group * rows, new)
     ], -1).float() * settings.scaling
     if settings.softcap is not None:

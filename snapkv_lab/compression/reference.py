@@ -58,8 +58,10 @@ def masked_decode(model, ids: torch.Tensor, kept, max_new_tokens: int) -> torch.
         evicted = evicted.repeat_interleave(heads // evicted.shape[0], dim=0)[None, :, None]  # each query head's set
         own = attention_mask[..., :n_keys] if attention_mask is not None else None
         if own is not None and own.dtype == torch.bool:  # sdpa's mask (True: attend) as eager's additive one
-            own = torch.zeros(own.shape, dtype=query.dtype, device=query.device).masked_fill(~own, torch.finfo(query.dtype).min)
-        blocked = torch.zeros(evicted.shape, dtype=query.dtype, device=query.device).masked_fill(evicted, torch.finfo(query.dtype).min)
+            own = torch.zeros(own.shape, dtype=query.dtype,
+                              device=query.device).masked_fill(~own, torch.finfo(query.dtype).min)
+        blocked = torch.zeros(evicted.shape, dtype=query.dtype,
+                              device=query.device).masked_fill(evicted, torch.finfo(query.dtype).min)
         mask = blocked if own is None else own + blocked
         return model_eager_function(module)(module, query, key, value, mask, **kwargs)
 

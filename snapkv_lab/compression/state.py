@@ -106,7 +106,8 @@ class CompressionState:
         if getattr(self.policy, "tracker", None) is None or getattr(cache_layer, "is_sliding", False):
             return
         if isinstance(cache_layer, HeadwiseLayer):
-            raise NotImplementedError(f"{self.policy.label}: eviction while decoding over head-wise budgets is not supported")
+            raise NotImplementedError(f"{self.policy.label}: eviction while decoding over head-wise budgets "
+                                      "is not supported")
         if not isinstance(cache_layer, CompressedLayer):  # the prompt fitted: every position so far, in order
             n = cache_layer.keys.shape[-2]
             cache_layer = self.cache.layers[module.layer_idx] = CompressedLayer(
@@ -155,7 +156,8 @@ class Eviction:
         if all(p is None for p in picked):
             return
         heads = cache_layer.keys.shape[1]
-        slots = [torch.arange(fill[b], n).expand(heads, -1) if p is None else p[0] + fill[b] for b, p in enumerate(picked)]
+        slots = [torch.arange(fill[b], n).expand(heads, -1) if p is None else p[0] + fill[b]
+                 for b, p in enumerate(picked)]
         self.pending[layer] = stack_rows(slots, left=True)
 
 

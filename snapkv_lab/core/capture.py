@@ -73,7 +73,8 @@ def value_norms(values: torch.Tensor, output_weight: torch.Tensor, heads: int) -
     (hidden, heads * head_dim) the output projection's (query head h reads KV head h // (heads / kv_heads)).
     Through each head's Gram matrix (head_dim x head_dim): no (hidden x n) product is formed."""
     kv_heads, _, head_dim = values.shape
-    slices = output_weight.float().reshape(output_weight.shape[0], heads, head_dim).transpose(0, 1)  # (heads, hidden, d)
+    slices = (output_weight.float().reshape(output_weight.shape[0], heads, head_dim)
+              .transpose(0, 1))  # (heads, hidden, d)
     gram = slices.mT @ slices  # (heads, d, d)
     read = values.float().to(gram.device).repeat_interleave(heads // kv_heads, dim=0)  # (heads, n, d)
     squared = ((read @ gram) * read).sum(-1).clamp_min(0)
@@ -123,7 +124,8 @@ def capture(
         return model(input_ids=ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
 
     # The prefill (one forward over the whole prompt) is the long part of a long prompt: count its layers.
-    prefill_bar = progress_bar(total=model.config.num_hidden_layers, desc="prefill (layers)", disable=not progress, leave=False)
+    prefill_bar = progress_bar(total=model.config.num_hidden_layers, desc="prefill (layers)", disable=not progress,
+                               leave=False)
 
     def record(module, *args, **kwargs):
         recorder(module, *args, **kwargs)

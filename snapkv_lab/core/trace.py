@@ -243,9 +243,11 @@ class AttentionTrace:
         except Exception as err:  # noqa: BLE001 - a corrupt file raises safetensors' own SafetensorError, or bad JSON
             raise ValueError(f"{path} is not a readable snapkv_lab trace: {err}") from err
         if header.get("format") not in _READABLE_FORMATS:
-            raise ValueError(f"{path} is not a snapkv_lab trace (format {header.get('format')!r}, expected {_FORMAT!r})")
+            raise ValueError(f"{path} is not a snapkv_lab trace (format {header.get('format')!r}, "
+                             f"expected {_FORMAT!r})")
         fields = ("tokens", "prompt_len", "layers", "meta")
-        missing = [f for f in fields if f not in header] + [f"layers.{layer}.{kind}" for layer in header.get("layers", [])
+        missing = [f for f in fields if f not in header] + [f"layers.{layer}.{kind}"
+                                                              for layer in header.get("layers", [])
                                                               for kind in ("queries", "keys")
                                                               if f"layers.{layer}.{kind}" not in names]
         missing += [] if "token_ids" in names else ["token_ids"]
@@ -291,7 +293,8 @@ def _check_consistent(trace: AttentionTrace) -> None:
     if not 0 < trace.prompt_len <= n:
         problems.append(f"prompt_len {trace.prompt_len} outside 1..{n} (the number of tokens)")
     if not len(trace.layers) == len(trace.queries) == len(trace.keys) == len(trace.attention_settings) > 0:
-        problems.append(f"{len(trace.layers)} layers, {len(trace.queries)} query tensors, {len(trace.keys)} key tensors "
+        problems.append(f"{len(trace.layers)} layers, {len(trace.queries)} query tensors, "
+                        f"{len(trace.keys)} key tensors "
                         f"and {len(trace.attention_settings)} attention settings: they must be equal and non-zero")
     for layer, q, k in zip(trace.layers, _shapes(trace.queries), _shapes(trace.keys)):
         if len(q) != 3 or len(k) != 3 or q[1] != n or k[1] != n or q[-1] != k[-1]:
@@ -299,7 +302,8 @@ def _check_consistent(trace: AttentionTrace) -> None:
                             f"(heads, {n}, head_dim) and (kv_heads, {n}, head_dim)")
         elif q[0] % k[0]:
             problems.append(f"layer {layer}: {q[0]} query heads cannot share {k[0]} KV heads")
-    expected = dict(values=lambda q, k: (k[0], n, None), value_norms=lambda q, k: (q[0], n), output_norms=lambda q, k: (q[0],))
+    expected = dict(values=lambda q, k: (k[0], n, None), value_norms=lambda q, k: (q[0], n),
+                    output_norms=lambda q, k: (q[0],))
     for kind in VALUE_KINDS:
         stored = getattr(trace, kind)
         if stored is None:
