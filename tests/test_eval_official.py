@@ -602,3 +602,36 @@ def test_code_sim_reads_the_indentation_that_stripping_removed():
     raw = "    return 2 * (w + h)\n"
     assert official_scorer("lcc", [raw], [reference], None) == 100.0
     assert official_scorer("lcc", [raw.strip()], [reference], None) < 100.0
+
+
+# --- 1b. RULER's average over 13 tasks beside the 11 synthetic ones ------------------------------------------------
+
+def ruler_table(tasks) -> "pd.DataFrame":
+    """Two examples per task, the full cache and one policy at 0.5: every synthetic task answered, qa_1 and qa_2 not."""
+    import pandas as pd
+
+    rows = [dict(model="m", dataset="ruler", task=task, example=str(i), spec="", policy_config="", question=0,
+                 metric="string_match_all", policy=policy, ratio=ratio, capacity=pd.NA, mode=mode,
+                 score=0.0 if task.startswith("qa") else (1.0 if policy == "FullCache" else 0.5), prediction="",
+                 references="[]", length=4096)
+            for task in tasks for i in range(2)
+            for policy, ratio, mode in (("FullCache", 0.0, "full"), ("SnapKV", 0.5, "query-agnostic"))]
+    return pd.DataFrame(rows).astype({"ratio": "Float64", "capacity": "Int64", "length": "Int64"})
+
+
+def test_ruler_averages_over_13_and_11_side_by_side(tmp_path):
+    from snapkv_lab.app.docs_tables import _leaderboard
+    from snapkv_lab.evaluation.summary import averages
+
+    board = averages(ruler_table(R.TASKS), n_boot=0).set_index(["average", "policy"]).score
+    assert board[("13 tasks", "FullCache")] == pytest.approx(100 * 11 / 13)
+    assert board[("11 synthetic", "FullCache")] == pytest.approx(100.0)
+    assert board[("11 synthetic", "SnapKV")] == pytest.approx(50.0)
+    eleven = averages(ruler_table(R.SYNTHETIC_TASKS), n_boot=0)
+    assert set(eleven.average) == {"11 synthetic"}  # a run of the 11 alone can show only theirs
+    ruler_table(R.TASKS).to_csv(tmp_path / "eval_thirteen.csv", index=False)
+    text = _leaderboard(tmp_path, "thirteen")
+    assert "over RULER's 13 tasks [95% interval] / over its 11 synthetic ones" in text
+    assert "| FullCache | 85 [85, 85] / 100 |" in text and "| SnapKV | 42 [42, 42] / 50 | - |" in text
+    ruler_table(R.SYNTHETIC_TASKS).to_csv(tmp_path / "eval_eleven.csv", index=False)
+    assert "| FullCache | 100 [100, 100] |" in _leaderboard(tmp_path, "eleven")
