@@ -17,6 +17,7 @@ import random
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from conftest import make_tiny_llama
@@ -119,7 +120,7 @@ def official_qa_input_output(QAS, DOCS, index, num_docs, template, rng, random_s
 
 
 def squad_file(rows) -> dict:
-    """dev-v2.0.json's layout (articles, paragraphs, qas) from the Hub's rows of it: what rajpurkar/squad_v2 flattens."""
+    """dev-v2.0.json's layout (articles, paragraphs, qas) from the Hub's rows of it (rajpurkar/squad_v2 flattens it)."""
     articles: dict[str, dict] = {}
     for row in rows:
         paragraphs = articles.setdefault(row["title"], {})
@@ -133,7 +134,8 @@ def squad_file(rows) -> dict:
 def hotpotqa_file(rows) -> list:
     """hotpot_dev_distractor_v1.json's layout from hotpotqa/hotpot_qa's rows: context as [title, sentences] pairs."""
     return [dict(question=row["question"], answer=row["answer"],
-                 context=[[t, s] for t, s in zip(row["context"]["title"], row["context"]["sentences"])]) for row in rows]
+                 context=[[t, s] for t, s in zip(row["context"]["title"], row["context"]["sentences"])])
+            for row in rows]
 
 
 QA = {"qa_1": (official_read_squad, squad_file), "qa_2": (official_read_hotpotqa, hotpotqa_file)}
@@ -568,8 +570,8 @@ def newline_model(tokenizer):
 
 @pytest.mark.parametrize("task", ["samsum", "lcc"])
 def test_predictions_are_pred_pys_and_score_as_eval_py(task, tokenizer, newline_model):
-    """The full cache's answer is pred.py's decode of model.generate (samsum: newline stop, one token first), unstripped,
-    and scores as eval.py scores it."""
+    """The full cache's answer is pred.py's decode of model.generate (samsum: newline stop, one token first),
+    unstripped, and scores as eval.py scores it."""
     spec = LONGBENCH.specs(task, limit=1, source=str(FIXTURES / "longbench"))[0]
     example = LONGBENCH.example(spec)
     encoded = encode_example(tokenizer, example, max_context=1000)
@@ -606,10 +608,8 @@ def test_code_sim_reads_the_indentation_that_stripping_removed():
 
 # --- 1b. RULER's average over 13 tasks beside the 11 synthetic ones ------------------------------------------------
 
-def ruler_table(tasks) -> "pd.DataFrame":
+def ruler_table(tasks) -> pd.DataFrame:
     """Two examples per task, the full cache and one policy at 0.5: every synthetic task answered, qa_1 and qa_2 not."""
-    import pandas as pd
-
     rows = [dict(model="m", dataset="ruler", task=task, example=str(i), spec="", policy_config="", question=0,
                  metric="string_match_all", policy=policy, ratio=ratio, capacity=pd.NA, mode=mode,
                  score=0.0 if task.startswith("qa") else (1.0 if policy == "FullCache" else 0.5), prediction="",

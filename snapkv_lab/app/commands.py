@@ -383,15 +383,15 @@ def _eval_arguments(p) -> None:
                         "question (the context cut from its middle; default the model's limit less the answer's tokens)")
     p.add_argument("--sizing", choices=["official", "fill"], default="official",
                    help="RULER's haystack sizes: official (sized once per task, an overflowing example cut by a whole "
-                        "step, as RULER's scripts) or fill (every example filled to the length: the lab's before 2026-12)")
+                        "step, as RULER's scripts) or fill (every example filled to the length: the lab's before 2026-11-29)")
     p.add_argument("--cwe-shots", choices=["turn", "inline"], default="turn",
                    help="RULER cwe's solved example: in a chat turn of its own (official) or inside the task's turn")
     p.add_argument("--truncation", choices=["official", "context"], default="official",
                    help="LongBench's cut: official (pred.py: the whole prompt's first and last halves of max_length) "
-                        "or context (the context alone, to the window less the answer: the lab's before 2026-12)")
+                        "or context (the context alone, to the window less the answer: the lab's before 2026-11-29)")
     p.add_argument("--predictions", choices=["official", "strip"], default="official",
                    help="LongBench's answers: official (as pred.py decodes them, samsum ending at a newline) or strip "
-                        "(stripped, samsum not stopped: the lab's before 2026-12)")
+                        "(stripped, samsum not stopped: the lab's before 2026-11-29)")
     p.add_argument("--lengths", type=_positive_int, nargs="+", default=(), metavar="TOKENS",
                    help="prompt lengths of generated sets (RULER; default 4096)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated sets (default 0)")

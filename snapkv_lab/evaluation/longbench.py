@@ -10,13 +10,13 @@ template up to the end of {context} and the question the rest: context + questio
 As pred.py runs them (the defaults; each former behaviour of the lab is an option that a spec records):
 - truncation="official": the whole prompt, longer than max_length, keeps its first and last max_length / 2 tokens
   (lines 57-62; evaluation.prompting), max_length being model2maxlen.json's (`max_length`: the window less about
-  500); "context": the lab's before 2026-12, the context alone cut to the window less the answer's tokens.
+  500); "context": the lab's before 2026-11-29, the context alone cut to the window less the answer's tokens.
 - framing: pred.py's build_chat (lines 21-42, 63-64): LongBench's own template for the models it names
   (CHAT_TEMPLATES), the prompt as it is for any other (so no chat template for SmolLM2 or Gemma); `framing="chat"`
-  at run time gives the tokenizer's template instead (the lab's before 2026-12).
+  at run time gives the tokenizer's template instead (the lab's before 2026-11-29).
 - predictions="official": the answer as pred.py decodes it (line 91, no strip: eval.py only lstrip('\n')s the
   four few-shot tasks, whose first line it scores), and samsum's answer ends at its first newline token once one
-  token is out (lines 73-82); "strip": the lab's before 2026-12, the answer stripped and samsum not stopped.
+  token is out (lines 73-82); "strip": the lab's before 2026-11-29, the answer stripped and samsum not stopped.
 
 LongBench v2 (pred.py and prompts/0shot.txt at the repository root): rows of `THUDM/LongBench-v2`, split "train",
 fields _id, domain, sub_domain, difficulty, length, question, choice_A..D, answer, context; 0-shot, 128 new tokens;

@@ -10,7 +10,7 @@ Framing (`framing=None`: the example's own, as its official script frames it):
   adds one (pred.py tokenizes with special tokens).
 A task the official scripts send as raw text (Example.chat False: LongBench's few-shot and code tasks) gets the prompt
 as it is, after the BOS token where the tokenizer starts texts with one. `framing="chat"` or `"plain"` overrides (the
-tokenizer's template, or plain text); "chat" on LongBench is the lab's framing before 2026-12.
+tokenizer's template, or plain text); "chat" on LongBench is the lab's framing before 2026-11-29.
 
 Truncation (`max_context`: the limit in tokens; None: no cut):
 - Example.truncation "context": the context is cut from its middle, so that the frame's head and the question at

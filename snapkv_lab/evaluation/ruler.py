@@ -55,7 +55,12 @@ Where this differs from RULER, and why:
   takes 5.5k words): RULER then samples the randleword list json/english_words.json, a git-lfs file of its
   repository; it is not available offline, so such an example raises ValueError.
 - vt's in-context example: RULER sizes it to at most 500 tokens and hangs where even its smallest form (5 noise
-  lines) is longer (a byte-level tokenizer); here that smallest form is used.
+  lines) is longer (a byte-level tokenizer); here that smallest form is used. RULER draws it once per task and
+  renames its variables per example; here each example (and each sizing probe) draws its own.
+- qa: the Hub's rows of SQuAD 2.0's dev set are its questions flattened, so an article's paragraphs are its title's
+  rows' (SQuAD's dev titles are distinct); a paragraph without a question, which the dev file does not have, could
+  not be seen. RULER shuffles every example's documents with random.Random(42) (its seed), here 42 + the lab's seed
+  (seed 0: RULER's order). Where even `step` documents overflow, RULER retries forever; here it raises.
 """
 
 from __future__ import annotations
@@ -677,7 +682,7 @@ def common_words(config: CommonWordsConfig, name: str, length: int, shots: str =
     shots: where the solved examples go. "turn" (RULER's): each is the whole template, model template included,
     followed by its answer (lines 115-120, the template being prepare.py line 101's model template + task template
     + answer prefix): with a chat template, a user turn and an assistant turn of its own before the task's; the
-    Example holds them in `shots`, framed by evaluation.prompting. "inline" (the lab's before 2026-12): their text
+    Example holds them in `shots`, framed by evaluation.prompting. "inline" (the lab's before 2026-11-29): their text
     opens the context, inside the task's one user turn. Without a chat template both give the same text."""
     lists = _wonderwords()
     words = sorted(set(lists["nouns"] + lists["adjectives"] + lists["verbs"]))
@@ -852,7 +857,7 @@ def qa(data: QAData, index: int, name: str, budget: int, seed: int) -> Haystack:
 HAYSTACKS = {"common_words_extraction": "words", "freq_words_extraction": "coded words", "qa": "documents"}
 SIZINGS = ("official", "fill")
 CWE_SHOTS = ("turn", "inline")
-# What a spec written before these options meant (the lab's generator before 2026-12): read so, an older table's
+# What a spec written before these options meant (the lab's generator before 2026-11-29): read so, an older table's
 # examples are rebuilt as they were run.
 LEGACY = {"sizing": "fill", "cwe_shots": "inline"}
 
@@ -919,7 +924,7 @@ class RulerBenchmark:
     most its questions) per length in tokens (empty: DEFAULT_LENGTHS), each dict(dataset="ruler", task=..., length=...,
     seed=..., index=..., sizing=...), cwe's with cwe_shots, qa's with source.
     - sizing: "official" (RULER's: the haystack sized once per task and length, an example that overflows cut by whole
-      steps: `task_size`, `stepped`) or "fill" (the lab's before 2026-12: every example filled to the largest
+      steps: `task_size`, `stepped`) or "fill" (the lab's before 2026-11-29: every example filled to the largest
       haystack that fits, `largest_fitting`).
     - cwe_shots: "turn" (RULER's: the solved example in a turn of its own) or "inline" (see `common_words`).
     A spec records an option where its value is not the lab's former one (LEGACY): a spec without the key means that

@@ -171,8 +171,7 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
     as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
     shared = SharedPrefill.run(model, tokenizer, as_ids(encoded.context_ids), policies)
     rows = []
-    # pred.py's samsum call: eos_token_id=[eos, the last token of "\n"], min_length one past the prompt
-    stops = [encode(tokenizer, text)[-1] for text in example.stop]
+    stops = stop_ids(tokenizer, example)
     runs = answer_runs(model, tokenizer, shared, [as_ids(q) for q in encoded.questions], policies, config["modes"],
                        example.max_new_tokens, end_ids=stops, min_new_tokens=1 if stops else 0)
     ends = (*eos_ids(model, tokenizer), *stops)
@@ -198,6 +197,12 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     # One type per column, so that the table reads back from the store as written.
     return table.astype({"ratio": "Float64", "capacity": "Int64", "length": "Int64"})
+
+
+def stop_ids(tokenizer, example: Example) -> list[int]:
+    """The tokens that also end the example's answers, after at least one (min_new_tokens=1): pred.py's samsum call,
+    eos_token_id=[eos, the last token of "\\n"] with min_length one past the prompt."""
+    return [encode(tokenizer, text)[-1] for text in example.stop]
 
 
 def prediction(tokenizer, example: Example, run, ends) -> str:

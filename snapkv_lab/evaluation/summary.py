@@ -85,7 +85,7 @@ def leaderboard(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0, tasks=No
     return pd.DataFrame(rows).sort_values([*_scope(table), "mode", "policy", budget], ignore_index=True)
 
 
-# RULER's published averages (and kvpress's leaderboard) are over its 13 tasks; the lab's runs before 2026-12 asked
+# RULER's published averages (and kvpress's leaderboard) are over its 13 tasks; the lab's runs before 2026-11-29 asked
 # its 11 synthetic ones (qa_1 and qa_2 need SQuAD and HotpotQA).
 RULER_AVERAGES = {"13 tasks": TASKS, "11 synthetic": SYNTHETIC_TASKS}
 
