@@ -758,7 +758,10 @@ class _QASet:
     """Where one qa task's rows are read (hub.load_rows): the Hub, or `<source>/<task>.jsonl` in the same schema."""
 
     task: str
-    name: str = DATASET
+
+    @property
+    def name(self) -> str:  # what the Hub's errors name
+        return f"RULER's {self.task} ({QA_SOURCES[self.task].hub_id})"
 
     @property
     def tasks(self) -> tuple[str, ...]:
