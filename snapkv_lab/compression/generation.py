@@ -236,14 +236,16 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
 @torch.inference_mode()  # the state was built in inference mode: its tensors cannot meet autograd
 def answer(model, tokenizer, state: CompressionState, logits, ids, questions, extras, *, prefill_seconds: float,
            max_new_tokens: int, stop=None, mask: torch.Tensor | None = None, mode: str = "query-aware",
-           question_index: int = 0, describe: Callable[[int, CompressionState, int], dict] | None = None
-           ) -> list[GenerationResult]:
+           question_index: int = 0, describe: Callable[[int, CompressionState, int], dict] | None = None,
+           end_ids=(), min_new_tokens: int = 0) -> list[GenerationResult]:
     """Answer after a prefill of ids (batch, n) compressed into `state`: once per question (its text or None, its ids
     (batch, m) or None: the answer follows the prefill's own `logits`), each on its own fork of the cache when there
     are several; several questions over one context decode together as one batch where they can (`batched_answers`),
     each as its own run. mask: (batch, n) 0 on a padded batch's pads. mode, question_index (of the first question)
-    and describe(question index, state, n) (extra columns read before decoding): what the results record."""
-    eos = eos_ids(model, tokenizer)
+    and describe(question index, state, n) (extra columns read before decoding): what the results record. end_ids:
+    more tokens that end an answer, as its EOS does (transformers' eos_token_id list); min_new_tokens: none of the
+    end tokens among the first ones (its min_new_tokens)."""
+    eos = tuple(dict.fromkeys((*eos_ids(model, tokenizer), *end_ids)))
     lengths, kv_bytes = cache_lengths(state.cache), cache_bytes(state.cache)
     pads = None if mask is None else (mask == 0).sum(-1).cpu()
     row_lengths = None if mask is None else row_cache_lengths(state.cache, pads)
@@ -255,7 +257,7 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
     if batch == 1 and mask is None and stop is None and answers_batched(state, extras):
         decoded = [one for group in range(0, len(extras), QUESTION_BATCH)
                    for one in batched_answers(model, state, extras[group:group + QUESTION_BATCH], n, max_new_tokens,
-                                              eos)]
+                                              eos, min_new_tokens)]
     results = []
     for index, (text, extra) in enumerate(zip(questions, extras, strict=True)):
         if decoded is not None:
@@ -267,7 +269,7 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
                     first = logits if extra is None else forward(model, extra, asked.cache, n, mask)
                 start = n + (0 if extra is None else extra.shape[1])
                 token_ids, seconds = greedy_decode(model, asked.cache, first, start, max_new_tokens, eos, stop,
-                                                   None if mask is None else extended_mask(mask, start))
+                                                   None if mask is None else extended_mask(mask, start), min_new_tokens)
             fed, kept = feeding.seconds, asked.kept_indices
         texts = decode_text(tokenizer, token_ids, eos)
         results.append(GenerationResult(
@@ -289,7 +291,8 @@ def answers_batched(state: CompressionState, extras) -> bool:
             and getattr(state.policy, "tracker", None) is None)
 
 
-def batched_answers(model, state: CompressionState, extras, n: int, max_new_tokens: int, eos) -> list[tuple]:
+def batched_answers(model, state: CompressionState, extras, n: int, max_new_tokens: int, eos,
+                    min_new_tokens: int = 0) -> list[tuple]:
     """Answer several questions (ids (1, m_q) each) over the compressed context of n tokens in `state`: each question
     fed on its own fork of the cache, then the forks stacked into one left-padded batch (`stack_forks`) and decoded
     together, so every decode step reads the weights once for all of them. Each row is its own question's batch-1
@@ -307,7 +310,8 @@ def batched_answers(model, state: CompressionState, extras, n: int, max_new_toke
     start = n + max(extra.shape[1] for extra in extras)
     mask = (torch.arange(start)[None] >= pads[:, None]).long().to(model.device)
     with applied(model, together):
-        token_ids, seconds = greedy_decode(model, cache, torch.cat(firsts), start, max_new_tokens, eos, mask=mask)
+        token_ids, seconds = greedy_decode(model, cache, torch.cat(firsts), start, max_new_tokens, eos, mask=mask,
+                                           min_new_tokens=min_new_tokens)
     out = []
     for row, appended in zip(token_ids, fed, strict=True):
         cut = eos_cut(row.tolist(), eos) + 1
@@ -318,21 +322,23 @@ def batched_answers(model, state: CompressionState, extras, n: int, max_new_toke
 @torch.inference_mode()
 def answer_runs(model, tokenizer, shared: SharedPrefill, questions: list, policies, modes=MODES,
                 max_new_tokens: int = 24, describe: Callable[[int, CompressionState, int], dict] | None = None, *,
-                full: bool = True, texts: list | None = None) -> Iterator[GenerationResult]:
+                full: bool = True, texts: list | None = None, end_ids=(), min_new_tokens: int = 0
+                ) -> Iterator[GenerationResult]:
     """The full cache (unless full=False), then each policy in each of `modes`, answering each question of the context
     `shared` prefilled (its policies must include `policies`), question by question; yields each answer as it is made.
 
     questions: per question its ids (1, m), or None where the prompt prefilled holds its question (the whole prompt is
     compressed: query-aware, its answer following the prefill's own logits). texts: the questions as texts, where
     they were given so (reported in the results). describe(question index, state, n_compressed) -> dict of extra
-    columns, read from the state before decoding."""
+    columns, read from the state before decoding. end_ids, min_new_tokens: see `answer`."""
     texts = texts or [None] * len(questions)
     for index, _, mode, prompt, state in run_states(shared, questions, policies, modes, full=full):
         agnostic = mode == "query-agnostic" and questions[index] is not None
         yield from answer(model, tokenizer, state, None if agnostic else prompt.logits, prompt.ids, [texts[index]],
                           [questions[index] if agnostic else None],
                           prefill_seconds=shared.seconds + state.selection_seconds, max_new_tokens=max_new_tokens,
-                          mask=shared.mask, mode=mode, question_index=index, describe=describe)
+                          mask=shared.mask, mode=mode, question_index=index, describe=describe, end_ids=end_ids,
+                          min_new_tokens=min_new_tokens)
 
 
 def run_states(shared: SharedPrefill, questions: list, policies, modes=MODES, *, full: bool = True

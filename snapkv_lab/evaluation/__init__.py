@@ -25,6 +25,7 @@ from ..core.figure_files import FigureSet, register
 from .examples import Benchmark, Example, Question
 from .explain import Explanation, explain
 from .prompting import EncodedExample, encode_example
+from .ruler import SYNTHETIC_TASKS
 from .run import (
     CELL_KIND,
     RATIOS,
@@ -60,8 +61,12 @@ def draw(data_dir, figures_dir, names=None) -> list[Path]:
     return draw_figures(data_dir, figures_dir, names)
 
 
-# The committed leaderboard: RULER at 4k on the bundled model, every policy, kvpress's ratios, both modes.
-LEADERBOARD = dict(datasets=["ruler"], lengths=[4096], ratios=list(RATIOS), modes=["query-aware", "query-agnostic"])
+# The committed leaderboard: RULER at 4k on the bundled model, every policy, kvpress's ratios, both modes; its 11
+# synthetic tasks under the lab's former protocol (every example filled to the length, cwe's solved example inside
+# the task's turn), as data/eval_ruler.csv was run. RULER's own (13 tasks, sizing "official", cwe_shots "turn") is a
+# rerun from scratch (issue 53): then tasks=None and protocol={} here.
+LEADERBOARD = dict(datasets=["ruler"], lengths=[4096], ratios=list(RATIOS), modes=["query-aware", "query-agnostic"],
+                   tasks=list(SYNTHETIC_TASKS), protocol=dict(sizing="fill", cwe_shots="inline"))
 
 
 # The committed run's policies, in the groups they joined it in. A cell's key names its policies, so a policy
@@ -118,8 +123,9 @@ def leaderboard_cells(model, group, samples: int | Mapping[str, int] | None = No
     held_specs = {json.dumps(spec, sort_keys=True): spec for spec in specs}
 
     def cells(limit, tasks=None):
-        return eval_cells(model, LEADERBOARD["datasets"], tasks, list(group), LEADERBOARD["ratios"], None,
-                          LEADERBOARD["modes"], limit, None, LEADERBOARD["lengths"], 0, None, None)
+        return eval_cells(model, LEADERBOARD["datasets"], tasks or LEADERBOARD.get("tasks"), list(group),
+                          LEADERBOARD["ratios"], None, LEADERBOARD["modes"], limit, None, LEADERBOARD["lengths"], 0,
+                          None, None, LEADERBOARD.get("protocol"))
 
     named = isinstance(samples, Mapping)
     first = [cell for task, n in samples.items() for cell in cells(n, [task])] if named else cells(samples)
