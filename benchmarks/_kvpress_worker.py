@@ -53,6 +53,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -171,10 +172,17 @@ def given_filters(press, path: str | None) -> None:
 
 
 def given_pattern(press, pattern: dict | None) -> None:
-    """DuoAttentionPress with the head pattern snapkv_lab chose (its streaming KV heads per layer, sink and recent
-    sizes) instead of the published gates it would fetch from the web (duo_attention_press.py, load_attention_pattern)."""
+    """DuoAttentionPress with snapkv_lab's head pattern instead of the published gates it would fetch from the web
+    (duo_attention_press.py:123-144, load_attention_pattern). A press given a share of streaming heads
+    (head_compression_ratio > 0) is handed our gates (layers x KV heads) and chooses its heads itself
+    (post_init_from_model, :86-90); one given none (the default 0.0) is handed the streaming heads snapkv_lab chose.
+    Both take our sink and recent sizes."""
     if pattern is None:
         raise ValueError("DuoAttentionPress needs the request's duo_pattern (the web is out of reach)")
+    if press.head_compression_ratio > 0:
+        gates = np.array(pattern["gates"], dtype=float)
+        press.load_attention_pattern = lambda model: (pattern["sink_size"], pattern["recent_size"], gates)
+        return
     press.sink_size, press.recent_size = pattern["sink_size"], pattern["recent_size"]
     press.streaming_mask = torch.tensor(pattern["streaming"], dtype=torch.bool)
     press.post_init_from_model = lambda model: None

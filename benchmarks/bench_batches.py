@@ -1,6 +1,6 @@
 """Throughput of padded batches vs one prompt at a time: the full cache and SnapKV at 25%.
 
-    python benchmarks/bench_batches.py                                    # batch 1, 2, 4, 8 of 8 prompts, 1024-2048 tokens
+    python benchmarks/bench_batches.py  # batch 1, 2, 4, 8 of 8 prompts, 1024-2048 tokens
     python benchmarks/bench_batches.py --prompts 2 --batches 1 2 --min-tokens 256 --max-tokens 512 --new-tokens 4
 
 The same `--prompts` prompts (lengths spread evenly over [--min-tokens, --max-tokens], so every batch is padded)

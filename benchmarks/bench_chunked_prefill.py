@@ -1,6 +1,6 @@
 """Peak memory vs context length, with and without a chunked prefill (compress as you go).
 
-    python benchmarks/bench_chunked_prefill.py                                   # SmolLM2: 2k, 4k, 8k (its context less the new tokens)
+    python benchmarks/bench_chunked_prefill.py  # SmolLM2: 2k, 4k, 8k (its context less the new tokens)
     python benchmarks/bench_chunked_prefill.py --model gemma-3-270m --lengths 4096 8192 16384 32760
     python benchmarks/bench_chunked_prefill.py --model gemma-3-270m --lengths 32760 --cap-gb 6
 
@@ -103,7 +103,8 @@ def measure(mode: str, length: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_options(parser)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8184])  # 8184 + 8 new tokens: SmolLM2's 8192
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        default=[2048, 4096, 8184])  # 8184 + 8 new tokens: SmolLM2's 8192
     parser.add_argument("--capacity", type=int, default=1024, help="SnapKV's budget, tokens per head")
     parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk of the chunked run")
     parser.add_argument("--new-tokens", type=int, default=8)

@@ -12,9 +12,9 @@ prefill overhead; the prefill-time ratio also carries run-to-run noise. Decode m
 after the first token. These three times are the ones `snapkv_lab.generate` measures: right on a GPU only if it
 synchronises (snapkv_lab.core.timing) before reading its clock. On CUDA each (length, policy) first runs once untimed:
 sdpa's cuDNN backend builds a plan for every new (query, key) length it meets, which made a cold decode step of an
-8B model 2-3x slower than a warm one, and 60x for PyramidKV, whose layers hold different lengths (docs/performance.md). On CUDA, `peak_gpu_mib` is the most memory torch allocated during a run (the largest
-of the repeats); a run that runs out of memory is reported in `status`. Other processes on the machine inflate
-(and add noise to) every timing.
+8B model 2-3x slower than a warm one, and 60x for PyramidKV, whose layers hold different lengths (docs/performance.md).
+On CUDA, `peak_gpu_mib` is the most memory torch allocated during a run (the largest of the repeats); a run that runs
+out of memory is reported in `status`. Other processes on the machine inflate (and add noise to) every timing.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def run(subject, device, lengths, capacity: int, new_tokens: int, repeats: int) 
                     if status[name] == "ok":  # a run that ran out of memory would again
                         with PeakMemory(device) as memory:
                             result, status[name] = attempt(
-                                lambda: generate(model, tokenizer, ids, policy=policy, max_new_tokens=new_tokens), device)
+                                lambda: generate(model, tokenizer, ids, policy=policy, max_new_tokens=new_tokens),
+                                device)
                         if result is not None:
                             runs[name].append((result, memory.peak_mb))
                     bar.update()

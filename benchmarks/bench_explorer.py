@@ -92,7 +92,8 @@ def child(shape: str, n: int, max_cells: int) -> list[dict]:
             if side < n:
                 steps.append((f"zoom {side}", lambda side=side: ex.zoom(rows=slice(end - side, end),
                                                                      cols=slice(end - side, end))))
-        steps.append(("zoom 1024, far from the diagonal", lambda: ex.zoom(rows=slice(n - 1024, n), cols=slice(0, 1024))))
+        steps.append(("zoom 1024, far from the diagonal",
+                      lambda: ex.zoom(rows=slice(n - 1024, n), cols=slice(0, 1024))))
         steps.append(("overview again", lambda: ex.overview()))
         steps.append(("open, head mean", lambda: ex.select(head="mean")))
         with tempfile.TemporaryDirectory() as folder:

@@ -44,7 +44,8 @@ def per_policy(subject, lengths, names, ratio: float, new_tokens: int, repeats: 
             ids = subject.prompt(length)
             for _ in range(repeats):  # in turns: every policy once, then again
                 for name in names:
-                    run = snapkv_lab.generate(model, tokenizer, ids, policy=policy(name, ratio), max_new_tokens=new_tokens)
+                    run = snapkv_lab.generate(model, tokenizer, ids, policy=policy(name, ratio),
+                                              max_new_tokens=new_tokens)
                     rows.append(dict(prompt_tokens=length, policy=name, kv_mib=run.kv_bytes / 2**20,
                                      prefill_s=run.prefill_seconds, selection_s=run.selection_seconds,
                                      decode_ms_per_token=run.decode_ms_per_token))
@@ -74,7 +75,8 @@ def compare_cost(subject, length: int, names, ratio: float, new_tokens: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8128])
-    parser.add_argument("--policies", nargs="+", default=sorted(snapkv_lab.POLICIES), choices=sorted(snapkv_lab.POLICIES))
+    parser.add_argument("--policies", nargs="+", default=sorted(snapkv_lab.POLICIES),
+                        choices=sorted(snapkv_lab.POLICIES))
     parser.add_argument("--ratio", type=float, default=0.25, help="capacity as a fraction of the prompt")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each (length, policy); times: their median")
@@ -86,8 +88,10 @@ def main() -> None:
     names = ["FullCache", *[n for n in args.policies if n != "FullCache"]]
     table = per_policy(subject, args.lengths, names, args.ratio, args.new_tokens, args.repeats)
     runs = "single runs" if args.repeats == 1 else f"median of {args.repeats} runs"
-    report(table, result_name("policies", args), formats={"kv_ratio": ".3f", "scoring_%": ".1f", "decode_speedup": ".2f"},
-           title=f"every policy at capacity={args.ratio}, {args.new_tokens} new tokens, {runs}, {describe(args)}, {args.attn}")
+    report(table, result_name("policies", args),
+           formats={"kv_ratio": ".3f", "scoring_%": ".1f", "decode_speedup": ".2f"},
+           title=f"every policy at capacity={args.ratio}, {args.new_tokens} new tokens, {runs}, {describe(args)}, "
+                 f"{args.attn}")
     if not args.compare_length:
         return
     cost = compare_cost(subject, args.compare_length, args.compare_policies, args.ratio, args.new_tokens)

@@ -90,7 +90,8 @@ def main() -> None:
            f"Default vs named variant, kept positions at 25% of {ids.shape[1]} tokens (SmolLM2-135M, fp32)")
     if args.before:
         before = torch.load(args.before)
-        table = pd.DataFrame([dict(method=name, **overlap(before[name], defaults[name])) for name in names if name in before])
+        table = pd.DataFrame([dict(method=name, **overlap(before[name], defaults[name]))
+                              for name in names if name in before])
         report(table, "faithfulness_effects_before_after",
                f"Each default before vs after ({args.before.name}), kept positions at 25% of {ids.shape[1]} tokens")
 

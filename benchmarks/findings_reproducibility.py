@@ -71,8 +71,10 @@ def compare(reference, other) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", nargs="+", default=["2:default", "1:default", "2:avx2"],
-                        help="threads:kernels per run, kernels 'default' or an ATEN_CPU_CAPABILITY value; the first is the reference")
-    parser.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per capture (default 256, as the findings)")
+                        help="threads:kernels per run, kernels 'default' or an ATEN_CPU_CAPABILITY value; the first is "
+                             "the reference")
+    parser.add_argument("--new-tokens", type=int, default=256,
+                        help="greedy tokens per capture (default 256, as the findings)")
     parser.add_argument("--prompt", type=int, default=0, help="index of the dev chat prompt (default 0)")
     parser.add_argument("--capture", nargs=2, metavar=("THREADS", "PATH"), help=argparse.SUPPRESS)  # child process
     args = parser.parse_args()
@@ -89,12 +91,14 @@ def main() -> None:
             if kernels != "default":
                 env["ATEN_CPU_CAPABILITY"] = kernels
             paths.append(str(Path(folder) / f"{threads}-{kernels}.safetensors"))
-            subprocess.run([sys.executable, __file__, "--capture", threads, paths[-1], "--new-tokens", str(args.new_tokens),
-                            "--prompt", str(args.prompt)], env=env, check=True)
+            subprocess.run([sys.executable, __file__, "--capture", threads, paths[-1], "--new-tokens",
+                            str(args.new_tokens), "--prompt", str(args.prompt)], env=env, check=True)
         reference = AttentionTrace.load(paths[0])
-        rows = [dict(setting=s, **compare(reference, AttentionTrace.load(p))) for s, p in zip(args.settings[1:], paths[1:])]
+        rows = [dict(setting=s, **compare(reference, AttentionTrace.load(p)))
+                for s, p in zip(args.settings[1:], paths[1:])]
     report(pd.DataFrame(rows), "findings_reproducibility",
-           f"Against {args.settings[0]} (threads:kernels): dev chat prompt {args.prompt}, {args.new_tokens} greedy tokens, SmolLM2 fp32")
+           f"Against {args.settings[0]} (threads:kernels): dev chat prompt {args.prompt}, {args.new_tokens} greedy "
+           "tokens, SmolLM2 fp32")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def counted_bytes(config, n: int, capacity: int | None, cut_sliding: bool = Fals
 
 def measured_bytes(subject: Subject, n: int, capacity: int | None) -> int:
     policy = None if capacity is None else snapkv_lab.SnapKV(capacity=capacity)
-    return snapkv_lab.generate(subject.model, subject.tokenizer, subject.prompt(n), policy=policy, max_new_tokens=1).kv_bytes
+    return snapkv_lab.generate(subject.model, subject.tokenizer, subject.prompt(n), policy=policy,
+                               max_new_tokens=1).kv_bytes
 
 
 def rows_for(name: str, lengths, measure: bool) -> list[dict]:
@@ -76,14 +77,16 @@ def rows_for(name: str, lengths, measure: bool) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(LENGTHS))
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths measured (default per model)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                        help="prompt lengths measured (default per model)")
     parser.add_argument("--count-only", action="store_true", help="no prefill: the config's count alone")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     table = pd.DataFrame([row for name in args.models
                           for row in rows_for(name, args.lengths or LENGTHS.get(name, (2000,)), not args.count_only)])
     formats = {column: ".1f" for column in ("full_MiB", "budget_25_MiB", "sliding_compressed_too_MiB")}
-    report(table, "kv_bytes", "KV bytes after prefill: full cache vs SnapKV at 25% of the prompt", {**formats, "saved": ".0%"})
+    report(table, "kv_bytes", "KV bytes after prefill: full cache vs SnapKV at 25% of the prompt",
+           {**formats, "saved": ".0%"})
     return 0
 
 

@@ -46,7 +46,8 @@ class Row:
     """One method side by side.
 
     ours: our policy as a Python expression over snapkv_lab.POLICIES (capacity is set to n_kept).
-    press: the kvpress press, an expression over kvpress's names; {ratio} is filled in.
+    press: the kvpress press, an expression over kvpress's names; {ratio} is filled in, and {head_ratio}, the share
+        of streaming heads our DuoAttention chose (duo_pattern).
     why: why the two keep the same positions (kvpress and snapkv_lab code lines).
     pending: what our side still lacks for the row to hold, when it is a change of behaviour that no field shows
         ("" once it has landed: delete the text then).
@@ -169,7 +170,13 @@ ROWS = [
         "worker is handed our choice of streaming heads (from the retrieval scores and the budget: 250 positions pay "
         "for 16 of 90 KV heads in full beside 80 per streaming head), and masks [sink_size:-recent_size] of the "
         "streaming heads' keys (duo_attention_press.py:113-115) where ours drops them; the row checks the positions, "
-        "not the choice of heads (tests/test_head_budgets.py checks that against the official rule)."),
+        "not the choice of heads (the next row and tests/test_head_budgets.py check that)."),
+    Row("DuoAttention, kvpress's head choice", "DuoAttention(sink_size=16, recent_size=64)",
+        "DuoAttentionPress(head_compression_ratio={head_ratio})",
+        "The same gates, each side choosing its own heads: the worker hands kvpress our gates (a KV head's mean "
+        "retrieval score) in place of the published pattern, and the share of streaming heads our budget gives (74 of "
+        "90 at 250 positions); kvpress streams the round(90 x share) lowest gates (duo_attention_press.py:86-90), ours "
+        "keeps the highest in full. One head chosen differently costs its layer about 0.9 / 3 of Jaccard: the row fails."),
 ]
 
 
@@ -236,8 +243,11 @@ def our_policy(row: Row, capacity: int):
 
 def duo_pattern(policy, n_tokens: int) -> dict:
     """Our prepared DuoAttention's choice on an n-token prompt, as DuoAttentionPress takes it: the streaming KV heads
-    (layers x KV heads, bool), sink and recent sizes."""
-    return {"streaming": (~policy.full_head_mask(n_tokens)).tolist(), "sink_size": policy.sink_size,
+    (layers x KV heads, bool), the gates they were chosen by (layers x KV heads) and the share of streaming heads, for
+    a press that chooses its own; sink and recent sizes."""
+    streaming = ~policy.full_head_mask(n_tokens)
+    return {"streaming": streaming.tolist(), "gates": policy.gates.tolist(),
+            "head_ratio": float(streaming.sum()) / streaming.numel(), "sink_size": policy.sink_size,
             "recent_size": policy.recent_size}
 
 
@@ -343,6 +353,7 @@ class Agreement:
 
     row: Row
     policy_label: str
+    press: str  # the press as the worker built it (the row's expression, filled in)
     pending: str | None = None
     error: str | None = None
     layers: list = field(default_factory=list)
@@ -418,15 +429,17 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     ours, logits = run_ours(model, tokenizer, ids, {label: policy for label, (policy, _) in built.items()})
     middle = time.perf_counter()
     duo = next((policy for policy, _ in built.values() if type(policy).__name__ == "DuoAttention"), None)
-    theirs = run_kvpress(venv, bundled_checkpoint(), ids, {row.label: row.press.format(ratio=ratio) for row in rows},
+    pattern = None if duo is None else duo_pattern(duo, len(ids))
+    presses = {row.label: row.press.format(ratio=ratio, head_ratio=pattern and pattern["head_ratio"]) for row in rows}
+    theirs = run_kvpress(venv, bundled_checkpoint(), ids, presses,
                          q_filters=filters_path(model),  # calibrated by run_ours's QFilters
-                         duo_pattern=None if duo is None else duo_pattern(duo, len(ids)))
+                         duo_pattern=pattern)
     seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
     agreements = {}
     for row in rows:
         policy, pending = built[row.label]
         other = theirs["presses"][row.label]
-        agreement = Agreement(row, policy.label, pending=pending, error=other["error"])
+        agreement = Agreement(row, policy.label, presses[row.label], pending=pending, error=other["error"])
         if other["error"] is None:
             agreement.layers = compare_layers(ours[row.label], other["kept"])
         agreements[row.label] = agreement

@@ -86,10 +86,13 @@ WARMUP_TOKENS = 512
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=N_TOKENS, help=f"prompt length (default {N_TOKENS})")
-    parser.add_argument("--ratio", type=float, default=RATIO, help=f"kvpress compression_ratio, fraction removed (default {RATIO})")
-    parser.add_argument("--venv", type=Path, default=None, help=f"kvpress venv (default {default_venv()}, or $KVPRESS_VENV)")
+    parser.add_argument("--ratio", type=float, default=RATIO,
+                        help=f"kvpress compression_ratio, fraction removed (default {RATIO})")
+    parser.add_argument("--venv", type=Path, default=None,
+                        help=f"kvpress venv (default {default_venv()}, or $KVPRESS_VENV)")
     parser.add_argument("--only", nargs="*", help="row labels to run (default all)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the csv/md results")
     timing = parser.add_argument_group("--timing: wall time side by side (kvpress's query-agnostic protocol)")
@@ -97,12 +100,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     timing.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192],
                         help="context tokens, chat template head included (default 2048 4096 8192; cut to what the "
                              "model's positions hold with the longest question and the new tokens)")
-    timing.add_argument("--repeats", type=int, default=3, help="timed runs per row and side (default 3; the median is reported)")
-    timing.add_argument("--questions", type=int, default=4, help=f"questions per context (default 4, at most {len(QUESTIONS)})")
+    timing.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per row and side (default 3; the median is reported)")
+    timing.add_argument("--questions", type=int, default=4,
+                        help=f"questions per context (default 4, at most {len(QUESTIONS)})")
     timing.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per answer, EOS ignored (default 16)")
-    timing.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: this machine's)")
+    timing.add_argument("--threads", type=int, default=None,
+                        help="torch threads on both sides (default: this machine's)")
     timing.add_argument("--quiet", type=float, default=0.05, help="redo a timed run during which other processes "
-                        "used more than this share of the machine's CPU (default 0.05), after waiting for a quiet second")
+                        "used more than this share of the machine's CPU (default 0.05), after waiting "
+                        "for a quiet second")
     timing.add_argument("--tries", type=int, default=4, help="runs at most per timed measurement (default 4)")
     timing.add_argument("--patience", type=float, default=600.0,
                         help="seconds to wait for a quiet second before each run, then run anyway (default 600)")
@@ -265,7 +272,8 @@ def run_timing(args) -> None:
             server.ask(cmd="run", press=row.press.format(ratio=args.ratio), context=warm_text,
                        questions=questions[:1], max_new_tokens=2)
         for target in args.lengths:
-            text, context_ids, question_ids = fitted_context(tokenizer, target, questions, args.new_tokens, limit, source)
+            text, context_ids, question_ids = fitted_context(tokenizer, target, questions, args.new_tokens, limit,
+                                                             source)
             theirs = server.ask(cmd="prepare", context=text, questions=questions)
             if theirs["context_ids"] != context_ids or theirs["question_ids"] != question_ids:
                 sys.exit(f"{target} tokens: kvpress's pipeline tokenises the prompt differently from ours: refused")
@@ -283,11 +291,11 @@ def run_timing(args) -> None:
                     sides = ["lab", "kvpress"] if (repeat + index) % 2 == 0 else ["kvpress", "lab"]
                     for side in sides:
                         if side == "lab":
-                            call = lambda: cpu_timed(lambda: lab_call(model, tokenizer, policy, text, questions,  # noqa: E731
-                                                                      args.new_tokens))
+                            call = lambda: cpu_timed(lambda: lab_call(model, tokenizer, policy, text,  # noqa: E731
+                                                                      questions, args.new_tokens))
                         else:
-                            call = lambda: server.ask(cmd="run", press=press, context=text, questions=questions,  # noqa: E731
-                                                      max_new_tokens=args.new_tokens)
+                            call = lambda: server.ask(cmd="run", press=press, context=text,  # noqa: E731
+                                                      questions=questions, max_new_tokens=args.new_tokens)
                         seconds, said, share, redone = quiet_run(quiet, call, args.quiet, args.tries, args.patience)
                         if side == "kvpress":  # the worker's own clock: its pipeline call alone
                             seconds = said["seconds"]
@@ -297,8 +305,8 @@ def run_timing(args) -> None:
                         answers[label][side].append(said)
                         disturbed.append(share)
                         redos += redone
-                    print(f"{n} tokens, repeat {repeat + 1}/{args.repeats}, {label}: lab {times[label]['lab'][-1]:.2f} s, "
-                          f"kvpress {times[label]['kvpress'][-1]:.2f} s", file=sys.stderr)
+                    print(f"{n} tokens, repeat {repeat + 1}/{args.repeats}, {label}: lab {times[label]['lab'][-1]:.2f} "
+                          f"s, kvpress {times[label]['kvpress'][-1]:.2f} s", file=sys.stderr)
             loads.append(os.getloadavg())
             noise.append((n, max(disturbed), statistics.median(disturbed), redos))
             for label in rows:
@@ -344,8 +352,8 @@ def write_timing(args, table: pd.DataFrame, versions: dict, threads: int, n_ques
               f"1-minute load average at the start and after each length: {load_text}. Other processes' share of the "
               f"machine's CPU during the timed runs (a run is redone above {args.quiet:.0%}): {noise_text}.")
     shown = table.drop(columns=["lab_answer", "kvpress_answer"])
-    markdown_table = markdown(shown, {"lab_s": ".2f", "kvpress_s": ".2f", "lab_over_kvpress": ".2f", "same_answers": ".2f",
-                                      "lab_cpu_s": ".2f", "kvpress_cpu_s": ".2f"})
+    markdown_table = markdown(shown, {"lab_s": ".2f", "kvpress_s": ".2f", "lab_over_kvpress": ".2f",
+                                      "same_answers": ".2f", "lab_cpu_s": ".2f", "kvpress_cpu_s": ".2f"})
     print(header + "\n\n" + markdown_table)
     args.out.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out / "kvpress_timing.csv", index=False)
@@ -365,7 +373,8 @@ def main(argv=None) -> None:
         sys.exit(problem)
     rows = [row for row in ROWS if not args.only or row.label in args.only]
     if args.only and len(rows) != len(args.only):
-        sys.exit(f"unknown rows {sorted(set(args.only) - {row.label for row in rows})}; rows: {[row.label for row in ROWS]}")
+        sys.exit(f"unknown rows {sorted(set(args.only) - {row.label for row in rows})}; rows: "
+                 f"{[row.label for row in ROWS]}")
 
     import snapkv_lab
 
@@ -378,8 +387,7 @@ def main(argv=None) -> None:
     summary, detail = [], []
     for label, agreement in result.rows.items():
         status = f"pending: {agreement.pending}" if agreement.pending else "ok"
-        line = dict(method=label, ours=agreement.policy_label, kvpress=agreement.row.press.format(ratio=args.ratio),
-                    status=status)
+        line = dict(method=label, ours=agreement.policy_label, kvpress=agreement.press, status=status)
         if agreement.error:
             summary.append({**line, "note": f"kvpress failed: {agreement.error}. {agreement.row.why}"})
             continue
@@ -389,7 +397,8 @@ def main(argv=None) -> None:
                         "identical_layers": round(agreement.identical_layers, 4), "kept_ours": agreement.kept("ours"),
                         "kept_theirs": agreement.kept("theirs"), "note": agreement.row.why})
         detail += [dict(method=label, layer=i, jaccard=round(layer["jaccard"], 4), identical=layer["identical"],
-                        kept_ours=" ".join(map(str, layer["kept_ours"])), kept_theirs=" ".join(map(str, layer["kept_theirs"])))
+                        kept_ours=" ".join(map(str, layer["kept_ours"])),
+                        kept_theirs=" ".join(map(str, layer["kept_theirs"])))
                    for i, layer in enumerate(agreement.layers)]
 
     table = pd.DataFrame(summary)

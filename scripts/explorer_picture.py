@@ -35,7 +35,8 @@ def main() -> None:
     trace = sl.capture(model, tokenizer, prompt, max_new_tokens=32)
     run = sl.generate(model, tokenizer, prompt, policy=sl.SnapKV(capacity=CAPACITY), max_new_tokens=32)
     asked = len(encode(tokenizer, question)) + 5  # the question and the chat template's end of turn, roughly
-    view = sl.explore(trace, layer=LAYER, head=HEAD, kept=run, spans={"question": (trace.prompt_len - asked, trace.prompt_len)})
+    view = sl.explore(trace, layer=LAYER, head=HEAD, kept=run,
+                      spans={"question": (trace.prompt_len - asked, trace.prompt_len)})
     with tempfile.TemporaryDirectory() as folder:
         page_path = view.to_html(Path(folder) / "explorer.html")
         with sync_playwright() as playwright:

@@ -125,8 +125,8 @@ def main(argv=None) -> int:
     r.add_argument("--scratch", help="folder of the saved model and the cell store (default the system's temp "
                                      "folder; /dev/shm keeps the 8B shape's 15 GB in memory)")
     r.add_argument("--model-folder", type=Path, help="where the random model is saved, and read back by a later run "
-                                                     "instead of building it again (refused if its shape is not --shape; "
-                                                     "default: a temporary folder under --scratch)")
+                                                     "instead of building it again (refused if its shape is not "
+                                                     "--shape; default: a temporary folder under --scratch)")
     r.add_argument("--task", default="niah_single_1")
     r.add_argument("--length", type=int, default=4096)
     r.add_argument("--ratio", type=float, default=0.5)

@@ -1,4 +1,5 @@
-"""Moved to snapkv_lab.app.figure_sets and snapkv_lab.core.figure_files (2026-11-28): an alias that warns, for one release."""
+"""Moved to snapkv_lab.app.figure_sets and snapkv_lab.core.figure_files (2026-11-28): an alias that warns, for one
+release."""
 
 from .core.moved import moved
 

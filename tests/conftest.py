@@ -89,7 +89,8 @@ def synthetic_retrieval_scores(config) -> torch.Tensor:
 def random_models_have_retrieval_scores(monkeypatch):
     """A random model copies no needle, so HeadKV (budgets from measured retrieval scores) would refuse it: in tests a
     model without a name (a random one) gets `synthetic_retrieval_scores`; a real model is measured
-    (tests/test_retrieval_heads.py checks the measurement, tests/test_head_budgets.py what the policies do with scores)."""
+    (tests/test_retrieval_heads.py checks the measurement, tests/test_head_budgets.py what the policies do with
+    scores)."""
     from snapkv_lab.policies import retrieval_heads
 
     measured = retrieval_heads.retrieval_score_grid

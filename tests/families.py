@@ -68,7 +68,8 @@ FAMILIES = {
     # alternate sliding and full; a cap of 5 (default 50) bends the tiny model's logits measurably.
     "gemma2-softcap": lambda: make(Gemma2Config, attn="eager", sliding_window=SLIDING_WINDOW,
                                    attn_logit_softcapping=5.0, **GEMMA_SCALE, **GQA),
-    "gemma3-sliding": lambda: make(Gemma3TextConfig, sliding_window=SLIDING_WINDOW, layer_types=[SLIDING, FULL, SLIDING],
+    "gemma3-sliding": lambda: make(Gemma3TextConfig, sliding_window=SLIDING_WINDOW,
+                                   layer_types=[SLIDING, FULL, SLIDING],
                                    **GEMMA_SCALE, **GQA),
     "olmo2-mha": lambda: make(Olmo2Config, **MHA),
     "olmo2-gqa": lambda: make(Olmo2Config, **GQA),

@@ -62,3 +62,19 @@ def assert_same_selection(kept, ref_kept, ref_scores, window, layers=None):
         torch.testing.assert_close(mine_scores, ref_top, atol=1e-5, rtol=0)
         agree = (mine == ref).float().mean()
         assert agree > 0.95, f"layer {layer}: only {agree:.0%} of kept positions agree"
+
+
+def official_capacities(scores: list[list[float]], base_capacity: int, window: int, beta: float, temp: float):
+    """HeadKV's prefix capacities per (layer, query head), FYYFU/HeadKV at 0862a09, headkv/snapkv_utils.py,
+    ReasonSnapKVCluster.__init__ (lines 343-389), line by line: scores normalised, raised to temp, normalised; a pool of
+    (b // beta) per head shared by them; each head gets round(share * pool + b - b // beta)."""
+    b = base_capacity - window
+    flat = [s for layer in scores for s in layer]
+    total = sum(flat)
+    shares = [(s / total) ** temp for s in flat]
+    shares = [s / sum(shares) for s in shares]
+    pool = (b // beta) * len(flat)
+    floor = b - b // beta
+    caps = [round(s * pool + floor) for s in shares]  # torch.round: half to even, as Python's round
+    width = len(scores[0])
+    return [caps[i:i + width] for i in range(0, len(caps), width)]

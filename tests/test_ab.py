@@ -25,7 +25,8 @@ def tiny():
 
 
 def test_compare_table_and_display(byte_tokenizer):
-    prompts = ["x" * 30 + "the answer is here " * 4, {"prompt": "y" * 70, "question": "what?", "answer": "zz", "name": "agnostic"}]
+    prompts = ["x" * 30 + "the answer is here " * 4,
+               {"prompt": "y" * 70, "question": "what?", "answer": "zz", "name": "agnostic"}]
     table = compare(tiny(), byte_tokenizer, prompts, policies=POLICIES, max_new_tokens=6, progress=False)
     assert len(table) == 6 and list(table.policy[:3]) == ["FullCache", "SnapKV(window_size=8)@40",
                                                            "StreamingLLM(kept_tail=8)@40"]
@@ -109,7 +110,8 @@ def test_retrieval_runner_reuse_equals_generate(byte_tokenizer):
     question = torch.randint(2, 256, (12,), generator=g).tolist()
     ctx = Context(context, [Query(question, "7", (40, 50), (45, 47))], dict(task="unit", length=112))
     policies = [SnapKV(window_size=8), H2O(kept_tail=8), StreamingLLM(kept_tail=8)]
-    table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), max_new_tokens=6, progress=False)
+    table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), max_new_tokens=6,
+                          progress=False)
     assert len(table) == 1 + 3 * 2
     full = generate(model, byte_tokenizer, [context + question], max_new_tokens=6)
     assert table.output.iloc[0] == full.text
@@ -148,15 +150,16 @@ def test_pressure_figures_draw_from_tables(tmp_path):
     from snapkv_lab.app.figure_sets import load_figure_sets
     from snapkv_lab.core.figure_files import FIGURE_SETS
 
-    rows = [dict(task="needle", length=n, depth=d, sample=0, policy=p, capacity=c, mode=m, correct=(d + (c or 4096) / 4096) > 0.5,
-                 value_kept=0.5, fact_kept=0.5)
+    rows = [dict(task="needle", length=n, depth=d, sample=0, policy=p, capacity=c, mode=m,
+                 correct=(d + (c or 4096) / 4096) > 0.5, value_kept=0.5, fact_kept=0.5)
             for n in (1000, 2000) for d in (0.0, 1.0)
             for p, c, m in [("FullCache", None, "full")] + [(p, c, m) for p in ("SnapKV", "H2O") for c in (256, 512)
                                                                for m in ("query-aware", "query-agnostic")]]
     pd.DataFrame(rows).to_csv(tmp_path / "pressure_needle.csv", index=False)
     pd.DataFrame(rows).assign(task="lines").to_csv(tmp_path / "pressure_lines.csv", index=False)
     written = load_figure_sets()["pressure"].draw(tmp_path, tmp_path)
-    assert {p.name for p in written} >= {"pressure_needle_query-aware.png", "pressure_needle_budget.html", "pressure_lines.png"}
+    assert {p.name for p in written} >= {"pressure_needle_query-aware.png", "pressure_needle_budget.html",
+                                         "pressure_lines.png"}
     assert "pressure" in FIGURE_SETS
 
 
@@ -168,8 +171,8 @@ def test_compare_from_one_prefill_equals_generate(byte_tokenizer):
     prompt = torch.randint(2, 256, (90,), generator=g).tolist()
     questions = [torch.randint(2, 256, (9,), generator=g).tolist() for _ in range(2)]
     # AdaKV: ragged head-wise layers, built under inference mode, then fed the question outside it
-    policies = [FullCache(), SnapKV(capacity=40, window_size=8), SnapKV(capacity=40, window_size=16), H2O(capacity=0.5, kept_tail=8),
-                sl.AdaKV(capacity=40, policy=sl.SnapKV(window_size=8))]
+    policies = [FullCache(), SnapKV(capacity=40, window_size=8), SnapKV(capacity=40, window_size=16),
+                H2O(capacity=0.5, kept_tail=8), sl.AdaKV(capacity=40, policy=sl.SnapKV(window_size=8))]
     table = compare(model, byte_tokenizer, [[prompt], {"prompt": [prompt], "question": questions, "name": "many"}],
                     policies=policies, max_new_tokens=5, progress=False)
     assert len(table) == len(policies) * 3 and table.policy.nunique() == len(policies)
@@ -189,7 +192,8 @@ def test_policy_identity_is_its_parameters(byte_tokenizer):
     model = tiny()
     g = torch.Generator().manual_seed(13)
     ctx = Context(torch.randint(2, 256, (90,), generator=g).tolist(),
-                  [Query(torch.randint(2, 256, (8,), generator=g).tolist(), "7", (40, 50), (45, 47))], dict(task="unit", length=98))
+                  [Query(torch.randint(2, 256, (8,), generator=g).tolist(), "7", (40, 50), (45, 47))],
+                  dict(task="unit", length=98))
     policies = [SnapKV(window_size=8), SnapKV(window_size=8, kernel_size=3)]
     table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), modes=("query-aware",),
                           max_new_tokens=4, progress=False)
@@ -199,7 +203,8 @@ def test_policy_identity_is_its_parameters(byte_tokenizer):
                        policy=dataclasses.replace(policy, capacity=40))
         assert table[table.policy == policy.scorer_label].output.item() == run.text
     with pytest.raises(ValueError, match="share a label"):
-        compare(model, byte_tokenizer, [[ctx.context_ids]], policies=[SnapKV(capacity=40), SnapKV(capacity=40)], progress=False)
+        compare(model, byte_tokenizer, [[ctx.context_ids]], policies=[SnapKV(capacity=40), SnapKV(capacity=40)],
+                progress=False)
 
 
 def test_window_longer_than_the_question_spans_the_context(byte_tokenizer):
@@ -208,7 +213,8 @@ def test_window_longer_than_the_question_spans_the_context(byte_tokenizer):
     model = tiny()
     g = torch.Generator().manual_seed(14)
     ctx = Context(torch.randint(2, 256, (90,), generator=g).tolist(),
-                  [Query(torch.randint(2, 256, (6,), generator=g).tolist(), "7", (40, 50), (45, 47))], dict(task="unit", length=96))
+                  [Query(torch.randint(2, 256, (6,), generator=g).tolist(), "7", (40, 50), (45, 47))],
+                  dict(task="unit", length=96))
     policies = [SnapKV(window_size=16), H2O(kept_tail=16)]
     table = run_retrieval(model, byte_tokenizer, [ctx], policies=policies, capacities=(40,), modes=("query-aware",),
                           max_new_tokens=5, progress=False)
@@ -217,7 +223,8 @@ def test_window_longer_than_the_question_spans_the_context(byte_tokenizer):
                              policy=dataclasses.replace(policy, capacity=40))
         row = table[table.policy == policy.scorer_label]
         assert row.output.item() == one_chunk.text, policy.label
-        assert row.fact_kept.item() == pytest.approx(sum(float(((k[0] >= 40) & (k[0] < 50)).sum()) for k in one_chunk.kept_indices)
+        assert row.fact_kept.item() == pytest.approx(sum(float(((k[0] >= 40) & (k[0] < 50)).sum())
+                                                         for k in one_chunk.kept_indices)
                                                      / (2 * 2 * 10))
 
 
@@ -250,12 +257,14 @@ def test_wilson_intervals():
     from snapkv_lab.pressure import accuracy_intervals, wilson
 
     low, high = wilson(0, 5)
-    assert low == pytest.approx(0, abs=1e-12) and high == pytest.approx(3.8415 / 5 / (1 + 3.8415 / 5), abs=1e-3)  # 0.434
+    assert (low == pytest.approx(0, abs=1e-12)
+            and high == pytest.approx(3.8415 / 5 / (1 + 3.8415 / 5), abs=1e-3))  # 0.434
     low, high = wilson(5, 5)
     assert high == pytest.approx(1) and low == pytest.approx(1 - 0.4345, abs=1e-3)
     low, high = wilson(7, 15)
     assert low < 7 / 15 < high and (low, high) == pytest.approx((0.248, 0.699), abs=2e-3)
-    table = pd.DataFrame(dict(policy=["A"] * 4 + ["B"] * 2, mode="m", correct=[1, 1, 0, 1, 0, 0], exact=[1, 0, 0, 1, 0, 0]))
+    table = pd.DataFrame(dict(policy=["A"] * 4 + ["B"] * 2, mode="m", correct=[1, 1, 0, 1, 0, 0],
+                              exact=[1, 0, 0, 1, 0, 0]))
     intervals = accuracy_intervals(table).set_index("policy")
     assert intervals.loc["A", ["asked", "correct", "exact"]].tolist() == [4, 3, 2]
     assert intervals.loc["B", "correct_high"] == pytest.approx(wilson(0, 2)[1])

@@ -56,7 +56,8 @@ def test_coverage_columns_match_a_fresh_generate_and_capture(mode, byte_tokenize
     assert row.value_attention_kept == pytest.approx(value.span_kept_share.mean(), abs=1e-6)
     assert row.value_attention == pytest.approx(full.value_attention, abs=1e-6)
     assert row.coverage < row.oracle <= 1
-    assert full.coverage == pytest.approx(1.0, abs=1e-5) and full.value_attention_kept == pytest.approx(full.value_attention)
+    assert (full.coverage == pytest.approx(1.0, abs=1e-5)
+            and full.value_attention_kept == pytest.approx(full.value_attention))
 
 
 def test_ablation_table_counts_each_axis_with_the_shared_default():

@@ -30,7 +30,8 @@ def dense_attention(query, key, scaling, *, sliding_window=None, softcap=None):
     return logits.masked_fill(~visible, float("-inf")).softmax(-1)
 
 
-@pytest.mark.parametrize("options", [dict(), dict(sliding_window=5), dict(softcap=3.0), dict(sliding_window=7, softcap=2.0)],
+@pytest.mark.parametrize("options",
+                         [dict(), dict(sliding_window=5), dict(softcap=3.0), dict(sliding_window=7, softcap=2.0)],
                          ids=["causal", "sliding", "softcap", "both"])
 @pytest.mark.parametrize("block_elements", [1, 1 << 20], ids=["row-blocks", "one-block"])
 def test_blockwise_equals_dense(options, block_elements):
@@ -110,7 +111,8 @@ def test_settings_survive_save_and_load(saved, tmp_path):
     loaded = AttentionTrace.load(trace.save(tmp_path / "sliding.safetensors"))
     assert loaded.layer_settings(1) == AttentionSettings(trace.scaling, 9, 4.0)
     torch.testing.assert_close(loaded.attention(1), dense_attention(trace.queries[1], trace.keys[1], trace.scaling,
-                                                                   sliding_window=9, softcap=4.0).float(), atol=1e-6, rtol=0)
+                                                                   sliding_window=9, softcap=4.0).float(), atol=1e-6,
+                               rtol=0)
 
 
 def test_format_1_traces_read_as_full_causal_attention(saved, tmp_path):

@@ -94,7 +94,8 @@ def ref_lagkv(keys, values, capacity, sinks, lag):
     return kept
 
 
-@pytest.mark.parametrize("capacity", [4 + 20 + 11 * 8, 4 + 20 + 11 * 8 + 5, 4 + 20 + 11])  # even shares, 5 left over, 1 each
+@pytest.mark.parametrize("capacity",
+                         [4 + 20 + 11 * 8, 4 + 20 + 11 * 8 + 5, 4 + 20 + 11])  # even shares, 5 left over, 1 each
 def test_lagkv_keeps_each_partitions_best_tokens_as_its_official_code(capacity, byte_tokenizer):
     """200 tokens, 4 sinks, lag 16: 12 whole partitions after the sinks, the last one (and 4 more tokens) the tail,
     11 judged partitions."""
@@ -131,7 +132,8 @@ def ref_query_directions(model, ids):
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = config.hidden_size // heads
     projected = {}
-    hooks = [block.self_attn.q_proj.register_forward_hook(lambda m, a, out, i=i: projected.setdefault(i, []).append(out))
+    hooks = [block.self_attn.q_proj.register_forward_hook(lambda m, a, out, i=i:
+                                                          projected.setdefault(i, []).append(out))
              for i, block in enumerate(model.model.layers)]
     with torch.no_grad():
         for row in ids:
@@ -165,7 +167,8 @@ def test_query_filters_are_the_main_signed_direction_of_the_queries(byte_tokeniz
     ids = torch.tensor(haystack_ids(byte_tokenizer, 512, source="pydoc")).view(2, 256)
     for layer, ref in enumerate(ref_query_directions(model, ids)):
         torch.testing.assert_close(filters[layer].double(), ref, atol=1e-4, rtol=0)
-    assert torch.equal(query_filters(model, byte_tokenizer, tokens=512, sequence=256), filters)  # read back from the cache
+    # read back from the cache
+    assert torch.equal(query_filters(model, byte_tokenizer, tokens=512, sequence=256), filters)
     assert len(list((tmp_path / "query_filters").iterdir())) == 1
 
 
@@ -226,7 +229,8 @@ def test_qfilters_prepared_under_inference_mode_score_a_plain_forward(byte_token
 
 
 @pytest.mark.parametrize("wrapper", ["AdaKV", "ChunkKV", "CriticalKV", "DecodingEviction"])
-def test_wrapped_attention_free_scorers_are_prepared_through_their_wrapper(wrapper, byte_tokenizer, tmp_path, monkeypatch):
+def test_wrapped_attention_free_scorers_are_prepared_through_their_wrapper(wrapper, byte_tokenizer, tmp_path,
+                                                                           monkeypatch):
     """A wrapper hands `prepare` to the policy it wraps (unprepared, QFilters refuses to score): the wrapped scorer
     runs on a model it has never met and the cache is cut to the budget."""
     monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path))

@@ -58,7 +58,8 @@ def test_batched_rows_equal_their_batch_one_runs(name, capacity, model, byte_tok
 
 def test_eviction_while_decoding_runs_per_row(model, byte_tokenizer):
     """DecodingEviction evicts every 4 steps: each row's tracker sees its own slots, as in its batch-1 run."""
-    policy = snapkv_lab.DecodingEviction(capacity=0.25, kept_tail=8, interval=8, policy=snapkv_lab.SnapKV(window_size=8))
+    policy = snapkv_lab.DecodingEviction(capacity=0.25, kept_tail=8, interval=8,
+                                         policy=snapkv_lab.SnapKV(window_size=8))
     rows = prompts(seed=1)
     batched = snapkv_lab.generate(model, byte_tokenizer, [r.tolist() for r in rows], policy=policy, max_new_tokens=20)
     singles = [snapkv_lab.generate(model, byte_tokenizer, r[None], policy=policy, max_new_tokens=20) for r in rows]
@@ -190,7 +191,8 @@ def test_several_questions_batch_over_sliding_layers(byte_tokenizer, monkeypatch
     questions = [q.tolist() for q in prompts(seed=9, lengths=(4, 9))]
     for n in (40, 10):
         context = prompts(seed=10, lengths=(n,))[0][None]
-        many = snapkv_lab.generate(model, byte_tokenizer, context, policy=policy, question=questions, max_new_tokens=NEW)
+        many = snapkv_lab.generate(model, byte_tokenizer, context, policy=policy, question=questions,
+                                   max_new_tokens=NEW)
         with monkeypatch.context() as patch:
             ask_one_by_one(patch)
             alone = snapkv_lab.generate(model, byte_tokenizer, context, policy=policy, question=questions,

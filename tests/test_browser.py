@@ -136,7 +136,8 @@ def jupyterlab(tmp_path):
     root.mkdir()
     shutil.copy(ROOT / "notebooks" / "01_attention_maps.ipynb", root)
     state = tmp_path / "jupyter"
-    env = {**os.environ, "SNAPKV_LAB_SMALL": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ, "SNAPKV_LAB_SMALL": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "JUPYTER_RUNTIME_DIR": str(state / "runtime"), "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces"),
            "JUPYTERLAB_SETTINGS_DIR": str(state / "settings"), "IPYTHONDIR": str(state / "ipython")}
     port = free_port()

@@ -64,7 +64,8 @@ def test_teacher_forced_continuation(prompt_ids, byte_tokenizer, tiny_model):
     assert trace.token_ids[trace.prompt_len:].tolist() == list(b"hello")
     assert trace.generated_text == "hello"
     reference = eager_maps(tiny_model, trace.token_ids)
-    torch.testing.assert_close(trace.attention(1, queries=trace.generated), reference[1][:, trace.generated], atol=ATOL, rtol=0)
+    torch.testing.assert_close(trace.attention(1, queries=trace.generated), reference[1][:, trace.generated], atol=ATOL,
+                               rtol=0)
 
 
 def test_blocks_heads_and_columns(prompt_ids, byte_tokenizer, tiny_model):
@@ -75,7 +76,8 @@ def test_blocks_heads_and_columns(prompt_ids, byte_tokenizer, tiny_model):
     # Rows are normalised over all keys they see: the selected columns alone do not sum to one.
     assert float(block.sum(-1).max()) < 1.0
     # Column sums of a window: the SnapKV vote before pooling.
-    torch.testing.assert_close(trace.column_sums(1, queries=slice(30, 57)), reference[:, 30:57].sum(1), atol=ATOL, rtol=0)
+    torch.testing.assert_close(trace.column_sums(1, queries=slice(30, 57)), reference[:, 30:57].sum(1), atol=ATOL,
+                               rtol=0)
     # Per-row top-k, with causal padding for early rows.
     values, indices = trace.row_topk(1, 4, queries=[0, 2, 60])
     expected = torch.topk(reference[:, [0, 2, 60]], 4, dim=-1)
@@ -144,8 +146,8 @@ def test_stops_at_eos(prompt_ids, byte_tokenizer, tiny_model):
 
 
 # What "exact" means in bf16. The recompute is the float32 softmax of the model's own stored bf16 q/k:
-# it matches a float64 computation from the same q/k to float32 rounding (1.2e-6 measured). Eager bf16 attention rounds its logits and
-# probabilities to bf16, so it differs from the recompute by a model-dependent amount: measured max |dp|
+# it matches a float64 computation from the same q/k to float32 rounding (1.2e-6 measured). Eager bf16 attention rounds
+# its logits and probabilities to bf16, so it differs from the recompute by a model-dependent amount: measured max |dp|
 # 0.0035 on this tiny model (init 0.1) and 0.080 on SmolLM2-135M (docs/capture.md, "What exact means").
 BF16_RECOMPUTE_ATOL = 2e-6
 BF16_EAGER_ATOL = {"tiny": 0.01, "smollm2": 0.1}
@@ -167,7 +169,8 @@ def assert_bf16_bounds(model, tokenizer, prompt, eager_atol):
         eager = eager_twin(model)(trace.token_ids[None], output_attentions=True).attentions
     for entry, layer in enumerate(trace.layers):
         recomputed = trace.attention(layer)
-        torch.testing.assert_close(recomputed.double(), float64_attention(trace, entry), atol=BF16_RECOMPUTE_ATOL, rtol=0)
+        torch.testing.assert_close(recomputed.double(), float64_attention(trace, entry), atol=BF16_RECOMPUTE_ATOL,
+                                   rtol=0)
         torch.testing.assert_close(recomputed, eager[layer][0].float(), atol=eager_atol, rtol=0)
 
 

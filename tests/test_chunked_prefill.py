@@ -60,7 +60,8 @@ def test_the_cache_never_holds_more_than_capacity_plus_a_chunk(name, model):
     capacity = 40
     ids = prompt(seed=2)
     lengths = []
-    with torch.inference_mode(), snapkv_lab.compress(model, build(name, capacity=capacity), prefill_chunk=CHUNK) as state:
+    with torch.inference_mode(), snapkv_lab.compress(model, build(name, capacity=capacity),
+                                                     prefill_chunk=CHUNK) as state:
         start = 0
         for size in chunk_sizes(N, CHUNK):
             forward(model, ids[:, start:start + size], state.cache, start)
@@ -78,7 +79,8 @@ def test_streaming_llm_keeps_the_same_positions_in_chunks(model, byte_tokenizer)
     """Sinks plus the most recent: a choice by position alone, the same whatever the chunks."""
     policy = snapkv_lab.StreamingLLM(capacity=40, kept_tail=8)
     whole = snapkv_lab.generate(model, byte_tokenizer, prompt(seed=3), policy=policy, max_new_tokens=NEW)
-    chunked = snapkv_lab.generate(model, byte_tokenizer, prompt(seed=3), policy=policy, max_new_tokens=NEW, prefill_chunk=32)
+    chunked = snapkv_lab.generate(model, byte_tokenizer, prompt(seed=3), policy=policy, max_new_tokens=NEW,
+                                  prefill_chunk=32)
     expected = torch.cat([torch.arange(4), torch.arange(N - 36, N)])
     for a, b in zip(chunked.kept_indices, whole.kept_indices, strict=True):
         assert torch.equal(a[0, 0, :40], expected) and torch.equal(b[0, 0, :40], expected)
@@ -119,7 +121,8 @@ def test_chunks_change_what_later_layers_keep(model, byte_tokenizer):
     """Not a no-op: with several chunks, later tokens see only what earlier chunks kept."""
     policy = snapkv_lab.SnapKV(capacity=40, window_size=8)
     whole = snapkv_lab.generate(model, byte_tokenizer, prompt(seed=6), policy=policy, max_new_tokens=1)
-    chunked = snapkv_lab.generate(model, byte_tokenizer, prompt(seed=6), policy=policy, max_new_tokens=1, prefill_chunk=32)
+    chunked = snapkv_lab.generate(model, byte_tokenizer, prompt(seed=6), policy=policy, max_new_tokens=1,
+                                  prefill_chunk=32)
     assert any(not torch.equal(a, b) for a, b in zip(chunked.kept_indices, whole.kept_indices, strict=True))
 
 

@@ -95,14 +95,16 @@ def test_figures_and_needle_pass_their_options_on(monkeypatch, tmp_path):
                  "--data-dir", str(tmp_path)]) == 0
     # tables kept apart are drawn apart: figures in <data-dir>/figures, not over the repository's figures/
     assert calls.pop() == ("draw", (str(tmp_path), tmp_path / "figures"), dict(
-        recompute=True, only=["findings"], options=dict(model=None, framing=None, samples=1, reuse=False, obs_window=None, prompt_segment=None,
+        recompute=True, only=["findings"], options=dict(model=None, framing=None, samples=1, reuse=False,
+                                                        obs_window=None, prompt_segment=None,
                                                         gen_segment=None, split="heldout",
                                                         executor="local", ray_address=None, cpus_per_worker=None)))
     assert calls.pop() == ("check", None)
     assert main(["needle", "--model", "some/model", "--lengths", "1000", "--depths", "0.5", "--skip-lines",
                  "--suites", "needle", "ruler", "--framing", "plain"]) == 0
     # another model than the default writes its own folder: data/<model>/ (a hub id's "/" as "--")
-    assert calls == [("check", "some/model"), ("needle", dict(data_dir=Path("data") / "some--model", model="some/model", framing="plain",
+    assert calls == [("check", "some/model"),
+                     ("needle", dict(data_dir=Path("data") / "some--model", model="some/model", framing="plain",
                                      samples=None, first_sample=0, lengths=[1000],
                                      depths=[0.5], skip_lines=True, lines_lengths=None, suites=["needle", "ruler"],
                                      policies=None, capacities=None, modes=None, executor="local", ray_address=None,
@@ -219,7 +221,8 @@ def test_ray_options_without_the_ray_executor_are_refused_before_anything_runs(m
     monkeypatch.setattr(snapkv_lab.models, "check_model", lambda name: pytest.fail("a model was looked at"))
     for command in (["eval", "--tasks", "niah_single_1"], ["needle"], ["figures", "--recompute"]):
         assert main([*command, "--cpus-per-worker", "1"]) == 2
-        assert "cpus_per_worker (--cpus-per-worker) is only used with executor='ray' (--executor ray)" in capsys.readouterr().err
+        assert ("cpus_per_worker (--cpus-per-worker) is only used with executor='ray' (--executor ray)"
+                in capsys.readouterr().err)
     assert main(["needle", "--ray-address", "auto", "--cpus-per-worker", "2"]) == 2
     assert "--ray-address) and cpus_per_worker (--cpus-per-worker) are only used with" in capsys.readouterr().err
 

@@ -60,9 +60,12 @@ def test_kept_indices_match_eager_reference_smollm(smollm):
     assert result.cache_lengths == [256] * model.config.num_hidden_layers
 
 
-@pytest.mark.parametrize("policy", [sl.SnapKV(capacity=CAPACITY, window_size=WINDOW), sl.SnapKVNoPooling(capacity=CAPACITY, window_size=WINDOW),
-                                    sl.H2O(capacity=CAPACITY, kept_tail=WINDOW, interval=None), sl.StreamingLLM(capacity=CAPACITY, kept_tail=WINDOW),
-                                    sl.RandomKeep(capacity=CAPACITY, kept_tail=WINDOW), sl.SnapKV(capacity=0.5, window_size=WINDOW)],
+@pytest.mark.parametrize("policy", [sl.SnapKV(capacity=CAPACITY, window_size=WINDOW),
+                                    sl.SnapKVNoPooling(capacity=CAPACITY, window_size=WINDOW),
+                                    sl.H2O(capacity=CAPACITY, kept_tail=WINDOW, interval=None),
+                                    sl.StreamingLLM(capacity=CAPACITY, kept_tail=WINDOW),
+                                    sl.RandomKeep(capacity=CAPACITY, kept_tail=WINDOW),
+                                    sl.SnapKV(capacity=0.5, window_size=WINDOW)],
                          ids=lambda p: p.label)
 def test_cache_length_after_prefill_equals_capacity(policy, byte_tokenizer):
     model = tiny()
@@ -114,7 +117,8 @@ def test_text_is_text_and_a_chat_models_tokenizer_is_told_once(byte_tokenizer, m
 def test_capacity_at_or_above_prompt_is_identical_to_uncompressed(capacity, byte_tokenizer):
     model = tiny()
     ids = torch.randint(2, 256, (1, 64), generator=torch.Generator().manual_seed(3))
-    result = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=capacity, window_size=WINDOW), max_new_tokens=20)
+    result = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=capacity, window_size=WINDOW),
+                         max_new_tokens=20)
     plain = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)[:, 64:]
     assert torch.equal(result.token_ids, plain)
     assert result.cache_lengths == [64, 64]
@@ -170,9 +174,10 @@ def test_model_generate_matches_own_loop(attn, per_query_head, byte_tokenizer):
 def test_per_query_head_layout_costs_group_times_the_memory(byte_tokenizer):
     model = tiny()
     ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(7))
-    per_kv = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=4)
-    per_q = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True),
-                       max_new_tokens=4)
+    per_kv = sl.generate(model, byte_tokenizer, ids, policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW),
+                         max_new_tokens=4)
+    per_q = sl.generate(model, byte_tokenizer, ids,
+                        policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW, per_query_head=True), max_new_tokens=4)
     assert per_q.kept_indices[0].shape == (1, 4, CAPACITY)
     assert per_q.kv_bytes == 2 * per_kv.kv_bytes  # 4 query heads share 2 KV heads
 
@@ -199,7 +204,8 @@ def test_query_agnostic_mode(byte_tokenizer):
     assert agnostic.cache_lengths == [CAPACITY] * 2  # the question is appended after the snapshot
     assert int(agnostic.kept_indices[0].max()) == 89
     # Capacity above the context: the chunked prefill equals the one-piece prompt.
-    untouched = sl.generate(model, byte_tokenizer, context, question=question, policy=sl.SnapKV(capacity=200), max_new_tokens=8)
+    untouched = sl.generate(model, byte_tokenizer, context, question=question, policy=sl.SnapKV(capacity=200),
+                            max_new_tokens=8)
     whole = sl.generate(model, byte_tokenizer, torch.cat([context[0], question])[None], max_new_tokens=8)
     assert torch.equal(untouched.token_ids, whole.token_ids)
 
@@ -225,7 +231,8 @@ def test_bad_parameters_get_clear_errors(kwargs, message):
 
 def test_ratio_too_small_for_the_kept_tail_is_refused(byte_tokenizer):
     with pytest.raises(ValueError, match="no more than the kept tail \\(32\\)"):
-        sl.generate(tiny(), byte_tokenizer, torch.randint(2, 256, (1, 100)), policy=sl.SnapKV(capacity=0.2, window_size=32))
+        sl.generate(tiny(), byte_tokenizer, torch.randint(2, 256, (1, 100)),
+                    policy=sl.SnapKV(capacity=0.2, window_size=32))
 
 
 def test_padding_other_than_on_the_left_is_refused(byte_tokenizer):
@@ -252,7 +259,8 @@ def test_padded_id_tensors_are_padded_batches(byte_tokenizer):
     padded[1, -10:] = 1  # right padding
     policy = sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)
     for run in (lambda t: sl.generate(model, PaddingTokenizer(), t, policy=policy, max_new_tokens=2),
-                lambda t: sl.compare(model, PaddingTokenizer(), [t], policies=[policy], max_new_tokens=2, progress=False)):
+                lambda t: sl.compare(model, PaddingTokenizer(), [t], policies=[policy], max_new_tokens=2,
+                                     progress=False)):
         with pytest.raises(NotImplementedError, match="only left padding"):
             run(padded)
     assert sl.generate(model, PaddingTokenizer(), ids, policy=policy, max_new_tokens=2).token_ids.shape == (2, 2)
@@ -310,7 +318,8 @@ def test_prompt_lookup_decoding_is_refused_on_a_compressed_cache(byte_tokenizer)
     ids = torch.tensor([list(range(10, 40)) * 3])  # repeats, so prompt lookup finds drafts
     with pytest.raises(NotImplementedError, match="assisted and prompt-lookup decoding are not supported"):
         with sl.compress(model, sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)) as state:
-            model.generate(ids, past_key_values=state.cache, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+            model.generate(ids, past_key_values=state.cache, max_new_tokens=8, do_sample=False,
+                           prompt_lookup_num_tokens=3)
 
 
 def test_flash_style_two_dimensional_padding_masks_give_the_pads():
@@ -347,4 +356,5 @@ def test_sliding_window_mask_is_not_taken_for_padding(byte_tokenizer):
             sl.compare(model, byte_tokenizer, [ids], policies=[sl.SnapKV(capacity=CAPACITY, window_size=WINDOW)],
                        max_new_tokens=2, progress=False)
         with pytest.warns(UserWarning, match="every layer of this model uses sliding-window attention"):
-            sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW), max_new_tokens=2)
+            sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW),
+                        max_new_tokens=2)

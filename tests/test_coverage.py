@@ -135,7 +135,8 @@ def test_generated_positions_are_ignored(tiny_runs):
     """Eviction while decoding holds generated positions: they are not prompt and do not count as kept."""
     trace, runs = tiny_runs
     run = runs["SnapKV"]
-    extra = [torch.cat([rows, torch.full_like(rows[..., :3], trace.prompt_len + 2)], dim=-1) for rows in run.kept_indices]
+    extra = [torch.cat([rows, torch.full_like(rows[..., :3], trace.prompt_len + 2)], dim=-1)
+             for rows in run.kept_indices]
     assert attention_coverage(trace, extra).equals(attention_coverage(trace, run.kept_indices))
 
 
@@ -158,12 +159,13 @@ def test_refusals(tiny_runs, byte_tokenizer):
         attention_coverage(trace, [rows[:, :1] for rows in run.kept_indices])  # 1 row: neither 2 KV nor 4 heads
     with pytest.raises(ValueError, match="shape"):  # batch sizes that differ between layers
         attention_coverage(trace, [run.kept_indices[0], run.kept_indices[1].expand(2, -1, -1)])
-    other = generate(make_tiny_llama(initializer_range=0.3), byte_tokenizer, PROMPT[:-5], policy=SnapKV(capacity=40, window_size=8),
-                     max_new_tokens=2)
+    other = generate(make_tiny_llama(initializer_range=0.3), byte_tokenizer, PROMPT[:-5],
+                     policy=SnapKV(capacity=40, window_size=8), max_new_tokens=2)
     with pytest.raises(ValueError, match="not the trace's"):
         attention_coverage(trace, other)
     prompt_only = snapkv_lab.AttentionTrace(
-        token_ids=trace.token_ids[: trace.prompt_len], tokens=trace.tokens[: trace.prompt_len], prompt_len=trace.prompt_len,
+        token_ids=trace.token_ids[: trace.prompt_len], tokens=trace.tokens[: trace.prompt_len],
+        prompt_len=trace.prompt_len,
         queries=[q[:, : trace.prompt_len] for q in trace.queries], keys=[k[:, : trace.prompt_len] for k in trace.keys],
         attention_settings=trace.attention_settings, layers=trace.layers)
     with pytest.raises(ValueError, match="no generated rows"):
@@ -257,7 +259,8 @@ def test_coverage_summary_and_layer_spread(tiny_runs):
     assert summary.loc["FullCache", "coverage"] == pytest.approx(1.0, abs=1e-5)
     excluded = table[(table.sinks == "excluded") & (table.policy == "SnapKV")]
     assert summary.loc["SnapKV", "coverage"] == pytest.approx(excluded.coverage.mean())
-    assert summary.loc["SnapKV", "coverage_of_oracle"] == pytest.approx(excluded.coverage.mean() / excluded.oracle.mean())
+    assert (summary.loc["SnapKV", "coverage_of_oracle"]
+            == pytest.approx(excluded.coverage.mean() / excluded.oracle.mean()))
     spread = layer_spread(table)
     assert sorted(spread.index) == sorted(trace.layers)
     assert spread.spread.is_monotonic_decreasing

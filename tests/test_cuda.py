@@ -113,7 +113,8 @@ def test_capture_keeps_the_trace_on_cuda_and_matches_a_cpu_run(cuda_trace, promp
 
 @pytest.mark.parametrize("compute", [
     pytest.param(lambda t: t.attention(1), id="attention"),
-    pytest.param(lambda t: t.attention(1, heads=[3, 0], queries=slice(40, 50), keys=[0, 2, 45, 61]), id="attention-block"),
+    pytest.param(lambda t: t.attention(1, heads=[3, 0], queries=slice(40, 50), keys=[0, 2, 45, 61]),
+                 id="attention-block"),
     pytest.param(lambda t: t.attention(0, heads=2, queries=[5, 60], keys=t.prompt), id="attention-rows"),
     pytest.param(lambda t: t.column_sums(1, queries=slice(49, 57)), id="column_sums"),
     pytest.param(lambda t: t.column_sums(0, queries=t.generated, heads=[1, 2]), id="column_sums-heads"),
@@ -229,8 +230,8 @@ def test_max_pooled_snapkv_on_cuda_keeps_a_top_k_of_the_cpu_scores():
     the prefix scores that a CPU trace of the same prompt gives (the prefill attends to the whole prompt, so each
     layer's scores do not depend on what earlier layers kept)."""
     ids = torch.randint(2, 256, (2, 96), generator=torch.Generator().manual_seed(1))
-    gpu = sl.generate(peaked_llama().to("cuda"), ByteTokenizer(), ids, policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW),
-                      max_new_tokens=4)
+    gpu = sl.generate(peaked_llama().to("cuda"), ByteTokenizer(), ids,
+                      policy=sl.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=4)
     prefix, model = ids.shape[1] - WINDOW, peaked_llama()
     for row in range(ids.shape[0]):
         trace = run_capture(model, ids[row])

@@ -48,8 +48,8 @@ def h2o_reference(model, prompt: torch.Tensor, capacity: int) -> tuple[list[int]
         mask = torch.full((1, 1, 1, position + 1), float("-inf"))
         mask[..., held] = 0
         with torch.no_grad():
-            out = eager(token.view(1, 1), past_key_values=cache, attention_mask=mask, position_ids=torch.tensor([[position]]),
-                        output_attentions=True, use_cache=True)
+            out = eager(token.view(1, 1), past_key_values=cache, attention_mask=mask,
+                        position_ids=torch.tensor([[position]]), output_attentions=True, use_cache=True)
         probs = out.attentions[0][0, :, 0].mean(0)  # (position + 1,)
         for p in held:
             score[p] = score.get(p, 0.0) + float(probs[p])

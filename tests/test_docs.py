@@ -19,7 +19,8 @@ README = ROOT / "README.md"
 def test_readme_is_a_front_door():
     text = README.read_text()
     assert len(text.splitlines()) <= 200
-    for command in ("bash scripts/install.sh && snapkv-lab figures --recompute", "bash scripts/install.sh && python3 -m pytest -q"):
+    for command in ("bash scripts/install.sh && snapkv-lab figures --recompute",
+                    "bash scripts/install.sh && python3 -m pytest -q"):
         assert command in text  # the two commands for a new machine
     pages = set(re.findall(r"\]\((docs/[^)#]+)", text))
     assert {"docs/getting-started.md", "docs/findings.md", "docs/compression.md", "docs/benchmarks.md"} <= pages

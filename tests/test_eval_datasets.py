@@ -68,9 +68,17 @@ def fake_datasets(rows: list[dict], calls: list):
 
 def test_longbench_specs_count_and_limit():
     source = str(FIXTURES / "longbench")
+    official = dict(truncation="official", predictions="official")  # the protocol options, pred.py's by default
     assert LONGBENCH.specs("narrativeqa", source=source) == [
-        dict(dataset="longbench", task="narrativeqa", source=source, index=0),
-        dict(dataset="longbench", task="narrativeqa", source=source, index=1)]
+        dict(dataset="longbench", task="narrativeqa", source=source, index=0, **official),
+        dict(dataset="longbench", task="narrativeqa", source=source, index=1, **official)]
+    # the lab's former way is recorded by leaving the option out, as in the specs of tables written before it
+    assert LONGBENCH.specs("narrativeqa", limit=1, source=source, truncation="context")[0] == dict(
+        dataset="longbench", task="narrativeqa", source=source, index=0, predictions="official")
+    with pytest.raises(ValueError, match="truncation must be one of"):
+        LONGBENCH.specs("narrativeqa", source=source, truncation="middle")
+    with pytest.raises(ValueError, match="longbench has no option sizing"):
+        LONGBENCH.specs("narrativeqa", source=source, sizing="fill")
     assert len(LONGBENCH.specs("narrativeqa", limit=1, lengths=(4096,), seed=3, source=source)) == 1
     assert len(LONGBENCH.specs("narrativeqa", limit=10, source=source)) == 2
 

@@ -22,7 +22,6 @@ from snapkv_lab.evaluation.ruler import (
     RULER,
     SYNTHETIC_TASKS,
     TEMPLATES,
-    HubOnlyTask,
     _zeta,
     essay_words,
     largest_fitting,
@@ -41,23 +40,26 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def examples(tokenizer):
-    """One example of every synthetic task at 4096 tokens (seed 0, index 0), built once."""
+    """One example of every synthetic task at 4096 tokens (seed 0, index 0, RULER's sizing), built once."""
     return {task: RULER.example(RULER.specs(task, limit=1)[0], tokenizer) for task in SYNTHETIC_TASKS}
 
 
 def prompt(example: Example) -> str:
+    """RULER's input text without its model template: the solved examples (each and its answer, a newline), the
+    context, the question and the answer prefix."""
     question = example.questions[0]
-    return example.context + question.text + question.answer_prefix
+    shots = "".join(shot + answer + "\n" for shot, answer in example.shots)
+    return shots + example.context + question.text + question.answer_prefix
 
 
 # --- The official task list, strings and settings ----------------------------------------------------------------
 
 
-def test_tasks_are_ruler_official_thirteen_and_the_synthetic_eleven_by_default():
+def test_tasks_are_ruler_official_thirteen_all_run_by_default():
     assert RULER.name == "ruler"
     assert RULER.tasks == ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                            "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
-    assert RULER.default_tasks == RULER.tasks[:11]
+    assert RULER.default_tasks == RULER.tasks and SYNTHETIC_TASKS == RULER.tasks[:11]
 
 
 def test_templates_are_the_official_strings():
@@ -121,7 +123,14 @@ def test_depths_are_rulers_forty_and_zeta_is_scipys():
 def test_specs_are_limit_times_lengths_json_able_and_checked():
     specs = RULER.specs("vt", limit=3, lengths=(4096, 8192), seed=5)
     assert len(specs) == 6 and json.loads(json.dumps(specs)) == specs
-    assert specs[4] == dict(dataset="ruler", task="vt", length=8192, seed=5, index=1)
+    assert specs[4] == dict(dataset="ruler", task="vt", length=8192, seed=5, index=1, sizing="official")
+    assert RULER.specs("cwe", limit=1)[0] == dict(dataset="ruler", task="cwe", length=4096, seed=0, index=0,
+                                                  sizing="official", cwe_shots="turn")
+    # the lab's former ways are recorded by leaving the options out, as in the specs of the committed tables
+    assert RULER.specs("cwe", limit=1, sizing="fill", cwe_shots="inline")[0] == dict(
+        dataset="ruler", task="cwe", length=4096, seed=0, index=0)
+    with pytest.raises(ValueError, match="sizing must be one of"):
+        RULER.specs("vt", sizing="exact")
     assert len(RULER.specs("cwe")) == 10 and {s["length"] for s in RULER.specs("cwe")} == {4096}
     assert RULER.specs("fwe", limit=0) == []
     with pytest.raises(ValueError, match="unknown RULER task"):
@@ -130,22 +139,30 @@ def test_specs_are_limit_times_lengths_json_able_and_checked():
         RULER.specs("vt", lengths=(0,))
 
 
-@pytest.mark.parametrize("task, dataset", [("qa_1", "squad"), ("qa_2", "hotpotqa")])
-def test_qa_tasks_say_they_come_from_the_hub(task, dataset, byte_tokenizer):
-    spec = RULER.specs(task, limit=1)[0]
-    with pytest.raises(HubOnlyTask, match=f"{dataset} on the Hugging Face Hub"):
-        RULER.example(spec, byte_tokenizer)
+@pytest.mark.parametrize("task", ["qa_1", "qa_2"])
+def test_qa_tasks_without_the_hub_or_a_source_say_so(task, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "datasets" else real(name, *a, **k))
+    with pytest.raises(ImportError, match="needs the datasets package"):
+        RULER.specs(task, limit=1, source=None)
 
 
 # --- Every synthetic task: length, answers, metric ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("task", SYNTHETIC_TASKS)
-def test_prompt_fits_the_length_and_comes_close(task, examples, tokenizer):
+def test_prompt_fits_the_length(task, examples, tokenizer):
     example = examples[task]
     tokens = len(encode(tokenizer, prompt(example)))
     assert example.meta["prompt_tokens"] == tokens
-    assert 0.95 * 4096 <= tokens + example.max_new_tokens <= 4096  # RULER: input tokens + tokens_to_generate
+    assert tokens + example.max_new_tokens <= 4096  # RULER: input tokens + tokens_to_generate
+    assert example.meta["sizing"] == "official"
+    filled = RULER.example(RULER.specs(task, limit=1, sizing="fill")[0], tokenizer)  # the lab's former sizing
+    assert 0.95 * 4096 <= filled.meta["prompt_tokens"] + filled.max_new_tokens <= 4096
+    assert filled.meta["prompt_tokens"] >= tokens and filled.questions == example.questions  # same draws, more hay
     family = CONFIGS[task].family
     assert example.max_new_tokens == TEMPLATES[family].tokens_to_generate
     assert example.metric == "string_match_all" and len(example.questions) == 1
@@ -159,14 +176,16 @@ def test_prompt_fits_the_length_and_comes_close(task, examples, tokenizer):
 @pytest.mark.parametrize("task", ["niah_single_2", "vt", "cwe", "fwe"])
 def test_prompt_fits_other_lengths_and_a_byte_tokenizer(task, tokenizer, byte_tokenizer):
     for length, tok in ((1024, tokenizer), (8192, tokenizer), (20000, byte_tokenizer)):
-        example = RULER.example(RULER.specs(task, limit=1, lengths=(length,))[0], tok)
-        tokens = len(encode(tok, prompt(example))) + example.max_new_tokens
-        assert 0.95 * length <= tokens <= length, (length, tokens)
+        for sizing, least in (("fill", 0.95), ("official", 0.5)):
+            example = RULER.example(RULER.specs(task, limit=1, lengths=(length,), sizing=sizing)[0], tok)
+            tokens = len(encode(tok, prompt(example))) + example.max_new_tokens
+            assert least * length <= tokens <= length, (length, sizing, tokens)
 
 
-def test_too_short_a_length_says_so(tokenizer):
+@pytest.mark.parametrize("sizing", ["official", "fill"])
+def test_too_short_a_length_says_so(tokenizer, sizing):
     with pytest.raises(ValueError, match="ask for a longer length"):
-        RULER.example(RULER.specs("cwe", limit=1, lengths=(300,))[0], tokenizer)
+        RULER.example(RULER.specs("cwe", limit=1, lengths=(300,), sizing=sizing)[0], tokenizer)
 
 
 # --- niah ---------------------------------------------------------------------------------------------------------
@@ -279,10 +298,10 @@ def test_vt_chain_spans_and_answers(examples, tokenizer):
     assert 450 <= len(encode(tokenizer, icl + "they are: ")) <= 500
 
 
-def test_cwe_answers_are_the_most_common_words(examples):
+def test_cwe_answers_are_the_most_common_words(examples, tokenizer):
     example = examples["cwe"]
-    start = example.meta["prompt_start"]
-    main = example.context[start:].split("\n", 1)[1]
+    assert example.meta["prompt_start"] == 0 and len(example.shots) == 1  # the solved example: a turn of its own
+    main = example.context.split("\n", 1)[1]
     entries = re.split(r" ?\b(\d+)\. ", " " + main)[1:]
     numbers, words = [int(n) for n in entries[0::2]], entries[1::2]
     assert numbers == list(range(1, len(words) + 1))
@@ -290,15 +309,19 @@ def test_cwe_answers_are_the_most_common_words(examples):
     answers = example.questions[0].answers
     assert len(answers) == 10 and {counts[a] for a in answers} == {30}
     assert set(counts.values()) == {30, 3} and len(counts) == example.meta["units"]
-    whole = Counter(re.findall(r"\d+\. ([^\d\n]+?)(?= \d+\. |\n|$)", example.context))  # the few-shot example too
+    whole = Counter(re.findall(r"\d+\. ([^\d\n]+?)(?= \d+\. |\n|$)", prompt(example)))  # the few-shot example too
     assert {w for w, _ in whole.most_common(10)} == set(answers)
-    shot_list, shot_answer = example.context[:start].split(
-        "\nQuestion: What are the 10 most common words in the above list? Answer: The top 10 words that appear most "
-        "often in the list are: ")
+    ((shot, shot_answer),) = example.shots
+    shot_list = shot.removesuffix("\nQuestion: What are the 10 most common words in the above list?")
+    assert shot_answer.startswith(" Answer: The top 10 words that appear most often in the list are: 1. ")
     shot_counts = Counter(re.split(r" ?\b\d+\. ", " " + shot_list.split("\n", 1)[1])[1:])
-    shot_answers = re.split(r" ?\b\d+\. ", " " + shot_answer.rstrip("\n"))[1:]
+    shot_answers = re.split(r" ?\b\d+\. ", " " + shot_answer.split(" are: ", 1)[1])[1:]
     assert sorted(shot_counts.values()) == [3] * 30 + [10] * 10  # 40 words, 10 of them 10 times, the rest 3
     assert {w for w, c in shot_counts.items() if c == 10} == set(shot_answers) and len(shot_answers) == 10
+    # cwe_shots="inline" (the lab's former way): the same text, the solved example opening the context
+    inline = RULER.example(RULER.specs("cwe", limit=1, cwe_shots="inline")[0], tokenizer)
+    assert inline.shots == () and inline.context == shot + shot_answer + "\n" + example.context
+    assert inline.meta["prompt_start"] == len(shot + shot_answer + "\n") and prompt(inline) == prompt(example)
 
 
 def test_cwe_below_4096_repeats_six_and_one(tokenizer):
@@ -323,7 +346,7 @@ def test_fwe_answers_are_the_three_most_frequent_coded_words(examples):
 
 @pytest.mark.parametrize("task", SYNTHETIC_TASKS)
 def test_same_spec_same_example_other_seed_or_index_another(task, examples, tokenizer):
-    spec = dict(dataset="ruler", task=task, length=4096, seed=0, index=0)
+    spec = RULER.specs(task, limit=1)[0]
     assert RULER.example(dict(spec), tokenizer) == examples[task]
     for other in (dict(spec, seed=1), dict(spec, index=1)):
         example = RULER.example(other, tokenizer)

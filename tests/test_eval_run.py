@@ -599,3 +599,41 @@ def test_figure_titles_count_tasks_and_examples_in_words():
     two = _scores([(t, e, "FullCache", 0.0, "full", 1.0) for t in ("a", "b") for e in range(2)])
     assert _title(two, "Score").endswith("toy, 2 tasks, 2 examples per task")
     assert [counted(n, "example") for n in (0, 1, 3)] == ["0 examples", "1 example", "3 examples"]
+
+
+def test_a_budget_audit_recomputes_the_entries_a_run_recorded(toy, tiny_as_default, tmp_path):
+    """audit_entries, given a table whose entry columns are gone (a table stored before they existed), refills them
+    from compressions rebuilt without decoding: the same numbers the run recorded, row for row, for every policy x
+    ratio x mode and the full cache; an example that no longer rebuilds to the recorded context is refused."""
+    from snapkv_lab.evaluation.audit import COLUMNS, audit_entries
+
+    options = dict(datasets=["toy"], tasks=["twice"], policies=["SnapKV(window_size=8)", "PyramidKV(window_size=8)",
+                                                                 "AdaKV(SnapKV(window_size=8))"],
+                   modes=["query-agnostic", "query-aware"], limit=2, ratios=[0.25, 0.5])
+    table = evaluate(data_dir=tmp_path / "run", **options)
+    assert set(COLUMNS) <= set(table.columns) and table.kv_entries.gt(0).all()
+    full = table[table["mode"] == "full"]
+    assert (full.kv_share == 1).all() and not table.over_budget.any()
+    older = table.drop(columns=COLUMNS)
+    audited = audit_entries(older, model=None, data_dir=tmp_path / "audit")
+    assert list(audited.columns) == list(table.columns)
+    pd.testing.assert_frame_equal(audited[COLUMNS].reset_index(drop=True), table[COLUMNS].reset_index(drop=True),
+                                  check_dtype=False)
+
+    changed = older.assign(context_tokens=older.context_tokens + 1)
+    with pytest.raises(ValueError, match="cannot be recomputed"):
+        audit_entries(changed, model=None, data_dir=tmp_path / "changed")
+
+
+def test_the_leaderboard_flags_a_policy_that_held_more_than_its_budget(toy, tiny_as_default, tmp_path):
+    """A per-query-head SnapKV holds its budget once per query head (twice the KV heads' budget on the tiny model): its
+    rows are over_budget and its leaderboard rows say so, the KV-head SnapKV's do not; kv_share rides along."""
+    table = evaluate(datasets=["toy"], tasks=["repeat"], limit=1, ratios=[0.5], modes=["query-agnostic"],
+                     policies=["SnapKV(window_size=8)", "SnapKV(window_size=8, per_query_head=True)"],
+                     data_dir=tmp_path)
+    board = leaderboard(table).set_index("policy")
+    wide = next(p for p in board.index if "per_query_head" in p)
+    assert board.loc[wide, "over_budget"] and board.loc[wide, "kv_share"] == pytest.approx(1.0, abs=0.02)
+    assert not board.loc["SnapKV(window_size=8)", "over_budget"]
+    assert board.loc["SnapKV(window_size=8)", "kv_share"] == pytest.approx(0.5, abs=0.02)
+    assert not board.loc["FullCache", "over_budget"] and board.loc["FullCache", "kv_share"] == 1

@@ -76,11 +76,13 @@ def expected_attention_reference(model, ids, layers, *, theta, rotary_dims=None,
     hidden, cache = attention_inputs(model, ids)
     n, scores = ids.shape[1], {}
     d = model.model.layers[0].self_attn.head_dim
-    R = mean_rope(range(n, n + N_FUTURE), d, theta, rotary_dims or d, pairing) if rope else torch.eye(d, dtype=torch.float64)
+    R = (mean_rope(range(n, n + N_FUTURE), d, theta, rotary_dims or d, pairing) if rope
+         else torch.eye(d, dtype=torch.float64))
     for layer in layers:
         attn = model.model.layers[layer].self_attn
         scores[layer] = reference_scores(prerope_queries(attn, hidden[layer][:, N_SINK:]), cache.layers[layer].keys,
-                                         cache.layers[layer].values, R, 1 / math.sqrt(d) if scaling is None else scaling)
+                                         cache.layers[layer].values, R,
+                                         1 / math.sqrt(d) if scaling is None else scaling)
     return scores
 
 
@@ -182,7 +184,8 @@ def test_matches_reference_gemma3_full_layer():
     model = FAMILIES["gemma3-sliding"]()
     assert sliding_layers(model.config) == {0, 2}
     rope = model.config.rope_parameters["full_attention"]
-    assert rope["rope_type"] == "default" and rope["rope_theta"] != model.config.rope_parameters["sliding_attention"]["rope_theta"]
+    assert (rope["rope_type"] == "default"
+            and rope["rope_theta"] != model.config.rope_parameters["sliding_attention"]["rope_theta"])
     scaling = model.model.layers[1].self_attn.scaling
     assert scaling == 32 ** -0.5
     assert_matches_reference(model, prompt(seed=4), [1], theta=rope["rope_theta"], scaling=scaling)
@@ -209,9 +212,9 @@ ROPE_MODELS = {**{name: make_family for name, make_family in FAMILIES.items() if
 @pytest.mark.parametrize("family", sorted(ROPE_MODELS))
 def test_unrotation_recovers_what_the_family_rotated(family):
     """For every RoPE family of tests/families.py: un-rotating the post-RoPE queries the attention function receives
-    gives back what the family's apply_rotary_pos_emb was handed during the forward, to float32 rounding (its q: the rotated part
-    of a partial rotary), and the mean rotation equals the average of the family's rotation matrices position by
-    position (kvpress's average of R_t, :119-120), which `mean_rotation` forms from the mean cos and sin."""
+    gives back what the family's apply_rotary_pos_emb was handed during the forward, to float32 rounding (its q: the
+    rotated part of a partial rotary), and the mean rotation equals the average of the family's rotation matrices
+    position by position (kvpress's average of R_t, :119-120), which `mean_rotation` forms from the mean cos and sin."""
     model = ROPE_MODELS[family]()
     modeling = sys.modules[type(model).__module__]
     original, handed, seen = modeling.apply_rotary_pos_emb, [], {}
@@ -295,7 +298,8 @@ def test_matches_reference_smollm(smollm):
     mine = recorded_scores(model, ids, policy)
     kept = C.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1).kept_indices
     theta = model.config.rope_parameters["rope_theta"]
-    for layer, ref in expected_attention_reference(model, ids, range(model.config.num_hidden_layers), theta=theta).items():
+    for layer, ref in expected_attention_reference(model, ids, range(model.config.num_hidden_layers),
+                                                   theta=theta).items():
         torch.testing.assert_close(mine[layer].double(), ref, rtol=1e-3, atol=0, msg=lambda m: f"layer {layer}: {m}")
         ref_kept = top_with_tail(ref, 200, ids.shape[1])
         shared = torch.isin(kept[layer], ref_kept).float().mean()
@@ -338,7 +342,8 @@ def test_chunked_statistics_equal_one_call(cuts):
 
 def kept_of(shared, policy):
     n, layers = shared.n_tokens, shared.model.config.num_hidden_layers
-    return kept_from_scores(policy, shared.recorder.scores[policy.scorer_label], n, kv_heads(shared.model.config), layers)
+    return kept_from_scores(policy, shared.recorder.scores[policy.scorer_label], n, kv_heads(shared.model.config),
+                            layers)
 
 
 def test_one_prefill_equals_context_then_question():
@@ -363,7 +368,8 @@ def test_one_prefill_equals_context_then_question():
     for name, run in runs.items():
         for layer, kept in kept_of(run, policy).items():
             assert torch.equal(kept, expected[layer]), f"{name}, layer {layer}"
-            scores, expected_scores = run.recorder.scores[policy.scorer_label][layer], one.recorder.scores[policy.scorer_label][layer]
+            scores, expected_scores = (run.recorder.scores[policy.scorer_label][layer],
+                                       one.recorder.scores[policy.scorer_label][layer])
             if layer == 0:
                 assert torch.equal(scores, expected_scores), name
             torch.testing.assert_close(scores, expected_scores, rtol=1e-4, atol=0)
@@ -407,6 +413,7 @@ def test_decoding_eviction_takes_the_voters_at_their_token_positions():
         positions = call.positions.tolist()
         assert positions != call.slots.tolist() and len(positions) == 8
         q = prerope_queries(attn, rows[positions][None])
-        R = mean_rope(range(positions[-1] + 1, positions[-1] + 1 + N_FUTURE), 16, model.config.rope_parameters["rope_theta"], 16)
+        R = mean_rope(range(positions[-1] + 1, positions[-1] + 1 + N_FUTURE), 16,
+                      model.config.rope_parameters["rope_theta"], 16)
         ref = reference_scores(q, call.key[None], call.value[None], R, 0.25)[0]
         torch.testing.assert_close(scores.view(2, 2, -1).mean(1).double(), ref, rtol=1e-4, atol=0)

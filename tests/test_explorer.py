@@ -74,7 +74,8 @@ def test_widget_follows_zoom_pickers_and_clicks(trace):
     ex._layer_picker.value = 1
     assert ex.layer == 1 and ex.tile.rows == range(40, 90)
     ex._head_picker.value = "mean"
-    np.testing.assert_allclose(ex.drawn(), trace.attention(1, queries=slice(40, 90), keys=slice(10, 50)).mean(0).numpy(),
+    np.testing.assert_allclose(ex.drawn(),
+                               trace.attention(1, queries=slice(40, 90), keys=slice(10, 50)).mean(0).numpy(),
                                atol=1e-6)
     ex.click(301)
     assert ex.spotlit == 301 and "token 301" in ex._spotlight.value
@@ -140,7 +141,8 @@ def test_html_export_holds_the_overview_and_zoom_levels(trace, tmp_path):
 def test_positions_and_heads_come_in_any_usual_form(trace):
     ex = explore(trace, layer=np.int64(1), head=torch.tensor(2), progress=False)
     expected = trace.attention(1, heads=2, queries=slice(250, 300), keys=slice(200, 260))[0].numpy()
-    for rows, cols in ((slice(250, 300), slice(200, 260)), (range(250, 300), range(200, 260)), ((250, 300), (200, 260))):
+    for rows, cols in ((slice(250, 300), slice(200, 260)), (range(250, 300), range(200, 260)),
+                       ((250, 300), (200, 260))):
         np.testing.assert_allclose(ex.zoom(rows=rows, cols=cols).drawn(), expected, atol=1e-6)
     with pytest.raises(TypeError, match="consecutive"):
         ex.zoom(rows=[1, 5, 9])

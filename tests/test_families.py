@@ -38,7 +38,8 @@ def full_layers(model) -> list[int]:
 def assert_trace_matches_eager(trace, model, atol):
     assert (trace.n_tokens, trace.n_layers) == (N + 6, model.config.num_hidden_layers)
     for layer, reference in enumerate(eager_maps(model, trace.token_ids)):
-        torch.testing.assert_close(trace.attention(layer), reference, atol=atol, rtol=0, msg=lambda m: f"layer {layer}: {m}")
+        torch.testing.assert_close(trace.attention(layer), reference, atol=atol, rtol=0,
+                                   msg=lambda m: f"layer {layer}: {m}")
 
 
 def test_capture_matches_eager_output_attentions(model, byte_tokenizer):
@@ -63,7 +64,8 @@ def test_budget_covering_the_prompt_is_plain_greedy(model, byte_tokenizer):
     ids = prompt(seed=2)
     result = snapkv_lab.generate(model, byte_tokenizer, ids, policy=snapkv_lab.SnapKV(capacity=N, window_size=WINDOW),
                                  max_new_tokens=NEW)
-    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                           eos_token_id=None)
     assert torch.equal(result.token_ids, plain[:, N:])
 
 
@@ -116,8 +118,8 @@ def test_attention_outside_the_registry_is_refused(byte_tokenizer):
     refused = "without calling an attention function from transformers' registry"
     with pytest.raises(RuntimeError, match=refused):
         snapkv_lab.generate(model, byte_tokenizer, prompt(), policy=snapkv(), max_new_tokens=1)
-    # The one-prefill engines (compare, the pressure runner, a scorer that scores after the prefill) refuse it too, instead of
-    # the full cache labelled SnapKV@40 (cache_length 64 of 64, kv_ratio 1.0).
+    # The one-prefill engines (compare, the pressure runner, a scorer that scores after the prefill) refuse it too,
+    # instead of the full cache labelled SnapKV@40 (cache_length 64 of 64, kv_ratio 1.0).
     with pytest.raises(RuntimeError, match=refused):
         snapkv_lab.compare(model, byte_tokenizer, [prompt()], policies=[snapkv()], max_new_tokens=1, progress=False)
     for extra_pass in (snapkv_lab.KVzip(capacity=40), snapkv_lab.Surprisal(capacity=40, kept_tail=8)):

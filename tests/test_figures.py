@@ -12,7 +12,8 @@ def fake_sets(monkeypatch, tmp_path):
     calls = []
     sets = {
         name: FigureSet(name=name, recompute=lambda options, name=name: calls.append(("recompute", name, options)),
-                        draw=lambda data, out, name=name: calls.append(("draw", name, data, out)) or [out / f"{name}.png"],
+                        draw=lambda data, out, name=name: (calls.append(("draw", name, data, out))
+                                                           or [out / f"{name}.png"]),
                         recompute_by_default=name != "slow")
         for name in ("quick", "slow")
     }

@@ -1,23 +1,28 @@
 """The policies that budget by heads from the model's retrieval scores, each against a plain reference written from
 its official code, with the scores handed to it: HeadKV (FYYFU/HeadKV at 3ec9653, headkv/snapkv_utils.py,
 ReasonSnapKVCluster: the capacities in __init__, the per-head top-k plus window in update_kv) over transformers'
-eager attention maps, and DuoAttention (mit-han-lab/duo-attention at 03dca84: full heads by their scores over all
-layers, streaming heads' sink_size + recent_size tokens)."""
+eager attention maps, and DuoAttention (mit-han-lab/duo-attention at 03dca84: full heads by the `sparsity` quantile
+of their gates over all layers, duo_attn/utils.py:353-373; streaming heads' first sink_size and last recent_size
+tokens, duo_attn/patch/static_kv_cache.py:127-160)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ByteTokenizer, make_tiny_llama
-from reference import eager_attentions
+from reference import eager_attentions, official_capacities
 
 import snapkv_lab as C
-from snapkv_lab.policies import headkv, retrieval_heads
+from snapkv_lab.compression.reference import masked_decode
+from snapkv_lab.core.hooks import intercept_attention, model_eager_function, returned_cache, with_cache
+from snapkv_lab.policies import headkv, policy_config, policy_from_config, retrieval_heads, upgrade_config
 
-WINDOW, CAPACITY, N = 8, 40, 96
+WINDOW, CAPACITY, N = 8, 40, 96  # WINDOW: the official LongBench run's (FYYFU/HeadKV at 0862a09, run_longbench.py:217)
 
 
 def scored(model, scores):
@@ -26,21 +31,6 @@ def scored(model, scores):
     model.config.name_or_path = "tiny-with-scores"
     retrieval_heads._GRIDS[model] = torch.as_tensor(scores, dtype=torch.float64)
     return model
-
-
-def official_capacities(scores: list[list[float]], base_capacity: int, window: int, beta: float, temp: float):
-    """ReasonSnapKVCluster.__init__, line by line: scores normalised, raised to temp, normalised; a pool of
-    (b // beta) per head shared by them; each head gets round(share * pool + b - b // beta)."""
-    b = base_capacity - window
-    flat = [s for layer in scores for s in layer]
-    total = sum(flat)
-    shares = [(s / total) ** temp for s in flat]
-    shares = [s / sum(shares) for s in shares]
-    pool = (b // beta) * len(flat)
-    floor = b - b // beta
-    caps = [round(s * pool + floor) for s in shares]  # torch.round: half to even, as Python's round
-    width = len(scores[0])
-    return [caps[i:i + width] for i in range(0, len(caps), width)]
 
 
 def official_kept(model, ids, capacities):
@@ -64,6 +54,20 @@ def official_kept(model, ids, capacities):
     return kept
 
 
+def test_the_default_is_the_official_run_and_the_former_window_is_named():
+    """The official run sets SnapKV's window to 8, kernel 7, max pooling (run_longbench.py:217-226, over the cluster's
+    own default of 32): HeadKV() is that. The former default (window 32) keeps a label of its own, which reads back
+    as the same policy (committed tables computed with it carry that label)."""
+    inner = C.HeadKV().policy
+    assert (type(inner), inner.window_size, inner.kernel_size, inner.pooling) == (C.SnapKV, WINDOW, 7, "max")
+    assert (C.HeadKV().beta, C.HeadKV().temperature) == (1.005, 1.0)  # head_start_llama3.sh: betas[0], temp=1
+    assert C.HeadKV(policy=C.SnapKV(window_size=8)).label == C.HeadKV().label == "HeadKV@1024"
+    former = C.HeadKV(policy=C.SnapKV(), redistribute=True)
+    assert former.scorer_label == "HeadKV(policy=SnapKV(window_size=32), redistribute=True)"
+    assert C.policies.parse_policy(former.scorer_label) == dataclasses.replace(former, capacity=1024)
+    assert C.AdaKV(policy=C.SnapKV(window_size=8)).scorer_label == "AdaKV(policy=SnapKV(window_size=8))"  # AdaKV's: 32
+
+
 @pytest.mark.parametrize("beta,temperature", [(1.005, 1.0), (2.0, 1.0), (1.2, 2.0)])
 def test_capacities_are_the_official_allocation(beta, temperature):
     scores = [[0.0, 0.4, 0.1, 0.05], [0.3, 0.0, 0.02, 0.9], [0.01, 0.2, 0.0, 0.0]]
@@ -78,7 +82,7 @@ def test_each_head_keeps_its_top_positions_under_its_capacity(beta):
     scores = torch.tensor([[0.05, 0.6, 0.0, 0.2], [0.3, 0.1, 0.45, 0.0]], dtype=torch.float64)
     model = scored(make_tiny_llama(initializer_range=0.3), scores)  # peaked attention: few ties among votes
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
-    policy = C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), beta=beta)
+    policy = C.HeadKV(capacity=CAPACITY, beta=beta)
     state_kept = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1).kept_indices
     capacities = official_capacities(scores.tolist(), CAPACITY, WINDOW, beta, 1.0)
     for layer, reference in enumerate(official_kept(model, ids, capacities)):
@@ -90,7 +94,7 @@ def test_each_head_keeps_its_top_positions_under_its_capacity(beta):
 def test_kv_bytes_stay_within_the_uniform_budget():
     model = scored(make_tiny_llama(), [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
-    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
+    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY), max_new_tokens=1)
     uniform = C.generate(model, ByteTokenizer(), ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
                          max_new_tokens=1)
     # b = 32: 31 of it pooled over 8 heads (248), a floor of 1. Query heads: layer 0 head 0 gets round(248 / 4 + 1) = 63,
@@ -106,7 +110,7 @@ def test_a_model_whose_heads_score_nothing_is_refused():
     model = scored(make_tiny_llama(), torch.zeros(2, 4))
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(5))
     with pytest.raises(ValueError, match="retrieval scores"):
-        C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
+        C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY), max_new_tokens=1)
     with pytest.raises(ValueError, match="beta"):
         C.HeadKV(capacity=CAPACITY, beta=0.5)
     with pytest.raises(ValueError, match="per_query_head"):
@@ -114,26 +118,51 @@ def test_a_model_whose_heads_score_nothing_is_refused():
     assert math.isclose(float(headkv.head_shares(torch.tensor([[1.0, float("nan")]])).sum()), 1.0)
 
 
-def official_duo_kept(scores, n, budget, sink, recent, kv_heads):
-    """Per layer (kv_heads, widest) kept positions, -1 padded: a KV head's gate is its query heads' mean score; the F
-    best gates of all layers (F as many as L K budget positions pay for beside s = min(sink + recent, budget) per
-    streaming head, ties to the earlier head) keep every position, the others their first sinks and last recent."""
-    layers = len(scores)
-    gates = [[sum(row[k * (len(row) // kv_heads):(k + 1) * (len(row) // kv_heads)]) / (len(row) // kv_heads)
-              for k in range(kv_heads)] for row in scores]
+def official_full_heads(gates: np.ndarray, sparsity: float) -> np.ndarray:
+    """(layers, KV heads) bool, the full-attention heads: duo_attn/utils.py:353-373 at 03dca84 (sparsify_attention_heads)
+    line by line. Noise below 1e-6 breaks ties (the official draws it from numpy's global generator; the gates here
+    differ by more, so the draw changes nothing), the heads at or above the `sparsity` quantile of all gates are
+    full, sparsity >= 1 makes none full and <= 0 all."""
+    gates = gates + np.random.default_rng(0).uniform(0, 1e-6, gates.shape)
+    threshold = np.quantile(gates, sparsity)
+    if sparsity >= 1:
+        threshold = 2
+    if sparsity <= 0:
+        threshold = -1
+    return gates >= threshold
+
+
+def official_pattern_within(gates: np.ndarray, n: int, budget: int, sink: int, recent: int) -> np.ndarray:
+    """The official pattern at the least sparsity whose cache holds at most L K `budget` positions, a full head
+    holding all n and a streaming one min(sink + recent, budget): the official sets the sparsity by hand
+    (eval/LongBench/pred.py:49, 215-216), the lab's budget chooses it. Sparsities scanned in steps of 1e-3 (the count
+    changes in steps of 1 / (heads - 1) of sparsity: 1/15 at the finest here)."""
     streaming = min(sink + recent, budget)
-    count = (layers * kv_heads * (budget - streaming)) // (n - streaming)
-    ranked = sorted(((-gates[l][k], l, k) for l in range(layers) for k in range(kv_heads)))[:count]
-    full = {(l, k) for _, l, k in ranked}
+    for sparsity in np.linspace(0.0, 1.0, 1001):
+        full = official_full_heads(gates, sparsity)
+        if full.sum() * n + (~full).sum() * streaming <= gates.size * budget:
+            return full
+    raise AssertionError("no sparsity fits: even all-streaming heads pass the budget")
+
+
+def kv_gates(scores, kv_heads: int) -> np.ndarray:
+    """(layers, KV heads) gates from (layers, query heads) retrieval scores: a KV head's query heads' mean (kvpress's
+    on-the-fly reduction, duo_attention_press.py:209), as the lab's stand-in for the learned gates."""
+    scores = np.asarray(scores, dtype=float)
+    return scores.reshape(scores.shape[0], kv_heads, -1).mean(-1)
+
+
+def official_duo_kept(full: np.ndarray, n: int, budget: int, sink: int, recent: int):
+    """Per layer (kv_heads, widest) kept positions, -1 padded: a full head keeps every position; a streaming one its
+    first `sink` and last `recent` (duo_attn/patch/static_kv_cache.py:127-160 at 03dca84,
+    compress_and_replace_streaming_kv, after the prefill). A budget short of sink + recent (the official sets none):
+    the lab's documented split, floor(budget x sink / (sink + recent)) sinks and the rest recent."""
+    if budget < sink + recent:
+        sink = (budget * sink) // (sink + recent)
+        recent = budget - sink
     kept = []
-    for layer in range(layers):
-        rows = []
-        for k in range(kv_heads):
-            if (layer, k) in full:
-                rows.append(list(range(n)))
-            else:  # a budget short of sink + recent: sinks and recent tokens in proportion
-                sinks = sink if streaming == sink + recent else (streaming * sink) // (sink + recent)
-                rows.append(list(range(sinks)) + list(range(n - (streaming - sinks), n)))
+    for layer in full:
+        rows = [list(range(n)) if is_full else list(range(sink)) + list(range(n - recent, n)) for is_full in layer]
         widest = max(map(len, rows))
         kept.append(torch.tensor([r + [-1] * (widest - len(r)) for r in rows]))
     return kept
@@ -147,10 +176,93 @@ def test_duoattention_keeps_everything_in_its_best_heads_and_sinks_and_recent_in
     policy = C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent)
     run = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=2)
     budget = capacity if isinstance(capacity, int) else int(capacity * N)
-    for layer, reference in enumerate(official_duo_kept(scores, N, budget, sink, recent, 2)):
+    full = official_pattern_within(kv_gates(scores, 2), N, budget, sink, recent)
+    for layer, reference in enumerate(official_duo_kept(full, N, budget, sink, recent)):
         assert torch.equal(run.kept_indices[layer][0], reference), layer
     held = sum(int((k[0] >= 0).sum()) for k in run.kept_indices)
     assert held <= 2 * 2 * budget  # layers x KV heads x budget: never more than the label's budget
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_duoattention_chooses_its_full_heads_by_the_official_quantile_rule(seed):
+    """On 4 layers x 4 KV heads of distinct random gates, at budgets from all-streaming to nearly all full: the heads
+    DuoAttention keeps whole are the official rule's (official_full_heads) at the least sparsity the budget pays for."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(4, 8, generator=generator, dtype=torch.float64)  # 8 query heads, 2 per KV head
+    model = scored(make_tiny_llama(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4), scores)
+    gates = kv_gates(scores, 4)
+    for capacity, sink, recent in [(24, 4, 12), (40, 4, 12), (56, 8, 8), (72, 4, 12), (90, 4, 12), (30, 16, 32)]:
+        policy = C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent)
+        policy.prepare(model, None)
+        expected = official_pattern_within(gates, N, capacity, sink, recent)
+        assert policy.full_head_mask(N).numpy().tolist() == expected.tolist(), (seed, capacity)
+
+
+def official_duo_decode(model, ids, full: np.ndarray, sink: int, recent: int, steps: int) -> torch.Tensor:
+    """(1, steps) greedy tokens under the official DuoAttention cache (mit-han-lab/duo-attention at 03dca84,
+    duo_attn/patch/llama.py:146-290, the tuple cache): the prefill attends the whole prompt in every head (:224-232);
+    a streaming KV head's cache is then cut to its first `sink` and last `recent` positions (:273-290); at every step
+    the new token is appended to it (:203-214), attended with it, and the cache cut back again. A full head keeps
+    everything. Each streaming head's cache is kept here as a plain list of the positions it holds, and every step is
+    eager attention over the whole cache with the positions outside that list hidden."""
+    n = ids.shape[1]
+    lists: dict[int, list] = {}
+
+    def cut(held):
+        return held if len(held) <= sink + recent else held[:sink] + held[len(held) - recent:]
+
+    def attend(function, module, query, key, value, attention_mask, **kwargs):
+        n_keys = key.shape[2]
+        if n_keys <= n:
+            return function(module, query, key, value, attention_mask, **kwargs)
+        held = lists.setdefault(module.layer_idx, [None if whole else cut(list(range(n)))
+                                                   for whole in full[module.layer_idx]])
+        visible = torch.ones(len(held), n_keys, dtype=torch.bool)
+        for head, positions in enumerate(held):
+            if positions is not None:
+                positions.append(n_keys - 1)
+                visible[head] = False
+                visible[head, positions] = True
+                held[head] = cut(positions)
+        visible = visible.repeat_interleave(query.shape[1] // len(held), dim=0)[None, :, None]  # query heads
+        mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, torch.finfo(query.dtype).min)
+        return model_eager_function(module)(module, query, key, value, mask, **kwargs)
+
+    tokens = []
+    with torch.no_grad(), intercept_attention(model, None, attend=attend):
+        out = model(ids, use_cache=True)
+        cache, token = returned_cache(out), out.logits[:, -1].argmax(-1)
+        for step in range(steps):
+            tokens.append(token)
+            out = model(token[:, None], **with_cache(model, cache), use_cache=True,
+                        position_ids=torch.tensor([[n + step]]))
+            token = out.logits[:, -1].argmax(-1)
+    return torch.stack(tokens, 1)
+
+
+@pytest.mark.parametrize("capacity", [48, 16])  # ragged (one head full, 1 of 4), every head streaming (dense)
+def test_duoattention_streaming_heads_roll_as_the_official_cache(capacity):
+    """Decoding: each streaming head keeps its sinks and its last recent_size tokens at every step, as the official
+    cache does (official_duo_decode), with recent_size short enough that the window slides off the prompt. The former
+    behaviour, the prefill's set frozen and every generated token kept, is DuoAttention(rolling=False): the plain
+    masked decode (compression.reference) with the prefill's kept set."""
+    scores = [[0.0, 0.7, 0.2, 0.1], [0.4, 0.5, 0.0, 0.0]]
+    model = scored(make_tiny_llama(initializer_range=0.3), scores)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(9))
+    sink, recent, steps = 4, 12, 16
+    rolling = C.generate(model, ByteTokenizer(), ids, max_new_tokens=steps,
+                         policy=C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent))
+    full = official_pattern_within(kv_gates(scores, 2), N, capacity, sink, recent)
+    assert int(full.sum()) == (1 if capacity == 48 else 0)
+    assert torch.equal(rolling.token_ids, official_duo_decode(model, ids, full, sink, recent, steps))
+    frozen_policy = C.DuoAttention(capacity=capacity, sink_size=sink, recent_size=recent, rolling=False)
+    frozen = C.generate(model, ByteTokenizer(), ids, policy=frozen_policy, max_new_tokens=steps)
+    assert frozen_policy.label == f"DuoAttention(sink_size=4, recent_size=12, rolling=False)@{capacity}"
+    stored = {k: v for k, v in policy_config(frozen_policy).items() if k != "rolling"}  # a table's, before rolling
+    assert policy_from_config(upgrade_config(stored)) == frozen_policy  # reads back as what it ran
+    assert torch.equal(frozen.token_ids, masked_decode(model, ids, frozen, steps))
+    assert not torch.equal(frozen.token_ids, rolling.token_ids)  # the window matters on this prompt
+    assert all(torch.equal(a, b) for a, b in zip(frozen.kept_indices, rolling.kept_indices))  # the same prefill
 
 
 def test_duoattention_at_a_budget_that_pays_for_full_heads_gives_them_to_the_best_scores():
@@ -178,7 +290,7 @@ def test_sliding_layers_share_no_budget(monkeypatch):
     scores = [[0.9, 0.0, 0.0, 0.0], [0.1, 0.3, 0.0, 0.2]]
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(8))
     model = scored(make_tiny_llama(initializer_range=0.3), scores)
-    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=1)
+    run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY), max_new_tokens=1)
     layer_one = torch.tensor(official_capacities([scores[1]], CAPACITY, WINDOW, 1.005, 1.0)[0], dtype=torch.float64)
     expected = torch.round(layer_one.view(2, 2).mean(-1)).long().clamp(max=N - WINDOW) + WINDOW
     assert torch.equal((run.kept_indices[1][0] >= 0).sum(-1), expected)
@@ -209,7 +321,7 @@ def test_redistribute_keeps_the_labelled_budget():
     its prefix; redistribute=True hands it to the heads with room, and the cache holds the uniform budget."""
     model = scored(make_tiny_llama(), [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(4))
-    policy = C.HeadKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), redistribute=True)
+    policy = C.HeadKV(capacity=CAPACITY, redistribute=True)
     assert "redistribute=True" in policy.label and "redistribute" not in C.policies.policy_config(C.HeadKV())
     run = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1)
     held = [(k[0] >= 0).sum(-1) - WINDOW for k in run.kept_indices]  # prefix positions per KV head

@@ -4,8 +4,10 @@ select_KV_lookahead_stage, select_KV_decoding_stage and LlamaForCausalLM_forward
 
 The reference shares nothing with the lab's compression code: queries are recomputed from the model's own hidden
 states and projections, the draft cache is a dict of gathered tensors, and the lookahead is decoded by an attention
-function registered with transformers that reads that dict (the official keeps one selection per query head:
-per_query_head=True here)."""
+function registered with transformers that reads that dict. The official keeps one selection per query head
+(per_query_head=True here); the lab's default keeps one per KV head, and its reference is the official one with the
+lab's documented GQA reduction alone changed (kv_heads=...: a KV head ranks by its query heads' mean pooled votes, in
+the draft and in the votes, as the lab's SnapKV; docs/faithfulness.md, LookaheadQCache)."""
 
 from __future__ import annotations
 
@@ -41,10 +43,12 @@ def prompt_queries_and_keys(model, ids):
     return queries, keys, values, out.logits[:, -1]
 
 
-def official_select(query, key, window, capacity, lookahead=0, kernel=7, causal_by_position=False):
-    """update_kv (lookahead=0) / update_kv_LAQ: kept positions (heads, capacity) of the n prompt keys, the voters being
-    the last window + lookahead rows of `query` (1, heads, rows, d). causal_by_position: the lookahead rows see every
-    prompt key and the prompt rows their own past (our mask="causal"); else the official mask over the last keys."""
+def official_select(query, key, window, capacity, lookahead=0, kernel=7, causal_by_position=False, kv_heads=None):
+    """update_kv (lookahead=0, pyramidkv_utils.py:553-596) / update_kv_LAQ (:598-656): kept positions (heads, capacity)
+    of the n prompt keys, the voters being the last window + lookahead rows of `query` (1, heads, rows, d).
+    causal_by_position: the lookahead rows see every prompt key and the prompt rows their own past (our mask="causal");
+    else the official mask over the last keys. kv_heads: one selection per KV head instead, (kv_heads, capacity), by
+    the mean of its query heads' pooled votes (the lab's GQA reduction; the official has none)."""
     n, d = key.shape[2], key.shape[3]
     voters = window + lookahead
     weights = torch.matmul(query[..., -voters:, :], key.transpose(2, 3)) / math.sqrt(d)
@@ -59,18 +63,22 @@ def official_select(query, key, window, capacity, lookahead=0, kernel=7, causal_
     weights = F.softmax(weights, dim=-1, dtype=torch.float32)
     summed = weights[:, :, -voters:, :n - window].sum(dim=-2)
     pooled = F.max_pool1d(summed, kernel_size=kernel, padding=kernel // 2, stride=1)
+    if kv_heads is not None:
+        pooled = pooled.view(1, kv_heads, -1, n - window).mean(2)
     picked = pooled.topk(capacity - window, dim=-1).indices[0]
     return torch.cat([picked, torch.arange(n - window, n).expand(picked.shape[0], -1)], dim=-1)
 
 
-def official_lookahead_queries(model, ids, capacity, lookahead_size=8, lookahead_window=32):
+def official_lookahead_queries(model, ids, capacity, lookahead_size=8, lookahead_window=32, kv_heads=None):
     """The queries of the drafted tokens (per layer (1, heads, k, d)), decoded over the draft SnapKV cache
-    (select_KV_lookahead_stage, then the loop of LlamaForCausalLM_forward_LAQ)."""
+    (select_KV_lookahead_stage, then the loop of LlamaForCausalLM_forward_LAQ); kv_heads: the draft selects per KV head
+    (official_select), each query head reading its KV head's kept keys."""
     queries, keys, values, logits = prompt_queries_and_keys(model, ids)
     n = ids.shape[1]
     store = {}
     for layer, (q, k, v) in enumerate(zip(queries, keys, values)):
-        kept = official_select(q, k, lookahead_window, capacity)
+        kept = official_select(q, k, lookahead_window, capacity, kv_heads=kv_heads)
+        kept = kept.repeat_interleave(q.shape[1] // kept.shape[0], dim=0)  # per query head
         index = kept[None, :, :, None].expand(-1, -1, -1, k.shape[-1])
         store[layer] = [k.gather(2, index), v.gather(2, index)]
     drafted = {layer: [] for layer in store}
@@ -117,6 +125,30 @@ def test_kept_positions_equal_the_official(byte_tokenizer, window_size, mask):
         expected = official_select(voters, keys[layer], window_size, capacity, lookahead=8,
                                    causal_by_position=mask == "causal")
         assert torch.equal(kept[0], expected.sort(dim=-1).values), (layer, window_size, mask)
+
+
+@pytest.mark.parametrize("window_size", [0, 8])
+@pytest.mark.parametrize("mask", ["causal", "official"])
+def test_the_default_per_kv_head_equals_the_official_with_the_gqa_reduction(byte_tokenizer, window_size, mask):
+    """The default (one selection per KV head, mask="causal", LAQ's window 0) and LAQ++'s window 8: the official draft
+    and votes, each KV head ranking by its query heads' mean pooled votes in the draft and in the votes."""
+    torch.manual_seed(5)
+    model = make_tiny_llama()
+    ids = torch.randint(2, 256, (1, 150))
+    capacity, kv_heads = 48, model.config.num_key_value_heads
+    with torch.no_grad():
+        queries, keys, drafted = official_lookahead_queries(model, ids, capacity, kv_heads=kv_heads)
+        _, _, per_query_head = official_lookahead_queries(model, ids, capacity)
+    assert all(rows.shape[2] == 8 for rows in drafted.values())
+    assert not torch.allclose(drafted[1], per_query_head[1])  # the draft cache differs from the official layout's
+    policy = C.LookaheadQCache(capacity=capacity, window_size=window_size, mask=mask)
+    assert not policy.per_query_head and C.LookaheadQCache().mask == "causal" and C.LookaheadQCache().window_size == 0
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
+    for layer, kept in enumerate(result.kept_indices):
+        voters = torch.cat([queries[layer][:, :, ids.shape[1] - window_size:], drafted[layer]], dim=2)
+        expected = official_select(voters, keys[layer], window_size, capacity, lookahead=8,
+                                   causal_by_position=mask == "causal", kv_heads=kv_heads)
+        assert kept.shape[1] == kv_heads and torch.equal(kept[0], expected.sort(dim=-1).values), (layer, window_size)
 
 
 def test_the_draft_is_what_the_lookahead_attends(byte_tokenizer):

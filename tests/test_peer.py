@@ -50,12 +50,23 @@ def test_same_model(side_by_side):
 @pytest.mark.parametrize("row", peer.ROWS, ids=[re.sub(r"\W+", "-", row.label).strip("-") for row in peer.ROWS])
 def test_kept_positions_agree(side_by_side, row):
     agreement = side_by_side.rows[row.label]
-    assert agreement.error is None, f"kvpress failed on {row.press}: {agreement.error}"
-    print(f"{agreement.summary()}\n  ours: {agreement.policy_label}\n  kvpress: {row.press.format(ratio=side_by_side.ratio)}")
+    assert agreement.error is None, f"kvpress failed on {agreement.press}: {agreement.error}"
+    print(f"{agreement.summary()}\n  ours: {agreement.policy_label}\n  kvpress: {agreement.press}")
     if agreement.pending:
         pytest.skip(f"pending: {agreement.pending} (today {agreement.policy_label}: mean Jaccard "
                     f"{agreement.jaccard_mean:.4f})")
     assert agreement.jaccard_mean >= JACCARD_FLOOR, f"{agreement.summary()}\nwhy they should agree: {row.why}"
+
+
+def test_duoattention_heads_are_chosen_alike(side_by_side):
+    """kvpress's DuoAttentionPress, handed our gates and share of streaming heads, chooses the same heads to keep
+    whole (all 1000 positions) as ours: head for head, not only on average."""
+    agreement = side_by_side.rows["DuoAttention, kvpress's head choice"]
+    assert agreement.error is None, agreement.error
+    whole = [[kept == side_by_side.n_tokens for kept in layer["kept_ours"]] for layer in agreement.layers]
+    theirs = [[kept == side_by_side.n_tokens for kept in layer["kept_theirs"]] for layer in agreement.layers]
+    assert 0 < sum(map(sum, whole)) < sum(map(len, whole))  # some heads whole, some streaming: a choice was made
+    assert theirs == whole
 
 
 # The machinery, on made-up positions: no model, no venv.

@@ -133,8 +133,10 @@ def evaluate(args) -> int:
     options = dict(datasets=args.dataset, tasks=args.tasks, policies=args.policies, ratios=ratios,
                    capacities=args.capacities, modes=args.modes, limit=args.limit, max_context=args.max_context,
                    lengths=args.lengths, seed=args.seed, source=args.source, framing=args.framing)
+    protocol = dict(sizing=args.sizing, cwe_shots=args.cwe_shots, truncation=args.truncation,
+                    predictions=args.predictions)
     try:  # bad names, budgets, tasks and modes, a missing set or Ray, are said before any model loads
-        eval_cells(args.model, **options)
+        eval_cells(args.model, **options, protocol=protocol)
         if args.executor == "ray":
             import_ray()
     except (ValueError, ImportError, FileNotFoundError, ConnectionError) as err:
@@ -146,7 +148,7 @@ def evaluate(args) -> int:
         return 2
     target = data_dir / f"eval_{args.name or '+'.join(args.dataset)}.csv"
     before = _examples_and_policies(target)
-    table = run(args.model, **options, data_dir=data_dir, name=args.name, executor=args.executor,
+    table = run(args.model, **options, **protocol, data_dir=data_dir, name=args.name, executor=args.executor,
                 ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker, reuse=args.reuse)
     lost = [what for what, had, has in zip(("examples", "policies"), before, _examples_and_policies(target))
             if had - has]
@@ -376,8 +378,20 @@ def _eval_arguments(p) -> None:
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                    help="the first N examples per task (and length): a quick look (default: all; generated sets: 10)")
     p.add_argument("--max-context", type=_positive_int, default=None, metavar="TOKENS",
-                   help="context + question longer than this is cut from the middle of the context, as LongBench's "
-                        "scripts truncate (default: the model's limit less the answer's tokens)")
+                   help="the cut's limit in tokens: LongBench's max_length (its whole prompt keeps the first and last "
+                        "halves; default the window less about 500, model2maxlen's rule), for other sets context + "
+                        "question (the context cut from its middle; default the model's limit less the answer's tokens)")
+    p.add_argument("--sizing", choices=["official", "fill"], default="official",
+                   help="RULER's haystack sizes: official (sized once per task, an overflowing example cut by a whole "
+                        "step, as RULER's scripts) or fill (every example filled to the length: the lab's before 2026-11-29)")
+    p.add_argument("--cwe-shots", choices=["turn", "inline"], default="turn",
+                   help="RULER cwe's solved example: in a chat turn of its own (official) or inside the task's turn")
+    p.add_argument("--truncation", choices=["official", "context"], default="official",
+                   help="LongBench's cut: official (pred.py: the whole prompt's first and last halves of max_length) "
+                        "or context (the context alone, to the window less the answer: the lab's before 2026-11-29)")
+    p.add_argument("--predictions", choices=["official", "strip"], default="official",
+                   help="LongBench's answers: official (as pred.py decodes them, samsum ending at a newline) or strip "
+                        "(stripped, samsum not stopped: the lab's before 2026-11-29)")
     p.add_argument("--lengths", type=_positive_int, nargs="+", default=(), metavar="TOKENS",
                    help="prompt lengths of generated sets (RULER; default 4096)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated sets (default 0)")

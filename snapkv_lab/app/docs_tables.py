@@ -48,27 +48,39 @@ def _interval_cell(score: float, low: float, high: float) -> str:
 
 def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
     """A committed RULER run (<model>/eval_<name>.csv: the 4k leaderboard, the 8k run, Gemma's): its size, the score
-    per policy, mode and ratio, and the full cache per task."""
-    from ..evaluation import leaderboard, read_results
+    per policy, mode and ratio (a run of all 13 tasks: RULER's average over them, and over the 11 synthetic ones
+    beside it), and the full cache per task."""
+    from ..evaluation import read_results
     from ..evaluation.leaderboard_plots import counted
+    from ..evaluation.summary import averages
 
     table = read_results(data_dir / model / f"eval_{name}.csv")
-    board = leaderboard(table)
+    boards = averages(table)
+    both = set(boards.average) == {"13 tasks", "11 synthetic"}  # a run of all 13: RULER's average, the 11 beside it
+    board = boards[boards.average == ("13 tasks" if both else boards.average.iloc[0])]
+    synthetic = boards[boards.average == "11 synthetic"].set_index(["policy", "mode", "ratio"]).score if both else None
     full, compressed = board[board.policy == "FullCache"], board[board.policy != "FullCache"]
     columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware") for ratio in sorted(compressed.ratio.unique())]
     examples = table.drop_duplicates(["task", "example"]).groupby("task", sort=False).size()
     per_task = f"{examples.min()}" if examples.min() == examples.max() else f"{examples.min()} to {examples.max()}"
+    mean = ("the mean over RULER's 13 tasks [95% interval] / over its 11 synthetic ones (without qa_1, qa_2)" if both
+            else "the mean over tasks, [95% interval]")
     lines = [f"{counted(len(examples), 'task')}, {counted(int(examples.sum()), 'example')} ({per_task} per task); "
-             "score (0-100) per policy, mode and compression ratio, the mean over tasks, [95% interval] over examples "
-             "where a task has two or more:", "",
+             f"score (0-100) per policy, mode and compression ratio, {mean} over examples where a task has two or "
+             "more:", "",
              "| policy | " + " | ".join(f"{mode.removeprefix('query-')} {ratio:g}" for mode, ratio in columns) + " |",
              "|---|" + "---|" * len(columns)]
+
+    def cell(row, policy, mode, ratio) -> str:
+        text = _interval_cell(row.score, row.low, row.high)
+        return text if synthetic is None else f"{text} / {synthetic[(policy, mode, ratio)]:.0f}"
+
     base = full.iloc[0]
-    lines.append("| FullCache | " + " | ".join(_interval_cell(base.score, base.low, base.high) for _ in columns) + " |")
+    lines.append("| FullCache | " + " | ".join(cell(base, "FullCache", base["mode"], base.ratio) for _ in columns) + " |")
     for policy, part in compressed.groupby("policy", sort=False):
         part = part.set_index(["mode", "ratio"])
         lines.append(f"| {policy} | " + " | ".join(
-            _interval_cell(*part.loc[c, ["score", "low", "high"]]) if c in part.index else "-" for c in columns) + " |")
+            cell(part.loc[c], policy, *c) if c in part.index else "-" for c in columns) + " |")
     return "\n".join(lines + ["", _full_cache_per_task(table)])
 
 

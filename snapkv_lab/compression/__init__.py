@@ -11,6 +11,10 @@ over it. One scoring path, one way to keep and build, one answer engine:
     generation.py   the answer engine: generate(), answer() over one state, answer_runs() over policies x modes
     compare.py      compare(): policies side by side on the same prompts, with a notebook display
     kept.py         kept_mask: what a compressed cache holds, as a mask over prompt positions
+    entries.py      HeldEntries: the KV entries a compressed cache holds, the uncompressed cache's and the budget's
+    span_effects.py span_effects, EvictionProbe: evicting spans of the cache as experiments on the answer
+    span_search.py  the smallest evicting set, and one span's effect per layer and KV head
+    span_gradients.py  gradient_effects: KVgrad's input x gradient estimate of span effects
     reference.py    masked_decode: the plain definition the fast path is tested against (the full cache, each head's
                     evicted positions hidden, eager attention)
 """
@@ -26,10 +30,10 @@ from .recorder import ScoreRecorder
 from .shared import SharedPrefill
 from .state import CompressionState, Phase, applied
 
-__all__ = ["MODES", "CompressedLayer", "CompressionState", "GenerationResult", "HeadwiseLayer", "Phase", "ScoreRecorder",
-           "SharedPrefill", "answer", "answer_runs", "applied", "build_layer", "cache_bytes", "cache_lengths", "compress",
-           "compress_layers", "decode_text", "fork", "forward", "gather_kv", "generate", "greedy_decode",
-           "kept_from_scores", "prefill"]
+__all__ = ["MODES", "CompressedLayer", "CompressionState", "GenerationResult", "HeadwiseLayer", "Phase",
+           "ScoreRecorder", "SharedPrefill", "answer", "answer_runs", "applied", "build_layer", "cache_bytes",
+           "cache_lengths", "compress", "compress_layers", "decode_text", "fork", "forward", "gather_kv", "generate",
+           "greedy_decode", "kept_from_scores", "prefill"]
 
 
 def branch(state: CompressionState) -> CompressionState:

@@ -58,7 +58,8 @@ def kept_tokens_html(tokenizer, prompt_ids, kept_indices, *, layer: int | None =
             spans.append("</span>")
     if end < len(ids):
         spans.append("<span style='color:#888'>…</span>")
-    scope = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", KV head {head}")
+    scope = ("all layers and heads" if layer is None
+             else f"layer {layer}" + ("" if head is None else f", KV head {head}"))
     legend = (f"<div style='font-size:80%;color:#555'>green: kept (shade = fraction of {scope}); grey: dropped; "
               "red box: highlighted span</div>")
     return legend + "<div style='font-family:monospace;font-size:85%;line-height:1.6'>" + "".join(spans) + "</div>"
@@ -81,7 +82,8 @@ class ABTable(pd.DataFrame):
     def result(self, prompt, policy: str) -> GenerationResult:
         row = self[(self["prompt"] == prompt) & (self["policy"] == policy)]
         if row.empty:
-            raise KeyError(f"no run for prompt {prompt!r} and policy {policy!r}; policies: {sorted(self['policy'].unique())}")
+            raise KeyError(f"no run for prompt {prompt!r} and policy {policy!r}; policies: "
+                           f"{sorted(self['policy'].unique())}")
         return self.results[row.index[0]]
 
     def kept_view(self, prompt, policy: str, **kwargs):
@@ -135,8 +137,10 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
     one prefill, their selections (plus any extra scoring pass, e.g. KVzip's, paid once per prompt and in the
     selection_s of the first policy that needs it: KVzip at four budgets reconstructs once) and k decodes.
     Columns: prompt, policy (its label: name, non-default settings, budget), mode, question, answer, expected,
-    correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one), cache_length,
-    prompt_tokens, prefill_s (the shared prefill), selection_s, decode_ms_per_token, new_tokens.
+    correct, kv_bytes (after prefill), kv_ratio (the prompt's largest cache / this one), cache_length, kv_entries
+    (KV entries held after the prompt's compression, summed over layers and KV heads), kv_share (of the uncompressed
+    cache's), budget_share (the nominal budget's share), over_budget (more held than the budget beyond rounding:
+    compression.entries), prompt_tokens, prefill_s (the shared prefill), selection_s, decode_ms_per_token, new_tokens.
     """
     labels = [policy.label for policy in policies]
     if len(set(labels)) < len(labels):
@@ -169,7 +173,8 @@ def compare(model, tokenizer, prompts, policies=(FullCache(), SnapKV()), *, max_
                     prompt=item["name"] if len(row_runs) == 1 else f"{item['name']}/{b}", policy=run.policy.label,
                     mode=run.mode, question=one.question, answer=one.text, expected=answer,
                     correct=pd.NA if answer is None else answer.lower() in one.text.lower(),
-                    kv_bytes=one.kv_bytes, cache_length=max(one.cache_lengths), prompt_tokens=one.prompt_ids.shape[1],
+                    kv_bytes=one.kv_bytes, cache_length=max(one.cache_lengths), **one.entries.columns(),
+                    prompt_tokens=one.prompt_ids.shape[1],
                     prefill_s=shared.seconds, selection_s=one.selection_seconds,
                     decode_ms_per_token=one.decode_ms_per_token, new_tokens=one.token_ids.shape[1]))
     bar.close()

@@ -54,7 +54,8 @@ class LivePrefill:
     def __call__(self, module, query, key, value, attention_mask, kwargs) -> None:
         state, layer, rows = self.state, module.layer_idx, query.shape[2]
         if layer >= len(state.cache.layers) or not state.cache.layers[layer].is_initialized:
-            raise RuntimeError("the model was not called with this compressor's cache: pass past_key_values=state.cache")
+            raise RuntimeError("the model was not called with this compressor's cache: "
+                               "pass past_key_values=state.cache")
         seen = self.fed.get(layer, 0)
         if self.chunk is None and seen:
             raise RuntimeError("a second prefill call of a layer: without prefill_chunk the prefill is one forward of "
@@ -122,7 +123,8 @@ def check_chunking(policy: Policy, prefill_chunk: int) -> None:
     check_int("prefill_chunk", prefill_chunk, 2, kind="an int of at least 2 tokens")
     if isinstance(policy.capacity, float):
         raise ValueError(f"{policy.label}: a capacity ratio of a prompt fed in chunks is unknown until its last chunk: "
-                         "give a token budget, or use snapkv_lab.generate(..., prefill_chunk=N), which knows the prompt")
+                         "give a token budget, or use snapkv_lab.generate(..., prefill_chunk=N), "
+                         "which knows the prompt")
     if policy.per_query_head:
         raise NotImplementedError(f"{policy.label}: per_query_head caches under a chunked prefill are not supported")
     if prefill_chunk < policy.voters:

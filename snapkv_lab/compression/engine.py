@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from ..policies.base import NO_POSITION, AttentionCall, Policy
 from ..policies.decoding import prefill_seeds, seeded
-from .layers import build_layer, held_positions, stack_rows
+from .layers import RollingWindow, build_layer, held_positions, stack_rows
 
 
 def attention_calls(module, query, key, value, slots, settings, n_layers, positions=None, lead=None, shift=None):
@@ -74,6 +74,20 @@ def kept_from_scores(policy: Policy, scores: dict[int, torch.Tensor], n: int, kv
     return None if rows is None else {layer: stack_rows(kept) for layer, kept in rows.items()}
 
 
+def rolling_window(policy: Policy, kept: list[torch.Tensor], lengths: list[int], device) -> RollingWindow | None:
+    """A layer's RollingWindow under `policy` (`Policy.decode_window`), None when no batch row's heads roll: a row's
+    rolling heads are those keeping less than its n own positions (kept: per row (rows, k) positions, NO_POSITION
+    after a head's last)."""
+    windows = [policy.decode_window(n) for n in lengths]
+    if all(window is None for window in windows):
+        return None
+    streaming = torch.stack([(row >= 0).sum(-1) < n if window is not None else torch.zeros(row.shape[0], dtype=torch.bool)
+                             for row, n, window in zip(kept, lengths, windows, strict=True)])
+    sinks, recent = (torch.tensor([0 if window is None else window[i] for window in windows], device=device)
+                     for i in (0, 1))
+    return RollingWindow(streaming.to(device), sinks, recent)
+
+
 def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: DynamicCache, n_layers: int, *,
                     pads: torch.Tensor | None = None, positions: dict[int, torch.Tensor] | None = None,
                     seen: int | None = None) -> tuple[dict, dict, dict]:
@@ -103,10 +117,11 @@ def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: Dyna
         else:
             own = [torch.where(row >= 0, row + drop, NO_POSITION) for row, drop in zip(rows[layer], lead, strict=True)]
             if positions is not None and any(bool((row == NO_POSITION).any()) for row in own):
-                raise NotImplementedError(f"{policy.label}: head-wise budgets under a chunked prefill are not supported "
-                                          "(a ragged cache layer cannot take the next chunk)")
+                raise NotImplementedError(f"{policy.label}: head-wise budgets under a chunked prefill are not "
+                                          "supported (a ragged cache layer cannot take the next chunk)")
             cache.layers[layer], kept[layer] = build_layer(full.keys, full.values, own, held,
                                                            n_slots if seen is None else seen, pads)
+            cache.layers[layer].window = rolling_window(policy, rows[layer], lengths, full.keys.device)
             slots[layer] = stack_rows(own, left=True)
         if seeded(policy):  # per row: its own scores at its kept positions, left-filled as the layer's slots
             own_kept = rows[layer] if rows is not None else [torch.arange(n).expand(kv_heads, -1) for n in lengths]

@@ -29,6 +29,7 @@ from ..core.inputs import check_context_length, encode_batch, encode_continuatio
 from ..core.timing import ms_per_token, stopwatch
 from ..policies.base import FullCache, Policy
 from .compressor import PADDED_CHUNKS_REFUSED, compress, refuse_after_prefill
+from .entries import HeldEntries
 from .greedy import decode_text, eos_cut, forward, greedy_decode
 from .layers import cache_bytes, cache_lengths, row_cache_lengths, stack_forks
 from .shared import SharedPrefill
@@ -61,7 +62,9 @@ class GenerationResult:
     state compressed: the context alone query-agnostic), compressed (whether a layer was compressed: a prompt within
     its budget, or only sliding layers, is not), prompt_tokens (context and question), sliding_layers (layers left to
     their own bounded cache), step_seconds (the decode steps after the first token), extra (the describe hook's
-    columns, read from the state before decoding).
+    columns, read from the state before decoding), entries (the KV entries held, the uncompressed cache's and the
+    budget's, per row and layer, right after the prompt's compression: compression.entries; kv_entries and kv_share
+    are their totals).
     """
 
     text: str | list[str]
@@ -85,12 +88,25 @@ class GenerationResult:
     sliding_layers: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    entries: HeldEntries | None = None
+
+    @property
+    def kv_entries(self):
+        """KV entries held right after the prompt's compression, summed over layers and KV heads (entries.py)."""
+        return self.entries.total
+
+    @property
+    def kv_share(self):
+        """kv_entries over the uncompressed cache's on the same prompt."""
+        return self.entries.share
 
     def __repr__(self) -> str:
-        """One line: the policy, the prompt, the cache, the answer (printing every layer's kept positions helps no one)."""
+        """One line: the policy, the prompt, the cache, the answer (printing every layer's kept positions helps no
+        one)."""
         batch, n = self.prompt_ids.shape
         texts = self.text if isinstance(self.text, list) else [self.text]
-        shown = ", ".join(repr(t if len(t) <= 60 else t[:57] + "...") for t in texts[:2]) + (", ..." if batch > 2 else "")
+        shown = (", ".join(repr(t if len(t) <= 60 else t[:57] + "...") for t in texts[:2])
+                 + (", ..." if batch > 2 else ""))
         prompts = f"{batch} prompts of up to {n} tokens" if batch > 1 else f"a {n}-token prompt"
         cache = sum(self.cache_lengths) / max(1, len(self.cache_lengths))
         asked = "" if self.question is None else f", question {self.question!r}"
@@ -118,7 +134,8 @@ class GenerationResult:
                 self, text=texts[b], token_ids=self.token_ids[b:b + 1, :cut],
                 prompt_ids=self.prompt_ids[b:b + 1][:, mask[b].bool()], kept_indices=kept,
                 cache_lengths=lengths[b], kv_bytes=round(self.kv_bytes * sum(lengths[b]) / total),
-                prompt_mask=None, row_cache_lengths=None))
+                prompt_mask=None, row_cache_lengths=None,
+                entries=None if self.entries is None else self.entries.row(b)))
         return results
 
 
@@ -147,7 +164,8 @@ def chunk_sizes(n: int, chunk: int) -> list[int]:
 
 
 @torch.inference_mode()
-def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int, tokenizer=None) -> tuple[CompressionState, torch.Tensor, float]:
+def chunked_prefill(model, ids: torch.Tensor, policy: Policy, chunk: int,
+                    tokenizer=None) -> tuple[CompressionState, torch.Tensor, float]:
     """Prefill ids (batch, n) in chunks of `chunk` tokens, compressing as it goes (see `compress`): (state, last
     logits, seconds). A capacity ratio is a budget of the whole prompt, fixed in tokens before the first chunk."""
     refuse_after_prefill(policy, "a chunked prefill cannot give: run it without prefill_chunk")
@@ -194,8 +212,8 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
         (its kept positions, cache and greedy answer equal, up to float rounding), pads never kept nor voting;
         `result.rows()` gives one result per prompt.
     question: query-agnostic mode: `prompt` is the context alone, compressed; the question (text, tokenised
-        without special tokens, or ids) is appended after compression, then the answer decoded. A list of
-        questions (texts or id lists): compress once, ask many: one prefill and one compression, each question answered on its
+        without special tokens, or ids) is appended after compression, then the answer decoded. A list of questions
+        (texts or id lists): compress once, ask many: one prefill and one compression, each question answered on its
         own copy of the compressed cache; returns one result per question.
     prefill_chunk=N: prefill in chunks of N tokens, the cache cut back to its budget after each (peak KV memory
         capacity + N per head, whatever the prompt's length; see `compress` for what scores mean then). Equal to
@@ -218,23 +236,28 @@ def generate(model, tokenizer, prompt, *, policy: Policy | None = None, max_new_
 @torch.inference_mode()  # the state was built in inference mode: its tensors cannot meet autograd
 def answer(model, tokenizer, state: CompressionState, logits, ids, questions, extras, *, prefill_seconds: float,
            max_new_tokens: int, stop=None, mask: torch.Tensor | None = None, mode: str = "query-aware",
-           question_index: int = 0, describe: Callable[[int, CompressionState, int], dict] | None = None
-           ) -> list[GenerationResult]:
+           question_index: int = 0, describe: Callable[[int, CompressionState, int], dict] | None = None,
+           end_ids=(), min_new_tokens: int = 0) -> list[GenerationResult]:
     """Answer after a prefill of ids (batch, n) compressed into `state`: once per question (its text or None, its ids
     (batch, m) or None: the answer follows the prefill's own `logits`), each on its own fork of the cache when there
     are several; several questions over one context decode together as one batch where they can (`batched_answers`),
     each as its own run. mask: (batch, n) 0 on a padded batch's pads. mode, question_index (of the first question)
-    and describe(question index, state, n) (extra columns read before decoding): what the results record."""
-    eos = eos_ids(model, tokenizer)
+    and describe(question index, state, n) (extra columns read before decoding): what the results record. end_ids:
+    more tokens that end an answer, as its EOS does (transformers' eos_token_id list); min_new_tokens: none of the
+    end tokens among the first ones (its min_new_tokens)."""
+    eos = tuple(dict.fromkeys((*eos_ids(model, tokenizer), *end_ids)))
     lengths, kv_bytes = cache_lengths(state.cache), cache_bytes(state.cache)
-    row_lengths = None if mask is None else row_cache_lengths(state.cache, (mask == 0).sum(-1).cpu())
+    pads = None if mask is None else (mask == 0).sum(-1).cpu()
+    row_lengths = None if mask is None else row_cache_lengths(state.cache, pads)
     batch, n = ids.shape
+    entries = HeldEntries.of_state(model, state, batch, n, pads)
     compressed = bool(set(state.kept_indices) - set(state.sliding_layers)) and state.policy.budget(n) is not None
     described = [{} if describe is None else describe(question_index + i, state, n) for i in range(len(questions))]
     decoded = None
     if batch == 1 and mask is None and stop is None and answers_batched(state, extras):
         decoded = [one for group in range(0, len(extras), QUESTION_BATCH)
-                   for one in batched_answers(model, state, extras[group:group + QUESTION_BATCH], n, max_new_tokens, eos)]
+                   for one in batched_answers(model, state, extras[group:group + QUESTION_BATCH], n, max_new_tokens,
+                                              eos, min_new_tokens)]
     results = []
     for index, (text, extra) in enumerate(zip(questions, extras, strict=True)):
         if decoded is not None:
@@ -246,7 +269,7 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
                     first = logits if extra is None else forward(model, extra, asked.cache, n, mask)
                 start = n + (0 if extra is None else extra.shape[1])
                 token_ids, seconds = greedy_decode(model, asked.cache, first, start, max_new_tokens, eos, stop,
-                                                   None if mask is None else extended_mask(mask, start))
+                                                   None if mask is None else extended_mask(mask, start), min_new_tokens)
             fed, kept = feeding.seconds, asked.kept_indices
         texts = decode_text(tokenizer, token_ids, eos)
         results.append(GenerationResult(
@@ -257,7 +280,7 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
             question=text if isinstance(text, str) else None, prompt_mask=None if mask is None else mask.cpu(),
             row_cache_lengths=row_lengths, mode=mode, question_index=question_index + index, compressed_tokens=n,
             compressed=compressed, prompt_tokens=n + (0 if extra is None else extra.shape[1]),
-            sliding_layers=list(state.sliding_layers), step_seconds=seconds, extra=described[index]))
+            sliding_layers=list(state.sliding_layers), step_seconds=seconds, extra=described[index], entries=entries))
     return results
 
 
@@ -268,7 +291,8 @@ def answers_batched(state: CompressionState, extras) -> bool:
             and getattr(state.policy, "tracker", None) is None)
 
 
-def batched_answers(model, state: CompressionState, extras, n: int, max_new_tokens: int, eos) -> list[tuple]:
+def batched_answers(model, state: CompressionState, extras, n: int, max_new_tokens: int, eos,
+                    min_new_tokens: int = 0) -> list[tuple]:
     """Answer several questions (ids (1, m_q) each) over the compressed context of n tokens in `state`: each question
     fed on its own fork of the cache, then the forks stacked into one left-padded batch (`stack_forks`) and decoded
     together, so every decode step reads the weights once for all of them. Each row is its own question's batch-1
@@ -286,7 +310,8 @@ def batched_answers(model, state: CompressionState, extras, n: int, max_new_toke
     start = n + max(extra.shape[1] for extra in extras)
     mask = (torch.arange(start)[None] >= pads[:, None]).long().to(model.device)
     with applied(model, together):
-        token_ids, seconds = greedy_decode(model, cache, torch.cat(firsts), start, max_new_tokens, eos, mask=mask)
+        token_ids, seconds = greedy_decode(model, cache, torch.cat(firsts), start, max_new_tokens, eos, mask=mask,
+                                           min_new_tokens=min_new_tokens)
     out = []
     for row, appended in zip(token_ids, fed, strict=True):
         cut = eos_cut(row.tolist(), eos) + 1
@@ -297,26 +322,37 @@ def batched_answers(model, state: CompressionState, extras, n: int, max_new_toke
 @torch.inference_mode()
 def answer_runs(model, tokenizer, shared: SharedPrefill, questions: list, policies, modes=MODES,
                 max_new_tokens: int = 24, describe: Callable[[int, CompressionState, int], dict] | None = None, *,
-                full: bool = True, texts: list | None = None) -> Iterator[GenerationResult]:
+                full: bool = True, texts: list | None = None, end_ids=(), min_new_tokens: int = 0
+                ) -> Iterator[GenerationResult]:
     """The full cache (unless full=False), then each policy in each of `modes`, answering each question of the context
     `shared` prefilled (its policies must include `policies`), question by question; yields each answer as it is made.
 
     questions: per question its ids (1, m), or None where the prompt prefilled holds its question (the whole prompt is
     compressed: query-aware, its answer following the prefill's own logits). texts: the questions as texts, where
     they were given so (reported in the results). describe(question index, state, n_compressed) -> dict of extra
-    columns, read from the state before decoding."""
+    columns, read from the state before decoding. end_ids, min_new_tokens: see `answer`."""
+    texts = texts or [None] * len(questions)
+    for index, _, mode, prompt, state in run_states(shared, questions, policies, modes, full=full):
+        agnostic = mode == "query-agnostic" and questions[index] is not None
+        yield from answer(model, tokenizer, state, None if agnostic else prompt.logits, prompt.ids, [texts[index]],
+                          [questions[index] if agnostic else None],
+                          prefill_seconds=shared.seconds + state.selection_seconds, max_new_tokens=max_new_tokens,
+                          mask=shared.mask, mode=mode, question_index=index, describe=describe, end_ids=end_ids,
+                          min_new_tokens=min_new_tokens)
+
+
+def run_states(shared: SharedPrefill, questions: list, policies, modes=MODES, *, full: bool = True
+               ) -> Iterator[tuple[int, Policy, str, SharedPrefill, CompressionState]]:
+    """The compression states `answer_runs` answers from, in its order: (question index, policy, mode, the prefill
+    compressed: the context's query-agnostic, the context and question's otherwise, the state). A study of what
+    policies keep (compression.entries, a budget audit) reads these without decoding."""
     if set(modes) - set(MODES):
         raise ValueError(f"modes must be among {MODES}, got {list(modes)}")
-    texts = texts or [None] * len(questions)
     runs = [(FullCache(), "full")] if full else []
     runs += [(policy, mode) for policy in policies for mode in MODES if mode in modes]
     needs_aware = full or "query-aware" in modes  # the question fed on the full cache
     for index, question in enumerate(questions):
         aware = shared.extend(question) if question is not None and needs_aware else shared
         for policy, mode in runs:
-            agnostic = mode == "query-agnostic" and question is not None
-            state = (shared if agnostic else aware).state(policy)
-            yield from answer(model, tokenizer, state, None if agnostic else aware.logits,
-                              shared.ids if agnostic else aware.ids, [texts[index]], [question if agnostic else None],
-                              prefill_seconds=shared.seconds + state.selection_seconds, max_new_tokens=max_new_tokens,
-                              mask=shared.mask, mode=mode, question_index=index, describe=describe)
+            prompt = shared if mode == "query-agnostic" and question is not None else aware
+            yield index, policy, mode, prompt, prompt.state(policy)

@@ -37,22 +37,31 @@ def forward(model, ids: torch.Tensor, cache, start: int, mask: torch.Tensor | No
                  attention_mask=padding).logits[:, -1]
 
 
+def pick(logits: torch.Tensor, step: int, eos_ids=(), min_new_tokens: int = 0) -> torch.Tensor:
+    """The greedy token of logits (batch, vocab) at decode step `step` (0: the first new token): before
+    min_new_tokens, the end tokens are never picked (transformers' min_length / min_new_tokens logits processor)."""
+    if step < min_new_tokens and len(eos_ids):
+        logits = logits.clone()
+        logits[:, list(eos_ids)] = float("-inf")
+    return logits.argmax(-1)
+
+
 @torch.inference_mode()
 def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids=(), stop=None,
-                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+                  mask: torch.Tensor | None = None, min_new_tokens: int = 0) -> tuple[torch.Tensor, list[float]]:
     """Greedy decoding from the last prompt logits (batch, vocab), positions counted from `start`.
 
     Run it inside `applied(model, state)` when the cache is compressed. stop(token_ids) -> bool ends early (e.g. once
     an answer is complete). mask: a padded batch's (batch, m) padding mask of the slots before `start` (each row's
     positions then count from its first token, and the mask, extended by ones, goes to the model so that it masks
-    the pads of the layers the compressor leaves whole). A batch decodes until every row has ended (`eos_cut` finds
-    each row's end). Returns ((batch, new), step seconds).
+    the pads of the layers the compressor leaves whole). min_new_tokens: no end token among the first ones (`pick`).
+    A batch decodes until every row has ended (`eos_cut` finds each row's end). Returns ((batch, new), step seconds).
     """
     pads = None if mask is None else (mask == 0).sum(-1)
     tokens, seconds = [], []
     done = torch.zeros(logits.shape[0], dtype=torch.bool)
     ends = torch.tensor(list(eos_ids), dtype=torch.long)
-    next_token = logits.argmax(-1)
+    next_token = pick(logits, 0, eos_ids, min_new_tokens)
     for step in range(max_new_tokens):
         tokens.append(next_token)
         done |= torch.isin(next_token.cpu(), ends)
@@ -63,6 +72,6 @@ def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids
             padding = None if mask is None else extended_mask(mask, start + step + 1)
             out = model(next_token[:, None], **with_cache(model, cache), position_ids=position, use_cache=True,
                         attention_mask=padding)
-            next_token = out.logits[:, -1].argmax(-1)
+            next_token = pick(out.logits[:, -1], step + 1, eos_ids, min_new_tokens)
         seconds.append(elapsed.seconds)
     return torch.stack(tokens, 1), seconds

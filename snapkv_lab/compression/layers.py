@@ -23,6 +23,7 @@ masks (state.attend_cache). Each row's positions, and those of the tokens it app
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -45,6 +46,38 @@ def gather_kv(tensor: torch.Tensor, kept: torch.Tensor, out: torch.Tensor | None
     if kept.shape[1] != tensor.shape[1]:
         tensor = tensor.repeat_interleave(kept.shape[1] // tensor.shape[1], dim=1)
     return torch.gather(tensor, 2, kept[..., None].expand(-1, -1, -1, tensor.shape[-1]), out=out)
+
+
+@dataclass(frozen=True)
+class RollingWindow:
+    """The heads of a layer whose cache rolls after the prefill (`Policy.decode_window`: DuoAttention's streaming
+    heads). At every later call such a head sees its first `sinks` positions, the `recent` positions before the
+    call's first token and the call's own tokens (causally), as the official cache that appends each token and cuts
+    back to sinks + recent; the positions that slid out stay stored, hidden (a ragged cache cannot drop one slot per
+    head and step without copying the layer).
+
+    streaming: (batch, kv_heads) bool; sinks, recent: (batch,) long, each batch row's own."""
+
+    streaming: torch.Tensor
+    sinks: torch.Tensor
+    recent: torch.Tensor
+
+    def hidden(self, positions: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """(batch, kv_heads, slots) True where a streaming head must not see a slot: positions (batch, kv_heads or 1,
+        slots) the token position of each slot (NO_POSITION: left to other masks), start (batch,) the position of the
+        call's first token."""
+        positions = positions.to(self.streaming.device)
+        first_recent = (start.to(self.sinks.device) - self.recent)[:, None, None]
+        return self.streaming[..., None] & (positions >= self.sinks[:, None, None]) & (positions < first_recent)
+
+    @staticmethod
+    def stacked(windows: list[RollingWindow | None]) -> RollingWindow | None:
+        """The windows of batch rows as one (stack_forks), None when no row has one."""
+        if all(w is None for w in windows):
+            return None
+        if any(w is None for w in windows):
+            raise ValueError("rows of one layer either all roll their window or none does")
+        return RollingWindow(*(torch.cat([getattr(w, name) for w in windows]) for name in ("streaming", "sinks", "recent")))
 
 
 _ROLLBACK_REFUSED = (
@@ -70,6 +103,7 @@ class CompressedLayer(DynamicLayer):
         self.keys, self.values, self.positions, self.seen, self.groups = keys, values, positions, seen, groups
         self.pads = pads  # (batch,) left pads of each row's prompt (a padded batch; see module doc), else None
         self._reserve: _Reserve | None = None
+        self.window: RollingWindow | None = None  # heads whose cache rolls after the prefill (set by the engine)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.groups > 1:
@@ -120,8 +154,9 @@ def held_positions(layer, n: int, pads: torch.Tensor | None = None) -> torch.Ten
 
 
 def slot_positions(layer, pads: torch.Tensor | None = None) -> torch.Tensor:
-    """(batch, heads, slots) the position of every slot of a dense layer, NO_POSITION on pads and fill."""
-    if isinstance(layer, CompressedLayer):
+    """(batch, heads, slots) the position of every slot of a layer, NO_POSITION on pads, fill and a head-wise layer's
+    slots that a head does not hold."""
+    if isinstance(layer, (CompressedLayer, HeadwiseLayer)):
         return layer.positions
     return held_positions(layer, getattr(layer, "cumulative_length", None) or layer.keys.shape[-2], pads)
 
@@ -197,11 +232,7 @@ class HeadwiseLayer(DynamicLayer):
             raise ValueError(f"head-wise budgets select per KV head: kept has {kept.shape[1]} heads, "
                              f"the keys {keys.shape[1]} KV heads")
         self.lazy_initialization(keys, values)
-        held = kept >= 0  # (batch, kv_heads, widest)
-        # A row's slots follow its heads in order: the held positions' rank within the flattened row.
-        slot = held.flatten(1).cumsum(1).sub_(1).view_as(held)  # (batch, kv_heads, widest)
-        slots = int(held.sum((1, 2)).max())
-        rows = torch.arange(keys.shape[0], device=keys.device)[:, None, None].expand_as(kept)[held]
+        held, rows, slot, slots = _slot_layout(kept)
         # pads (batch,): a padded batch's left pads; position p of row b sits at slot p + pads[b] of `keys`
         self.pads = pads
         slots_of = kept if pads is None else kept + pads.to(kept.device)[:, None, None]
@@ -220,6 +251,7 @@ class HeadwiseLayer(DynamicLayer):
         self._reserve: _Reserve | None = None
         # (batch,) leading appended slots that hold no token (`stack_forks`: rows that appended fewer), else None
         self.fill: torch.Tensor | None = None
+        self.window: RollingWindow | None = None  # heads whose cache rolls after the prefill (set by the engine)
 
     def get_seq_length(self) -> int:
         """The longest head's length: what transformers sizes masks by (the compressor builds its own)."""
@@ -239,6 +271,11 @@ class HeadwiseLayer(DynamicLayer):
         if self.fill is not None:
             new = new.masked_fill(self.filled()[:, None], NO_POSITION)
         return torch.cat([self.kept, new], -1)
+
+    def kept_slot_positions(self) -> torch.Tensor:
+        """(batch, slots) the token position each kept slot holds (kept_keys' layout), NO_POSITION on padding."""
+        held, rows, slot, slots = _slot_layout(self.kept)
+        return self.kept.new_full((self.kept.shape[0], slots), NO_POSITION).index_put_((rows, slot[held]), self.kept[held])
 
     def filled(self) -> torch.Tensor:
         """(batch, new) True on the appended slots that hold no token (see `fill`)."""
@@ -275,6 +312,17 @@ class HeadwiseLayer(DynamicLayer):
         raise NotImplementedError(_REBATCH_REFUSED)
 
 
+def _slot_layout(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Where a HeadwiseLayer stores the kept positions `kept` (batch, kv_heads, widest): each batch row's heads one
+    after the other, each head's in order. Returns held (kept >= 0), the batch row of each held position, its slot in
+    the row (both (held,) in held's order: `slot[held]`; slot is (batch, kv_heads, widest)) and the widest row's
+    slots."""
+    held = kept >= 0
+    slot = held.flatten(1).cumsum(1).sub_(1).view_as(held)  # a held position's rank within its flattened row
+    rows = torch.arange(kept.shape[0], device=kept.device)[:, None, None].expand_as(kept)[held]
+    return held, rows, slot, int(held.sum((1, 2)).max())
+
+
 _REBATCH_REFUSED = ("a head-wise (ragged) compressed cache cannot reorder or select its batch rows (beam search, "
                     "contrastive search): use plain greedy or sampled generation")
 
@@ -295,7 +343,8 @@ def headwise_attention(layer: HeadwiseLayer, query: torch.Tensor, settings: Atte
     kv_heads, slots, new = layer.keys.shape[1], layer.kept_keys.shape[1], layer.keys.shape[-2]
     query = query.reshape(batch, kv_heads, heads // kv_heads * rows, head_dim)  # a KV head's query heads, then rows
     logits = torch.cat([
-        (query.flatten(1, 2) @ layer.kept_keys.mT).view(batch, kv_heads, -1, slots),  # (batch, kv_heads, group * rows, slots)
+        # (batch, kv_heads, group * rows, slots)
+        (query.flatten(1, 2) @ layer.kept_keys.mT).view(batch, kv_heads, -1, slots),
         query @ layer.keys.mT,  # (batch, kv_heads, group * rows, new)
     ], -1).float() * settings.scaling
     if settings.softcap is not None:
@@ -304,6 +353,12 @@ def headwise_attention(layer: HeadwiseLayer, query: torch.Tensor, settings: Atte
     logits[..., slots:].unflatten(2, (-1, rows)).masked_fill_(hidden_future(rows, new, query.device), float("-inf"))
     if layer.fill is not None:
         logits[..., slots:].masked_fill_(layer.filled()[:, None, None], float("-inf"))
+    if layer.window is not None:  # streaming heads: their sinks and recent positions only (RollingWindow)
+        appended = layer.positions[..., layer.kept.shape[-1]:]  # (batch, kv_heads, new)
+        start = appended[:, 0, -rows]
+        logits[..., :slots].masked_fill_(layer.window.hidden(layer.kept_slot_positions()[:, None], start)[:, :, None],
+                                         float("-inf"))
+        logits[..., slots:].masked_fill_(layer.window.hidden(appended, start)[:, :, None], float("-inf"))
     probs = F.softmax(logits, dim=-1).to(layer.kept_values.dtype)
     out = (probs[..., :slots].flatten(1, 2) @ layer.kept_values).view(query.shape) + probs[..., slots:] @ layer.values
     return out.view(batch, heads, rows, head_dim).transpose(1, 2).to(query.dtype)
@@ -390,9 +445,11 @@ def stack_forks(caches: list[DynamicCache]) -> tuple[DynamicCache, torch.Tensor]
                 setattr(layer, name, torch.cat([getattr(one, name) for one in layers]))
             layer.keys, layer.values, layer.seen, layer.pads, layer._reserve = keys, values, total, pads, None
             layer.fill = torch.tensor([keys.shape[-2] - one.keys.shape[-2] for one in layers])
+            layer.window = RollingWindow.stacked([one.window for one in layers])
         elif isinstance(first, CompressedLayer):
             positions = stack_rows([layer.positions[0] for layer in layers], left=True)
             layer = CompressedLayer(keys, values, positions, total, first.groups, pads)
+            layer.window = RollingWindow.stacked([one.window for one in layers])
         else:
             layer = copy.copy(first)
             layer.keys, layer.values = keys, values
@@ -434,11 +491,13 @@ def cache_lengths(cache: DynamicCache) -> list[int]:
 def row_cache_lengths(cache: DynamicCache, pads: torch.Tensor) -> list[list[int]]:
     """[row][layer] the positions a padded batch's row holds per head (pads and fill slots not counted; the mean
     over heads for a ragged layer, rounded): what `cache_lengths` gives for the row's batch-1 run."""
-    lengths = []
-    for layer in cache.layers:
-        if isinstance(layer, HeadwiseLayer):
-            held = (layer.kept >= 0).sum(-1).float().mean(-1).round().long() + layer.keys.shape[-2]
-        else:
-            held = (slot_positions(layer, pads)[:, 0] >= 0).sum(-1)
-        lengths.append(held.tolist())
-    return [list(row) for row in zip(*lengths)]
+    rows = [layer.keys.shape[1] for layer in cache.layers]
+    return [[round(entries / heads) for entries, heads in zip(row, rows, strict=True)]
+            for row in row_entries(cache, pads)]
+
+
+def row_entries(cache: DynamicCache, pads: torch.Tensor | None = None) -> list[list[int]]:
+    """[row][layer] the KV entries (one key and its value in one head of the layer's cache) a batch row holds, summed
+    over the layer's heads: pads, fill and a head-wise layer's empty slots not counted. pads: (batch,) left pads."""
+    held = [(slot_positions(layer, pads) >= 0).sum((1, 2)).tolist() for layer in cache.layers]
+    return [list(row) for row in zip(*held)]

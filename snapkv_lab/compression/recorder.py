@@ -80,7 +80,8 @@ class ScoreRecorder:
         # holds its own voters: compressor.check_chunking)
         if positions is None and layer in self.recent and rows < self.voters:
             earlier, earlier_slots = self.recent[layer]
-            query, slots = torch.cat([earlier, query], 2)[:, :, -self.voters:], torch.cat([earlier_slots, slots])[-self.voters:]
+            query, slots = (torch.cat([earlier, query], 2)[:, :, -self.voters:],
+                            torch.cat([earlier_slots, slots])[-self.voters:])
             spanning = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
         if self.voters:  # copies: a slice would keep the whole prompt's queries of every layer alive (8 GB at 32k, 8B)
             self.recent[layer] = (query[:, :, -self.voters:].clone(), slots[-self.voters:].clone())

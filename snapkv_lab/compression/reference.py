@@ -15,7 +15,9 @@ fast path (`compress`, `generate`: gathered or ragged keys, reserved room, sdpa)
 (tests/test_reference_decoding.py), as nanoGPT keeps its slow attention beside the fused one.
 
 Policies that evict while decoding (H2O, TOVA, DecodingEviction) change their kept sets at each step: a fixed mask
-does not describe them, and they are refused.
+does not describe them, and they are refused. A policy whose heads roll a window (`Policy.decode_window`:
+DuoAttention's streaming heads, those that kept less than the whole prompt) is described by one more rule: at the step
+whose token sits at position t, such a head also stops seeing every position from `sinks` up to t - recent - 1.
 """
 
 from __future__ import annotations
@@ -39,18 +41,27 @@ def masked_decode(model, ids: torch.Tensor, kept, max_new_tokens: int) -> torch.
         raise ValueError(f"{policy.label} changes its kept positions while decoding: no fixed mask describes it")
     n = ids.shape[1]
     hidden = ~kept_mask(kept, n).to(model.device)  # (layers, rows, n): prompt positions each head does not see
+    window = None if policy is None else policy.decode_window(n)
+    rolling = (~hidden).sum(-1) < n  # (layers, rows): the heads that kept less than the prompt
 
     def attend(function, module, query, key, value, attention_mask, **kwargs):
         heads, n_keys = query.shape[1], key.shape[2]
         if n_keys <= n:  # the prefill: the prompt is processed whole, as the paper's and every policy's is
             return function(module, query, key, value, attention_mask, **kwargs)
         evicted = hidden[module.layer_idx]
-        evicted = evicted.repeat_interleave(heads // evicted.shape[0], dim=0)  # (heads, n): each query head's set
-        evicted = torch.cat([evicted, evicted.new_zeros(heads, n_keys - n)], dim=-1)[None, :, None]  # generated: seen
+        evicted = torch.cat([evicted, evicted.new_zeros(evicted.shape[0], n_keys - n)], dim=-1)  # generated: seen
+        if window is not None:  # this step's token is the last key, at position n_keys - 1
+            sinks, recent = window
+            position = torch.arange(n_keys, device=evicted.device)
+            slid_out = (position >= sinks) & (position < n_keys - 1 - recent)
+            evicted = evicted | (rolling[module.layer_idx][:, None] & slid_out)
+        evicted = evicted.repeat_interleave(heads // evicted.shape[0], dim=0)[None, :, None]  # each query head's set
         own = attention_mask[..., :n_keys] if attention_mask is not None else None
         if own is not None and own.dtype == torch.bool:  # sdpa's mask (True: attend) as eager's additive one
-            own = torch.zeros(own.shape, dtype=query.dtype, device=query.device).masked_fill(~own, torch.finfo(query.dtype).min)
-        blocked = torch.zeros(evicted.shape, dtype=query.dtype, device=query.device).masked_fill(evicted, torch.finfo(query.dtype).min)
+            own = torch.zeros(own.shape, dtype=query.dtype,
+                              device=query.device).masked_fill(~own, torch.finfo(query.dtype).min)
+        blocked = torch.zeros(evicted.shape, dtype=query.dtype,
+                              device=query.device).masked_fill(evicted, torch.finfo(query.dtype).min)
         mask = blocked if own is None else own + blocked
         return model_eager_function(module)(module, query, key, value, mask, **kwargs)
 

@@ -57,7 +57,8 @@ class SharedPrefill:
     keeps_final_hidden: bool = False
     final_hidden: torch.Tensor | None = None
     mask: torch.Tensor | None = None
-    # Scores made after the prefill (Policy.needs) by scoring_key: paid once per prefill, by the first state that needs them.
+    # Scores made after the prefill (Policy.needs) by scoring_key: paid once per prefill, by the first state that needs
+    # them.
     after_prefill_scores: dict = field(default_factory=dict)
 
     @classmethod
@@ -86,7 +87,8 @@ class SharedPrefill:
         cache, recorder, start = fork(self.cache), self.recorder.copy(), self.ids.shape[1]
         if self.mask is not None:
             mask = torch.cat([self.mask, torch.ones_like(ids) if mask is None else mask], 1)
-        positions = padded_positions(None if mask is None else (mask == 0).sum(-1), start, ids.shape[1], self.model.device)
+        positions = padded_positions(None if mask is None else (mask == 0).sum(-1), start, ids.shape[1],
+                                     self.model.device)
         capture = capture_final_hidden(self.model) if self.keeps_final_hidden else nullcontext()
         with intercept_attention(self.model, recorder), capture as hidden, stopwatch(self.model.device) as elapsed:
             logits = self.model(ids, **with_cache(self.model, cache), position_ids=positions, use_cache=True,
@@ -122,7 +124,8 @@ class SharedPrefill:
             n = self.n_tokens
             rows = [policy.prompt_scores(self.prompt(b)) for b in range(self.ids.shape[0])]
             self.after_prefill_scores[key] = {
-                layer: torch.cat([F.pad(row[layer], (n - row[layer].shape[-1], 0)) for row in rows]) for layer in rows[0]}
+                layer: torch.cat([F.pad(row[layer], (n - row[layer].shape[-1], 0)) for row in rows])
+                for layer in rows[0]}
         return self.after_prefill_scores[key]
 
     @torch.inference_mode()

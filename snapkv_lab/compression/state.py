@@ -106,7 +106,8 @@ class CompressionState:
         if getattr(self.policy, "tracker", None) is None or getattr(cache_layer, "is_sliding", False):
             return
         if isinstance(cache_layer, HeadwiseLayer):
-            raise NotImplementedError(f"{self.policy.label}: eviction while decoding over head-wise budgets is not supported")
+            raise NotImplementedError(f"{self.policy.label}: eviction while decoding over head-wise budgets "
+                                      "is not supported")
         if not isinstance(cache_layer, CompressedLayer):  # the prompt fitted: every position so far, in order
             n = cache_layer.keys.shape[-2]
             cache_layer = self.cache.layers[module.layer_idx] = CompressedLayer(
@@ -155,11 +156,12 @@ class Eviction:
         if all(p is None for p in picked):
             return
         heads = cache_layer.keys.shape[1]
-        slots = [torch.arange(fill[b], n).expand(heads, -1) if p is None else p[0] + fill[b] for b, p in enumerate(picked)]
+        slots = [torch.arange(fill[b], n).expand(heads, -1) if p is None else p[0] + fill[b]
+                 for b, p in enumerate(picked)]
         self.pending[layer] = stack_rows(slots, left=True)
 
 
-def _visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, module,
+def visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, module,
                   hidden_slots: torch.Tensor | None = None) -> torch.Tensor:
     """A causal mask in the style of `like` (bool: True visible; float: 0 visible; None: the style of the model's
     attention, float under eager) for the last `rows` of n_keys keys, every earlier key visible but `hidden_slots`
@@ -184,13 +186,18 @@ def attend_cache(cache: DynamicCache, function, module, query, key, value, atten
     layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
     if after_prefill and isinstance(layer, HeadwiseLayer):
         return headwise_attention(layer, query, AttentionSettings.of_call(module, kwargs)), None
-    if after_prefill and pads is not None and layer is not None and not getattr(layer, "is_sliding", False):
+    window = getattr(layer, "window", None) if after_prefill else None
+    if after_prefill and (pads is not None or window is not None) and layer is not None and \
+            not getattr(layer, "is_sliding", False):
         # Transformers' mask is sized and filled for the first layer's slots; this layer's pads and fill slots are
         # where its positions are NO_POSITION.
-        hidden = slot_positions(layer, pads)[:, 0] < 0  # a row's pads and fill are the same slots in every head
-        attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module, hidden)
+        positions = slot_positions(layer, pads)
+        hidden = positions[:, 0] < 0  # a row's pads and fill are the same slots in every head
+        if window is not None:  # a dense layer's heads keep equal counts: a row's heads all roll, or none does
+            hidden = hidden | window.hidden(positions, positions[:, 0, -query.shape[-2]])[:, 0]
+        attention_mask = visible_mask(attention_mask, query, key.shape[-2], module, hidden)
     elif attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] != key.shape[-2]:
-        attention_mask = _visible_mask(attention_mask, query, key.shape[-2], module)
+        attention_mask = visible_mask(attention_mask, query, key.shape[-2], module)
     if after_prefill and isinstance(layer, CompressedLayer) and layer.groups > 1:
         # one KV head per query head (per_query_head): the keys are repeated already, so the call must not repeat them
         groups, module.num_key_value_groups = module.num_key_value_groups, 1

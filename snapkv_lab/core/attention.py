@@ -84,7 +84,8 @@ def attention_row_blocks(
     if host_positions.shape != (n_queries,):
         raise ValueError(f"query_positions must have shape ({n_queries},), got {tuple(host_positions.shape)}")
     if n_queries and int(host_positions.max()) >= key.shape[1]:
-        raise ValueError(f"a query at position {int(host_positions.max())} needs more than the {key.shape[1]} keys given")
+        raise ValueError(f"a query at position {int(host_positions.max())} needs more than the "
+                         f"{key.shape[1]} keys given")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
     span = key.shape[1] if sliding_window is None else min(key.shape[1], sliding_window + 1)
@@ -93,7 +94,8 @@ def attention_row_blocks(
         rows = slice(start, min(start + rows_per_block, n_queries))
         last = int(host_positions[rows].max()) + 1
         first = 0 if sliding_window is None else max(0, int(host_positions[rows].min()) - sliding_window + 1)
-        sees_all = int(host_positions[rows].min()) + 1 == last and (sliding_window is None or last - first <= sliding_window)
+        sees_all = (int(host_positions[rows].min()) + 1 == last
+                    and (sliding_window is None or last - first <= sliding_window))
         logits = attention_logits(query[:, rows], key, scaling, device_positions[rows], first=first, last=last,
                                   kv_index=kv_index, sliding_window=sliding_window, softcap=softcap, sees_all=sees_all)
         yield rows, first, torch.softmax(logits, dim=-1)

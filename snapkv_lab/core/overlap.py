@@ -116,11 +116,13 @@ def selection_overlap(a, b, *, eligible=None) -> dict[str, torch.Tensor]:
     eligible = torch.ones_like(a) if eligible is None else eligible
     a, b = a & eligible, b & eligible
     support = a.sum(-1).double()
-    return dict(numerator=(a & b).sum(-1).double(), chance_numerator=support * _chance_rate(b, eligible), support=support)
+    return dict(numerator=(a & b).sum(-1).double(), chance_numerator=support * _chance_rate(b, eligible),
+                support=support)
 
 
 @renamed(RENAMED, attn_window="attn_voters")
-def coarse_overlap(attn_generated, attn_voters, *, threshold=COARSE_THRESHOLD, eligible=None) -> dict[str, torch.Tensor]:
+def coarse_overlap(attn_generated, attn_voters, *, threshold=COARSE_THRESHOLD,
+                   eligible=None) -> dict[str, torch.Tensor]:
     """Positions with mean attention above `threshold` over the generated rows vs over the voters' rows."""
     generated = attn_generated.mean(1) > threshold
     observed = attn_voters.mean(1) > threshold
@@ -152,8 +154,8 @@ def selection_vs_generation(attn, selections: dict, *, sinks, segments: dict | N
     attn: (heads, generated rows, prefix) attention of the generated rows over the prefix;
     selections: {label: (heads, prefix) bool}; segments: {label: slice of attn's rows} (default {None: all});
     sinks: (heads, prefix) bool, the prompt's sinks (`SinkRule.mask` of all its generated rows, cut to the prefix);
-    observed: (heads, voters, prefix) attention of the voters (the observation window), for "coarse" (one per selection: it
-    does not depend on the selection). Rows get segment=<segments key>, selection=<selections key> and `columns`.
+    observed: (heads, voters, prefix) attention of the voters (the observation window), for "coarse" (one per selection:
+    it does not depend on the selection). Rows get segment=<segments key>, selection=<selections key> and `columns`.
     The attention is reduced once per call (counts above theta, row masses on every mask), so scoring many
     selections costs little more than one.
     """
@@ -232,7 +234,8 @@ def difference(table: pd.DataFrame, between: tuple[str, object, object], by=("la
     point = {label: summarise(part, by, min_support).set_index(by)["value"] for label, part in sides.items()}
     replicates = {}
     for label, part in sides.items():
-        replicates[label], n_samples = _bootstrap(part, by, unit, resamples=resamples, seed=seed, min_support=min_support)
+        replicates[label], n_samples = _bootstrap(part, by, unit, resamples=resamples, seed=seed,
+                                                  min_support=min_support)
     index = point["a"].index.intersection(point["b"].index)
     low, high = _percentiles(replicates["a"].reindex(index).to_numpy() - replicates["b"].reindex(index).to_numpy(), ci)
     out = pd.DataFrame(dict(value_a=point["a"].reindex(index), value_b=point["b"].reindex(index)), index=index)
@@ -249,7 +252,8 @@ def _bootstrap(table: pd.DataFrame, by: list[str], unit: str, *, resamples: int,
     to every statistic, and two tables over the same samples (see `difference`) get the same draws.
     """
     if unit not in table:
-        raise ValueError(f"intervals bootstrap over the {unit!r} column, which this table lacks (columns: {list(table)})")
+        raise ValueError(f"intervals bootstrap over the {unit!r} column, which this table lacks (columns: "
+                         f"{list(table)})")
     sums = table.groupby([*by, unit], dropna=False, sort=True)[["numerator", "support"]].sum()
     numerator, support = sums["numerator"].unstack(unit), sums["support"].unstack(unit)
     present = support.notna().to_numpy()

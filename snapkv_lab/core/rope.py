@@ -119,5 +119,6 @@ def _rotary_class(family, attention_name: str):
     own = getattr(family, attention_name.removesuffix("Attention") + "RotaryEmbedding", None)
     if own is not None:
         return own
-    candidates = [getattr(family, n) for n in dir(family) if n.endswith("RotaryEmbedding") and isinstance(getattr(family, n), type)]
+    candidates = [getattr(family, n) for n in dir(family) if n.endswith("RotaryEmbedding")
+                  and isinstance(getattr(family, n), type)]
     return candidates[0] if len(candidates) == 1 else None

@@ -57,7 +57,8 @@ def over_full_cache(table, columns=("prefill_s", "decode_ms", "kv_mib", "extra_m
     keys = list(zip(*(table[column] for column in by)))
     for column in columns:
         if column in table:
-            table[f"{column}_vs_full"] = table[column].to_numpy() / [full[column].get(key, float("nan")) for key in keys]
+            table[f"{column}_vs_full"] = table[column].to_numpy() / [full[column].get(key, float("nan"))
+                                                                     for key in keys]
     return table
 
 

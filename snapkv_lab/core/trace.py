@@ -20,6 +20,7 @@ from .attention import AttentionSettings, attention_column_sums, attention_probs
 # for all layers and full causal attention, which is what they are read as.
 _FORMAT = "snapkv_lab.AttentionTrace/2"
 _READABLE_FORMATS = ("snapkv_lab.AttentionTrace/1", _FORMAT)
+VALUE_KINDS = ("values", "value_norms", "output_norms")  # optional per-layer tensors (capture(..., values=True))
 
 
 def positions(selection, n: int) -> torch.Tensor:
@@ -80,6 +81,10 @@ class AttentionTrace:
         read each layer from a saved file when used: `AttentionTrace.load(path, lazy=True)`)
     keys[i]:    (kv_heads, n_tokens, head_dim), after RoPE, before the GQA repeat
     attention_settings[i]: that layer's scaling, sliding window and soft-cap, applied by every recompute
+    values[i]:  (kv_heads, n_tokens, head_dim), or None: recorded by capture(..., values=True) only
+    value_norms[i]: (heads, n_tokens) float32, or None: ||W_O^h v_t||, the length of what token t's value adds to
+        the residual stream through query head h's slice of the output projection (CriticalKV's and VATP's weight)
+    output_norms[i]: (heads,) float32, or None: the Frobenius norm of each head's slice W_O^h
     Token t's query row sees keys 0..t (the last `sliding_window` of them in a sliding layer). Rows
     prompt_len.. are the generated tokens.
     """
@@ -92,6 +97,9 @@ class AttentionTrace:
     attention_settings: list[AttentionSettings]
     layers: list[int]
     meta: dict = field(default_factory=dict)
+    values: list[torch.Tensor] | None = None
+    value_norms: list[torch.Tensor] | None = None
+    output_norms: list[torch.Tensor] | None = None
 
     def __post_init__(self):
         _check_consistent(self)
@@ -181,6 +189,18 @@ class AttentionTrace:
         """
         return attention_probs(**self._operands(layer, heads, queries), key_index=positions(keys, self.n_tokens))
 
+    def value_attention(self, layer: int, heads=None, queries=None, keys=None) -> torch.Tensor:
+        """(heads, queries, keys) float32: attention x ||W_O^h v_key||, the value-aware importance CriticalKV and VATP
+        rank by (each query row's attention weighted by what each key's value contributes through the head's output
+        projection); needs a trace captured with values=True."""
+        if self.value_norms is None:
+            raise ValueError("this trace holds no values: capture(..., values=True) records them")
+        attention = self.attention(layer, heads, queries, keys)
+        norms = self.value_norms[self._entry(layer)]
+        if heads is not None:
+            norms = norms.index_select(0, positions(heads, self.n_heads).to(norms.device))
+        return attention * norms[:, None, positions(keys, self.n_tokens).to(norms.device)].to(attention.device)
+
     def column_sums(self, layer: int, queries=None, heads=None) -> torch.Tensor:
         """(heads, n_tokens): sum over the given query rows of their attention to every key.
 
@@ -198,9 +218,12 @@ class AttentionTrace:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"token_ids": self.token_ids.contiguous().cpu()}
-        for layer, q, k in zip(self.layers, self.queries, self.keys):
+        for i, (layer, q, k) in enumerate(zip(self.layers, self.queries, self.keys, strict=True)):
             tensors[f"layers.{layer}.queries"] = q.contiguous().cpu()
             tensors[f"layers.{layer}.keys"] = k.contiguous().cpu()
+            for kind in VALUE_KINDS:
+                if getattr(self, kind) is not None:
+                    tensors[f"layers.{layer}.{kind}"] = getattr(self, kind)[i].contiguous().cpu()
         header = dict(format=_FORMAT, tokens=self.tokens, prompt_len=self.prompt_len, layers=self.layers,
                       attention_settings=[asdict(a) for a in self.attention_settings], meta=self.meta)
         save_file(tensors, str(path), metadata={"snapkv_lab": json.dumps(header)})
@@ -220,9 +243,11 @@ class AttentionTrace:
         except Exception as err:  # noqa: BLE001 - a corrupt file raises safetensors' own SafetensorError, or bad JSON
             raise ValueError(f"{path} is not a readable snapkv_lab trace: {err}") from err
         if header.get("format") not in _READABLE_FORMATS:
-            raise ValueError(f"{path} is not a snapkv_lab trace (format {header.get('format')!r}, expected {_FORMAT!r})")
+            raise ValueError(f"{path} is not a snapkv_lab trace (format {header.get('format')!r}, "
+                             f"expected {_FORMAT!r})")
         fields = ("tokens", "prompt_len", "layers", "meta")
-        missing = [f for f in fields if f not in header] + [f"layers.{layer}.{kind}" for layer in header.get("layers", [])
+        missing = [f for f in fields if f not in header] + [f"layers.{layer}.{kind}"
+                                                              for layer in header.get("layers", [])
                                                               for kind in ("queries", "keys")
                                                               if f"layers.{layer}.{kind}" not in names]
         missing += [] if "token_ids" in names else ["token_ids"]
@@ -233,25 +258,25 @@ class AttentionTrace:
             attention = [AttentionSettings(**a) for a in header["attention_settings"]]
         else:  # format 1: one scaling, full causal attention
             attention = [AttentionSettings(scaling=header["scaling"]) for _ in layers]
-        names = {kind: [f"layers.{layer}.{kind}" for layer in layers] for kind in ("queries", "keys")}
+        kinds = ["queries", "keys"] + [kind for kind in VALUE_KINDS if f"layers.{layers[0]}.{kind}" in names]
+        names = {kind: [f"layers.{layer}.{kind}" for layer in layers] for kind in kinds}
         if lazy:
             with safe_open(str(path), framework="pt", device=device) as f:
                 token_ids = f.get_tensor("token_ids")
-            queries, keys = (LazyLayers(path, names[kind], device) for kind in ("queries", "keys"))
+            stored = {kind: LazyLayers(path, names[kind], device) for kind in kinds}
         else:
             tensors = load_file(str(path), device=device)
             token_ids = tensors["token_ids"]
-            queries, keys = ([tensors[name] for name in names[kind]] for kind in ("queries", "keys"))
+            stored = {kind: [tensors[name] for name in names[kind]] for kind in kinds}
         try:
             return cls(
                 token_ids=token_ids,
                 tokens=header["tokens"],
                 prompt_len=header["prompt_len"],
-                queries=queries,
-                keys=keys,
                 attention_settings=attention,
                 layers=layers,
                 meta=header["meta"],
+                **stored,
             )
         except ValueError as err:
             raise ValueError(f"{path} is not a consistent snapkv_lab trace: {err}") from err
@@ -268,7 +293,8 @@ def _check_consistent(trace: AttentionTrace) -> None:
     if not 0 < trace.prompt_len <= n:
         problems.append(f"prompt_len {trace.prompt_len} outside 1..{n} (the number of tokens)")
     if not len(trace.layers) == len(trace.queries) == len(trace.keys) == len(trace.attention_settings) > 0:
-        problems.append(f"{len(trace.layers)} layers, {len(trace.queries)} query tensors, {len(trace.keys)} key tensors "
+        problems.append(f"{len(trace.layers)} layers, {len(trace.queries)} query tensors, "
+                        f"{len(trace.keys)} key tensors "
                         f"and {len(trace.attention_settings)} attention settings: they must be equal and non-zero")
     for layer, q, k in zip(trace.layers, _shapes(trace.queries), _shapes(trace.keys)):
         if len(q) != 3 or len(k) != 3 or q[1] != n or k[1] != n or q[-1] != k[-1]:
@@ -276,5 +302,17 @@ def _check_consistent(trace: AttentionTrace) -> None:
                             f"(heads, {n}, head_dim) and (kv_heads, {n}, head_dim)")
         elif q[0] % k[0]:
             problems.append(f"layer {layer}: {q[0]} query heads cannot share {k[0]} KV heads")
+    expected = dict(values=lambda q, k: (k[0], n, None), value_norms=lambda q, k: (q[0], n),
+                    output_norms=lambda q, k: (q[0],))
+    for kind in VALUE_KINDS:
+        stored = getattr(trace, kind)
+        if stored is None:
+            continue
+        if len(_shapes(stored)) != len(trace.layers):
+            problems.append(f"{len(_shapes(stored))} {kind} tensors for {len(trace.layers)} layers")
+        for layer, q, k, shape in zip(trace.layers, _shapes(trace.queries), _shapes(trace.keys), _shapes(stored)):
+            want = expected[kind](q, k)
+            if len(shape) != len(want) or any(w is not None and w != s for w, s in zip(want, shape)):
+                problems.append(f"layer {layer}: {kind} of shape {tuple(shape)}, expected {want} (None: any)")
     if problems:
         raise ValueError("; ".join(problems))

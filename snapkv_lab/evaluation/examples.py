@@ -49,6 +49,16 @@ class Example:
     chat: False where the official scripts send the prompt as raw text even to a chat model (LongBench's few-shot
         and code-completion tasks: trec, triviaqa, samsum, lsht, lcc, repobench-p).
     meta: what a metric or a table needs besides (e.g. LongBench's all_classes, RULER's length and seed).
+    shots: solved examples that the official script frames as turns of their own before the context, each (its
+        text, its answer) (RULER's cwe: each the whole model template, then its answer and a newline;
+        evaluation.prompting frames them). Their text counts in the example's length.
+    truncation: how the official script cuts a prompt longer than the model takes (evaluation.prompting):
+        "context" (the context from its middle, the question kept: kvpress's, and the lab's for sets whose scripts
+        do not cut) or "prompt" (LongBench's pred.py: the whole prompt's first and last halves).
+    frame: the official framing of a chat task: "chat" (the tokenizer's own chat template, as RULER's model
+        templates) or "longbench" (LongBench pred.py's build_chat: its own templates for its models, none for others).
+    stop: texts whose last token also ends the answer once one token is out (LongBench's samsum: "\n").
+    raw_prediction: the official scorer reads the decoded answer as it is (LongBench); else stripped.
     """
 
     dataset: str
@@ -60,6 +70,11 @@ class Example:
     max_new_tokens: int
     chat: bool = True
     meta: dict = field(default_factory=dict)
+    shots: tuple[tuple[str, str], ...] = ()
+    truncation: str = "context"
+    frame: str = "chat"
+    stop: tuple[str, ...] = ()
+    raw_prediction: bool = False
 
 
 class Benchmark(Protocol):

@@ -31,7 +31,7 @@ from ..tasks.corpus import redact_essays
 from ..views.coverage import attention_coverage, coverage_summary
 from .examples import Example
 from .prompting import EncodedExample, encode_example, frame_texts
-from .run import _benchmark, score_answer
+from .run import _benchmark, default_max_context, score_answer, stop_ids
 
 
 @dataclass
@@ -129,8 +129,13 @@ def explain(model, tokenizer, row: pd.Series, *, progress: bool = False) -> Expl
     spec, config = json.loads(row["spec"]), json.loads(row["policy_config"])
     example = _benchmark(spec["dataset"]).example(spec, tokenizer)
     framing = row["framing"]
-    questions = encode_example(tokenizer, example, framing=framing).questions
-    max_context = int(row["context_tokens"]) + max(len(q) for q in questions) if row["truncated_tokens"] else None
+    if not row["truncated_tokens"]:
+        max_context = None
+    elif example.truncation == "prompt":  # cut as LongBench's pred.py cuts, to the run's default max_length
+        max_context = default_max_context(model, example)
+    else:
+        questions = encode_example(tokenizer, example, framing=framing).questions
+        max_context = int(row["context_tokens"]) + max(len(q) for q in questions)
     encoded = encode_example(tokenizer, example, framing=framing, max_context=max_context)
     question = encoded.questions[int(row["question"])]
     prompt_ids = torch.tensor([encoded.context_ids + question])
@@ -139,8 +144,10 @@ def explain(model, tokenizer, row: pd.Series, *, progress: bool = False) -> Expl
     shared = SharedPrefill.run(model, tokenizer, torch.tensor([encoded.context_ids], device=model.device), policies)
     modes = [row["mode"]] if policies else ["query-aware"]
     wanted = "full" if not policies else row["mode"]
+    stops = stop_ids(tokenizer, example)
     run = next(r for r in answer_runs(model, tokenizer, shared, [torch.tensor([question], device=model.device)],
-                                      policies, modes, example.max_new_tokens) if r.mode == wanted)
+                                      policies, modes, example.max_new_tokens, end_ids=stops,
+                                      min_new_tokens=1 if stops else 0) if r.mode == wanted)
     expected = str(row["prediction"])  # the table as evaluate returns it (essays' text taken out), or as read back
     if redact_essays(run.text).strip() != redact_essays(expected).strip():
         raise ValueError(f"the rerun answered {run.text!r} where the table has {expected!r}: another model, framing "

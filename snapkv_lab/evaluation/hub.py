@@ -13,7 +13,7 @@ put in at a depth, kvpress's evaluation/benchmarks/needle_in_haystack/utils.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -48,32 +48,58 @@ class HubSource:
 class HubBenchmark:
     """A benchmark whose examples are the rows of a Hub dataset.
 
-    build(task, row, index): the Example of one row, in the set's exact schema.
+    build(task, row, index, **options): the Example of one row, in the set's exact schema.
     lengths: for sets whose configs are context lengths, the lengths run when the caller names none.
+    options: how the set's official script runs it, where the lab also offers another way: {name: its values, the
+        official first} (LongBench's truncation and predictions); build gets their values.
+    legacy: each option's value before the option existed (the lab's former way). A spec records an option's value
+        where it is not that one; a spec without it (a table written before the option) means that one.
     """
 
     name: str
     tasks: tuple[str, ...]
     default_tasks: tuple[str, ...]
     hub: HubSource
-    build: Callable[[str, dict, int], Example]
+    build: Callable[..., Example]
     lengths: tuple[int, ...] = ()
+    options: dict = field(default_factory=dict)
+    legacy: dict = field(default_factory=dict)
 
     def specs(self, task: str, *, limit: int | None = None, lengths: tuple[int, ...] = (), seed: int = 0,
-              source: str | None = None) -> list[dict]:
-        """One spec per row of `task` (the first `limit`); per length too where configs are lengths."""
+              source: str | None = None, **options) -> list[dict]:
+        """One spec per row of `task` (the first `limit`); per length too where configs are lengths. options: values
+        of self.options (the official ones where not given); another name is refused."""
         check_task(self, task)
+        chosen = check_options(self, options)
         specs = []
         for length in (lengths or self.lengths) if self.lengths else (None,):
             base = dict(dataset=self.name, task=task, source=source) | ({} if length is None else {"length": length})
             rows = load_rows(self, task, source, length)
-            specs += [base | {"index": i} for i in range(len(rows) if limit is None else min(limit, len(rows)))]
+            recorded = {name: value for name, value in chosen.items() if value != self.legacy.get(name)}
+            specs += [base | {"index": i} | recorded
+                      for i in range(len(rows) if limit is None else min(limit, len(rows)))]
         return specs
 
     def example(self, spec: dict, tokenizer=None) -> Example:
         """The Example of the spec's row (sets read from the Hub need no tokenizer)."""
         rows = load_rows(self, spec["task"], spec.get("source"), spec.get("length"))
-        return self.build(spec["task"], rows[spec["index"]], spec["index"])
+        options = check_options(self, {name: spec.get(name, self.legacy.get(name)) for name in self.options})
+        return self.build(spec["task"], rows[spec["index"]], spec["index"], **options)
+
+
+def check_options(benchmark, options: dict) -> dict:
+    """{name: value} for every option of the benchmark (`options` given, the official value otherwise), each checked."""
+    declared = getattr(benchmark, "options", {})
+    unknown = set(options) - set(declared)
+    if unknown:
+        raise ValueError(f"{benchmark.name} has no option {', '.join(sorted(unknown))}; its options: "
+                         f"{', '.join(declared) or 'none'}")
+    chosen = {name: options.get(name, values[0]) for name, values in declared.items()}
+    for name, value in chosen.items():
+        if value not in declared[name]:
+            raise ValueError(f"{benchmark.name}: {name} must be one of {declared[name]} (the first is the official "
+                             f"script's), got {value!r}")
+    return chosen
 
 
 def check_task(benchmark, task: str) -> None:

@@ -94,6 +94,7 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     title = _title(table, "Score vs compression") + "; 95% bootstrap intervals over examples"
     fig = Figure(figsize=(5.2 * len(modes) + 0.6, 4.4), layout="constrained")
     axes = fig.subplots(1, len(modes), squeeze=False, sharey=True)[0]
+    flagged = False
     for ax, mode in zip(axes, modes, strict=True):
         reference = full.loc[mode]
         ax.axhspan(reference.low, reference.high, color="0.88", lw=0)
@@ -103,6 +104,11 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
             offset = (i - (len(policies) - 1) / 2) * (0.004 if budget == "ratio" else 0)
             ax.errorbar(line[budget] + offset, line.score, yerr=[line.score - line.low, line.high - line.score],
                         ms=4, lw=1.2, capsize=2, label=policy, **line_style(i))
+            over = line[line.over_budget.astype(bool)] if "over_budget" in line else line.iloc[:0]
+            if not over.empty:
+                ax.scatter(over[budget] + offset, over.score, s=70, facecolors="none", edgecolors="red", lw=1.2,
+                           zorder=4, label=None if flagged else OVER_BUDGET)
+                flagged = True
         ax.set_title(f"{mode} (full cache {reference.score:.1f})", fontsize=9)
         ax.set_xlabel(axis, fontsize=9)
         ax.grid(alpha=0.3)
@@ -119,6 +125,9 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     interactive.update_layout(height=480, width=520 * len(modes) + 250)
     return [png, write_html(interactive, stem.with_suffix(".html"))]
 
+
+# A point whose cache held more KV entries than its budget (compression.entries): not a matched-totals comparison.
+OVER_BUDGET = "held more KV entries than its budget (red ring)"
 
 # Gaps are signed: a diverging map that reads without red-green vision, white at no change.
 GAP_COLOURS = "PuOr"

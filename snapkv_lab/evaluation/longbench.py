@@ -7,6 +7,17 @@ dataset2maxlen.json, the metric eval.py's dataset2metric; trec, triviaqa, samsum
 sent as raw text, without the chat template. Every template has {context} before {input}, so the context is the
 template up to the end of {context} and the question the rest: context + question is the official prompt.
 
+As pred.py runs them (the defaults; each former behaviour of the lab is an option that a spec records):
+- truncation="official": the whole prompt, longer than max_length, keeps its first and last max_length / 2 tokens
+  (lines 57-62; evaluation.prompting), max_length being model2maxlen.json's (`max_length`: the window less about
+  500); "context": the lab's before 2026-11-29, the context alone cut to the window less the answer's tokens.
+- framing: pred.py's build_chat (lines 21-42, 63-64): LongBench's own template for the models it names
+  (CHAT_TEMPLATES), the prompt as it is for any other (so no chat template for SmolLM2 or Gemma); `framing="chat"`
+  at run time gives the tokenizer's template instead (the lab's before 2026-11-29).
+- predictions="official": the answer as pred.py decodes it (line 91, no strip: eval.py only lstrip('\n')s the
+  four few-shot tasks, whose first line it scores), and samsum's answer ends at its first newline token once one
+  token is out (lines 73-82); "strip": the lab's before 2026-11-29, the answer stripped and samsum not stopped.
+
 LongBench v2 (pred.py and prompts/0shot.txt at the repository root): rows of `THUDM/LongBench-v2`, split "train",
 fields _id, domain, sub_domain, difficulty, length, question, choice_A..D, answer, context; 0-shot, 128 new tokens;
 $DOC$ comes before $Q$, so the split is the same.
@@ -71,25 +82,77 @@ E_TASKS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "m
            "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")  # pred.py --e
 
 
+# pred.py lines 73-82: samsum's answer also ends at a newline token, and not before one token is out
+STOP = {"samsum": ("\n",)}
+
+# pred.py build_chat (lines 21-42) for the models of config/model2path.json, by Hub id: (name, before, after) the
+# prompt. longchat and vicuna: FastChat's get_conversation_template("vicuna") ("vicuna_v1.1": the system message, " USER: ",
+# the prompt, " ASSISTANT:"). The chatglm models are framed by their tokenizers' own remote code (build_prompt,
+# build_chat_input): not reproduced here.
+_VICUNA = ("vicuna", "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+           "helpful, detailed, and polite answers to the user's questions. USER: ", " ASSISTANT:")
+CHAT_TEMPLATES = {
+    "meta-llama/Llama-2-7b-chat-hf": ("llama2", "[INST]", "[/INST]"),
+    "lmsys/longchat-7b-v1.5-32k": _VICUNA,
+    "lmsys/vicuna-7b-v1.5-16k": _VICUNA,
+    "Salesforce/xgen-7b-8k-inst": ("xgen", "A chat between a curious human and an artificial intelligence assistant. "
+                                   "The assistant gives helpful, detailed, and polite answers to the human's "
+                                   "questions.\n\n ### Human: ", "\n###"),
+    "internlm/internlm-chat-7b-8k": ("internlm", "<|User|>:", "<eoh>\n<|Bot|>:"),
+}
+NOT_REPRODUCED_CHAT = ("THUDM/chatglm2-6b", "THUDM/chatglm2-6b-32k", "THUDM/chatglm3-6b-32k")
+
+
+def longbench_frame(tokenizer) -> tuple[str, str, str]:
+    """(framing name, text before the prompt, text after it) of pred.py's build_chat for this tokenizer's model
+    (its name_or_path, a Hub id of config/model2path.json): LongBench's template, or ("plain", "", "") for a model
+    LongBench does not name (build_chat returns the prompt as it is)."""
+    model = getattr(tokenizer, "name_or_path", "")
+    if model in NOT_REPRODUCED_CHAT:
+        raise ValueError(f"LongBench frames {model} with its tokenizer's own build_prompt (remote code), which is not "
+                         "reproduced here: run it with framing='chat' or 'plain'")
+    if model not in CHAT_TEMPLATES:
+        return "plain", "", ""
+    name, head, tail = CHAT_TEMPLATES[model]
+    return f"longbench-{name}", head, tail
+
+
+def max_length(window: int) -> int:
+    """LongBench's max_length for a model of `window` positions: config/model2maxlen.json gives each of its models
+    its window in thousands of tokens (4k, 8k, 16k, 32k: 4096 ... 32768 positions) x 1000, less 500 (3500, 7500,
+    15500, 31500); the same rule for any other model."""
+    return window // 1024 * 1000 - 500
+
+
+TRUNCATIONS = ("official", "context")
+PREDICTIONS = ("official", "strip")
+OPTIONS = {"truncation": TRUNCATIONS, "predictions": PREDICTIONS}  # the official value first
+LEGACY = {"truncation": "context", "predictions": "strip"}  # what a spec written before these options meant
+
+
 def _longbench_example(dataset: str):
-    def build(task: str, row: dict, index: int) -> Example:
+    def build(task: str, row: dict, index: int, truncation: str = "official", predictions: str = "official") -> Example:
+        official = predictions == "official"
         context, question = split_template(PROMPTS[task], row)
         meta = {key: row[key] for key in ("all_classes", "length", "language", "_id")}
         return Example(dataset=dataset, task=task, id=row["_id"], context=context,
                        questions=(Question(question, tuple(row["answers"])),), metric=METRICS[task],
                        max_new_tokens=MAX_NEW_TOKENS[task], chat=task not in RAW_TEXT,
-                       meta=meta | ({"first_line": True} if task in FIRST_LINE else {}))
+                       meta=meta | ({"first_line": True} if task in FIRST_LINE else {}),
+                       truncation="prompt" if truncation == "official" else "context",
+                       frame="longbench",
+                       stop=STOP.get(task, ()) if official else (), raw_prediction=official)
     return build
 
 
 # THUDM/LongBench is loaded by its LongBench.py script: datasets >= 2.16 and < 4 with trust_remote_code
 LONGBENCH = HubBenchmark(name="longbench", tasks=TASKS, default_tasks=TASKS,
                          hub=HubSource("THUDM/LongBench", load_kwargs={"trust_remote_code": True}),
-                         build=_longbench_example("longbench"))
+                         build=_longbench_example("longbench"), options=OPTIONS, legacy=LEGACY)
 LONGBENCH_E = HubBenchmark(name="longbench-e", tasks=E_TASKS, default_tasks=E_TASKS,
                            hub=HubSource("THUDM/LongBench", config="{task}_e",
                                          load_kwargs={"trust_remote_code": True}),
-                           build=_longbench_example("longbench-e"))
+                           build=_longbench_example("longbench-e"), options=OPTIONS, legacy=LEGACY)
 
 # prompts/0shot.txt, verbatim (no newline at its end)
 V2_PROMPT = ("Please read the following text and answer the question below.\n\n<text>\n$DOC$\n</text>\n\n"

@@ -7,6 +7,11 @@ Each example is a cell of snapkv_lab.sweep: its context is prefilled once with t
 records its scores, then the full cache and every policy x budget x mode answer each of its questions
 (compression.generation.answer_runs). A rerun skips the stored cells; `executor="ray"` spreads them over a cluster.
 
+Each benchmark runs as its official script runs it (evaluation.examples; docs/benchmarks.md, "As the official
+scripts"); where the lab also offers its former way, a protocol option names it (PROTOCOL: RULER's sizing and
+cwe_shots, LongBench's truncation and predictions; `framing="chat"` for LongBench's former chat template), and each
+example's spec records the values of the options its benchmark has.
+
 Budgets are kvpress's compression ratios (the fraction of the compressed prompt's KV pairs removed: 0.25 keeps
 75%), or capacities in tokens per KV head. A ratio r runs a policy at capacity 1 - r (Policy.capacity as a share).
 """
@@ -26,16 +31,22 @@ import torch
 from ..compression import SharedPrefill
 from ..compression.generation import MODES, answer_runs
 from ..core.checks import check_datasets_and_tasks
-from ..core.inputs import check_context_length
+from ..core.inputs import check_context_length, eos_ids
 from ..core.progress import progress_bar
 from ..core.timing import ms_per_token
+from ..core.tokens import encode
 from ..policies import expand_policies, parse_policy, policy_config, policy_from_config, upgrade_config
 from ..tasks.corpus import redact_essays
 from .examples import Example, Question
+from .longbench import max_length
 from .prompting import encode_example
 
 RATIOS = (0.25, 0.5, 0.75)
 CELL_KIND = "eval"
+# The protocol options, each with its values, the official script's first (the default); a benchmark takes those in
+# its `options`, and its specs record them.
+PROTOCOL = {"sizing": ("official", "fill"), "cwe_shots": ("turn", "inline"), "truncation": ("official", "context"),
+            "predictions": ("official", "strip")}
 
 
 def _registry() -> dict:
@@ -78,8 +89,12 @@ def _capacity(budget: dict) -> int | float:
 
 def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("SnapKV",), ratios=None,
                capacities=None, modes=MODES, limit: int | None = None, max_context: int | None = None,
-               lengths=(), seed: int = 0, source: str | None = None, framing: str | None = None) -> list:
+               lengths=(), seed: int = 0, source: str | None = None, framing: str | None = None,
+               protocol: dict | None = None) -> list:
     """The cells of a run, one per example, in order (dataset, task, example). Bad options fail here, before any run.
+
+    protocol: {option: value} of PROTOCOL (the official value where not given); each benchmark's specs take the
+    options it has.
 
     tasks: the benchmarks' own task names (None: each dataset's default tasks; a name no dataset has is refused).
     policies: Policy objects or their written form ("SnapKV", "AdaKV(ExpectedAttention)", see policies.parse_policy);
@@ -102,6 +117,7 @@ def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("Sn
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of examples per task, got {limit}")
     _check_names(datasets, tasks)
+    protocol = check_protocol(protocol)
     benchmarks = [_registry()[name] for name in datasets]
     config = dict(model=model, policies=[policy_config(p) for p in named], budgets=steps, modes=list(modes),
                   max_context=max_context, framing=framing)
@@ -109,17 +125,39 @@ def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("Sn
     for benchmark in benchmarks:
         chosen = [t for t in benchmark.tasks if t in tasks] if tasks else list(benchmark.default_tasks)
         for task in chosen:
-            for spec in benchmark.specs(task, limit=limit, lengths=tuple(lengths), seed=seed, source=source):
+            options = {name: value for name, value in protocol.items() if name in getattr(benchmark, "options", {})}
+            for spec in benchmark.specs(task, limit=limit, lengths=tuple(lengths), seed=seed, source=source,
+                                        **options):
                 cells.append(Cell(CELL_KIND, dict(config, example=spec)))
     return cells
 
 
-def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
-    """One cell: build the example, prefill its context once, answer every question with the full cache and every
-    policy x budget x mode, and score each answer with the task's metric. One row per answer (module doc)."""
-    example = _benchmark(config["example"]["dataset"]).example(config["example"], tokenizer)
+def check_protocol(protocol: dict | None) -> dict:
+    """Every PROTOCOL option's value: the given one (checked), else the official one."""
+    protocol = dict(protocol or {})
+    unknown = set(protocol) - set(PROTOCOL)
+    if unknown:
+        raise ValueError(f"unknown protocol option {', '.join(sorted(unknown))}: the options are {', '.join(PROTOCOL)}")
+    for name, value in protocol.items():
+        if value not in PROTOCOL[name]:
+            raise ValueError(f"{name} must be one of {PROTOCOL[name]} (the first is the official script's), got {value!r}")
+    return {name: protocol.get(name, values[0]) for name, values in PROTOCOL.items()}
+
+
+def default_max_context(model, example: Example) -> int | None:
+    """The cut an example gets when the run names none: LongBench's max_length (the window less about 500) for a
+    prompt cut as pred.py cuts it, else the model's window less the answer's tokens (None: a model without a limit)."""
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    max_context = config["max_context"] or (None if limit is None else limit - example.max_new_tokens)
+    if limit is None:
+        return None
+    return max_length(limit) if example.truncation == "prompt" else limit - example.max_new_tokens
+
+
+def prepared_example(model, tokenizer, config: dict):
+    """(example, its encoded ids, {policy label: budget}, the policies at every budget) of a cell's config, the
+    context checked to fit the model with the longest question and the answer's tokens."""
+    example = _benchmark(config["example"]["dataset"]).example(config["example"], tokenizer)
+    max_context = config["max_context"] or default_max_context(model, example)
     encoded = encode_example(tokenizer, example, framing=config["framing"], max_context=max_context)
     longest = max(len(q) for q in encoded.questions)
     check_context_length(model, len(encoded.context_ids) + longest + example.max_new_tokens,
@@ -130,32 +168,59 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
             policy = dataclasses.replace(policy_from_config(entry), capacity=_capacity(budget))
             budget_of[policy.label] = budget
             policies.append(policy)
+    return example, encoded, budget_of, policies
+
+
+def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
+    """One cell: build the example, prefill its context once, answer every question with the full cache and every
+    policy x budget x mode, and score each answer with the task's metric. One row per answer (module doc)."""
+    example, encoded, budget_of, policies = prepared_example(model, tokenizer, config)
     as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
     shared = SharedPrefill.run(model, tokenizer, as_ids(encoded.context_ids), policies)
     rows = []
+    stops = stop_ids(tokenizer, example)
     runs = answer_runs(model, tokenizer, shared, [as_ids(q) for q in encoded.questions], policies, config["modes"],
-                       example.max_new_tokens)
+                       example.max_new_tokens, end_ids=stops, min_new_tokens=1 if stops else 0)
+    ends = (*eos_ids(model, tokenizer), *stops)
     answers = len(encoded.questions) * (1 + len(policies) * len(config["modes"]))
     # A cell is stored whole, and one at 8k takes most of an hour here: its answers get a bar of their own (transient,
     # quiet in log files).
     for run in progress_bar(runs, desc=f"{example.task} #{example.id} answers", total=answers, leave=False):
         question = example.questions[run.question_index]
         budget = {"ratio": 0.0} if run.mode == "full" else budget_of[run.policy.label]
+        text = prediction(tokenizer, example, run, ends)
         rows.append(dict(
             model=model.config.name_or_path, dataset=example.dataset, task=example.task, example=example.id,
             spec=json.dumps(config["example"], sort_keys=True), policy_config=json.dumps(policy_config(run.policy)),
             question=run.question_index, metric=question.metric or example.metric, policy=run.policy.scorer_label,
             ratio=budget.get("ratio"), capacity=budget.get("capacity"), mode=run.mode,
-            score=score_answer(example, question, run.text), prediction=redact_essays(run.text),
+            score=score_answer(example, question, text), prediction=redact_essays(text),
             references=json.dumps(list(question.answers), ensure_ascii=False),
             context_tokens=len(encoded.context_ids), prompt_tokens=run.prompt_tokens,
-            kept_tokens=max(run.cache_lengths),
+            kept_tokens=max(run.cache_lengths), **run.entries.columns(),
+            layer_kv_share=json.dumps([round(share, 5) for share in run.entries.layer_shares()[0]]),
             truncated_tokens=encoded.truncated, framing=encoded.framing, length=example.meta.get("length"),
             prefill_s=shared.seconds, selection_s=run.selection_seconds,
             decode_ms_per_token=ms_per_token(run.step_seconds), new_tokens=run.token_ids.shape[1]))
     table = pd.DataFrame(rows)
     # One type per column, so that the table reads back from the store as written.
     return table.astype({"ratio": "Float64", "capacity": "Int64", "length": "Int64"})
+
+
+def stop_ids(tokenizer, example: Example) -> list[int]:
+    """The tokens that also end the example's answers, after at least one (min_new_tokens=1): pred.py's samsum call,
+    eos_token_id=[eos, the last token of "\\n"] with min_length one past the prompt."""
+    return [encode(tokenizer, text)[-1] for text in example.stop]
+
+
+def prediction(tokenizer, example: Example, run, ends) -> str:
+    """The answer as the official scorer reads it: as LongBench's pred.py decodes it (line 91: every new token, special
+    ones skipped, not stripped) where Example.raw_prediction, else stripped (the engine's run.text)."""
+    if not example.raw_prediction:
+        return run.text
+    tokens = run.token_ids[0].tolist()
+    cut = next((i + 1 for i, token in enumerate(tokens) if token in ends), len(tokens))  # the ending token kept
+    return tokenizer.decode(tokens[:cut], skip_special_tokens=True)
 
 
 def score_answer(example: Example, question: Question, prediction: str) -> float:
@@ -171,7 +236,8 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
              capacities=None, modes=MODES, limit: int | None = None, max_context: int | None = None, lengths=(),
              seed: int = 0, source: str | None = None, framing: str | None = None, data_dir="data",
              name: str | None = None, executor: str = "local", ray_address: str | None = None,
-             cpus_per_worker: int | None = None, write: bool = True, reuse=None) -> pd.DataFrame:
+             cpus_per_worker: int | None = None, write: bool = True, reuse=None, sizing: str = "official",
+             cwe_shots: str = "turn", truncation: str = "official", predictions: str = "official") -> pd.DataFrame:
     """Run benchmarks through policies; returns the tidy table, also written to <data_dir>/eval_<name>.csv unless
     write=False.
 
@@ -179,7 +245,10 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     (evaluation.DATASETS); ratios (default 0.25 0.5 0.75 unless capacities are given) or capacities; modes; limit:
     the first N examples per task (and length); max_context: tokens of context + question, the context cut from
     its middle (None: the model's own limit less the answer's tokens); lengths and seed: of generated sets (RULER);
-    source: a local folder of a Hub set's rows (JSONL per task) instead of the Hub; name: the table's name
+    source: a local folder of a Hub set's rows (JSONL per task) instead of the Hub; framing: None (each benchmark's
+    own: evaluation.prompting), "chat" or "plain"; sizing, cwe_shots (RULER), truncation, predictions (LongBench):
+    the protocol options (PROTOCOL; the official script's way by default, the lab's former way by name); name: the
+    table's name
     (default the datasets joined by "+"). Cells are stored in <data_dir>/cells/eval/. reuse: an earlier table
     of this run's kind (a path or a DataFrame, e.g. a committed eval_ruler.csv), or a list of them: the cells they
     answer whole together are stored from their rows instead of being run (reuse_rows), so a fresh clone grows a
@@ -191,20 +260,27 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     mode ("full", "query-aware", "query-agnostic"), score (in [0, 1]), prediction, references (JSON),
     context_tokens, prompt_tokens, kept_tokens (the longest layer's positions per head before decoding: the budget
     where every layer and head keeps as many, more where they differ: PyramidKV, CAKE, AdaKV, HeadKV, DuoAttention),
-    truncated_tokens, framing, length, prefill_s, selection_s, decode_ms_per_token, new_tokens.
+    kv_entries (the KV entries held after the prompt's compression, summed over layers and KV heads: what two policies
+    at one ratio must match), kv_share (of the uncompressed cache's entries on the same prompt), budget_share (the
+    nominal budget's share), over_budget (more entries held than the budget allows beyond one per compressed head:
+    compression.entries), truncated_tokens, framing, length, prefill_s, selection_s, decode_ms_per_token, new_tokens;
+    and in the cell store alone, layer_kv_share (JSON: each layer's share).
     """
     if ratios is None and capacities is None:
         ratios = RATIOS
     datasets = [datasets] if isinstance(datasets, str) else list(datasets)
     policies = expand_policies(policies)
+    protocol = dict(sizing=sizing, cwe_shots=cwe_shots, truncation=truncation, predictions=predictions)
     cells = eval_cells(model, datasets, tasks, policies, ratios, capacities, modes, limit, max_context, lengths, seed,
-                       source, framing)
+                       source, framing, protocol)
     _check_lengths(model, lengths)
     options = dict(model=model, datasets=datasets, tasks=tasks, policies=[p if isinstance(p, str) else p.label for p in policies],
                    ratios=ratios, capacities=capacities, modes=list(modes), limit=limit, max_context=max_context,
-                   lengths=list(lengths), seed=seed, source=source, framing=framing)
+                   lengths=list(lengths), seed=seed, source=source, framing=framing, **protocol)
     table = run_eval_cells(cells, model=model, options=options, data_dir=data_dir, executor=executor,
                            ray_address=ray_address, cpus_per_worker=cpus_per_worker, reuse=reuse)
+    # The per-layer shares stay in the cell store: 30 numbers a row would swamp the table.
+    table = table.drop(columns="layer_kv_share", errors="ignore")
     if write:
         table.to_csv(Path(data_dir) / f"eval_{name or '+'.join(datasets)}.csv", index=False)
     return table

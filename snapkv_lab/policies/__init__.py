@@ -75,11 +75,14 @@ def policy_from_config(config: dict):
 
 
 def upgrade_config(config: dict) -> dict:
-    """A config stored before the kept tail had its own name (2026-11-26), as it reads today. Then `window_size` named
-    both SnapKV's voters and the last tokens every policy keeps by right: it stays `window_size` on SnapKV's family
-    (whose tail is that window) and becomes `kept_tail` elsewhere; a wrapper's copy of its inner policy's window is
-    dropped (a wrapper now leaves the inner policy's tail alone unless told). Today's configs come back unchanged."""
+    """A config stored before a change of meaning, as it reads today. A DuoAttention config without `rolling` is the
+    frozen one it ran (rolling=False). Before the kept tail had its own name (2026-11-26), `window_size` named both
+    SnapKV's voters and the last tokens every policy keeps by right: it stays `window_size` on SnapKV's family (whose
+    tail is that window) and becomes `kept_tail` elsewhere; a wrapper's copy of its inner policy's window is dropped
+    (a wrapper now leaves the inner policy's tail alone unless told). Today's configs come back unchanged."""
     config = {k: upgrade_config(v) if isinstance(v, dict) else v for k, v in config.items()}
+    if config.get("name") == "DuoAttention" and "rolling" not in config:  # stored before its streaming heads rolled
+        config["rolling"] = False  # (2026-11-29): what the prefill kept stayed, every generated token with it
     if "window_size" not in config:
         return config
     fields = {f.name for f in dataclasses.fields(__getattr__(config["name"]))}
@@ -100,9 +103,10 @@ def _check_name(name) -> None:
 def policy_spec(text: str) -> dict:
     """The config (as `policy_from_config` takes it) of a policy written as a call: a registered name, with keyword
     settings of literal values and at most one positional argument, the wrapped policy (itself written the same
-    way): "SnapKV", "SnapKV(window_size=64, kernel_size=7)", "AdaKV(ExpectedAttention)",
-    "ChunkKV(AdaKV(SnapKV(window_size=16)))". Nothing is evaluated and no policy is built (torch is not imported):
-    a syntax or a name outside the registry is refused; the settings' values are checked by `parse_policy`."""
+    way, or as a label writes it, `policy=...`): "SnapKV", "SnapKV(window_size=64, kernel_size=7)",
+    "AdaKV(ExpectedAttention)", "ChunkKV(AdaKV(SnapKV(window_size=16)))", "HeadKV(policy=SnapKV(window_size=32))".
+    Nothing is evaluated and no policy is built (torch is not imported): a syntax or a name outside the registry is
+    refused; the settings' values are checked by `parse_policy`."""
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as error:
@@ -123,6 +127,11 @@ def _spec_from_node(node, text: str) -> dict:
     if node.args:
         config["policy"] = _spec_from_node(node.args[0], text)
     for keyword in node.keywords:
+        if keyword.arg == "policy" and isinstance(keyword.value, (ast.Name, ast.Call)):  # as labels write it
+            if node.args:
+                raise ValueError(f"cannot read the policy {text!r}: the inner policy is given twice")
+            config["policy"] = _spec_from_node(keyword.value, text)
+            continue
         try:
             config[keyword.arg] = ast.literal_eval(keyword.value)
         except ValueError as error:

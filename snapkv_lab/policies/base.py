@@ -294,6 +294,13 @@ class Policy:
         """Positions kept per head in `budget.layer` (the same in every layer unless a policy says otherwise)."""
         return budget.capacity
 
+    def decode_window(self, n_tokens: int) -> tuple[int, int] | None:
+        """(sinks, recent) for a policy whose heads that kept less than their whole n-token prompt go on as a rolling
+        window after the prefill (DuoAttention's streaming heads): at every later call such a head sees its first
+        `sinks` positions, the `recent` positions before the call's first token, and the call's own tokens; None (the
+        default) when what the prefill kept stays (the engine: compression.layers.RollingWindow)."""
+        return None
+
     def score(self, call: AttentionCall) -> torch.Tensor | None:
         """(heads or kv_heads, n_keys) float32 scores of the key positions, higher kept first; +inf: always kept."""
         raise NotImplementedError

@@ -18,6 +18,15 @@ most L K B positions; ties between equal scores go to the earlier (layer, head).
 middle (the cache is stored ragged), instead of masking it. A budget below sink_size + recent_size positions (the
 official never meets one: it sets no budget) makes every head stream, with sinks and recent tokens in the
 proportion sink_size : recent_size.
+
+While decoding, the official streaming heads roll: each step's token is appended and the cache cut back to the sinks
+and the last recent_size tokens (duo_attn/patch/llama.py:273-290; static_kv_cache.py:127-160 for its static cache).
+So do ours by default (`decode_window`; the engine's compression.layers.RollingWindow): at every call after the
+prefill a streaming head sees its sinks, the recent positions before the call's first token and the call's own
+tokens. What slides out is hidden, not freed: a streaming head's generated tokens stay stored (a ragged cache cannot
+drop one slot per head and step without copying the layer), so the bytes match the official's after the prefill and
+grow by one token per head and step while decoding, where the official's stay fixed. rolling=False, our former
+default, freezes the prefill's set and lets every generated token stay visible.
 """
 
 from __future__ import annotations
@@ -44,12 +53,17 @@ def full_heads(scores: torch.Tensor, count: int) -> torch.Tensor:
 @dataclass
 class DuoAttention(Policy):
     """Full cache for the best-scoring KV heads, sinks + recent tokens for the others, as many full heads as the
-    budget pays for (module docstring). score: the first `sink_size` positions first (in order), then recency.
+    budget pays for, the streaming heads' window rolling while decoding (rolling=False: frozen after the prefill; see
+    the module docstring). score: the first `sink_size` positions first (in order), then recency.
     kept_tail=w (default 0) only names the last w tokens as the always-kept tail: they are the most recent anyway."""
 
     kept_tail: int = 0
     sink_size: int = 128
     recent_size: int = 256
+    # The official streaming heads roll: every decode step appends its token and cuts back to the sinks and the last
+    # recent_size (duo_attn/patch/llama.py:273-290, static_kv_cache.py:127-160). rolling=False, our former default,
+    # freezes what the prefill kept and lets every generated token stay.
+    rolling: bool = True
 
     scores_query_heads: ClassVar[bool] = False
 
@@ -76,6 +90,14 @@ class DuoAttention(Policy):
         order[:sinks] = call.n_keys + sinks - order[:sinks]  # above every recency, the first sink highest
         return order.expand(call.key.shape[0], -1)
 
+    def decode_window(self, n_tokens: int) -> tuple[int, int] | None:
+        """(sinks, recent) of the streaming heads as decoding goes: what they kept of an n-token prompt, rolling
+        (None under rolling=False, or when the prompt fits the budget and no head streams)."""
+        if not self.rolling or self.budget(n_tokens) is None:
+            return None
+        sinks = self.sinks_kept(n_tokens)
+        return sinks, self.streaming_budget(n_tokens) - sinks
+
     def streaming_budget(self, n_tokens: int) -> int:
         """Positions a streaming head keeps: sink_size + recent_size, or the whole budget if smaller."""
         return min(self.sink_size + self.recent_size, self.budget(n_tokens))
@@ -94,13 +116,18 @@ class DuoAttention(Policy):
         budget, streaming = self.budget(n_tokens), self.streaming_budget(n_tokens)
         return (n_heads * (budget - streaming)) // (n_tokens - streaming)
 
-    def full_head_mask(self, n_tokens: int) -> torch.Tensor:
-        """(layers, KV heads) bool: the heads that keep all of an n-token prompt (after `prepare`)."""
+    @property
+    def gates(self) -> torch.Tensor:
+        """(layers, KV heads) the scores the heads are ranked by (after `prepare`), NaN on sliding-window layers."""
         kv_scores = getattr(self, "_kv_scores", None)
         if kv_scores is None:
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
                                "heads' retrieval scores are unknown")
-        return full_heads(kv_scores, self.full_count(n_tokens, self._compressed_heads))
+        return kv_scores
+
+    def full_head_mask(self, n_tokens: int) -> torch.Tensor:
+        """(layers, KV heads) bool: the heads that keep all of an n-token prompt (after `prepare`)."""
+        return full_heads(self.gates, self.full_count(n_tokens, self._compressed_heads))
 
     def head_budgets(self, scores, budget: LayerBudget) -> list[int]:
         full = self.full_head_mask(budget.tokens)[budget.layer]

@@ -11,7 +11,10 @@ ReasonSnapKVCluster.__init__) with b = base_capacity - window, the per-head pref
 
 and head h of layer l keeps its top capacity[l, h] positions (a head whose capacity passes its prefix keeps the whole
 prefix: the rest of its share is unused, as in the official slicing). Its scripts run beta = 1.005 and temp = 1
-(head_start_llama3.sh), which hands almost the whole budget to the scores.
+(head_start_llama3.sh), which hands almost the whole budget to the scores, and its LongBench run sets SnapKV's window
+to 8, kernel 7, max pooling (run_longbench.py:217-226 at 0862a09, over ReasonSnapKVCluster's own default window of 32):
+the default inner policy here, SnapKV(window_size=8). With the former default window of 32 the label reads
+HeadKV(policy=SnapKV(window_size=32)).
 
 The scores here are Wu et al.'s retrieval scores measured on the model itself (`snapkv_lab.retrieval_heads`, cached
 per model): the paper's HeadKV-R. Its HeadKV-R2 adds reasoning needles to the detection (retrieval_head_detection_r2.py),
@@ -30,6 +33,7 @@ from ..core.hooks import attention_modules
 from ..core.models import sliding_layers
 from . import retrieval_heads
 from .base import ADDED_LATER, LayerBudget, Policy
+from .snapkv import SnapKV
 from .wrapper import Wrapper
 
 
@@ -94,12 +98,15 @@ def redistributed(capacities: torch.Tensor, shares: torch.Tensor, room: int, sha
 
 @dataclass
 class HeadKV(Wrapper):
-    """Per-head prefix budgets from retrieval scores, shared across all layers, over `policy`'s ranking (SnapKV by
-    default). beta: how much of each head's budget is pooled (b // beta of it; the official 1.005 pools almost all);
+    """Per-head prefix budgets from retrieval scores, shared across all layers, over `policy`'s ranking (by default
+    SnapKV with the official run's 8-token window). beta: how much of each head's budget is pooled (b // beta of it; the official 1.005 pools almost all);
     temperature: the exponent on the normalised scores (1: proportional). redistribute: our variant (see the field).
     The scores are measured on the model at the first prefill (`retrieval_heads`: needle prompts, so the first use of
     a model costs about ten captures)."""
 
+    # The official LongBench run's SnapKV (FYYFU/HeadKV at 0862a09, run_longbench.py:217-226): window 8, kernel 7,
+    # max pooling; ReasonSnapKVCluster's own default window (32) is overridden there.
+    policy: Policy = field(default_factory=lambda: SnapKV(window_size=8))
     beta: float = 1.005
     temperature: float = 1.0
     # Our variant: what a head cannot use (its share beyond its prefix) goes to the heads with room, so the cache

@@ -14,8 +14,10 @@ kept. As the official code runs it, noforit/Lookahead_Q-Cache @74612bd (cited as
 - Votes (pyramidkv_utils.py:598-656, update_kv_LAQ): the prompt's last `window_size` queries and the lookahead queries
   (post-RoPE, llama_model.py:3036-3049) attend to the full prompt's keys alone (the drafted tokens' keys are not among
   them), summed over the voters, max-pooled (kernel 7); the top budget - window_size positions before the window are
-  kept, then the window. window_size 0 is LAQ, the paper's method; 8 is LAQ++ (run_LAQ.sh, stage2_window_size: "8 for
-  LAQ++, 0 for LAQ"), `LookaheadQCache(window_size=8)`.
+  kept, then the window. window_size 0 is LAQ, the paper's method; 8 is LAQ++, `LookaheadQCache(window_size=8)`.
+  run_LAQ.sh:42 reads `stage2_window_size=8 # This window_size is used in the decoding stage, and it is set to 0 for
+  LAQ, 8 for LAQ.` (sic: both named LAQ), and 8 is also run_longbench_LAQ.py's default (:420): the official script
+  runs the 8-token window.
 
 Differences, named:
 - GQA: the official repeats the KV heads, so each query head keeps its own selection (`per_query_head=True`, for the

@@ -78,18 +78,21 @@ class Wrapper(Policy):
     def head_budgets(self, scores, budget: LayerBudget):
         return self.policy.head_budgets(scores, budget)
 
-    def _inner_settings(self) -> str:
-        """The inner policy as written: its name and the settings the wrapper does not set for it, e.g.
-        `SnapKV(kernel_size=5)` or `AdaKV(policy=KNorm)`."""
+    def _inner_settings(self, like: Policy | None = None) -> str:
+        """The inner policy as written: its name and its settings that differ from `like`'s (the default wrapper's
+        inner policy where it is of the same class, else that class's defaults), the settings the wrapper sets for it
+        left out: e.g. `SnapKV(kernel_size=5)`, `AdaKV(policy=KNorm)`, or HeadKV's `SnapKV(window_size=32)` (its
+        default inner policy has the official window of 8)."""
         inner, shared = self.policy, self.shared()
-        defaults = type(inner)(**{**shared, "capacity": None})  # skipped below; None fits any default window
+        like = like if type(like) is type(inner) else type(inner)()
+        defaults = dataclasses.replace(like, **{**shared, "capacity": None})  # skipped below; None fits any window
         settings = inner._settings_against(defaults) if isinstance(inner, Wrapper) else \
             ", ".join(inner._differences(defaults, tuple(shared)))
         return f"{inner.name}({settings})" if settings else inner.name
 
     def _settings_against(self, default: Wrapper) -> str:
-        parts = [f"policy={self._inner_settings()}"] if type(self.policy) is not type(default.policy) or \
-            self._inner_settings() != default._inner_settings() else []
+        inner = self._inner_settings(default.policy)
+        parts = [f"policy={inner}"] if inner != default._inner_settings(default.policy) else []
         parts += self._differences(default, skip=("capacity", "policy"))
         return ", ".join(parts)
 

@@ -78,7 +78,8 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
                              exact=found_exactly(query.answer, run.text),
                              fact_kept=kept_fraction(run, query.span) if run.compressed else 1.0,
                              value_kept=kept_fraction(run, query.value_span) if run.compressed else 1.0,
-                             cache_length=max(run.cache_lengths), prompt_tokens=run.prompt_tokens, prefill_s=shared.seconds,
+                             cache_length=max(run.cache_lengths), **run.entries.columns(),
+                             prompt_tokens=run.prompt_tokens, prefill_s=shared.seconds,
                              decode_ms_per_token=ms_per_token(run.step_seconds), **run.extra))
             bar.update()
         if on_context is not None:

@@ -15,4 +15,5 @@ Rerunning skips the cells already stored and returns the same table. Ray is opti
 from .executors import EXECUTORS, RAY_INSTALL, check_executor, import_ray, run_cells
 from .store import Cell, ResultStore, git_commit, versions
 
-__all__ = ["EXECUTORS", "RAY_INSTALL", "Cell", "ResultStore", "check_executor", "git_commit", "import_ray", "run_cells", "versions"]
+__all__ = ["EXECUTORS", "RAY_INSTALL", "Cell", "ResultStore", "check_executor", "git_commit", "import_ray", "run_cells",
+           "versions"]

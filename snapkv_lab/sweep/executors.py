@@ -180,7 +180,8 @@ def _start_actors(ray, model, loader, n_cells: int, cpus_per_worker: int | None 
         else:
             slots += [(node, cpus_per_worker)] * (cpus // cpus_per_worker)
     if cpus_per_worker is not None and not slots:
-        raise RuntimeError(f"no node of the Ray cluster has {cpus_per_worker} CPUs for a worker: {ray.cluster_resources()}")
+        raise RuntimeError(f"no node of the Ray cluster has {cpus_per_worker} CPUs for a worker: "
+                           f"{ray.cluster_resources()}")
     return [actor.options(num_cpus=cpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
             .remote(model, loader, cpus) for node, cpus in slots[:n_cells]]
 
@@ -212,7 +213,8 @@ def _run_ray(pending: list[Cell], work, model, loader, ray_address, cpus_per_wor
     try:
         actors = _start_actors(ray, model, loader, len(pending), cpus_per_worker)
         if not actors:
-            raise RuntimeError(f"the Ray cluster has no GPU and no node with a CPU to run cells on: {ray.cluster_resources()}")
+            raise RuntimeError("the Ray cluster has no GPU and no node with a CPU to run cells on: "
+                               f"{ray.cluster_resources()}")
         queue, running = list(reversed(pending)), {}
 
         def submit(actor) -> None:

@@ -4,8 +4,9 @@
     <root>/manifest.json   one entry per run of the grid: command, options, model, seeds, versions, git commit
 
 A cell's file is written to a hidden temporary name (`.<key>.<pid>.partial`, never read) and renamed, so a killed
-process leaves whole cell files only: at most the cell in flight is lost. The key hashes the kind and the canonical JSON of the config, so a changed
-option (model, budgets, max_new_tokens, ...) lands in a new file and never reuses a stale one.
+process leaves whole cell files only: at most the cell in flight is lost. The key hashes the kind and the canonical JSON
+of the config, so a changed option (model, budgets, max_new_tokens, ...) lands in a new file and never reuses a stale
+one.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class Cell:
         try:
             self.canonical  # noqa: B018 - fails here, not in a worker an hour later
         except (TypeError, ValueError) as err:
-            raise TypeError(f"a cell's config must be JSON-able (str, numbers, bools, None, lists, dicts): {err}") from None
+            raise TypeError(f"a cell's config must be JSON-able (str, numbers, bools, None, lists, dicts): "
+                            f"{err}") from None
 
     @cached_property
     def canonical(self) -> str:
@@ -79,13 +81,16 @@ class ResultStore:
         import pyarrow.parquet as pq
 
         if not isinstance(table, pd.DataFrame):
-            raise TypeError(f"cell {cell.kind} {cell.key}: a work function returns a pandas DataFrame, got {type(table).__name__}")
+            raise TypeError(f"cell {cell.kind} {cell.key}: a work function returns a pandas DataFrame, got "
+                            f"{type(table).__name__}")
         try:
             arrow = pa.Table.from_pandas(table, preserve_index=False)
         except (pa.ArrowException, TypeError, ValueError) as err:
-            raise TypeError(f"cell {cell.kind} {cell.key}: its table cannot be stored as parquet ({err}); give each column "
+            raise TypeError(f"cell {cell.kind} {cell.key}: its table cannot be stored as parquet ({err}); "
+                            "give each column "
                             "one type (e.g. 'Int64' for integers with missing values, text for lists)") from None
-        arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}), _CELL_METADATA: cell.canonical.encode()})
+        arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}),
+                                               _CELL_METADATA: cell.canonical.encode()})
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{cell.key}.{os.getpid()}.partial"
         pq.write_table(arrow, tmp)
@@ -93,8 +98,9 @@ class ResultStore:
         if table.to_csv(index=False) != back.to_csv(index=False):
             changed = [c for c in table.columns if c not in back or _as_csv(table[c]) != _as_csv(back[c])]
             tmp.unlink()
-            raise TypeError(f"cell {cell.kind} {cell.key}: columns {changed or list(table.columns)} would not read back as written (e.g. integers "
-                            "with missing values in an object column become floats); give them one type, e.g. 'Int64'")
+            raise TypeError(f"cell {cell.kind} {cell.key}: columns {changed or list(table.columns)} would not read "
+                            "back as written (e.g. integers with missing values in an object column become floats); "
+                            "give them one type, e.g. 'Int64'")
         os.replace(tmp, self.path(cell))
 
     def get(self, cell: Cell) -> pd.DataFrame:

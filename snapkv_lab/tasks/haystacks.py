@@ -22,7 +22,8 @@ import random
 from .corpus import haystack_ids
 
 HAYSTACKS = ("essays", "code", "logs", "keys")
-# The needle of each kind, {key} and {value} left to fill; a log line's time and pid are drawn per needle (needle_template).
+# The needle of each kind, {key} and {value} left to fill; a log line's time and pid are drawn per needle
+# (needle_template).
 NEEDLES = {
     "essays": " One of the special magic numbers for {key} is: {value}. ",
     "code": 'special_magic_numbers["{key}"] = {value}\n',
@@ -48,7 +49,8 @@ def needle_template(haystack: str, rng: random.Random) -> str:
     check_haystack(haystack)
     if haystack != "logs":
         return NEEDLES[haystack]
-    return f"{_timestamp(rng)} INFO registry[{rng.randint(100, 9999)}]: special magic number for {{key}} set to {{value}}\n"
+    return (f"{_timestamp(rng)} INFO registry[{rng.randint(100, 9999)}]: special magic number for {{key}} "
+            f"set to {{value}}\n")
 
 
 def check_haystack(haystack: str) -> None:
@@ -63,7 +65,8 @@ def _timestamp(rng: random.Random) -> str:
 def _log_line(rng: random.Random) -> str:
     request = f"{rng.getrandbits(32):08x}-{rng.getrandbits(16):04x}"
     address = ".".join(str(rng.randrange(256)) for _ in range(4))
-    return (f"{_timestamp(rng)} {rng.choice(LEVELS)} {rng.choice(SERVICES)}[{rng.randint(100, 9999)}]: request {request} from {address} "
+    return (f"{_timestamp(rng)} {rng.choice(LEVELS)} {rng.choice(SERVICES)}[{rng.randint(100, 9999)}]: "
+            f"request {request} from {address} "
             f"took {rng.randint(1, 2000)} ms status {rng.choice((200, 200, 200, 201, 204, 301, 404, 500, 503))}\n")
 
 

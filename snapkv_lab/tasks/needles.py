@@ -21,7 +21,10 @@ from .haystacks import boundary, haystack_tokens, needle_template, word_key
 NEEDLE_QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 NEEDLE_ANSWER = "The special magic number for {key} mentioned in the provided text is"
 LINE = "line {key}: REGISTER_CONTENT is <{value}>\n"
-LINES_HEAD = "Below is a record of lines I want you to remember. Each line begins with 'line <line index>' and contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. For each line index, memorize its corresponding <REGISTER_CONTENT>. At the end of the record, I will ask you to retrieve the corresponding <REGISTER_CONTENT> of a certain line index.\n\n"
+LINES_HEAD = ("Below is a record of lines I want you to remember. Each line begins with 'line <line index>' and "
+              "contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. For each line index, "
+              "memorize its corresponding <REGISTER_CONTENT>. At the end of the record, I will ask you to retrieve "
+              "the corresponding <REGISTER_CONTENT> of a certain line index.\n\n")
 LINES_QUESTION = "Now the record is over. Tell me what is the <REGISTER_CONTENT> in line {key}? I need the number."
 LINES_ANSWER = "The <REGISTER_CONTENT> in line {key} is <"
 
@@ -53,7 +56,8 @@ def _fact(tokenizer, template: str, key: str, value: str) -> tuple[list[int], tu
 
 
 def _question(tokenizer, question: str, frame: Frame, answer: str, key: str, before: str = "\n\n") -> list[int]:
-    """The question chunk: `before`, the question (labelled in plain text), the frame's tail, the answer's first words."""
+    """The question chunk: `before`, the question (labelled in plain text), the frame's tail, the answer's first
+    words."""
     return encode(tokenizer, frame.ask(question.format(key=key), answer.format(key=key), before))
 
 
@@ -86,7 +90,8 @@ def needle_context(tokenizer, n_tokens: int, depth: float, sample: int = 0, fram
     start = len(head) + at
     query = Query(question, value, (start, start + len(needle)), (start + value_at[0], start + value_at[1]),
                   dict(key=key, depth=depth, depth_position=start))
-    return Context(head + body, [query], dict(task="needle", haystack=haystack, length=n_tokens, depth=depth, sample=sample))
+    return Context(head + body, [query],
+                   dict(task="needle", haystack=haystack, length=n_tokens, depth=depth, sample=sample))
 
 
 def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0, framing: str | None = None) -> Context:
@@ -115,7 +120,8 @@ def lines_context(tokenizer, n_tokens: int, n_queries: int = 8, sample: int = 0,
         facts.append((key, value, len(head) + len(body), line, value_at))
         body += line
     if len(facts) < n_queries:
-        raise ValueError(f"a lines record of {n_tokens} tokens holds {len(facts)} lines, fewer than {n_queries} queries")
+        raise ValueError(f"a lines record of {n_tokens} tokens holds {len(facts)} lines, "
+                         f"fewer than {n_queries} queries")
     queries = []
     for i in range(n_queries):
         key, value, start, line, value_at = facts[round((i + 0.5) * len(facts) / n_queries)]

@@ -123,13 +123,15 @@ def chat_prompt(tokenizer, recipes: dict, *, split: str = "dev", index: int = 0,
     history = []
     for name in chosen[:-1]:
         history += [{"role": "user", "content": f"Explain the Python topic '{name}'."},
-                    {"role": "assistant", "content": tokenizer.decode(_cut(tokenizer, topics[name], recipe["turn_tokens"]))}]
+                    {"role": "assistant",
+                     "content": tokenizer.decode(_cut(tokenizer, topics[name], recipe["turn_tokens"]))}]
     ids, spans = framed_ids(tokenizer, history, [("request", CHAT_REQUEST)], framing)
     reference = tokenizer.decode(_cut(tokenizer, topics[chosen[-1]], recipe["continuation_tokens"]))
     return Prompt(f"chat-{split}-{index}", ids, spans, continuation=reference)
 
 
-def chat_prompts(tokenizer, recipes: dict, *, split: str = "dev", samples: int = 2, framing: str | None = None) -> list[Prompt]:
+def chat_prompts(tokenizer, recipes: dict, *, split: str = "dev", samples: int = 2,
+                 framing: str | None = None) -> list[Prompt]:
     """The first `samples` chats of a split (see `chat_prompt`)."""
     return [chat_prompt(tokenizer, recipes, split=split, index=i, framing=framing) for i in range(samples)]
 

@@ -43,7 +43,8 @@ def ruler_context(tokenizer, n_tokens: int, task: str = "multikey", value_kind: 
                   sample: int = 0, framing: str | None = None) -> Context:
     """A haystack of n_tokens in all (the longest question included) holding `needles` facts (1 for single)."""
     if task not in TASKS or value_kind not in VALUE_KINDS:
-        raise ValueError(f"task must be one of {TASKS} and value_kind one of {VALUE_KINDS}, got {task!r}, {value_kind!r}")
+        raise ValueError(f"task must be one of {TASKS} and value_kind one of {VALUE_KINDS}, got {task!r}, "
+                         f"{value_kind!r}")
     needles = 1 if task == "single" else needles
     if needles < 1 or (task != "single" and needles < 2):
         raise ValueError(f"{task} needs at least 2 needles, got {needles}")

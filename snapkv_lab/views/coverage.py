@@ -173,7 +173,8 @@ def _kept_indices(trace: AttentionTrace, kept) -> tuple[list[torch.Tensor], int]
     prompt_ids = getattr(kept, "prompt_ids", None)
     kept_indices = list(getattr(kept, "kept_indices", kept))
     if not kept_indices or not all(isinstance(rows, torch.Tensor) for rows in kept_indices):
-        raise TypeError("kept must be a GenerationResult or its kept_indices: a non-empty list of tensors, one per layer")
+        raise TypeError("kept must be a GenerationResult or its kept_indices: a non-empty list of tensors, "
+                        "one per layer")
     batch_rows = kept_indices[0].shape[0] if kept_indices[0].ndim else 0
     if batch_rows < 1:
         raise ValueError(f"kept[0] has shape {tuple(kept_indices[0].shape)}: no batch row to read")

@@ -176,7 +176,8 @@ def heads_grid_figure(table: pd.DataFrame, metric: str = "retrieval_score") -> g
         raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
     z = layer_head_grid(table, metric)
     shown = [c for c in table.columns if c not in ("layer", "head")]  # a head_table's or retrieval_heads' columns
-    custom = np.stack([layer_head_grid(table, c).to_numpy(dtype=float) for c in shown], axis=-1)  # (layers, heads, columns)
+    custom = np.stack([layer_head_grid(table, c).to_numpy(dtype=float) for c in shown],
+                      axis=-1)  # (layers, heads, columns)
     lines = [f"{c} %{{customdata[{i}]:.4f}}" if table[c].dtype.kind == "f" else f"{c} %{{customdata[{i}]}}"
              for i, c in enumerate(shown)]
     high = np.nanmax(z.to_numpy(), initial=1.0)
@@ -185,7 +186,8 @@ def heads_grid_figure(table: pd.DataFrame, metric: str = "retrieval_score") -> g
         colorscale="Viridis", colorbar=dict(title=metric),
         hovertemplate="layer %{y}, head %{x}<br>" + "<br>".join(lines) + "<extra></extra>"))
     options = table.attrs.get("options")
-    words = SPAN_SCORE if metric == "retrieval_score" and (options or {}).get("retrieval_norm") == "span" else METRICS[metric]
+    words = (SPAN_SCORE if metric == "retrieval_score" and (options or {}).get("retrieval_norm") == "span"
+             else METRICS[metric])
     subtitle = "" if options is None else "<br><sup>" + ", ".join(f"{k}={v}" for k, v in options.items()) + "</sup>"
     figure.update_layout(title=f"{metric}: {words}{subtitle}", xaxis_title="head", yaxis_title="layer",
                          width=max(450, 40 + 22 * z.shape[1]), height=max(350, 120 + 18 * z.shape[0]))

@@ -57,7 +57,8 @@ def token_attention(trace, query: int, *, layers=None, heads=None, keys=None) ->
     return torch.stack(rows).mean(0).cpu()
 
 
-def spotlight(trace, query: int, *, layers=None, heads=None, skip_first: int = 1, top: int = 20, context: int | None = 8):
+def spotlight(trace, query: int, *, layers=None, heads=None, skip_first: int = 1, top: int = 20,
+              context: int | None = 8):
     """Which prompt tokens token `query` attends to: its top tokens in their context, bars, and the whole prompt.
 
     Averages over the given layers and heads. The first `skip_first` positions (the attention sink)
@@ -90,17 +91,20 @@ def spotlight(trace, query: int, *, layers=None, heads=None, skip_first: int = 1
         shown = sorted({j for i in order for j in range(max(0, i - context), min(trace.prompt_len, i + context + 1))})
         gap = '<span style="color:#888"> … </span>'
         pieces = [(gap if k and i != shown[k - 1] + 1 else "") + token(i) for k, i in enumerate(shown)]
-        pieces = ([gap] if shown and shown[0] > 0 else []) + pieces + ([gap] if shown and shown[-1] < trace.prompt_len - 1 else [])
+        pieces = (([gap] if shown and shown[0] > 0 else []) + pieces
+                  + ([gap] if shown and shown[-1] < trace.prompt_len - 1 else []))
         prompt = (f"<div>the top {len(order)} tokens (bold) with {context} tokens of context each:</div>"
                   + box.format("".join(pieces))
                   + f"<details><summary>the whole prompt ({trace.prompt_len} tokens)</summary>{whole}</details>")
     bars = "".join(
         f'<div style="font-family:monospace;white-space:pre">{i:>6} '
-        f'<span style="display:inline-block;background:darkorange;width:{300 * float(weights[i]) / scale:.0f}px">&nbsp;</span>'
+        f'<span style="display:inline-block;background:darkorange;'
+        f'width:{300 * float(weights[i]) / scale:.0f}px">&nbsp;</span>'
         f' {float(weights[i]):.4f} {html.escape(repr(trace.tokens[i]))}</div>' for i in order)
     label = html.escape(repr(trace.tokens[query]))
     return HTML(
-        f"<div><b>token {query} {label}</b> over the prompt (mean of {len(trace.layers) if layers is None else len(np.atleast_1d(layers))} "
+        f"<div><b>token {query} {label}</b> over the prompt (mean of "
+        f"{len(trace.layers) if layers is None else len(np.atleast_1d(layers))} "
         f"layers, {'all' if heads is None else len(np.atleast_1d(heads))} heads; first {skip_first} grey)</div>"
         f"{prompt}<div><b>top {top}</b></div>{bars}")
 

@@ -296,7 +296,8 @@ class AttentionTiles:
             lse = torch.logsumexp(logits, dim=-1)
             base.lse[:, rows.start:rows.stop] = lse.cpu()
             probs = torch.exp_(logits.sub_(lse[..., None])).mean(0)
-            cell_rows, cell_cols = slice(rows.start // block, -(-rows.stop // block)), slice(first // block, -(-last // block))
+            cell_rows, cell_cols = (slice(rows.start // block, -(-rows.stop // block)),
+                                    slice(first // block, -(-last // block)))
             base.max[cell_rows, cell_cols] = pool_blocks(probs, block, block, "max").cpu()
             base.sum[cell_rows, cell_cols] = pool_blocks(probs, block, block, "sum").cpu()
         return self._remember(key, base)

@@ -1,0 +1,100 @@
+"""The KV entries behind an eval table's rows, recomputed without decoding: a budget audit of results stored before
+their rows recorded it (issue 53: `kept_tokens` alone cannot say whether two policies held the same total).
+
+    audited = audit_entries(pd.read_csv("data/eval_ruler.csv"), data_dir="data")   # the table with kv_entries, ...
+
+Each example of the table is a cell (kind "entries", resumable): its context is prefilled once, every policy x budget
+x mode the table ran on it is compressed exactly as `evaluate` compressed it (compression.generation.run_states, the
+states `answer_runs` answers from) and its entries counted (compression.entries); nothing is decoded. A rebuilt
+example whose context differs in length from the row's `context_tokens` is refused: the table was made by other
+example-building code, and its budgets cannot be recomputed from today's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from ..compression import SharedPrefill
+from ..compression.entries import HeldEntries
+from ..compression.generation import MODES, run_states
+from ..policies import policy_config, policy_from_config, upgrade_config
+from .run import prepared_example
+
+CELL_KIND = "entries"
+COLUMNS = ["kv_entries", "kv_share", "budget_share", "over_budget"]
+KEYS = ["spec", "policy_config", "mode", "question", "ratio", "capacity"]
+
+
+def canonical_config(text: str) -> str:
+    """A stored policy_config as today's code writes it (older keywords upgraded), so rows of any age join."""
+    return json.dumps(policy_config(policy_from_config(upgrade_config(json.loads(text)))))
+
+
+def audit_cells(table: pd.DataFrame, model: str | None) -> list:
+    """One cell per example of `table`: its spec, the policies (without their budget) and budgets run on it, the
+    modes, the framing, and the context's length as the table recorded it."""
+    from ..sweep import Cell
+
+    cells = []
+    for spec, rows in table.groupby("spec", sort=False):
+        compressed = rows[rows["mode"] != "full"]
+        configs = {json.dumps({**json.loads(canonical_config(c)), "capacity": None}) for c in compressed.policy_config}
+        budgets = [{"ratio": float(r)} for r in sorted(compressed.ratio.dropna().unique())]
+        budgets += [{"capacity": int(c)} for c in sorted(compressed.capacity.dropna().unique())]
+        cells.append(Cell(CELL_KIND, dict(
+            model=model, example=json.loads(spec), policies=[json.loads(c) for c in sorted(configs)], budgets=budgets,
+            modes=[m for m in MODES if m in set(compressed["mode"])], max_context=None,
+            framing=rows.framing.iloc[0], context_tokens=int(rows.context_tokens.iloc[0]))))
+    return cells
+
+
+def example_entries(model, tokenizer, config: dict) -> pd.DataFrame:
+    """One cell: per question, the full cache and every policy x budget x mode of `config`, the KV entries held
+    right after the prompt's compression; the key columns of `evaluate`'s rows (KEYS), then COLUMNS and
+    layer_kv_share (JSON)."""
+    example, encoded, budget_of, policies = prepared_example(model, tokenizer, config)
+    if len(encoded.context_ids) != config["context_tokens"]:
+        raise ValueError(f"{example.dataset}/{example.task} #{example.id} rebuilds to a "
+                         f"{len(encoded.context_ids)}-token context, not the table's {config['context_tokens']}: "
+                         "its budgets cannot be recomputed")
+
+    def as_ids(ids):
+        return torch.tensor([ids], device=model.device)
+
+    with torch.inference_mode():
+        shared = SharedPrefill.run(model, tokenizer, as_ids(encoded.context_ids), policies)
+        rows = []
+        questions = [as_ids(q) for q in encoded.questions]
+        for index, policy, mode, prompt, state in run_states(shared, questions, policies, config["modes"]):
+            entries = HeldEntries.of_state(model, state, 1, prompt.n_tokens)
+            budget = {"ratio": 0.0} if mode == "full" else budget_of[policy.label]
+            rows.append(dict(spec=json.dumps(config["example"], sort_keys=True),
+                             policy_config=json.dumps(policy_config(policy)), mode=mode, question=index,
+                             ratio=budget.get("ratio"), capacity=budget.get("capacity"), **entries.columns(),
+                             layer_kv_share=json.dumps([round(s, 5) for s in entries.layer_shares()[0]])))
+    return pd.DataFrame(rows).astype({"ratio": "Float64", "capacity": "Int64"})
+
+
+def audit_entries(table: pd.DataFrame, *, model: str | None = None, data_dir="data") -> pd.DataFrame:
+    """`table` (an `evaluate` table) with COLUMNS filled from recomputed compressions (module doc), placed after
+    kept_tokens; cells stored in <data_dir>/cells/entries/. model: the table's model (None: the bundled default)."""
+    from ..sweep import ResultStore, run_cells
+
+    store = ResultStore(Path(data_dir) / "cells" / CELL_KIND)
+    found = run_cells(audit_cells(table, model), example_entries, store, model=model, desc="budget audit")
+    found = found.drop(columns="layer_kv_share").drop_duplicates(KEYS)
+    keyed = table.drop(columns=[c for c in COLUMNS if c in table], errors="ignore").assign(
+        policy_config_key=table.policy_config.map(canonical_config),
+        ratio=table.ratio.astype("Float64"), capacity=table.capacity.astype("Int64"))
+    merged = keyed.merge(found.rename(columns={"policy_config": "policy_config_key"}), how="left",
+                         on=["policy_config_key" if k == "policy_config" else k for k in KEYS], validate="many_to_one")
+    missing = int(merged.kv_entries.isna().sum())
+    if missing:
+        raise ValueError(f"{missing} rows found no recomputed entries (a policy, budget or mode the cells lack)")
+    order = list(table.columns.drop(COLUMNS, errors="ignore"))
+    at = order.index("kept_tokens") + 1
+    return merged[order[:at] + COLUMNS + order[at:]]
