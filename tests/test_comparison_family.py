@@ -125,3 +125,11 @@ def test_the_committed_family_holds_and_its_results_are_what_the_code_computes()
         assert merged[column].to_numpy(dtype=float) == pytest.approx(merged[f"{column}_committed"].to_numpy(dtype=float),
                                                                      rel=1e-5, nan_ok=True)
     assert (merged.p_method == merged.p_method_committed).all()
+
+
+def test_the_docs_tables_read_the_familys_files():
+    from snapkv_lab.app import docs_tables
+
+    assert docs_tables.FAMILY_FILES == (family.FAMILY, family.RESULTS)
+    for name in ("difference", "difference-ratios", "family-runs", "family-holds", "family-tasks"):
+        assert set(docs_tables.FAMILY_FILES) <= set(docs_tables.BLOCKS[name].reads)

@@ -38,7 +38,7 @@ from .run import (
     run_eval_cells,
     run_example,
 )
-from .summary import full_cache_fails, gap_to_full, leaderboard, paired_difference, task_scores
+from .summary import answered_examples, full_cache_fails, gap_to_full, leaderboard, paired_difference, task_scores
 
 
 def __getattr__(name):
@@ -153,6 +153,6 @@ def joined_tables(tables) -> pd.DataFrame:
 register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_default=False))
 
 __all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Explanation",
-           "Question", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
+           "Question", "answered_examples", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
            "leaderboard", "leaderboard_cells", "paired_difference", "read_results", "recompute", "reuse_rows",
            "run_eval_cells", "run_example", "task_scores"]
