@@ -109,7 +109,7 @@ def test_the_committed_family_holds_and_its_results_are_what_the_code_computes()
     committed numbers."""
     data = ROOT / "data"
     rows = family.read_family(data / family.FAMILY)
-    committed = family.read_results_table(data)
+    committed = family.read_family_results(data)
     assert len(committed[committed.analysis == "answered"]) == len(rows)
     for analysis in ("answered", "task mean"):
         primary = committed[(committed.analysis == analysis) & (committed.evidence == "primary")]

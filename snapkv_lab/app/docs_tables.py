@@ -120,11 +120,11 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
     (and ratio: the middle one, or every one), the difference [95% interval] and the sign-flip p, bold where Holm
     over the family's primary comparisons leaves it under 0.05. A run that shares its examples with the comparisons'
     primary run says so and bolds nothing."""
-    from ..evaluation.family import FAMILY, PRIMARY, SAME, parse_examples, read_family, read_results_table
+    from ..evaluation.family import FAMILY, PRIMARY, SAME, parse_examples, read_family, read_family_results
     from ..evaluation.leaderboard_plots import BASELINE, _modes, by_difference
 
     table = f"{model}/eval_{name}.csv" if model else f"eval_{name}.csv"
-    results = read_results_table(data_dir)
+    results = read_family_results(data_dir)
     means = results[(results.analysis == "task mean") & (results.baseline == BASELINE)]
     asked = int((means.evidence == PRIMARY).sum())
     rows = means[means.table == table]
@@ -169,9 +169,9 @@ def _family_runs(data_dir: Path) -> str:
     """The family of comparisons per run: its model, length, tasks, examples and the examples the full cache
     answers, its comparisons and their evidence, and how many hold past Holm over the family on the answered examples
     and on the task mean; above it, the counts and the fewest agreeing examples that can pass."""
-    from ..evaluation.family import ALPHA, FAMILY, PRIMARY, SAME, parse_examples, read_family, read_results_table
+    from ..evaluation.family import ALPHA, FAMILY, PRIMARY, SAME, parse_examples, read_family, read_family_results
 
-    results = read_results_table(data_dir)
+    results = read_family_results(data_dir)
     examples = read_family(data_dir / FAMILY).drop_duplicates("table").set_index("table").examples
     answered, means = (results[results.analysis == a].set_index(["table", "policy", "ratio", "mode"])
                        for a in ("answered", "task mean"))
@@ -206,9 +206,9 @@ def _family_runs(data_dir: Path) -> str:
 def _family_holds(data_dir: Path) -> str:
     """Every primary comparison of the family that holds past Holm on the answered examples or on the task mean:
     per model, length, mode, ratio and policy, each analysis's examples, difference, p and p_holm."""
-    from ..evaluation.family import PRIMARY, read_results_table
+    from ..evaluation.family import PRIMARY, read_family_results
 
-    results = read_results_table(data_dir)
+    results = read_family_results(data_dir)
     results = results[results.evidence == PRIMARY]
     key = ["model", "length", "table", "mode", "ratio", "policy"]
     answered, means = (results[results.analysis == a].set_index(key) for a in ("answered", "task mean"))
@@ -237,10 +237,10 @@ def _family_tasks(data_dir: Path) -> str:
     score, the weight an average gives the task (the task mean: one task's share; the answered mean: its answered
     examples' share), and in how many of the run's comparisons the task alone gives p < 0.05 (unadjusted)."""
     from ..evaluation import answered_examples, read_results
-    from ..evaluation.family import PRIMARY, read_results_table
+    from ..evaluation.family import PRIMARY, read_family_results
     from ..evaluation.leaderboard_plots import counted
 
-    results = read_results_table(data_dir)
+    results = read_family_results(data_dir)
     tasks = results[(results.analysis == "task") & (results.evidence == PRIMARY)]
     lines = []
     for table, rows in tasks.groupby("table", sort=False):

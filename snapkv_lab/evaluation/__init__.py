@@ -9,6 +9,7 @@
     prompting.py    an example as a model's token ids: framed (chat or plain) and cut from the middle
     run.py          evaluate: one resumable sweep cell per example, one prefill for every policy x ratio x mode
     summary.py      task scores, the leaderboard and the gap to the full cache, with bootstrap intervals
+    family.py       the family of comparisons: every comparison the docs report, one Holm adjustment over them
     audit.py        audit_entries: the KV entries behind a stored table's rows, recomputed without decoding
     explain.py      explain: one row of a table rerun, with the full cache's attention, its coverage and kept tokens
     figures.py      score vs compression ratio, task x policy heatmap, gap per task (the `eval` figure set)

@@ -179,7 +179,8 @@ def _table_results(data_dir: Path, table: str, baseline: str, n_boot: int, seed:
     key = ["policy", "ratio", "mode"]
     options = dict(baseline=baseline, n_boot=n_boot, seed=seed, n_perm=n_resamples)
     full = example_scores(results[results["mode"] == "full"]).drop_duplicates(["task", "example"])
-    answered = results.merge(answered_examples(results), on=list(answered_examples(results).columns))
+    examples = answered_examples(results)
+    answered = results.merge(examples, on=list(examples.columns))
     parts = [paired_difference(answered, average="examples", **options).assign(analysis="answered", full_cache=100.0)
              if len(answered) else pd.DataFrame(columns=key),
              paired_difference(results, **options).assign(
@@ -236,7 +237,7 @@ def write_results(data_dir="data", **options) -> Path:
     return path
 
 
-def read_results_table(data_dir="data") -> pd.DataFrame:
+def read_family_results(data_dir="data") -> pd.DataFrame:
     """The committed family results (write_results), typed as family_results returns them."""
     results = pd.read_csv(Path(data_dir) / RESULTS, dtype={"task": str, "p_method": str, "evidence": str})
     return results.astype({"length": int, "ratio": float})
