@@ -109,40 +109,159 @@ def _full_cache_tasks(data_dir: Path, name: str, model: str = "") -> str:
     return _full_cache_per_task(read_results(data_dir / model / f"eval_{name}.csv"))
 
 
-def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_budget: bool = False) -> str:
-    """A committed RULER run's paired differences to SnapKV (evaluation.paired_difference) at its middle budget, or
-    at every budget: per policy, mode (and budget), the difference [95% interval] and the sign-flip test's p, bold
-    where Holm's adjustment over the run's comparisons leaves it under 0.05."""
-    from ..evaluation import paired_difference, read_results
-    from ..evaluation.leaderboard_plots import BASELINE, _at, _modes, by_difference, middle_budget
-    from ..evaluation.summary import _budget
+def _p_cell(row) -> str:
+    """A sign-flip p as the docs print it: ~ where it was drawn (Monte Carlo) rather than enumerated."""
+    return f"{'' if row.p_method == 'exact' else '~'}{row.p:.2g}"
 
-    table = read_results(data_dir / model / f"eval_{name}.csv")
-    budget = _budget(table)
-    differences = paired_difference(table, BASELINE)
-    asked = len(differences)
-    steps = sorted(differences[budget].unique()) if every_budget else [middle_budget(table)]
-    differences = differences[differences[budget].isin(steps)]
-    columns = [(mode, step) for mode in _modes(differences) for step in steps]
-    policies = by_difference(differences)
-    differences = differences.set_index(["policy", "mode", budget])
-    where = f"per {budget}" if every_budget else f"at {_at(budget, steps[0])}"
-    lines = [f"Score less {BASELINE}'s on the same examples {where} (points, the mean over tasks), "
-             f"[95% bootstrap interval] and the p of a paired sign-flip test; bold where it holds after Holm's "
-             f"adjustment for the run's {asked} comparisons (every policy, {budget} and mode), p_holm < 0.05:", "",
-             "| policy | " + " | ".join(mode.removeprefix("query-") + (f" {step:g}" if every_budget else "")
-                                       for mode, step in columns) + " |",
+
+def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_budget: bool = False) -> str:
+    """A committed RULER run's paired differences to SnapKV as the family of comparisons holds them (evaluation.family,
+    data/comparison_family_results.csv), with the leaderboard's statistic (the mean over tasks): per policy, mode
+    (and ratio: the middle one, or every one), the difference [95% interval] and the sign-flip p, bold where Holm
+    over the family's primary comparisons leaves it under 0.05. A run that shares its examples with the comparisons'
+    primary run says so and bolds nothing."""
+    from ..evaluation.family import FAMILY, PRIMARY, SAME, parse_examples, read_family, read_family_results
+    from ..evaluation.leaderboard_plots import BASELINE, _modes, by_difference
+
+    table = f"{model}/eval_{name}.csv" if model else f"eval_{name}.csv"
+    results = read_family_results(data_dir)
+    means = results[(results.analysis == "task mean") & (results.baseline == BASELINE)]
+    asked = int((means.evidence == PRIMARY).sum())
+    rows = means[means.table == table]
+    ratios = sorted(rows.ratio.unique())
+    steps = ratios if every_budget else [ratios[len(ratios) // 2]]
+    rows = rows[rows.ratio.isin(steps)]
+    columns = [(mode, step) for mode in _modes(rows) for step in steps]
+    policies = by_difference(rows)
+    others = sorted({e.removeprefix(SAME) for e in rows.evidence if e != PRIMARY})
+    where = "per ratio" if every_budget else f"at ratio {steps[0]:g}"
+    head = (f"Score less {BASELINE}'s on the same examples {where} (points, the mean over tasks), [95% bootstrap "
+            f"interval] and the p of a paired sign-flip test (exact; ~ drawn: Monte Carlo past 20 nonzero "
+            f"differences)")
+    if others:
+        examples = read_family(data_dir / FAMILY).drop_duplicates("table").set_index("table").examples
+        own = parse_examples(examples[table])
+        shared = ", ".join(f"{len(own & parse_examples(examples[other]))} of its {len(own)} examples are {other}'s"
+                           for other in others)
+        head += (f". Not separate evidence ({shared}): these comparisons are counted on that run, and nothing here is "
+                 f"bold (\"The family of comparisons\" below):")
+    else:
+        head += (f"; bold where it holds after Holm's adjustment over the family's {asked} primary comparisons (every "
+                 f"run the docs report: \"The family of comparisons\" below), p_holm < 0.05:")
+    lines = [head, "", "| policy | " + " | ".join(mode.removeprefix("query-") + (f" {step:g}" if every_budget else "")
+                                                  for mode, step in columns) + " |",
              "|---|" + "---|" * len(columns)]
+    rows = rows.set_index(["policy", "mode", "ratio"])
     for policy in policies:
         cells = []
         for mode, step in columns:
-            if (policy, mode, step) not in differences.index:
+            if (policy, mode, step) not in rows.index:
                 cells.append("-")
                 continue
-            row = differences.loc[(policy, mode, step)]
-            cell = f"{_interval_cell(row.difference, row.low, row.high)}, p {row.p:.2g}"
-            cells.append(f"**{cell}**" if row.separated else cell)
+            row = rows.loc[(policy, mode, step)]
+            cell = f"{_interval_cell(row.difference, row.low, row.high)}, p {_p_cell(row)}"
+            cells.append(f"**{cell}**" if row.p_holm < 0.05 else cell)  # NaN (not primary): never bold
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _family_runs(data_dir: Path) -> str:
+    """The family of comparisons per run: its model, length, tasks, examples and the examples the full cache
+    answers, its comparisons and their evidence, and how many hold past Holm over the family on the answered examples
+    and on the task mean; above it, the counts and the fewest agreeing examples that can pass."""
+    from ..evaluation.family import ALPHA, FAMILY, PRIMARY, SAME, parse_examples, read_family, read_family_results
+
+    results = read_family_results(data_dir)
+    examples = read_family(data_dir / FAMILY).drop_duplicates("table").set_index("table").examples
+    answered, means = (results[results.analysis == a].set_index(["table", "policy", "ratio", "mode"])
+                       for a in ("answered", "task mean"))
+    primary = answered.evidence == PRIMARY
+    both = (answered.separated.eq(True) & means.separated.eq(True)).sum()
+    m = int(primary.sum())
+    fewest = next(n for n in range(1, 64) if 2 / 2 ** n <= ALPHA / m)
+    lines = [f"{len(answered)} comparisons (every policy against SnapKV at every ratio and mode) in "
+             f"{answered.index.get_level_values('table').nunique()} runs: {m} primary, {len(answered) - m} on examples "
+             f"counted in another run. Past Holm's adjustment over the {m} (p_holm < {ALPHA:g}): "
+             f"{int(answered.separated.eq(True).sum())} on the examples the full cache answers, "
+             f"{int(means.separated.eq(True).sum())} on the mean over every task, {int(both)} on both. The smallest "
+             f"threshold Holm sets is {ALPHA:g} / {m} = {ALPHA / m:.2g}: an exact sign flip reaches it with {fewest} "
+             f"agreeing examples at least (2 / 2^{fewest} = {2 / 2 ** fewest:.2g}), so a run of fewer answered "
+             f"examples places its policies but cannot separate them.", "",
+             "| model | length | run | tasks | examples | answered | comparisons | evidence | hold: answered / task mean |",
+             "|---|---:|---|---:|---:|---:|---:|---|---|"]
+    for table, rows in answered.groupby(level="table", sort=False):
+        run = means.loc[table]
+        evidence = rows.evidence.iloc[0]
+        if evidence == PRIMARY:
+            held = f"{int(rows.separated.eq(True).sum())} / {int(run.separated.eq(True).sum())}"
+        else:
+            other = evidence.removeprefix(SAME)
+            shared = len(parse_examples(examples[table]) & parse_examples(examples[other]))
+            evidence, held = f"{evidence} ({shared} of its {int(run.examples.max())})", "-"
+        lines.append(f"| {rows.model.iloc[0]} | {rows.length.iloc[0]} | {table} | {int(run.tasks.max())} | "
+                     f"{int(run.examples.max())} | {int(rows.examples.max())} | {len(rows)} | {evidence} | {held} |")
+    return "\n".join(lines)
+
+
+def _family_holds(data_dir: Path) -> str:
+    """Every primary comparison of the family that holds past Holm on the answered examples or on the task mean:
+    per model, length, mode, ratio and policy, each analysis's examples, difference, p and p_holm."""
+    from ..evaluation.family import PRIMARY, read_family_results
+
+    results = read_family_results(data_dir)
+    results = results[results.evidence == PRIMARY]
+    key = ["model", "length", "table", "mode", "ratio", "policy"]
+    answered, means = (results[results.analysis == a].set_index(key) for a in ("answered", "task mean"))
+    held = answered[answered.separated.eq(True) | means.separated.eq(True)].index
+    lines = ["Each comparison that holds in either reading, policy less SnapKV in points (positive: the policy keeps "
+             "more), the p of the sign flip (~ drawn) and Holm's p over the family, bold under 0.05:", "",
+             "| model | length | mode | ratio | policy | answered: examples | difference | p | p_holm | "
+             "task mean: examples | difference | p | p_holm |", "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def shown(row) -> str:
+        adjusted = f"{row.p_holm:.2g}"
+        return (f"{int(row.examples)} | {row.difference:+.0f} | {_p_cell(row)} | "
+                + (f"**{adjusted}**" if row.separated else adjusted))
+
+    order = answered.loc[held].reset_index().sort_values(["model", "length", "mode", "ratio", "difference"],
+                                                         ascending=[True, True, True, True, False], kind="stable")
+    for row in order.itertuples(index=False):
+        index = tuple(getattr(row, c) for c in key)
+        lines.append(f"| {row.model} | {row.length} | {row.mode.removeprefix('query-')} | {row.ratio:g} | "
+                     f"{row.policy} | {shown(answered.loc[index])} | {shown(means.loc[index])} |")
+    return "\n".join(lines)
+
+
+def _family_tasks(data_dir: Path) -> str:
+    """Per task of each primary run of several tasks: its examples, those the full cache answers, the full cache's
+    score, the weight an average gives the task (the task mean: one task's share; the answered mean: its answered
+    examples' share), and in how many of the run's comparisons the task alone gives p < 0.05 (unadjusted)."""
+    from ..evaluation import answered_examples, read_results
+    from ..evaluation.family import PRIMARY, read_family_results
+    from ..evaluation.leaderboard_plots import counted
+
+    results = read_family_results(data_dir)
+    tasks = results[(results.analysis == "task") & (results.evidence == PRIMARY)]
+    lines = []
+    for table, rows in tasks.groupby("table", sort=False):
+        answered = answered_examples(read_results(data_dir / table)).groupby("task").size()
+        per_task = rows.groupby("task", sort=False).agg(examples=("examples", "max"), full=("full_cache", "first"),
+                                                        below=("p", lambda p: int((p < 0.05).sum())))
+        per_task = per_task.assign(answered=answered.reindex(per_task.index, fill_value=0)).astype(
+            {"examples": int, "answered": int, "below": int})
+        comparisons = rows.groupby(["policy", "ratio", "mode"]).ngroups
+        fails = per_task.full < 50
+        lines += [f"{table} ({rows.model.iloc[0]}, {rows.length.iloc[0]} tokens): the tasks its full cache fails "
+                  f"(under 50) weigh {fails.mean():.0%} of the mean over tasks and "
+                  f"{per_task.answered[fails].sum() / per_task.answered.sum():.0%} of the mean over answered "
+                  f"examples; of its {counted(comparisons, 'comparison')}, how many give p < 0.05 on one task alone "
+                  f"(unadjusted):", "",
+                  "| task | examples | answered | full cache | weight: task mean | weight: answered | p < 0.05 alone |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for task, row in per_task.iterrows():
+            lines.append(f"| {task} | {row.examples} | {row.answered} | {row.full:.0f} | {1 / len(per_task):.0%} | "
+                         f"{row.answered / per_task.answered.sum():.0%} | {row.below} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -241,32 +360,35 @@ def _methods(data_dir: Path) -> str:
     return "\n".join(lines)
 
 
+# The family of comparisons (evaluation.family.FAMILY and RESULTS): every difference block reads its p from there.
+FAMILY_FILES = ("comparison_family.csv", "comparison_family_results.csv")
+
 BLOCKS = {
     "findings": Block("findings.md", ("findings_a.csv",), _findings),
     "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
                                    _findings_side_by_side),
     "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
-    "difference": Block("benchmarks.md", ("eval_ruler.csv",), _differences),
+    "difference": Block("benchmarks.md", ("eval_ruler.csv", *FAMILY_FILES), _differences),
     "leaderboard-answered": Block("benchmarks.md", ("eval_ruler_4k_answered.csv",),
                                   functools.partial(_leaderboard, name="ruler_4k_answered")),
-    "difference-answered": Block("benchmarks.md", ("eval_ruler_4k_answered.csv",),
+    "difference-answered": Block("benchmarks.md", ("eval_ruler_4k_answered.csv", *FAMILY_FILES),
                                  functools.partial(_differences, name="ruler_4k_answered")),
-    "difference-answered-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_answered.csv",),
+    "difference-answered-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_answered.csv", *FAMILY_FILES),
                                        functools.partial(_differences, name="ruler_4k_answered",
                                                          model="gemma-3-270m")),
     "leaderboard-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv",),
                                 functools.partial(_leaderboard, name="ruler_4k_ratios")),
-    "difference-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv",),
+    "difference-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv", *FAMILY_FILES),
                                functools.partial(_differences, name="ruler_4k_ratios", every_budget=True)),
     "leaderboard-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv",),
                                       functools.partial(_leaderboard, name="ruler_4k_ratios", model="gemma-3-270m")),
-    "difference-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv",),
+    "difference-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv", *FAMILY_FILES),
                                      functools.partial(_differences, name="ruler_4k_ratios", model="gemma-3-270m",
                                                        every_budget=True)),
     "leaderboard-8k": Block("benchmarks.md", ("eval_ruler_8k.csv",), functools.partial(_leaderboard, name="ruler_8k")),
     "leaderboard-8k-answered": Block("benchmarks.md", ("eval_ruler_8k_answered.csv",),
                                      functools.partial(_leaderboard, name="ruler_8k_answered")),
-    "difference-8k-answered": Block("benchmarks.md", ("eval_ruler_8k_answered.csv",),
+    "difference-8k-answered": Block("benchmarks.md", ("eval_ruler_8k_answered.csv", *FAMILY_FILES),
                                     functools.partial(_differences, name="ruler_8k_answered", every_budget=True)),
     "full-cache-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_tasks.csv",),
                               functools.partial(_full_cache_tasks, name="ruler_4k_tasks", model="gemma-3-270m")),
@@ -276,6 +398,9 @@ BLOCKS = {
                                    functools.partial(_full_cache_tasks, name="ruler_long", model="gemma-3-270m")),
     "leaderboard-16k-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_16k.csv",),
                                    functools.partial(_leaderboard, name="ruler_16k", model="gemma-3-270m")),
+    "family-runs": Block("benchmarks.md", FAMILY_FILES, _family_runs),
+    "family-holds": Block("benchmarks.md", FAMILY_FILES, _family_holds),
+    "family-tasks": Block("benchmarks.md", FAMILY_FILES, _family_tasks),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),

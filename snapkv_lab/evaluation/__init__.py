@@ -9,6 +9,7 @@
     prompting.py    an example as a model's token ids: framed (chat or plain) and cut from the middle
     run.py          evaluate: one resumable sweep cell per example, one prefill for every policy x ratio x mode
     summary.py      task scores, the leaderboard and the gap to the full cache, with bootstrap intervals
+    family.py       the family of comparisons: every comparison the docs report, one Holm adjustment over them
     audit.py        audit_entries: the KV entries behind a stored table's rows, recomputed without decoding
     explain.py      explain: one row of a table rerun, with the full cache's attention, its coverage and kept tokens
     figures.py      score vs compression ratio, task x policy heatmap, gap per task (the `eval` figure set)
@@ -38,7 +39,7 @@ from .run import (
     run_eval_cells,
     run_example,
 )
-from .summary import full_cache_fails, gap_to_full, leaderboard, paired_difference, task_scores
+from .summary import answered_examples, full_cache_fails, gap_to_full, leaderboard, paired_difference, task_scores
 
 
 def __getattr__(name):
@@ -153,6 +154,6 @@ def joined_tables(tables) -> pd.DataFrame:
 register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_default=False))
 
 __all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Explanation",
-           "Question", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
+           "Question", "answered_examples", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
            "leaderboard", "leaderboard_cells", "paired_difference", "read_results", "recompute", "reuse_rows",
            "run_eval_cells", "run_example", "task_scores"]

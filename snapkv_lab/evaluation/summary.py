@@ -133,57 +133,97 @@ def gap_to_full(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Da
     return pd.DataFrame(out)
 
 
-def _sign_flip_p(groups: list[np.ndarray], n_perm: int, seed: int) -> float:
-    """Two-sided p of a paired sign-flip (randomisation) test of a mean over tasks of per-task mean differences: under
-    "no difference" each example's difference is as likely to have either sign. Exact over every flip of the nonzero
-    differences when there are at most 16 of them, else n_perm random flips. Unlike a percentile bootstrap, which
-    collapses to a point on one or two examples per task, it cannot call fewer than six agreeing examples a
-    difference (all of five agree: p = 2 / 32)."""
-    weights = np.concatenate([np.full(len(values), 1 / (len(values) * len(groups))) for values in groups])
-    terms = weights * np.concatenate(groups)
-    terms = terms[terms != 0]
-    if len(terms) == 0:
-        return 1.0
-    exact = len(terms) <= 16
-    if exact:
-        signs = 1 - 2 * ((np.arange(2 ** len(terms))[:, None] >> np.arange(len(terms))) & 1)
-    else:
-        signs = np.random.default_rng(seed).choice([-1, 1], size=(n_perm, len(terms)))
-    extreme = np.count_nonzero(np.abs(signs @ terms) >= abs(terms.sum()) * (1 - 1e-9))
-    # drawn flips count the observed one too, so that p is never 0
-    return extreme / len(signs) if exact else (extreme + 1) / (n_perm + 1)
+# A sign-flip test enumerates every assignment of signs when the nonzero paired differences number at most
+# EXACT_UP_TO (2^20 patterns, seconds in scipy); past that it draws N_RESAMPLES of them, so that p never goes below
+# 1 / (N_RESAMPLES + 1): about 1e-5, under the smallest threshold Holm sets on a family of a few hundred.
+EXACT_UP_TO = 20
+N_RESAMPLES = 100_000
 
 
-def _holm(p: np.ndarray) -> np.ndarray:
-    """Holm's step-down adjustment of p-values for the family they form (each at most 1, order kept)."""
+def sign_flip_test(differences: np.ndarray, weights: np.ndarray, n_resamples: int = N_RESAMPLES,
+                   seed: int = 0) -> tuple[float, str]:
+    """Two-sided p of a paired sign-flip (randomisation) test of the statistic sum(weights * differences), and how
+    it was reached. differences, weights: (examples,). Under "no difference" each example's paired difference is as
+    likely to have either sign: the test flips each example's difference and recomputes the same weighted statistic
+    (a mean over examples, weights 1 / n; a mean over tasks of task means, 1 / (examples in its task x tasks)), and
+    p is the share of flips whose |statistic| reaches the observed one. A zero difference flips to itself, so it is
+    left out of the flips (the share is the same with it). `scipy.stats.permutation_test(permutation_type="samples")`
+    enumerates every flip ("exact") when there are at most EXACT_UP_TO nonzero differences, else draws n_resamples
+    of them ("monte carlo (floor 1/(n_resamples+1))": the drawn count is taken with the observed flip, so that p is
+    never 0). Unlike a percentile bootstrap, which collapses to a point on one or two examples per task, it cannot
+    call fewer than six agreeing examples a difference (all of five agree: p = 2 / 32)."""
+    from scipy.stats import permutation_test
+
+    differences, weights = np.asarray(differences, dtype=float), np.asarray(weights, dtype=float)
+    if differences.shape != weights.shape or differences.ndim != 1:
+        raise ValueError(f"differences and weights must be two 1-d arrays of one length, not of shapes "
+                         f"{differences.shape} and {weights.shape}")
+    nonzero = differences != 0
+    differences, weights = differences[nonzero], weights[nonzero]
+    if len(differences) < 2:  # both signs of one difference reach it (scipy asks for two)
+        return 1.0, "exact"
+    exact = len(differences) <= EXACT_UP_TO
+    result = permutation_test((differences,), lambda x, axis: np.abs((x * weights).sum(axis=axis)),
+                              permutation_type="samples", vectorized=True, alternative="greater",
+                              n_resamples=np.inf if exact else n_resamples, batch=2 ** 15, rng=seed)
+    return float(result.pvalue), "exact" if exact else f"monte carlo (floor 1/{n_resamples + 1})"
+
+
+def holm(p: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjustment of p-values for the family they form (each at most 1, order kept). scipy.stats
+    has Benjamini-Hochberg (false_discovery_control) but no Holm."""
+    p = np.asarray(p, dtype=float)
     order = np.argsort(p, kind="stable")
     adjusted = np.maximum.accumulate(np.minimum(1.0, (len(p) - np.arange(len(p))) * p[order]))
     return adjusted[np.argsort(order, kind="stable")]
 
 
+AVERAGES = ("tasks", "examples")
+
+
 def paired_difference(table: pd.DataFrame, baseline: str = "SnapKV", n_boot: int = 2000, seed: int = 0,
-                      n_perm: int = 20000) -> pd.DataFrame:
-    """Per (dataset, [length,] policy, budget, mode): the policy's leaderboard score less `baseline`'s at the same
-    budget and mode, on the examples both answered (the mean over tasks of each task's mean paired difference), with a
-    95% bootstrap interval that resamples examples within each task for both at once, the two-sided p of a paired
-    sign-flip test (_sign_flip_p), `p_holm` (Holm-adjusted over every row returned: a table of 20 policies, 3
-    budgets and 2 modes asks 120 questions, and some would pass 0.05 by chance) and `separated` where p_holm < 0.05.
-    The question a leaderboard's overlapping intervals cannot answer: does A beat B on these examples? Pairing
-    removes what the examples share (a hard example is hard for both), so it separates methods that unpaired
-    intervals leave overlapping; the test, not the interval, decides, because on a handful of examples the
-    bootstrap interval shrinks to a point."""
+                      n_perm: int = N_RESAMPLES, average: str = "tasks") -> pd.DataFrame:
+    """Per (dataset, [length,] policy, budget, mode): the policy's score less `baseline`'s at the same budget and
+    mode, on the examples both answered, with a 95% bootstrap interval that resamples examples within each task for
+    both at once, the two-sided p of a paired sign-flip test of the same statistic (sign_flip_test: `p_method` says
+    whether it is exact), the number of `nonzero` differences it flips, `p_holm` (Holm-adjusted over every row
+    returned: a table of 20 policies, 3 budgets and 2 modes asks 120 questions, and some would pass 0.05 by chance)
+    and `separated` where p_holm < 0.05. The statistic is, with `average="tasks"`, the leaderboard's: the mean over
+    tasks of each task's mean paired difference; with "examples", the mean over examples (each example weighs the
+    same, whichever task holds it). The question a leaderboard's overlapping intervals cannot answer: does A beat B
+    on these examples? Pairing removes what the examples share (a hard example is hard for both), so it separates
+    methods that unpaired intervals leave overlapping; the test, not the interval, decides, because on a handful of
+    examples the bootstrap interval shrinks to a point. Holm over one run is that run's family only: a family written
+    down across runs is evaluation.family's."""
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {AVERAGES}, not {average!r}")
     keys = [*_scope(table), "policy", _budget(table), "mode"]
     out = []
     for key, part in _paired(table, baseline).groupby(keys, dropna=False, sort=False):
         groups = [(task.score - task.baseline_score).to_numpy() for _, task in part.groupby("task", sort=False)]
+        if average == "examples":
+            groups = [np.concatenate(groups)]
         estimate, low, high = _interval(groups, n_boot, seed)
-        p = _sign_flip_p(groups, n_perm, seed)
+        weights = np.concatenate([np.full(len(values), 1 / (len(values) * len(groups))) for values in groups])
+        p, method = sign_flip_test(np.concatenate(groups), weights, n_perm, seed)
         out.append(dict(zip(keys, key), baseline=baseline, difference=estimate, low=low, high=high, p=p,
-                        tasks=len(groups), examples=len(part)))
-    columns = [*keys, "baseline", "difference", "low", "high", "p", "tasks", "examples"]
+                        p_method=method, nonzero=int(np.count_nonzero(np.concatenate(groups))),
+                        tasks=part.task.nunique(), examples=len(part)))
+    columns = [*keys, "baseline", "difference", "low", "high", "p", "p_method", "nonzero", "tasks", "examples"]
     out = pd.DataFrame(out, columns=columns)  # no rows where nothing else ran at the baseline's budgets
-    out.insert(columns.index("p") + 1, "p_holm", _holm(out.p.to_numpy(dtype=float)))
+    out.insert(columns.index("p") + 1, "p_holm", holm(out.p.to_numpy(dtype=float)))
     return out.assign(separated=out.p_holm < 0.05)
+
+
+def answered_examples(table: pd.DataFrame, at: float = 100.0) -> pd.DataFrame:
+    """The examples the full cache answers: its score on them (the mean over their questions, 0-100) at least `at`;
+    by default 100, every question answered whole by the task's metric (RULER's string match: every needle value,
+    every variable). The subset a comparison of compressors is read on first: where the full cache fails, a
+    compressed cache has nothing to keep, and one that outscores it is noise until shown otherwise. Columns: dataset,
+    [length,] task, example."""
+    scores = example_scores(table[table["mode"] == "full"])
+    keys = [*_scope(table), "task", "example"]
+    return scores.loc[scores.score >= at, keys].drop_duplicates(ignore_index=True)
 
 
 def full_cache_fails(table: pd.DataFrame, below: float = 50.0) -> list[str]:

@@ -1,0 +1,243 @@
+"""The family of comparisons: every paired comparison the README and docs report, across models, lengths and runs,
+named in one file (data/comparison_family.csv) before its results are read, each tested once and Holm-adjusted over
+the whole family, not run by run.
+
+A comparison is one policy against a baseline (SnapKV) at one compression ratio and mode, on one committed run: an
+eval table of the data folder (`table`, relative to it), which holds one model, dataset and prompt length. The
+family file has one row per comparison: model, dataset, length, table, policy, baseline, ratio, mode, and
+
+- `examples`: the run's example set, `task:ID ID ...; task:...`, a stretch of IDs as `PREFIX-A..B` (RULER's
+  `4096-0-0..15`: length, seed, indices 0 to 15). check_family refuses a table that holds other examples than its
+  rows name: a run grown since the family was written is declared again, not read silently.
+- `evidence`: "primary", or "same examples as TABLE". One comparison (the same model, dataset, length, policy,
+  baseline, ratio and mode) asked in two runs that share examples is not two pieces of evidence: one run is its
+  primary and the other names it. check_family refuses a family where two primary rows of one comparison share an
+  example, or where a row names a run that is not that comparison's primary, or shares no example with it.
+
+family_results reads every row three ways (`analysis`):
+
+- "answered", the primary analysis: the examples the full cache answers (summary.answered_examples: its score 100,
+  every question answered whole by the task's metric, as the answered runs' tasks were chosen), each example
+  weighing the same: the mean paired difference, its exact sign-flip p (or Monte Carlo past 20 nonzero
+  differences: `p_method`), and `p_holm`, Holm over every primary row of the family.
+- "task mean": every task of the run, the leaderboard's statistic (the mean over tasks of each task's mean), its p
+  and its own `p_holm` over the family's primary rows. A task the full cache fails weighs as much as one it answers.
+- "task": one task at a time (in a run of several), the mean over its examples and its p, for reading beside the
+  other two; not adjusted.
+
+Rows whose evidence is not primary are computed the same way and shown, with no `p_holm`: their examples are
+counted where the comparison is primary.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .summary import N_RESAMPLES, _budget, answered_examples, example_scores, holm, paired_difference
+
+FAMILY = "comparison_family.csv"
+RESULTS = "comparison_family_results.csv"
+COLUMNS = ["model", "dataset", "length", "table", "policy", "baseline", "ratio", "mode", "evidence", "examples"]
+COMPARISON = ["model", "dataset", "length", "policy", "baseline", "ratio", "mode"]  # what one hypothesis is
+PRIMARY = "primary"
+SAME = "same examples as "
+ANALYSES = ("answered", "task mean", "task")
+ALPHA = 0.05
+
+
+def format_examples(examples: pd.DataFrame) -> str:
+    """A run's example set as the family file writes it: `task:ID ...; task:...`, tasks in order of appearance,
+    consecutive IDs PREFIX-i, ..., PREFIX-j written PREFIX-i..j (parse_examples reads it back). examples: task and
+    example columns."""
+    parts = []
+    for task, ids in examples.drop_duplicates(["task", "example"]).groupby("task", sort=False).example:
+        words: list = []  # an ID as written, or a stretch [prefix, first, last]
+        for example in map(str, ids):
+            if re.search(r"[\s;]|\.\.", example) or ":" in str(task):
+                raise ValueError(f"{task}:{example} cannot be written in an example set (no space, ';', '..' in an "
+                                 f"ID, no ':' in a task)")
+            number = re.fullmatch(r"(.*-)(0|[1-9]\d*)", example)
+            if number and words and isinstance(words[-1], list) and words[-1][0] == number[1] \
+                    and words[-1][2] + 1 == int(number[2]):
+                words[-1][2] = int(number[2])
+            else:
+                words.append([number[1], int(number[2]), int(number[2])] if number else example)
+        written = [w if isinstance(w, str) else f"{w[0]}{w[1]}" + (f"..{w[2]}" if w[2] > w[1] else "") for w in words]
+        parts.append(f"{task}:" + " ".join(written))
+    return "; ".join(parts)
+
+
+def parse_examples(text: str) -> set[tuple[str, str]]:
+    """The (task, example) pairs a family row's `examples` names (format_examples' inverse)."""
+    pairs = set()
+    for part in text.split(";"):
+        task, sep, words = part.strip().partition(":")
+        if not sep or not task:
+            raise ValueError(f"an example set is 'task:ID ...; task:...', not {part.strip()!r}")
+        for word in words.split():
+            stretch = re.fullmatch(r"(.*-)(\d+)\.\.(\d+)", word)
+            ids = [f"{stretch[1]}{i}" for i in range(int(stretch[2]), int(stretch[3]) + 1)] if stretch else [word]
+            pairs.update((task, i) for i in ids)
+    return pairs
+
+
+def read_family(path) -> pd.DataFrame:
+    """The family file, its columns checked and typed (length an integer, ratio a float)."""
+    family = pd.read_csv(path, dtype={"examples": str, "evidence": str})
+    missing = [c for c in COLUMNS if c not in family.columns]
+    if missing:
+        raise ValueError(f"{path} lacks the family's columns {missing}: it has {list(family.columns)}")
+    return family[COLUMNS].astype({"length": int, "ratio": float})
+
+
+def comparisons(table: pd.DataFrame, baseline: str = "SnapKV") -> pd.DataFrame:
+    """The comparisons a run's table holds against `baseline`: every other compressor at every ratio and mode where
+    the baseline ran too (the full cache is no comparison: it has no ratio). Columns: policy, ratio, mode."""
+    if _budget(table) != "ratio":
+        raise ValueError("the family compares runs at compression ratios; this table's budgets are capacities")
+    runs = table.loc[table["mode"] != "full", ["policy", "ratio", "mode"]].drop_duplicates()
+    at = runs.loc[runs.policy == baseline, ["ratio", "mode"]]
+    if at.empty:
+        raise ValueError(f"the table has no rows of the baseline {baseline!r}: its policies are {sorted(set(runs.policy))}")
+    return runs[runs.policy != baseline].merge(at, on=["ratio", "mode"]).reset_index(drop=True)
+
+
+def rows_for(data_dir, table: str, baseline: str = "SnapKV", evidence: str = PRIMARY) -> pd.DataFrame:
+    """The family rows of one committed run (`table`, relative to data_dir): every comparison it holds against
+    `baseline`, with its model, dataset, length and example set: how a run's rows are written into the family."""
+    from .run import read_results
+
+    results = read_results(Path(data_dir) / table)
+    if "length" not in results.columns:
+        raise ValueError(f"{table} has no length column: the family holds runs of generated sets (RULER), one length "
+                         f"each")
+    design = {c: results[c].dropna().unique() for c in ("model", "dataset", "length")}
+    for column, values in design.items():
+        if len(values) != 1:
+            raise ValueError(f"{table} holds {len(values)} values of {column} ({list(values)}): a family row is one "
+                             f"model, dataset and length; split the table")
+    return comparisons(results, baseline).assign(
+        model=design["model"][0], dataset=design["dataset"][0], length=int(design["length"][0]), table=table,
+        baseline=baseline, evidence=evidence, examples=format_examples(results))[COLUMNS]
+
+
+def _refuse(condition: bool, message: str) -> None:
+    if condition:
+        raise ValueError(message)
+
+
+def check_family(family: pd.DataFrame, data_dir) -> None:
+    """Refuses (ValueError) a family that does not say what its tables hold or counts examples twice: a row named
+    twice; a table whose comparisons, model, dataset, length or examples are not those of its rows (rows_for); an
+    evidence that is neither "primary" nor "same examples as TABLE"; two primary rows of one comparison whose runs
+    share an example; a non-primary row whose TABLE is not that comparison's primary or shares no example with it."""
+    named = family.duplicated(["table", "policy", "baseline", "ratio", "mode"], keep=False)
+    _refuse(named.any(), f"the family names these comparisons twice:\n{family[named]}")
+    for (table, baseline), rows in family.groupby(["table", "baseline"], sort=False):
+        wanted = rows_for(data_dir, table, baseline)
+        for column in ("model", "dataset", "length", "examples"):
+            _refuse(set(rows[column]) != {wanted[column].iloc[0]},
+                    f"{table} holds {column} {wanted[column].iloc[0]!r} where its family rows say {set(rows[column])}: "
+                    f"a run that changed is declared again (evaluation.family.rows_for)")
+        key = ["policy", "ratio", "mode"]
+        have, held = set(map(tuple, rows[key].values)), set(map(tuple, wanted[key].values))
+        _refuse(have != held, f"{table}'s comparisons against {baseline} and its family rows differ: in the table only "
+                              f"{sorted(held - have)}, in the family only {sorted(have - held)}")
+    bad = ~(family.evidence.eq(PRIMARY) | family.evidence.str.startswith(SAME))
+    _refuse(bad.any(), f"evidence is {PRIMARY!r} or '{SAME}TABLE', not {sorted(set(family.evidence[bad]))}")
+    examples = {table: parse_examples(text) for table, text in zip(family.table, family.examples)}
+    primary = family[family.evidence == PRIMARY]
+    for comparison, rows in primary.groupby(COMPARISON, sort=False):
+        tables = list(rows.table)
+        for i, first in enumerate(tables):
+            for second in tables[i + 1:]:
+                shared = sorted(examples[first] & examples[second])
+                _refuse(bool(shared), f"{first} and {second} both count as primary evidence for {comparison} but "
+                                      f"share {len(shared)} examples (e.g. {shared[:1]}): mark one "
+                                      f"'{SAME}<the other>'")
+    primaries = {(*key, table) for key, table in zip(map(tuple, primary[COMPARISON].values), primary.table)}
+    for row in family[family.evidence != PRIMARY].itertuples(index=False):
+        other = row.evidence.removeprefix(SAME)
+        key = tuple(getattr(row, c) for c in COMPARISON)
+        _refuse((*key, other) not in primaries,
+                f"{row.table}'s {key} names {other!r}, which does not hold that comparison as primary evidence")
+        _refuse(not examples[row.table] & examples[other],
+                f"{row.table} shares no example with {other}: its {key} is separate evidence, mark it {PRIMARY!r}")
+
+
+def _table_results(data_dir: Path, table: str, baseline: str, n_boot: int, seed: int,
+                   n_resamples: int) -> pd.DataFrame:
+    """Every comparison of one run against `baseline`, read the three ways (module docstring), with the full
+    cache's score on the same examples (the answered examples' is 100 by definition, or NaN where there are none)."""
+    from .run import read_results
+
+    results = read_results(data_dir / table)
+    key = ["policy", "ratio", "mode"]
+    options = dict(baseline=baseline, n_boot=n_boot, seed=seed, n_perm=n_resamples)
+    full = example_scores(results[results["mode"] == "full"]).drop_duplicates(["task", "example"])
+    examples = answered_examples(results)
+    answered = results.merge(examples, on=list(examples.columns))
+    parts = [paired_difference(answered, average="examples", **options).assign(analysis="answered", full_cache=100.0)
+             if len(answered) else pd.DataFrame(columns=key),
+             paired_difference(results, **options).assign(
+                 analysis="task mean", full_cache=full.groupby("task").score.mean().mean())]
+    for task, rows in results.groupby("task", sort=False) if results.task.nunique() > 1 else ():
+        parts.append(paired_difference(rows, **options).assign(
+            analysis="task", task=task, full_cache=full.loc[full.task == task, "score"].mean()))
+    out = pd.concat([p for p in parts if len(p)], ignore_index=True)
+    # a comparison with no answered example still has its answered row: no difference, nothing to reject
+    nothing = comparisons(results, baseline).merge(out.loc[out.analysis == "answered", key], how="left", indicator=True)
+    nothing = nothing[nothing._merge == "left_only"].drop(columns="_merge")
+    empty = nothing.assign(analysis="answered", examples=0, nonzero=0, tasks=0, p=1.0, p_method="no examples")
+    return pd.concat([out, empty], ignore_index=True).assign(table=table)
+
+
+RESULT_COLUMNS = ["model", "dataset", "length", "table", "policy", "baseline", "ratio", "mode", "evidence",
+                  "analysis", "task", "tasks", "examples", "nonzero", "full_cache", "difference", "low", "high",
+                  "p", "p_method", "p_holm", "separated"]
+
+
+def family_results(data_dir="data", family=None, n_boot: int = 2000, seed: int = 0,
+                   n_resamples: int = N_RESAMPLES) -> pd.DataFrame:
+    """The family's comparisons read from the committed tables (check_family first): per family row, its
+    "answered", "task mean" and per-"task" rows (module docstring) with the difference (points, policy less
+    baseline), its 95% bootstrap interval, the examples, the nonzero differences the sign flip enumerates or draws
+    from, the full cache's score on the same examples, p and p_method; p_holm (Holm over the family's primary rows,
+    answered and task-mean analyses each on their own) and `separated` (p_holm < 0.05) on primary rows only.
+    family: a DataFrame of the family file's columns, or None for data_dir's comparison_family.csv."""
+    data_dir = Path(data_dir)
+    family = read_family(data_dir / FAMILY) if family is None else family
+    check_family(family, data_dir)
+    per_table = pd.concat([_table_results(data_dir, table, baseline, n_boot, seed, n_resamples)
+                           for (table, baseline), _ in family.groupby(["table", "baseline"], sort=False)],
+                          ignore_index=True)
+    out = family.drop(columns="examples").merge(per_table.drop(columns=["dataset", "length", "p_holm", "separated"]),
+                                                on=["table", "policy", "baseline", "ratio", "mode"], how="left")
+    out = out.assign(p_holm=np.nan)
+    for analysis in ("answered", "task mean"):
+        rows = (out.analysis == analysis) & (out.evidence == PRIMARY)
+        out.loc[rows, "p_holm"] = holm(out.loc[rows, "p"].to_numpy(dtype=float))
+    out["separated"] = out.p_holm.lt(ALPHA).where(out.p_holm.notna())
+    order = {name: i for i, name in enumerate(ANALYSES)}
+    out = out.assign(_row=out.groupby(["table", "policy", "baseline", "ratio", "mode"], sort=False).ngroup(),
+                     _analysis=out.analysis.map(order))
+    return out.sort_values(["_row", "_analysis"], kind="stable")[RESULT_COLUMNS].reset_index(drop=True)
+
+
+def write_results(data_dir="data", **options) -> Path:
+    """Recompute the family's results from the committed tables and write them beside them (RESULTS), the file
+    the docs' tables read their adjusted p from. Minutes: exact sign flips of up to 2^20 patterns, and 100,000
+    drawn flips past that, for each of the family's comparisons."""
+    path = Path(data_dir) / RESULTS
+    family_results(data_dir, **options).to_csv(path, index=False, float_format="%.6g")
+    return path
+
+
+def read_family_results(data_dir="data") -> pd.DataFrame:
+    """The committed family results (write_results), typed as family_results returns them."""
+    results = pd.read_csv(Path(data_dir) / RESULTS, dtype={"task": str, "p_method": str, "evidence": str})
+    return results.astype({"length": int, "ratio": float})
