@@ -185,6 +185,43 @@ def selection_vs_generation(attn, selections: dict, *, sinks, segments: dict | N
     return rows
 
 
+def hindsight_oracle(attn, reference, *, sinks, segments: dict | None = None, theta=THETA, min_support=MIN_SUPPORT,
+                     **columns) -> list[dict]:
+    """The hindsight oracle: per head, the k eligible prefix positions (k: as many as the reference selection holds)
+    that score best against the scored rows' own attention. hit_rate and recall both add up over positions (a
+    position's count of rows above theta; its share of each row's eligible mass, summed over rows), so the best set is
+    the top k of those sums: an upper bound that no selection of k positions can pass, sinks kept or excluded. Rows as
+    `selection_vs_generation`'s, with selection="oracle" (no coarse rows: coarse does not depend on a selection).
+
+    attn: (heads, generated rows, prefix); reference: (heads, prefix) bool, the selection whose size the oracle takes;
+    sinks: (heads, prefix) bool; segments as there.
+    """
+    segments = {None: slice(None)} if segments is None else segments
+    rows = []
+    for segment, rows_of_segment in segments.items():
+        block = attn[:, rows_of_segment].double()
+        counts = (block > theta).sum(dim=1, dtype=torch.float64)  # (heads, prefix)
+        for variant, allowed in (("kept", torch.ones_like(sinks)), ("excluded", ~sinks)):
+            size = torch.minimum(reference.sum(-1), allowed.sum(-1))  # (heads,)
+            eligible_mass = (block * allowed[:, None]).sum(-1, keepdim=True).clamp(min=1e-12)
+            shares = (block * allowed[:, None] / eligible_mass).sum(1)  # (heads, prefix): summed over rows
+            chance_rate = size.double() / allowed.sum(-1).clamp(min=1).double()
+            common = dict(columns, segment=segment, selection="oracle", sinks=variant, min_support=min_support)
+            for metric, weights in (("hit_rate", counts), ("recall", shares)):
+                weights = weights.masked_fill(~allowed, 0)
+                support = weights.sum(-1) if metric == "hit_rate" else torch.full_like(chance_rate, block.shape[1])
+                best = _top_sums(weights, size)
+                rows += metric_rows(dict(numerator=best, chance_numerator=support * chance_rate, support=support),
+                                    metric=metric, **common)
+    return rows
+
+
+def _top_sums(weights: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """(heads, n) non-negative weights, (heads,) counts -> (heads,) the sum of each head's `size` largest weights."""
+    cumulative = torch.cat([torch.zeros_like(weights[:, :1]), weights.sort(-1, descending=True).values.cumsum(-1)], -1)
+    return cumulative.gather(1, size.long()[:, None]).squeeze(1)
+
+
 # ---- pooling and intervals -------------------------------------------------------------------------
 METHODS = ("t", "percentile")  # interval methods: core.intervals' t interval; the percentile bootstrap, for comparison
 
