@@ -133,8 +133,10 @@ def test_no_effect_needs_equivalence_not_a_failure_to_reject():
     noisy = _verdict(_noisy({"front": 0.5, "back": 0.5}, "placement", 6, noise=0.06, seed=2), "c")
     assert noisy.startswith("not shown: after - before neither differs from 0"), noisy
     tight = pd.concat([_noisy({"front": 0.5, "back": 0.52}, "placement", 6, noise=0.004, seed=3, split=s)
-                       for s in ("dev", "heldout")])
+                       for s in ("dev", "heldout")]).assign(selection="paper")
+    tight = pd.concat([tight, tight.assign(selection="recency", numerator=tight["numerator"] / 2)])
     table = verdicts({"c": tight}).set_index(["measure", "split"]).loc["recall, sinks excluded"]
+    assert len({line.count("|") for line in markdown(verdicts({"c": tight})).splitlines()}) == 1  # cells never split
     assert list(table.index) == ["dev", "heldout", "both"] and table.loc["both", "n"] == 12
     assert table.loc["both", "verdict"].startswith("holds within the margin"), table.loc["both", "verdict"]
     assert EQUIVALENCE_MARGIN == 0.05  # stated in docs/findings.md; changing it is a change of protocol

@@ -274,7 +274,7 @@ def _c(part: pd.DataFrame, baselines: pd.DataFrame) -> tuple[str, float, str, st
             verdict = "partly: above chance both ways, but the placement matters: " + verdict.split(": ", 1)[1]
     if weak:
         verdict += "; " + "; ".join(weak)
-    return text, float(s["chance"].max()), " | ".join(values), verdict
+    return text, float(s["chance"].max()), "; ".join(values), verdict
 
 
 def _d(part: pd.DataFrame, baselines: pd.DataFrame) -> tuple[str, float, str, str]:
