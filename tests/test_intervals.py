@@ -111,6 +111,8 @@ def test_degenerate_groups():
     assert s.ci_low == s.ci_high == pytest.approx(0.5)
     assert intervals.t_test(np.array([0.0]), np.array([0.0]), np.array([4]))[0] == 1.0
     assert intervals.tost(np.array([0.0]), np.array([0.0]), np.array([4]), 0.05)[0] == 0.0
+    near_one = summarise(_tables(np.array([[0.99, 0.80, 1.0, 0.97]]), np.full((1, 4), 100.0)), by=("draw",), ci=0.95)
+    assert near_one.ci_high.iloc[0] == 1.0  # a share's interval stays inside [0, 1] (the t interval would pass 1)
     with pytest.raises(ValueError, match="margin"):
         intervals.tost(np.array([0.0]), np.array([0.1]), np.array([4]), 0.0)
     with pytest.raises(ValueError, match="method"):

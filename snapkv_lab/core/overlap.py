@@ -249,7 +249,8 @@ def summarise(table: pd.DataFrame, by=("layer", "segment", "metric", "sinks"), m
     ci (e.g. 0.95) adds `ci_low`, `ci_high`, `se` and `n_samples` over the samples (distinct values of the `unit`
     column) in each group. method "t" (default): the t interval of the pooled ratio over the samples
     (`core.intervals`: linearised, n - 1 degrees of freedom; with equal supports the t interval of the per-sample
-    values), NaN for an undefined value or fewer than 2 samples. method "percentile": the percentile interval over
+    values, cut to [0, 1] as every metric here is a share), NaN for an undefined value or fewer than 2 samples.
+    method "percentile": the percentile interval over
     `resamples` bootstrap replicates of the samples, drawn with numpy's default_rng(seed), replicates whose pooled
     support is below min_support left out (kept to show that it undercovers; `se` is then NaN).
     """
@@ -267,6 +268,7 @@ def summarise(table: pd.DataFrame, by=("layer", "segment", "metric", "sinks"), m
             ratio, residual = intervals.linearised(numerator.to_numpy(), support.to_numpy())
             se, n = intervals.standard_error(residual)
             low, high = intervals.t_interval(ratio, se, n, ci)
+            low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)  # every metric here is a share: its interval too
             index = numerator.index
             out["se"] = pd.Series(se, index=index).reindex(out.index).where(out["defined"])
             out["n_samples"] = pd.Series(n, index=index).reindex(out.index)

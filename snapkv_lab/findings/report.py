@@ -87,7 +87,7 @@ class Undefined(ValueError):
 def _pooled(table: pd.DataFrame, by) -> pd.DataFrame:
     s = summarise(table, by=by, ci=CI).set_index(list(by))
     if s["value"].isna().any():
-        raise Undefined(f"undefined {', '.join(map(str, by))}: {list(s.index[s['value'].isna()])}")
+        raise Undefined(f"undefined {', '.join(map(str, by))}: {s.index[s['value'].isna()].tolist()}")
     return s
 
 
