@@ -14,7 +14,8 @@ over both prompt splits, and the "findings" figure set (`snapkv-lab figures`).
                             alternate rows of one question (a control: how stable a selection is at all).
 
 Selections are top-p (default 5%) of the prefix; metrics come from `metrics` with their chance levels, sinks
-kept and excluded, sinks defined once per prompt from all its generated rows.
+kept and excluded, sinks defined once per prompt from all its generated rows. Beside chance, every finding is scored
+against BASELINES of the window's selection's size: recency, a random earlier segment and the hindsight oracle.
 
 Every sample is one cell of `sweep.run_cells` (work functions `chat_cell`: one chat prompt, (a) and (b);
 `placement_cell`: one document, (c); `dependence_cell`: one document and its questions, (d)), stored under
