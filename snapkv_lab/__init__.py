@@ -29,7 +29,8 @@ _EXPORTS = {  # public name -> its module
     "PyramidKV": "policies", "AdaKV": "policies", "ExpectedAttention": "policies",
     "TOVA": "policies", "KNorm": "policies", "ChunkKV": "policies", "CriticalKV": "policies", "KeyDiff": "policies",
     "LagKV": "policies", "QFilters": "policies", "HeadKV": "policies", "DuoAttention": "policies", "CAKE": "policies",
-    "RKV": "policies", "LookaheadQCache": "policies",
+    "RKV": "policies", "LookaheadQCache": "policies", "PyramidAllocation": "policies", "GlobalAllocation": "policies",
+    "DuoAllocation": "policies",
     "compress": "compression", "generate": "compression", "compare": "compression.compare",
     "attention_coverage": "views.coverage", "explore": "views.explorer",
 }

@@ -96,11 +96,18 @@ class DuoAttention(Policy):
 
     def full_head_mask(self, n_tokens: int) -> torch.Tensor:
         """(layers, KV heads) bool: the heads that keep all of an n-token prompt (after `prepare`)."""
+        return full_heads(self._prepared_scores(), self.full_count(n_tokens, self._compressed_heads))
+
+    def sharing_heads(self) -> torch.Tensor:
+        """(layers, KV heads) bool: the heads that share the budget, those of the compressed (not sliding) layers."""
+        return ~self._prepared_scores().isnan()
+
+    def _prepared_scores(self) -> torch.Tensor:
         kv_scores = getattr(self, "_kv_scores", None)
         if kv_scores is None:
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
                                "heads' retrieval scores are unknown")
-        return full_heads(kv_scores, self.full_count(n_tokens, self._compressed_heads))
+        return kv_scores
 
     def head_budgets(self, scores, budget: LayerBudget) -> list[int]:
         full = self.full_head_mask(budget.tokens)[budget.layer]
