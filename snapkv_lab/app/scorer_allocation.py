@@ -13,6 +13,8 @@ ratios 0.25 / 0.5 / 0.75.
                                                                    # data/scorer_allocation.csv and its figure
     snapkv-lab scorer-allocation --table-only                      # the table and figure from the cells finished so far
 
+Its figure and its reading (the `scorer-allocation` figure set): app.scorer_allocation_plots.
+
 Scorers, each at its authors' defaults and with its own kept tail: SnapKV (the observation window's attention), KVzip
 with allocation="uniform" (its reconstruction score alone), Surprisal, KNorm, ExpectedAttention, RandomKeep (chance).
 The retrieval-head score (Wu et al.'s, as DuoAttention's and HeadKV's read it here) is not a scorer: it scores heads,
@@ -36,8 +38,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from ..core.figure_files import FigureSet, register
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -190,13 +190,3 @@ def recompute(options: dict) -> None:
     print(f"scorer x allocation: {done} of {len(cells)} cells finished, {len(table)} rows in {data_dir / TABLE}",
           file=sys.stderr, flush=True)
     table.to_csv(data_dir / TABLE, index=False)
-
-
-def draw(data_dir, figures_dir) -> list[Path]:
-    """The study's heatmaps from <data_dir>/scorer_allocation.csv, if there is one (app.scorer_allocation_plots)."""
-    from .scorer_allocation_plots import draw as draw_figures
-
-    return draw_figures(Path(data_dir), Path(figures_dir))
-
-
-register(FigureSet(name="scorer-allocation", recompute=recompute, draw=draw, recompute_by_default=False))

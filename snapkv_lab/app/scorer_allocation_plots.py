@@ -9,6 +9,9 @@ examples where they differ (scipy.stats.binomtest: McNemar's exact test).
 A published method is a scorer under an allocation; against SnapKV (window attention, uniform) its difference splits
 exactly into a scoring part (its scorer under the uniform allocation, less SnapKV) and an allocation part (its scorer
 under its allocation, less the same scorer uniform), `decomposition`.
+
+The figure set `scorer-allocation` is registered here (`snapkv-lab figures --only scorer-allocation` draws it;
+`--recompute` runs the study first: app.scorer_allocation.recompute).
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..core.figure_files import write_html, write_png
+from ..core.figure_files import FigureSet, register, write_html, write_png
 from ..pressure.intervals import wilson
 from ..views.palette import HEATMAP_COLOURS
-from .scorer_allocation import ALLOCATIONS, FULL, SCORERS, TABLE
+from .scorer_allocation import ALLOCATIONS, FULL, SCORERS, TABLE, recompute
 
 MODES = ("query-aware", "query-agnostic")
 # The published methods the grid holds, as (scorer, allocation): each read against SnapKV under the uniform allocation.
@@ -91,8 +94,9 @@ def decomposition(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
+def draw(data_dir, figures_dir) -> list[Path]:
     """figures_dir/scorer_allocation.{png,html} from data_dir/scorer_allocation.csv (nothing without the table)."""
+    data_dir, figures_dir = Path(data_dir), Path(figures_dir)
     path = data_dir / TABLE
     if not path.is_file():
         return []
@@ -199,3 +203,6 @@ def report(table: pd.DataFrame) -> str:
                 f"{r.difference:+.0f} [{r.low:+.0f}, {r.high:+.0f}] ({r.a_only}/{r.b_only}, p {r.p:.2g})"
                 for _, r in cells.reindex(["whole", "scoring", "allocation"]).iterrows()) + " |")
     return "\n".join(lines)
+
+
+register(FigureSet(name="scorer-allocation", recompute=recompute, draw=draw, recompute_by_default=False))
