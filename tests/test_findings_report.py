@@ -83,11 +83,14 @@ def test_committed_tables_hold_both_splits_with_the_prompt_counts():
         counts = table.groupby("split")["sample"].nunique()
         assert set(counts.index) == {"dev", "heldout"}, key
         assert (counts >= minimum[key]).all(), (key, counts.to_dict())
+    for key in ("a", "b_variants", "c"):  # the baselines beside chance
+        assert {"paper", "recency", "random segment", "oracle"} <= set(tables[key]["selection"]), key
+    assert {"question vs recency", "question vs random segment"} <= set(tables["d"]["comparison"])
     table = report("data")
     assert set(table["finding"]) == {"a", "b", "b_windows", "b_selection", "c", "d"}
-    assert set(table["split"]) == {"dev", "heldout"} and not table["verdict"].str.startswith("undefined").any()
+    assert set(table["split"]) == {"dev", "heldout", "both"} and not table["verdict"].str.startswith("undefined").any()
     text = markdown(table)
-    assert text.count("\n") == 1 + table.groupby(["finding", "measure", "mode"]).ngroups and "[" in text
+    assert text.count("\n") == 1 + len(table) and "[" in text  # a row per verdict: each split, then both pooled
 
 
 def test_tables_and_settings_from_before_the_segment_rename_still_read(tmp_path):
