@@ -15,7 +15,7 @@ from snapkv_lab.app.cli import build_parser, main
 from snapkv_lab.app.commands import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = {"convert", "figures", "needle", "eval"}
+NAMES = {"convert", "figures", "needle", "eval", "scorer-allocation"}
 ENTRY_POINTS = {"console script": ["snapkv-lab"], "package": [sys.executable, "-m", "snapkv_lab"],
                 "module": [sys.executable, "-m", "snapkv_lab.cli"]}
 

@@ -80,7 +80,8 @@ def test_gemma_finds_a_needle_in_plain_framing_with_the_small_budget_policies(ge
 
     model, tokenizer = gemma
     context = needle_context(tokenizer, 2000, depth, sample=5)
-    assert tokenizer.decode(context.queries[0].question_ids).startswith("\n\nQuestion: What is the special magic number")
+    assert tokenizer.decode(context.queries[0].question_ids).startswith("\n\nQuestion: What is the special "
+                                                                        "magic number")
     table = run_retrieval(model, tokenizer, [context], policies=[snapkv_lab.SnapKVFactKernel(), snapkv_lab.Surprisal()],
                           capacities=[500], max_new_tokens=16, progress=False)
     runs = {(row.policy, row.mode): found_exactly(row.expected, row.output) for row in table.itertuples()}

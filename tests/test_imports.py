@@ -73,7 +73,8 @@ def test_the_circle_finder_finds_a_circle_through_a_function_level_import():
 def test_the_package_has_no_import_circle():
     modules = module_names()
     graph = imports(modules)
-    assert "snapkv_lab.pressure.tables" in graph["snapkv_lab.pressure.pressure_plots"]  # the graph reads relative imports
+    # the graph reads relative imports
+    assert "snapkv_lab.pressure.tables" in graph["snapkv_lab.pressure.pressure_plots"]
     assert circles(graph) == []
 
 
@@ -101,7 +102,8 @@ for policy in registry.POLICY_NAMES:
     fresh(lambda: getattr(importlib.import_module("snapkv_lab"), policy))
 print("imported", len(names), "modules")
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=600)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "imported" in out.stdout
 
@@ -121,6 +123,7 @@ import snapkv_lab
 from snapkv_lab.evaluation import evaluate, run_example
 print(len(snapkv_lab.POLICIES), "policies", snapkv_lab.generate.__name__, snapkv_lab.capture.__name__)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[:2] == [str(len(__import__("snapkv_lab").POLICIES)), "policies"]

@@ -17,7 +17,8 @@ from kvpress_peer import build, kvpress_style_ids, n_kept  # noqa: E402
 
 def test_timing_defaults():
     args = sbs.parse_args(["--timing"])
-    assert (args.lengths, args.repeats, args.questions, args.new_tokens, args.ratio) == ([2048, 4096, 8192], 3, 4, 16, 0.75)
+    assert ((args.lengths, args.repeats, args.questions, args.new_tokens, args.ratio)
+            == ([2048, 4096, 8192], 3, 4, 16, 0.75))
     assert args.only == ["SnapKV", "ExpectedAttention", "KVzip", "AdaKV(SnapKV)", "StreamingLLM"]
 
 

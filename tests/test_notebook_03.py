@@ -11,7 +11,8 @@ from test_notebooks import count_plotly, printed, run_notebook
 def test_snapkv_ab_notebook():
     outputs = run_notebook("03_snapkv_ab.ipynb")
     text = printed(outputs)
-    assert text.count("answer:") >= 4 and "positions per head in every layer" in text  # full, SnapKV, fact kernel, stream
+    assert (text.count("answer:") >= 4  # full, SnapKV, fact kernel, stream
+            and "positions per head in every layer" in text)
     pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "MiB KV" in pages and "red box" in pages  # side-by-side answers and the kept-token view
     assert "SnapKVFactKernel@" in pages and "Surprisal@" in pages  # the small-budget policies in the A/B, kept views

@@ -50,8 +50,9 @@ def drawn(tmp_path_factory):
     for length in LENGTHS:
         for depth in (1.0, 0.0, 0.5):
             for sample in range(3):
-                rows.append(dict(task="needle", length=length, depth=depth, sample=sample, policy="FullCache", capacity=None,
-                                 mode="full", correct=sample < 2, value_kept=1.0, fact_kept=1.0, model="org/Tiny-1B"))
+                rows.append(dict(task="needle", length=length, depth=depth, sample=sample, policy="FullCache",
+                                 capacity=None, mode="full", correct=sample < 2, value_kept=1.0, fact_kept=1.0,
+                                 model="org/Tiny-1B"))
                 for policy in ("SnapKV", "H2O"):
                     for budget in BUDGETS:
                         for mode in ("query-aware", "query-agnostic"):
@@ -90,7 +91,8 @@ def test_the_first_24_policy_lines_all_look_different():
 def test_every_figure_is_written_with_plotly_beside_it(drawn):
     folder, _, written = drawn
     names = {p.name for p in written}
-    assert names == {f"pressure_{n}.{e}" for n in ("needle_query-aware", "needle_query-agnostic", "needle_budget", "lines")
+    assert names == {f"pressure_{n}.{e}"
+                     for n in ("needle_query-aware", "needle_query-agnostic", "needle_budget", "lines")
                      for e in ("png", "html")}
     assert (folder / "plotly.min.js").exists()
     for page in folder.glob("*.html"):
@@ -161,7 +163,8 @@ def test_methods_table_counts_intervals_and_means_by_hand():
     assert list(dict.fromkeys(summary.index.get_level_values(0))) == ["FullCache", "A", "B"]
     assert (summary.loc[("A", "query-aware"), ["correct", "asked"]] == [2, 3]).all()
     assert summary.loc[("A", "query-agnostic"), "correct"] == 0
-    assert summary.loc[("B", "query-aware"), ["correct_low", "correct_high"]].tolist() == pytest.approx(list(wilson(1, 3)))
+    assert (summary.loc[("B", "query-aware"), ["correct_low", "correct_high"]].tolist()
+            == pytest.approx(list(wilson(1, 3))))
     assert summary.loc[("A", "query-aware"), "cache_length"] == pytest.approx(1025)
     assert summary.loc[("A", "query-aware"), "coverage_of_oracle"] == pytest.approx((0.2 + 0.4 + 0.6) / 3 / 0.8)
     assert summary.loc[("B", "query-aware"), "value_served"] == pytest.approx((0 + 0.2 + 0.4) / 3)

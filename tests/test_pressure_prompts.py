@@ -98,7 +98,8 @@ def test_token_span_by_decoding_matches_hand_computed_offsets(digits_tokenizer):
     # Decoding and the fast tokenizer's own offsets agree on a merging tokenizer.
     text = "line calm-river: REGISTER_CONTENT is <48213>\n"
     encoded = digits_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    assert decoded_offsets(digits_tokenizer, encoded["input_ids"], text) == [tuple(o) for o in encoded["offset_mapping"]]
+    assert (decoded_offsets(digits_tokenizer, encoded["input_ids"], text)
+            == [tuple(o) for o in encoded["offset_mapping"]])
     with pytest.raises(ValueError, match="non-empty range"):
         token_span(digits_tokenizer, text, 5, 5)
 
@@ -147,7 +148,8 @@ def test_lines_context_in_any_template(case):
         key, value = query.meta["key"], query.answer
         assert tokenizer.decode(ids[query.span[0]:query.span[1]]) == f"line {key}: REGISTER_CONTENT is <{value}>\n"
         assert_minimal_span(tokenizer, ids, query.value_span, value)
-        assert tokenizer.decode(query.question_ids).endswith(f"I need the number.{tail}The <REGISTER_CONTENT> in line {key} is <")
+        assert tokenizer.decode(query.question_ids).endswith(f"I need the number.{tail}The <REGISTER_CONTENT> in line "
+                                                             f"{key} is <")
     assert max(len(ids) + len(q.question_ids) for q in ctx.queries) <= 700
 
 
@@ -167,7 +169,8 @@ def test_a_tokenizer_without_chat_template_gets_plain_text_framing(digits_tokeni
     lines = lines_context(plain, 700, n_queries=2)
     assert plain.decode(lines.context_ids).startswith("Below is a record of lines")
     assert plain.decode(lines.queries[0].question_ids).startswith("\nQuestion: Now the record is over.")
-    for build in (lambda: needle_context(plain, 600, 0.5, framing="chat"), lambda: lines_context(plain, 700, framing="chat")):
+    for build in (lambda: needle_context(plain, 600, 0.5, framing="chat"),
+                  lambda: lines_context(plain, 700, framing="chat")):
         with pytest.raises(ValueError, match="'tiny-digit-merging-bpe' has no chat template.*framing='plain'"):
             build()
     assert plain.decode(encode_prompt(plain, [{"role": "user", "content": "Hello"}])[0]) == "Hello\nAnswer:"
@@ -175,7 +178,8 @@ def test_a_tokenizer_without_chat_template_gets_plain_text_framing(digits_tokeni
     assert digits_tokenizer.decode(ids[0]) == DIGITS_HEAD + "Hello" + DIGITS_TAIL
     # A chat model can be framed as plain text too, on request.
     forced = needle_context(digits_tokenizer, 600, 0.5, sample=1, framing="plain")
-    assert forced.queries[0].question_ids == query.question_ids and not digits_tokenizer.decode(forced.context_ids).startswith(DIGITS_HEAD)
+    assert (forced.queries[0].question_ids == query.question_ids
+            and not digits_tokenizer.decode(forced.context_ids).startswith(DIGITS_HEAD))
     with pytest.raises(ValueError, match="no room for a haystack"):
         needle_context(digits_tokenizer, 30, 0.5)
 
@@ -203,7 +207,8 @@ def test_cli_chat_framing_of_a_template_less_model_fails_before_running(tmp_path
 def test_check_context_length_limits():
     config = LlamaConfig(max_position_embeddings=100)
     check_context_length(config, 100)
-    with pytest.raises(ValueError, match=r"needle context needs 101 positions.*at most 100 \(config.max_position_embeddings\)"):
+    with pytest.raises(ValueError,
+                       match=r"needle context needs 101 positions.*at most 100 \(config.max_position_embeddings\)"):
         check_context_length(config, 101, what="needle context")
     model = make_tiny_llama(max_position_embeddings=64)
     with pytest.raises(ValueError, match="at most 64"):
@@ -218,7 +223,8 @@ def test_run_retrieval_refuses_a_context_longer_than_the_model_before_any_prefil
         raise AssertionError("the model ran")
 
     model.forward = no_run
-    context = Context(list(range(40)), [Query(list(range(10)), "7", (0, 5), (1, 2)), Query(list(range(20)), "7", (0, 5), (1, 2))])
+    context = Context(list(range(40)),
+                      [Query(list(range(10)), "7", (0, 5), (1, 2)), Query(list(range(20)), "7", (0, 5), (1, 2))])
     with pytest.raises(ValueError, match="needs 65 positions"):  # 40 context + 20 longest question + 5 new
         run_retrieval(model, byte_tokenizer, [context], max_new_tokens=5, progress=False)
 

@@ -52,7 +52,8 @@ def test_built_from_capacity_alone_keeps_its_budget(name, model, byte_tokenizer)
 @pytest.mark.parametrize("name", NAMES)
 def test_budget_covering_the_prompt_is_the_plain_model(name, model, byte_tokenizer):
     ids = prompt(seed=1, n=60)
-    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                           eos_token_id=None)
     run = snapkv_lab.generate(model, byte_tokenizer, ids, policy=build(name, capacity=60 + NEW), max_new_tokens=NEW)
     assert torch.equal(run.token_ids, plain[:, 60:])
 
@@ -165,11 +166,13 @@ def test_a_field_added_later_is_left_out_at_its_default_so_stored_cells_keep_the
 
     default, variant = snapkv_lab.KVzip(capacity=256), snapkv_lab.KVzip(capacity=256, repeat_prompts="kvpress")
     assert "repeat_prompts" not in policy_config(default) and policy_config(variant)["repeat_prompts"] == "kvpress"
-    assert policy_from_config(policy_config(default)) == default and policy_from_config(policy_config(variant)) == variant
+    assert (policy_from_config(policy_config(default)) == default
+            and policy_from_config(policy_config(variant)) == variant)
     # a config written before the field existed (commit bd58935), read as today's (its kept tail was then called
     # window_size: upgrade_config), is the key of today's default
-    before = upgrade_config({"name": "KVzip", "capacity": 256, "window_size": 0, "per_query_head": False, "pooling": None,
-                             "kernel_size": 1, "gqa": "mean", "chunk_size": 2000, "sinks": None, "allocation": "global"})
+    before = upgrade_config({"name": "KVzip", "capacity": 256, "window_size": 0, "per_query_head": False,
+                             "pooling": None, "kernel_size": 1, "gqa": "mean", "chunk_size": 2000, "sinks": None,
+                             "allocation": "global"})
     assert Cell("eval", {"policies": [policy_config(default)]}).key == Cell("eval", {"policies": [before]}).key
     assert Cell("eval", {"policies": [policy_config(variant)]}).key != Cell("eval", {"policies": [before]}).key
 
@@ -193,7 +196,8 @@ def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, by
             snapkv_lab.POLICIES[wrapper](policy=build(inner))
         return
     policy = snapkv_lab.POLICIES[wrapper](policy=build(inner), capacity=0.25)
-    assert policy.label.startswith(f"{wrapper}(policy={inner}") or (inner == "SnapKV" and policy.label == f"{wrapper}@0.25")
+    assert (policy.label.startswith(f"{wrapper}(policy={inner}")
+            or (inner == "SnapKV" and policy.label == f"{wrapper}@0.25"))
     ids = prompt(seed=3)
     run = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
     full_bytes = 3 * 2 * 2 * N * 16 * 4  # layers x (K, V) x KV heads x tokens x head_dim x fp32

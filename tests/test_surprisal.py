@@ -31,7 +31,8 @@ def reference_kept(scores, n, window, capacity, kernel, sinks):
     each position's neighbours among the other positions (a sink lends its place, not its score), then the window.
     Also the pooled scores, the sinks at +inf."""
     prefix = n - window
-    pooled = torch.tensor([max((float(scores[j]) for j in range(max(sinks, i - kernel // 2), min(prefix, i + kernel // 2 + 1))),
+    pooled = torch.tensor([max((float(scores[j])
+                                for j in range(max(sinks, i - kernel // 2), min(prefix, i + kernel // 2 + 1))),
                                default=0.0) if i >= sinks else float("inf") for i in range(prefix)])
     top = pooled.topk(capacity - window).indices.sort().values
     return torch.cat([top, torch.arange(prefix, n)]), pooled

@@ -70,7 +70,8 @@ def test_cells_are_keyed_by_every_option_and_ablations_keep_their_own():
     assert [p["name"] for p in needle["policies"]] == ["SnapKV", "SnapKVNoPooling", "H2O", "StreamingLLM", "RandomKeep"]
     changed = grid_cells(dict(base, policies=["TOVA"], capacities=[96], modes=["query-agnostic"]))
     assert changed["needle"][0].key != cells["needle"][0].key
-    assert changed["needle"][0].config["capacities"] == [96] and changed["needle"][0].config["modes"] == ["query-agnostic"]
+    assert (changed["needle"][0].config["capacities"] == [96]
+            and changed["needle"][0].config["modes"] == ["query-agnostic"])
     # the window ablation fixes its policies and budget: only the mode it leaves open follows the options
     assert [c.config["policies"] for c in changed["windows"]] == [c.config["policies"] for c in cells["windows"]]
     assert changed["windows"][0].config["capacities"] == list(SUITES["windows"].capacities)
@@ -127,7 +128,8 @@ def test_a_killed_grid_resumes_without_recomputing_its_finished_cells(tiny_chat_
 
 def test_the_ray_executor_writes_the_same_table(tiny_chat_model, uninterrupted, tmp_path):
     """On Ray's local cluster, with one-CPU workers (as many as the machine has cores, each taking cells)."""
-    pytest.importorskip("ray", reason="the Ray executor needs pip install 'snapkv_lab[ray]' (scripts/install.sh installs it)")
+    pytest.importorskip("ray",
+                        reason="the Ray executor needs pip install 'snapkv_lab[ray]' (scripts/install.sh installs it)")
     # Ray's session folder, outside the default /tmp/ray and short: its socket paths must stay under 107 characters.
     # No authentication token either (Ray would write one into ~/.ray): the cluster lives only for this run.
     session = tempfile.mkdtemp(prefix="ray")

@@ -164,6 +164,39 @@ def evaluate(args) -> int:
     return 0
 
 
+def scorer_allocation(args) -> int:
+    from ..core.figure_files import model_folders
+    from .figure_sets import make_figures
+    from .scorer_allocation import TABLE, answered_tasks, recompute, study_cells
+
+    start = time.perf_counter()
+    figures_dir = _figures_dir(args)
+    data_dir, _ = model_folders(args.data_dir, figures_dir, args.model)
+    options = dict(data_dir=data_dir, model=args.model, tasks=args.tasks, samples=args.samples,
+                   needle_samples=args.needle_samples, scorers=args.scorers, allocations=args.allocations,
+                   ratios=args.ratios, modes=args.modes, framing=args.framing, threads=args.threads,
+                   table_only=args.table_only, executor=args.executor, ray_address=args.ray_address,
+                   cpus_per_worker=args.cpus_per_worker)
+    try:  # bad names, ratios and modes, and a model without its answered tasks, are said before any model loads
+        study_cells(args.model, tasks=args.tasks or answered_tasks(data_dir), scorers=args.scorers or (),
+                    allocations=args.allocations or (), ratios=args.ratios or (0.5,), modes=args.modes)
+    except ValueError as err:
+        print(f"snapkv-lab scorer-allocation: error: {err}", file=sys.stderr)
+        return 2
+    if args.report:
+        import pandas as pd
+
+        from .scorer_allocation_plots import report
+
+        print(report(pd.read_csv(data_dir / TABLE, dtype={"example": str, "prediction": str})))
+        return 0
+    recompute(options)
+    for path in make_figures(args.data_dir, figures_dir, only=["scorer-allocation"], options=dict(model=args.model)):
+        print(path)
+    print(f"done in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
 def _names_known(command: str, check: Callable[[], None]) -> bool:
     """Whether `check` (of the names the options give: core.checks, against the tables of app.catalog) passes; if not,
     its refusal is said in one line. Called before the library is imported: a misspelt name costs no torch import."""
@@ -406,6 +439,35 @@ def _eval_arguments(p) -> None:
     _executor_arguments(p)
 
 
+def _scorer_allocation_arguments(p) -> None:
+    from .scorer_allocation import ALLOCATIONS, SCORERS
+
+    _folders_and_model(p)
+    p.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                   help="RULER tasks at 4096 tokens (default: those whose full cache answered every example of the "
+                        "model's eval_ruler_4k_answered.csv: niah_single_1 niah_single_2 for SmolLM2)")
+    p.add_argument("--samples", type=_positive_int, default=None, metavar="N",
+                   help="RULER examples per task (default 3); more adds cells, the finished ones are kept")
+    p.add_argument("--needle-samples", type=_positive_int, default=None, metavar="N",
+                   help="haystacks per depth of the needle suite (4000 tokens, 5 depths; default 1)")
+    p.add_argument("--scorers", nargs="+", default=None, choices=list(SCORERS), metavar="SCORER",
+                   help=f"scorers (default all: {' '.join(SCORERS)})")
+    p.add_argument("--allocations", nargs="+", default=None, choices=list(ALLOCATIONS), metavar="ALLOCATION",
+                   help=f"allocations (default all: {' '.join(ALLOCATIONS)})")
+    p.add_argument("--ratios", type=_share(False, "a compression ratio is the share of KV pairs removed"), nargs="+",
+                   default=None, metavar="R", help="compression ratios (default 0.25 0.5 0.75)")
+    p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"], default=None,
+                   help="query-aware, query-agnostic or both (default both)")
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="torch threads of the run (default torch's own; 1 on a shared machine)")
+    p.add_argument("--table-only", action="store_true",
+                   help="write the table and figure from the cells finished so far (a run in progress), run nothing")
+    p.add_argument("--report", action="store_true",
+                   help="print the study's tables (scores with Wilson intervals, each method split into scoring and "
+                        "allocation) from the written table, for docs/scorer_allocation.md; run nothing")
+    _executor_arguments(p)
+
+
 COMMANDS: dict[str, Command] = {
     "convert": Command("Convert a bundled model's GGUF (default SmolLM2) once into the cache folder and print its path.",
                        _model_argument, convert),
@@ -417,4 +479,8 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("Run benchmarks (RULER generated here; LongBench, InfiniteBench, ... from the Hub) through the "
                     "policies at several compression ratios, with the full cache as baseline; write the table and the "
                     "leaderboard figures.", _eval_arguments, evaluate),
+    "scorer-allocation": Command("Run every scorer under every allocation at matched KV entries on the RULER tasks the "
+                                 "full cache answers and the needle suite, both modes (resumable); write "
+                                 "data/scorer_allocation.csv and its heatmaps.", _scorer_allocation_arguments,
+                                 scorer_allocation),
 }

@@ -20,6 +20,8 @@ FIGURE_MODULES = {
     "eval": ("snapkv_lab.evaluation", "benchmark runs (snapkv-lab eval): score vs compression ratio, task x policy, gap to "
                                       "the full cache"),
     "heads": ("snapkv_lab.findings.heads_study", "which heads retrieve: Wu et al.'s retrieval score per layer and head"),
+    "scorer-allocation": ("snapkv_lab.app.scorer_allocation_plots", "every scorer under every allocation at matched KV "
+                                                              "entries (snapkv-lab scorer-allocation)"),
 }
 
 

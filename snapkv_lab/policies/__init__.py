@@ -26,6 +26,8 @@ _MODULES = {
     "KVzip": "kvzip", "Surprisal": "surprisal", "DecodingEviction": "decoding", "KeyDiff": "keydiff", "LagKV": "lagkv",
     "QFilters": "qfilters", "HeadKV": "headkv", "DuoAttention": "duoattention", "CAKE": "cake",
     "RKV": "rkv", "LookaheadQCache": "lookahead",
+    # Allocations alone, over any scorer (AdaKV and HeadKV above are wrappers too): scorer x allocation studies.
+    "PyramidAllocation": "pyramid_allocation", "GlobalAllocation": "global_allocation", "DuoAllocation": "duo_allocation",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).
@@ -153,7 +155,10 @@ def parse_policy(text: str):
     config = policy_spec(text)
     try:
         return policy_from_config(config)
-    except TypeError as error:  # an unknown setting: name the ones there are
+    except TypeError as error:
+        if "unexpected keyword argument" not in str(error):  # a composition refused (a wrapper's inner): said as is
+            raise ValueError(f"{text!r}: {error}") from error
+        # an unknown setting: name the ones there are
         fields = [f.name for f in dataclasses.fields(__getattr__(config["name"]))]
         hint = ("; window_size is the observation window of SnapKV's family, the last tokens kept by right are "
                 "kept_tail") if "window_size" in str(error) else ""

@@ -116,6 +116,14 @@ class DuoAttention(Policy):
         budget, streaming = self.budget(n_tokens), self.streaming_budget(n_tokens)
         return (n_heads * (budget - streaming)) // (n_tokens - streaming)
 
+    def full_head_mask(self, n_tokens: int) -> torch.Tensor:
+        """(layers, KV heads) bool: the heads that keep all of an n-token prompt (after `prepare`)."""
+        return full_heads(self.gates, self.full_count(n_tokens, self._compressed_heads))
+
+    def sharing_heads(self) -> torch.Tensor:
+        """(layers, KV heads) bool: the heads that share the budget, those of the compressed (not sliding) layers."""
+        return ~self.gates.isnan()
+
     @property
     def gates(self) -> torch.Tensor:
         """(layers, KV heads) the scores the heads are ranked by (after `prepare`), NaN on sliding-window layers."""
@@ -124,10 +132,6 @@ class DuoAttention(Policy):
             raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
                                "heads' retrieval scores are unknown")
         return kv_scores
-
-    def full_head_mask(self, n_tokens: int) -> torch.Tensor:
-        """(layers, KV heads) bool: the heads that keep all of an n-token prompt (after `prepare`)."""
-        return full_heads(self.gates, self.full_count(n_tokens, self._compressed_heads))
 
     def head_budgets(self, scores, budget: LayerBudget) -> list[int]:
         full = self.full_head_mask(budget.tokens)[budget.layer]

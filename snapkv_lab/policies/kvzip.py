@@ -49,7 +49,8 @@ from ..core.attention import BLOCK_ELEMENTS, AttentionSettings
 from ..core.checks import check_int
 from ..core.framing import chat_frame
 from ..core.tokens import encode
-from .base import ADDED_LATER, LayerBudget, Policy, Prompt, top_positions
+from .base import ADDED_LATER, LayerBudget, Policy, Prompt
+from .global_allocation import keep_globally
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # model/wrapper.py:211
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "  # model/wrapper.py:214
@@ -239,11 +240,4 @@ class KVzip(Policy):
         official score.py:88-102 thresholds instead); "uniform": each layer by `keep`."""
         if self.allocation == "uniform":
             return super().keep_layers(scores, budget)
-        layers = sorted(scores)
-        # (layers, rows, prefix): every layer's prefix is as long (one budget and tail for all)
-        ranked = torch.stack([self.ranked(scores[i], budget.at(i)) for i in layers])
-        total = sum(sum(self.head_budgets(scores[i], budget.at(i))) for i in layers)
-        rows = ranked.shape[0] * ranked.shape[1]
-        counts = torch.bincount(ranked.flatten().topk(total).indices // ranked.shape[-1], minlength=rows)
-        counts = counts.view(len(layers), -1).tolist()
-        return {i: top_positions(ranked[j], counts[j], budget.tokens) for j, i in enumerate(layers)}
+        return keep_globally(self, scores, budget)

@@ -45,28 +45,34 @@ class PyramidKV(SnapKV):
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
     def layer_budget(self, budget: LayerBudget) -> int:
-        n_tokens, layer, n_layers = budget.tokens, budget.layer, budget.n_layers
-        budget = budget.capacity
-        if n_layers == 1:
-            return budget
-        tail = self.tail(budget)
-        if self.schedule == "kvpress":
-            return self._kvpress_budget(budget, tail, n_tokens, layer, n_layers)
-        prefix_budget, prefix_len = budget - tail, n_tokens - tail
-        if n_tokens < 2 * prefix_budget:
-            return budget
-        smallest = prefix_budget // self.beta
-        largest = 2 * prefix_budget - smallest
-        if largest >= prefix_len:
-            largest, smallest = prefix_len, 2 * prefix_budget - prefix_len
-        return tail + largest - layer * ((largest - smallest) // (n_layers - 1))
+        return pyramid_layer_budget(budget, self.tail(budget.capacity), self.beta, self.schedule)
 
-    def _kvpress_budget(self, budget: int, tail: int, n_tokens: int, layer: int, n_layers: int) -> int:
-        smallest = budget / self.beta
-        largest = 2 * budget - smallest
-        if largest >= n_tokens - tail:
-            largest = n_tokens - tail
-            smallest = 2 * budget - largest
-        if not n_tokens >= largest >= smallest >= tail:
-            return budget
-        return round(largest - layer * (largest - smallest) / (n_layers - 1))
+
+def pyramid_layer_budget(budget: LayerBudget, tail: int, beta: int, schedule: str = "paper") -> int:
+    """Positions kept per head in `budget.layer` (the kept tail of `tail` tokens included) on PyramidKV's line from
+    the uniform budget `budget.capacity` (module doc): the official integers (schedule "paper") or kvpress's floats
+    ("kvpress"). PyramidKV and PyramidAllocation (the same budgets over any scorer) both read it."""
+    n_tokens, layer, n_layers, capacity = budget.tokens, budget.layer, budget.n_layers, budget.capacity
+    if n_layers == 1:
+        return capacity
+    if schedule == "kvpress":
+        return _kvpress_budget(capacity, tail, n_tokens, layer, n_layers, beta)
+    prefix_budget, prefix_len = capacity - tail, n_tokens - tail
+    if n_tokens < 2 * prefix_budget:
+        return capacity
+    smallest = prefix_budget // beta
+    largest = 2 * prefix_budget - smallest
+    if largest >= prefix_len:
+        largest, smallest = prefix_len, 2 * prefix_budget - prefix_len
+    return tail + largest - layer * ((largest - smallest) // (n_layers - 1))
+
+
+def _kvpress_budget(budget: int, tail: int, n_tokens: int, layer: int, n_layers: int, beta: int) -> int:
+    smallest = budget / beta
+    largest = 2 * budget - smallest
+    if largest >= n_tokens - tail:
+        largest = n_tokens - tail
+        smallest = 2 * budget - largest
+    if not n_tokens >= largest >= smallest >= tail:
+        return budget
+    return round(largest - layer * (largest - smallest) / (n_layers - 1))

@@ -7,6 +7,10 @@ step of the inner policy's pipeline (see base): AdaKV the budgets per head, Chun
 every other step, scoring included (extra forward passes too, e.g. KVzip's, and the final hidden states Surprisal
 reads), is the inner policy's. So wrappers compose with any scorer and with each other:
 CriticalKV(policy=AdaKV(policy=SnapKV())) is kvpress's CriticalAdaKV.
+
+The allocation wrappers (PyramidAllocation, GlobalAllocation, DuoAllocation; AdaKV and HeadKV too) move one budget
+between layers or heads; those that start from the uniform allocation refuse an inner policy with budgets of its own
+(`own_allocation`), which they would silently override.
 """
 
 from __future__ import annotations
@@ -98,3 +102,18 @@ class Wrapper(Policy):
 
     def _settings(self) -> str:
         return self._settings_against(type(self)())
+
+
+def own_allocation(policy: Policy) -> str | None:
+    """The name of the policy, `policy` or one it wraps, that sets budgets of its own per layer or per head (PyramidKV,
+    AdaKV, HeadKV, DuoAttention, an allocation wrapper, CAKE), or None where every layer and head keeps the uniform
+    budget. KVzip's global selection is not counted: it lives in `keep_layers`, which a wrapper's replaces (its docs)."""
+    while True:
+        base = Wrapper if isinstance(policy, Wrapper) else Policy
+        cls = type(policy)
+        if cls.layer_budget is not base.layer_budget or cls.head_budgets is not base.head_budgets or \
+                policy.layers_share_budget:
+            return policy.name
+        if not isinstance(policy, Wrapper):
+            return None
+        policy = policy.policy

@@ -180,8 +180,10 @@ def run_context(model, tokenizer, config: dict) -> pd.DataFrame:
                           capacities=config["capacities"], modes=config["modes"], max_new_tokens=config["max_new_tokens"],
                           progress=False, describe=describe)
     # One type per column, so that the table reads back from the store as written: capacity is empty for the full
-    # cache, and RULER's multivalue answers are lists, written as CSV writes them.
-    return table.assign(capacity=table.capacity.astype("Int64"), expected=table.expected.map(str))
+    # cache (shares of the prompt, as a scorer x allocation study gives them, stay floats), and RULER's multivalue
+    # answers are lists, written as CSV writes them.
+    shares = any(isinstance(capacity, float) for capacity in config["capacities"])
+    return table.assign(capacity=table.capacity.astype("Float64" if shares else "Int64"), expected=table.expected.map(str))
 
 
 def grid_cells(options: dict) -> dict[str, list]:
