@@ -29,6 +29,7 @@ def _brute_force_p(differences, weights) -> float:
     [0, 0, 0],                                      # nothing differs: p 1
     [-25, 0, 75, 75, 75, -25, 100, 0, 50],         # partial scores (multivalue's quarters)
     [100],                                          # one difference: both signs reach it
+    [100, -100, 100, 0, 100, 100, -100],            # one magnitude: counted as a binomial
 ])
 def test_the_exact_sign_flip_p_of_a_mean_over_examples_is_its_enumerated_definition(differences):
     weights = np.full(len(differences), 1 / len(differences))
@@ -54,16 +55,33 @@ def test_the_exact_sign_flip_p_of_a_mean_over_tasks_flips_examples_and_recompute
         sign_flip_test(differences, weights[:-1])
 
 
-def test_past_twenty_nonzero_differences_the_flips_are_drawn_and_p_says_its_floor():
-    # 24 differences of one size, 17 positive: the exact p is a binomial tail, P(|2B - 24| >= 10), B ~ Bin(24, 1/2)
-    differences = np.array([1.0] * 17 + [-1.0] * 7)
+def test_differences_of_one_magnitude_are_counted_exactly_at_any_number():
+    # 24 wins or losses of one size, 17 won: the statistic counts signs, and the exact p is a binomial tail,
+    # P(|2B - 24| >= 10) with B ~ Bin(24, 1/2): no flip is drawn
+    differences = np.array([100.0] * 17 + [-100.0] * 7 + [0.0] * 5)
     exact = sum(math.comb(24, k) for k in range(25) if abs(2 * k - 24) >= 10) / 2 ** 24
-    p, method = sign_flip_test(differences, np.full(24, 1 / 24), n_resamples=20000, seed=3)
+    assert sign_flip_test(differences, np.full(29, 1 / 29)) == (pytest.approx(exact), "exact")
+
+
+def test_past_twenty_nonzero_differences_of_several_sizes_the_flips_are_drawn_and_p_says_its_floor():
+    # 22 differences of sizes 1 and 2: the exact p by the definition, the distribution of sum(signs * differences)
+    # built by convolution over the examples, against 20,000 drawn flips
+    differences = np.array([2.0] * 8 + [1.0] * 8 + [-1.0] * 4 + [-2.0] * 2)
+    counts = {0: 1}
+    for d in differences.astype(int):
+        shifted: dict[int, int] = {}
+        for total, n in counts.items():
+            for signed in (d, -d):
+                shifted[total + signed] = shifted.get(total + signed, 0) + n
+        counts = shifted
+    observed = abs(int(differences.sum()))
+    exact = sum(n for total, n in counts.items() if abs(total) >= observed) / 2 ** len(differences)
+    p, method = sign_flip_test(differences, np.full(22, 1 / 22), n_resamples=20000, seed=3)
     assert method == "monte carlo (floor 1/20001)"
     assert p == pytest.approx(exact, abs=4 * math.sqrt(exact / 20000))
     # every drawn flip short of the observed: p is the floor, never 0
-    assert sign_flip_test(np.ones(21), np.full(21, 1 / 21), n_resamples=999) == (pytest.approx(1 / 1000),
-                                                                                 "monte carlo (floor 1/1000)")
+    assert sign_flip_test(np.r_[np.ones(20), 2.0], np.full(21, 1 / 21), n_resamples=999) == (
+        pytest.approx(1 / 1000), "monte carlo (floor 1/1000)")
 
 
 def test_holm_against_a_worked_example():

@@ -136,8 +136,8 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
     others = sorted({e.removeprefix(SAME) for e in rows.evidence if e != PRIMARY})
     where = "per ratio" if every_budget else f"at ratio {steps[0]:g}"
     head = (f"Score less {BASELINE}'s on the same examples {where} (points, the mean over tasks), [95% bootstrap "
-            f"interval] and the p of a paired sign-flip test (exact; ~ drawn: Monte Carlo past 20 nonzero "
-            f"differences)")
+            f"interval] and the p of a paired sign-flip test (exact; ~ drawn: Monte Carlo, past 20 nonzero "
+            f"differences of several sizes)")
     if others:
         examples = read_family(data_dir / FAMILY).drop_duplicates("table").set_index("table").examples
         own = parse_examples(examples[table])

@@ -18,8 +18,9 @@ family_results reads every row three ways (`analysis`):
 
 - "answered", the primary analysis: the examples the full cache answers (summary.answered_examples: its score 100,
   every question answered whole by the task's metric, as the answered runs' tasks were chosen), each example
-  weighing the same: the mean paired difference, its exact sign-flip p (or Monte Carlo past 20 nonzero
-  differences: `p_method`), and `p_holm`, Holm over every primary row of the family.
+  weighing the same: the mean paired difference, its sign-flip p (summary.sign_flip_test: exact, or drawn past 20
+  nonzero differences of several sizes, as `p_method` says), and `p_holm`, Holm over every primary row of the
+  family.
 - "task mean": every task of the run, the leaderboard's statistic (the mean over tasks of each task's mean), its p
   and its own `p_holm` over the family's primary rows. A task the full cache fails weighs as much as one it answers.
 - "task": one task at a time (in a run of several), the mean over its examples and its p, for reading beside the
@@ -230,8 +231,8 @@ def family_results(data_dir="data", family=None, n_boot: int = 2000, seed: int =
 
 def write_results(data_dir="data", **options) -> Path:
     """Recompute the family's results from the committed tables and write them beside them (RESULTS), the file
-    the docs' tables read their adjusted p from. Minutes: exact sign flips of up to 2^20 patterns, and 100,000
-    drawn flips past that, for each of the family's comparisons."""
+    the docs' tables read their adjusted p from. A minute or two: exact sign flips of up to 2^20 patterns, and
+    100,000 drawn ones past that where the differences have several sizes."""
     path = Path(data_dir) / RESULTS
     family_results(data_dir, **options).to_csv(path, index=False, float_format="%.6g")
     return path

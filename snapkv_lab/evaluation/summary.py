@@ -134,8 +134,9 @@ def gap_to_full(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Da
 
 
 # A sign-flip test enumerates every assignment of signs when the nonzero paired differences number at most
-# EXACT_UP_TO (2^20 patterns, seconds in scipy); past that it draws N_RESAMPLES of them, so that p never goes below
-# 1 / (N_RESAMPLES + 1): about 1e-5, under the smallest threshold Holm sets on a family of a few hundred.
+# EXACT_UP_TO (2^20 patterns, seconds in scipy); past that, unless they share one magnitude (a binomial count), it
+# draws N_RESAMPLES of them, so that p never goes below 1 / (N_RESAMPLES + 1): about 1e-5, under the smallest
+# threshold Holm sets on a family of a few hundred.
 EXACT_UP_TO = 20
 N_RESAMPLES = 100_000
 
@@ -147,12 +148,14 @@ def sign_flip_test(differences: np.ndarray, weights: np.ndarray, n_resamples: in
     likely to have either sign: the test flips each example's difference and recomputes the same weighted statistic
     (a mean over examples, weights 1 / n; a mean over tasks of task means, 1 / (examples in its task x tasks)), and
     p is the share of flips whose |statistic| reaches the observed one. A zero difference flips to itself, so it is
-    left out of the flips (the share is the same with it). `scipy.stats.permutation_test(permutation_type="samples")`
-    enumerates every flip ("exact") when there are at most EXACT_UP_TO nonzero differences, else draws n_resamples
-    of them ("monte carlo (floor 1/(n_resamples+1))": the drawn count is taken with the observed flip, so that p is
-    never 0). Unlike a percentile bootstrap, which collapses to a point on one or two examples per task, it cannot
-    call fewer than six agreeing examples a difference (all of five agree: p = 2 / 32)."""
-    from scipy.stats import permutation_test
+    left out of the flips (the share is the same with it). Exact ("exact") where every flip can be counted: when the
+    nonzero terms weights * differences share one magnitude (an example won or lost, each weighing the same: the
+    statistic counts signs, and p is the two-sided binomial test's, scipy.stats.binomtest, at any n), or when there
+    are at most EXACT_UP_TO of them (scipy.stats.permutation_test(permutation_type="samples") enumerates all 2^n
+    flips); else n_resamples drawn flips ("monte carlo (floor 1/(n_resamples+1))": the drawn count is taken with
+    the observed flip, so that p is never 0). Unlike a percentile bootstrap, which collapses to a point on one or two
+    examples per task, it cannot call fewer than six agreeing examples a difference (all of five agree: p = 2 / 32)."""
+    from scipy.stats import binomtest, permutation_test
 
     differences, weights = np.asarray(differences, dtype=float), np.asarray(weights, dtype=float)
     if differences.shape != weights.shape or differences.ndim != 1:
@@ -160,9 +163,12 @@ def sign_flip_test(differences: np.ndarray, weights: np.ndarray, n_resamples: in
                          f"{differences.shape} and {weights.shape}")
     nonzero = differences != 0
     differences, weights = differences[nonzero], weights[nonzero]
-    if len(differences) < 2:  # both signs of one difference reach it (scipy asks for two)
+    terms = weights * differences
+    if len(terms) < 2:  # both signs of one difference reach it (scipy asks for two)
         return 1.0, "exact"
-    exact = len(differences) <= EXACT_UP_TO
+    if np.allclose(np.abs(terms), abs(terms[0]), rtol=1e-9, atol=0):
+        return float(binomtest(int(np.count_nonzero(terms > 0)), len(terms)).pvalue), "exact"
+    exact = len(terms) <= EXACT_UP_TO
     result = permutation_test((differences,), lambda x, axis: np.abs((x * weights).sum(axis=axis)),
                               permutation_type="samples", vectorized=True, alternative="greater",
                               n_resamples=np.inf if exact else n_resamples, batch=2 ** 15, rng=seed)
