@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ByteTokenizer, make_tiny_llama
 from test_budgets import pyramid_budgets
-from test_head_budgets import official_duo_kept, scored
+from test_head_budgets import kv_gates, official_duo_kept, official_pattern_within, scored
 
 import snapkv_lab as C
 from snapkv_lab.policies import parse_policy
@@ -162,7 +162,8 @@ def test_duo_over_streaming_is_duoattention():
     theirs = C.DuoAttention(sink_size=SINK, recent_size=RECENT, capacity=0.3)
     a, b = (C.generate(model, ByteTokenizer(), ids, policy=p, max_new_tokens=1) for p in (ours, theirs))
     assert kept_sets(a) == kept_sets(b)
-    reference = official_duo_kept(torch.tensor(scores), N, int(0.3 * N), SINK, RECENT, kv_heads=2)
+    full = official_pattern_within(kv_gates(scores, 2), N, int(0.3 * N), SINK, RECENT)
+    reference = official_duo_kept(full, N, int(0.3 * N), SINK, RECENT)
     assert kept_sets(a) == [[set(row[row >= 0].tolist()) for row in layer] for layer in reference]
 
 
@@ -178,7 +179,8 @@ def test_duo_over_knorm_gives_full_heads_everything_and_the_others_knorms_top(ho
                              hold_total=hold_total)
     run = C.generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1)
     budget, s = int(capacity * N), SINK + RECENT
-    official = official_duo_kept(torch.tensor(scores), N, budget, SINK, RECENT, kv_heads=2)
+    official = official_duo_kept(official_pattern_within(kv_gates(scores, 2), N, budget, SINK, RECENT), N, budget,
+                                 SINK, RECENT)
     full = [[int((row >= 0).sum()) == N for row in layer] for layer in official]
     heads, n_full = LAYERS * 2, sum(map(sum, full))
     assert 0 < n_full < heads
