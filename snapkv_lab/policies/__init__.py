@@ -36,7 +36,9 @@ _FROM_BASE = ("ADDED_LATER", "NO_POSITION", "AttentionCall", "Policy")
 
 
 def __getattr__(name: str):
-    if name == "POLICIES":
+    if name in ("KVPRESS", "BASE_PRESSES"):
+        value = getattr(importlib.import_module(".kvpress_names", __name__), name)
+    elif name == "POLICIES":
         value = {policy: __getattr__(policy) for policy in POLICY_NAMES}
     elif name in _MODULES or name in _FROM_BASE:
         value = getattr(importlib.import_module(f".{_MODULES.get(name, 'base')}", __name__), name)
@@ -165,6 +167,6 @@ def parse_policy(text: str):
         raise ValueError(f"{text!r}: {error}; {config['name']} takes {', '.join(fields)}{hint}") from error
 
 
-__all__ = ["ADDED_LATER", "ALL_POLICIES", "NO_POSITION", "POLICIES", "POLICY_NAMES", "AttentionCall", "Policy",
-           "expand_policies", "parse_policy",
+__all__ = ["ADDED_LATER", "ALL_POLICIES", "BASE_PRESSES", "KVPRESS", "NO_POSITION", "POLICIES", "POLICY_NAMES",
+           "AttentionCall", "Policy", "expand_policies", "parse_policy",
            "policy_config", "policy_from_config", "policy_spec", "upgrade_config", *POLICY_NAMES]
