@@ -119,7 +119,7 @@ def _title(table: pd.DataFrame) -> str:
     uniform = shares.xs("uniform", level="allocation").reindex(shares.droplevel("allocation").index).to_numpy()
     worst = float(np.nanmax(np.abs(shares.to_numpy() / uniform - 1))) if len(shares) else float("nan")
     return (f"Scorer x allocation at matched KV entries, {model}: share found (0-100) of the examples the full cache "
-            f"answers ({counts}); every cell's KV entries within {100 * worst:.1f}% of the uniform allocation's")
+            f"answers\n({counts}); every cell's KV entries within {100 * worst:.1f}% of the uniform allocation's")
 
 
 def heatmap_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
@@ -165,7 +165,7 @@ def heatmap_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     fig.suptitle(title, fontsize=8)
     png = write_png(fig, stem.with_suffix(".png"))
     interactive.update_yaxes(autorange="reversed")
-    interactive.update_layout(title=dict(text=title, font=dict(size=11)), height=330 * len(modes) + 120,
+    interactive.update_layout(title=dict(text=title.replace("\n", "<br>"), font=dict(size=11)), height=330 * len(modes) + 120,
                               width=330 * len(ratios) + 200)
     return [png, write_html(interactive, stem.with_suffix(".html"))]
 
