@@ -183,10 +183,11 @@ def report(table: pd.DataFrame) -> str:
     ratio, and the decomposition of each method against SnapKV (paired differences in points, t 95% interval,
     discordant examples, exact sign-test p)."""
     scores = cell_scores(table)
+    scores = scores.assign(order=scores["mode"].map(MODES.index)).sort_values(["order", "ratio"], kind="stable")
     lines = []
     for (mode, ratio), part in scores.groupby(["mode", "ratio"], sort=False):
         n = int(part.n.max())
-        lines += [f"**{mode}, ratio {ratio:g}** (n = {n} answered examples; found / n, Wilson 95% in points):", "",
+        lines += [f"**{mode}, ratio {ratio:g}** (n = {n} answered; found / n, Wilson 95% in points):", "",
                   "| scorer | " + " | ".join(a for a in ALLOCATIONS if a in set(part.allocation)) + " |",
                   "|---|" + "---|" * part.allocation.nunique()]
         for scorer in [s for s in SCORERS if s in set(part.scorer)]:
