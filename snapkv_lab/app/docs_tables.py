@@ -42,6 +42,16 @@ def _findings_side_by_side(data_dir: Path) -> str:
     return side_by_side({"SmolLM2-135M": report(data_dir), "Gemma 3 270M": report(data_dir / "gemma-3-270m")})
 
 
+def _scorer_allocation(data_dir: Path) -> str:
+    """The scorer x allocation study's scores and each method's decomposition (app.scorer_allocation_plots.report)."""
+    import pandas as pd
+
+    from .scorer_allocation import TABLE
+    from .scorer_allocation_plots import report
+
+    return report(pd.read_csv(data_dir / TABLE, dtype={"example": str, "prediction": str}))
+
+
 def _interval_cell(score: float, low: float, high: float) -> str:
     return f"{score:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
 
@@ -402,6 +412,7 @@ BLOCKS = {
     "family-holds": Block("benchmarks.md", FAMILY_FILES, _family_holds),
     "family-tasks": Block("benchmarks.md", FAMILY_FILES, _family_tasks),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
+    "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),
                               functools.partial(_head_types, model="gemma-3-270m")),

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.figure_files import FigureSet, register, write_html, write_png
+from ..evaluation.summary import _holm
 from ..pressure.intervals import wilson
 from ..views.palette import HEATMAP_COLOURS
 from .scorer_allocation import ALLOCATIONS, FULL, SCORERS, TABLE, recompute
@@ -83,7 +84,8 @@ def paired(table: pd.DataFrame, a: tuple[str, str], b: tuple[str, str]) -> pd.Da
 def decomposition(table: pd.DataFrame) -> pd.DataFrame:
     """Each method of METHODS against SnapKV (uniform), per mode and ratio: its whole difference, the scoring part (its
     scorer uniform less SnapKV uniform) and the allocation part (its scorer under its allocation less the same scorer
-    uniform), each paired (`paired`); the two parts add up to the whole on the examples all three answered."""
+    uniform), each paired (`paired`); the two parts add up to the whole on the examples all three answered. p_holm:
+    Holm-adjusted over every row (the family: every method, part, mode and ratio)."""
     out = []
     for method, (scorer, allocation) in METHODS.items():
         parts = {"whole": paired(table, (scorer, allocation), BASELINE),
@@ -91,7 +93,8 @@ def decomposition(table: pd.DataFrame) -> pd.DataFrame:
                  "allocation": paired(table, (scorer, allocation), (scorer, "uniform"))}
         for part, rows in parts.items():
             out += [dict(method=method, part=part, **row) for row in rows.to_dict("records")]
-    return pd.DataFrame(out)
+    out = pd.DataFrame(out)
+    return out.assign(p_holm=_holm(out.p.to_numpy(dtype=float))) if len(out) else out
 
 
 def draw(data_dir, figures_dir) -> list[Path]:
@@ -116,7 +119,7 @@ def _title(table: pd.DataFrame) -> str:
     uniform = shares.xs("uniform", level="allocation").reindex(shares.droplevel("allocation").index).to_numpy()
     worst = float(np.nanmax(np.abs(shares.to_numpy() / uniform - 1))) if len(shares) else float("nan")
     return (f"Scorer x allocation at matched KV entries, {model}: share found (0-100) of the examples the full cache "
-            f"answers ({counts}); every cell's KV entries within {100 * worst:.1f}% of the uniform allocation's")
+            f"answers\n({counts}); every cell's KV entries within {100 * worst:.1f}% of the uniform allocation's")
 
 
 def heatmap_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
@@ -162,7 +165,7 @@ def heatmap_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     fig.suptitle(title, fontsize=8)
     png = write_png(fig, stem.with_suffix(".png"))
     interactive.update_yaxes(autorange="reversed")
-    interactive.update_layout(title=dict(text=title, font=dict(size=11)), height=330 * len(modes) + 120,
+    interactive.update_layout(title=dict(text=title.replace("\n", "<br>"), font=dict(size=11)), height=330 * len(modes) + 120,
                               width=330 * len(ratios) + 200)
     return [png, write_html(interactive, stem.with_suffix(".html"))]
 
@@ -180,10 +183,11 @@ def report(table: pd.DataFrame) -> str:
     ratio, and the decomposition of each method against SnapKV (paired differences in points, t 95% interval,
     discordant examples, exact sign-test p)."""
     scores = cell_scores(table)
+    scores = scores.assign(order=scores["mode"].map(MODES.index)).sort_values(["order", "ratio"], kind="stable")
     lines = []
     for (mode, ratio), part in scores.groupby(["mode", "ratio"], sort=False):
         n = int(part.n.max())
-        lines += [f"**{mode}, ratio {ratio:g}** (n = {n} answered examples; found / n, Wilson 95% in points):", "",
+        lines += [f"**{mode}, ratio {ratio:g}** (n = {n} answered; found / n, Wilson 95% in points):", "",
                   "| scorer | " + " | ".join(a for a in ALLOCATIONS if a in set(part.allocation)) + " |",
                   "|---|" + "---|" * part.allocation.nunique()]
         for scorer in [s for s in SCORERS if s in set(part.scorer)]:
@@ -195,12 +199,13 @@ def report(table: pd.DataFrame) -> str:
     parts = decomposition(table)
     if not parts.empty:
         lines += ["Each method against SnapKV (uniform), paired on the same answered examples, in points "
-                  "(difference [t 95%], examples only it / only the other answers, exact sign-test p):", "",
+                  "(difference [t 95%], examples only it / only the other answers, exact sign-test p, Holm-adjusted "
+                  f"over the table's {len(parts)} comparisons):", "",
                   "| method | mode | ratio | whole | scoring | allocation |", "|---|---|---|---|---|---|"]
         for (method, mode, ratio), part in parts.groupby(["method", "mode", "ratio"], sort=False):
             cells = part.set_index("part")
             lines.append(f"| {method} | {mode} | {ratio:g} | " + " | ".join(
-                f"{r.difference:+.0f} [{r.low:+.0f}, {r.high:+.0f}] ({r.a_only}/{r.b_only}, p {r.p:.2g})"
+                f"{r.difference:+.0f} [{r.low:+.0f}, {r.high:+.0f}] ({r.a_only}/{r.b_only}, p {r.p_holm:.2g})"
                 for _, r in cells.reindex(["whole", "scoring", "allocation"]).iterrows()) + " |")
     return "\n".join(lines)
 
