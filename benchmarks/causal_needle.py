@@ -52,7 +52,8 @@ def main() -> None:
     print("top blocks by KL:", effects.nlargest(5, "kl")[["start", "kl", "answer_changed"]].to_dict("records"))
     print("top blocks by gradient:", list(gradients.nlargest(5, "attribution").start))
     found = minimal_evicting_set(probe, effects, budget=12)
-    print(f"smallest evicting set found: {found.spans} (changes the answer: {found.changed}, {found.forwards} forwards)")
+    print(f"smallest evicting set found: {found.spans} (changes the answer: {found.changed}, "
+          f"{found.forwards} forwards)")
     layers = layer_effects(probe, found.spans)
     print("its layers by KL:", layers.nlargest(5, "kl")[["layer", "kl", "answer_changed"]].to_dict("records"))
 

@@ -198,13 +198,15 @@ def masked_decode(model, ids, kept, steps, question=None):
         cache, start, logits = out.past_key_values, n, out.logits[:, -1]
         with intercept_attention(twin, None, attend=attend):
             if question is not None:
-                logits = twin(question, past_key_values=cache, position_ids=torch.arange(n, n + question.shape[1])[None]).logits[:, -1]
+                logits = twin(question, past_key_values=cache,
+                              position_ids=torch.arange(n, n + question.shape[1])[None]).logits[:, -1]
                 start += question.shape[1]
             tokens = []
             for step in range(steps):
                 token = logits.argmax(-1)
                 tokens.append(token)
-                logits = twin(token[:, None], past_key_values=cache, position_ids=torch.tensor([[start + step]])).logits[:, -1]
+                logits = twin(token[:, None], past_key_values=cache,
+                              position_ids=torch.tensor([[start + step]])).logits[:, -1]
     return torch.stack(tokens, 1)
 
 
@@ -213,7 +215,8 @@ def masked_decode(model, ids, kept, steps, question=None):
 def test_adakv_kept_matches_reference(byte_tokenizer):
     model = tiny()
     ids = prompt(96, batch=2, seed=3)
-    result = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=2)
+    result = C.generate(model, byte_tokenizer, ids,
+                        policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=2)
     counts = []
     for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
         kept = result.kept_indices[layer]  # (batch, kv_heads, widest), NO_POSITION-padded
@@ -239,7 +242,8 @@ def test_adakv_safeguard_allocation_matches_kvpress_rule(byte_tokenizer):
     policy = C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), allocation="safeguard")
     assert policy.label == "AdaKV(policy=SnapKV(window_size=8), allocation='safeguard')@40"
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
-    paper = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=2)
+    paper = C.generate(model, byte_tokenizer, ids,
+                       policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=2)
     for layer, votes in enumerate(snapkv_votes(model, ids, WINDOW)):
         ref = [[rows + list(range(88, 96)) for rows in adakv_safeguard_reference(votes[b], CAPACITY, WINDOW)]
                for b in range(2)]
@@ -252,7 +256,8 @@ def test_adakv_safeguard_allocation_matches_kvpress_rule(byte_tokenizer):
 def test_adakv_stores_only_kept_positions(byte_tokenizer):
     model = tiny()
     ids = prompt(96, batch=2, seed=3)
-    policy = C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), allocation="safeguard")  # its totals are exact
+    # its totals are exact
+    policy = C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), allocation="safeguard")
     with C.compress(model, policy) as state, torch.no_grad():
         model(ids, past_key_values=state.cache, use_cache=True)
     n_kept = sum(int((kept >= 0).sum()) for kept in state.kept_indices.values())
@@ -275,13 +280,16 @@ def test_headwise_cache_decodes_as_the_masked_full_cache(attn, byte_tokenizer):
     context, question = prompt(96, batch=2, seed=4), prompt(7, seed=5)[0]  # one question, asked of both rows
     policy = C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW))
     asked = C.generate(model, byte_tokenizer, context, question=question, policy=policy, max_new_tokens=10)
-    assert torch.equal(masked_decode(model, context, asked.kept_indices, 10, question=question.expand(2, -1)), asked.token_ids)
+    assert torch.equal(masked_decode(model, context, asked.kept_indices, 10, question=question.expand(2, -1)),
+                       asked.token_ids)
     plain = C.generate(model, byte_tokenizer, context, policy=policy, max_new_tokens=10)
     assert torch.equal(masked_decode(model, context, plain.kept_indices, 10), plain.token_ids)
     with C.compress(model, policy) as state:
-        theirs = model.generate(context, past_key_values=state.cache, max_new_tokens=10, do_sample=False, eos_token_id=None)
+        theirs = model.generate(context, past_key_values=state.cache, max_new_tokens=10, do_sample=False,
+                                eos_token_id=None)
     assert torch.equal(theirs[:, 96:], plain.token_ids)
-    uniform = C.generate(model, byte_tokenizer, context, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=10)
+    uniform = C.generate(model, byte_tokenizer, context, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
+                         max_new_tokens=10)
     assert not torch.equal(uniform.token_ids, plain.token_ids) or not torch.equal(
         uniform.kept_indices[0], plain.kept_indices[0])  # the oracle compared something other than SnapKV's cache
 
@@ -289,7 +297,8 @@ def test_headwise_cache_decodes_as_the_masked_full_cache(attn, byte_tokenizer):
 def test_headwise_attention_keeps_the_model_dtype(byte_tokenizer):
     model = tiny().to(torch.bfloat16)
     ids = prompt(96, seed=6)
-    result = C.generate(model, byte_tokenizer, ids, policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=6)
+    result = C.generate(model, byte_tokenizer, ids,
+                        policy=C.AdaKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), max_new_tokens=6)
     assert result.token_ids.shape == (1, 6)
     assert result.kv_bytes == sum(int((k >= 0).sum()) for k in result.kept_indices) * 2 * 16 * 2  # bf16
 
@@ -305,7 +314,8 @@ def test_budget_methods_match_references_smollm(smollm):
     budgets = pyramid_budgets(capacity, 8, 30, n)  # PyramidKV's window: 8, as its official script
     assert pyramid.cache_lengths == budgets
     ada = C.generate(model, tokenizer, ids, policy=C.AdaKV(capacity=capacity), max_new_tokens=1)  # SnapKV's window, 32
-    for layer, (votes8, votes32) in enumerate(zip(snapkv_votes(model, ids, 8), snapkv_votes(model, ids, 32), strict=True)):
+    for layer, (votes8, votes32) in enumerate(zip(snapkv_votes(model, ids, 8), snapkv_votes(model, ids, 32),
+                                                  strict=True)):
         ref = top_with_tail(votes8, budgets[layer] - 8, n)
         assert_same_rows(pyramid.kept_indices[layer], ref.tolist(), votes8)
         ada_ref = [[rows + list(range(n - 32, n)) for rows in adakv_reference(votes32[0], capacity - 32)]]
@@ -346,13 +356,15 @@ def headkv_held(scores: torch.Tensor, n: int, capacity: int, window: int, kv_hea
 def test_every_registered_policy_keeps_a_quarter_of_the_bytes(name, quarter_prefill, smollm):
     """Every POLICIES entry, built from capacity=0.25 alone, holds the bytes of what it keeps and no more: 25% of the
     full cache (measured: 11,520,000 of 46,080,000 bytes, 0.2500), or, for PyramidKV (and PyramidAllocation, its
-    allocation over any scorer), the mean of its official layer budgets (integer-floored steps: 26.25% here); HeadKV exactly the official capacities' bytes, which the official
-    slicing holds under 25% (HEADKV_SHARE here: heads allotted more than their prefix lose the rest)."""
+    allocation over any scorer), the mean of its official layer budgets (integer-floored steps: 26.25% here); HeadKV
+    exactly the official capacities' bytes, which the official slicing holds under 25% (HEADKV_SHARE here: heads
+    allotted more than their prefix lose the rest)."""
     ids, policies, shared = quarter_prefill
     policy = policies[name]
     state = shared.state(policy)
     kv_bytes = C.compression.cache_bytes(state.cache)
-    n, full_bytes = ids.shape[1], 30 * 2 * 3 * ids.shape[1] * 64 * 4  # layers x (K, V) x kv_heads x tokens x head_dim x fp32
+    # layers x (K, V) x kv_heads x tokens x head_dim x fp32
+    n, full_bytes = ids.shape[1], 30 * 2 * 3 * ids.shape[1] * 64 * 4
     held = sum(int((kept >= 0).sum()) for kept in state.kept_indices.values())
     assert kv_bytes == held * 2 * 64 * 4  # exactly the positions held: nothing padded or faked
     ratio = kv_bytes / full_bytes

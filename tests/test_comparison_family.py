@@ -83,7 +83,8 @@ def test_a_family_says_what_its_tables_hold(runs):
 def test_the_family_reads_the_answered_examples_first_and_adjusts_over_its_primary_rows(runs):
     rows = pd.concat([family.rows_for(runs, "eval_big.csv"), family.rows_for(runs, "eval_other.csv"),
                       family.rows_for(runs, "eval_small.csv", evidence="same examples as eval_big.csv")])
-    results = family.family_results(runs, rows, n_boot=0).set_index(["table", "analysis", "task"], drop=False).sort_index()
+    results = (family.family_results(runs, rows, n_boot=0).set_index(["table", "analysis", "task"], drop=False)
+               .sort_index())
     answered = results.loc[("eval_big.csv", "answered")].iloc[0]
     # the full cache answers task a's eight: KVzip keeps all eight where SnapKV keeps none, p = 2 / 2^8
     assert (answered.examples, answered.nonzero, answered.difference) == (8, 8, pytest.approx(100))
@@ -122,8 +123,8 @@ def test_the_committed_family_holds_and_its_results_are_what_the_code_computes()
     merged = fresh.merge(committed, on=keys, suffixes=("", "_committed"))
     assert len(merged) == len(fresh)
     for column in ("examples", "nonzero", "difference", "low", "high", "p", "full_cache"):
-        assert merged[column].to_numpy(dtype=float) == pytest.approx(merged[f"{column}_committed"].to_numpy(dtype=float),
-                                                                     rel=1e-5, nan_ok=True)
+        assert merged[column].to_numpy(dtype=float) == pytest.approx(
+            merged[f"{column}_committed"].to_numpy(dtype=float), rel=1e-5, nan_ok=True)
     assert (merged.p_method == merged.p_method_committed).all()
 
 

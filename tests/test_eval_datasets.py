@@ -87,8 +87,8 @@ def test_longbench_narrativeqa_is_the_official_prompt_split_after_the_story():
     example = first(LONGBENCH, "narrativeqa")
     assert example.context == (
         "You are given a story, which can be either a novel or a movie script, and a question. Answer the question "
-        "asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: Mara kept "
-        "bees behind the mill. One winter the hives went quiet. In spring she found the queen alive under the "
+        "asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: Mara "
+        "kept bees behind the mill. One winter the hives went quiet. In spring she found the queen alive under the "
         "floorboards.")
     assert example.questions[0].text == (
         "\n\nNow, answer the question based on the story asconcisely as you can, using a single phrase if possible. "
@@ -110,13 +110,14 @@ def test_longbench_chinese_prompt():
 def test_longbench_templates_that_split_specially():
     trec = first(LONGBENCH, "trec")  # {context}\n{input}: the few-shot examples are the context
     assert trec.context == ("Please determine the type of the question below. Here are some examples of questions.\n\n"
-                            "Question: Who painted the chapel ceiling ?\nType: Individual\nQuestion: How far is the moon "
-                            "?\nType: Distance")
+                            "Question: Who painted the chapel ceiling ?\nType: Individual\n"
+                            "Question: How far is the moon ?\nType: Distance")
     assert trec.questions[0].text == "\nQuestion: Where is the old lighthouse ?\nType:"
     assert trec.meta["all_classes"] == ["Individual", "Distance", "Other location"]
     assert trec.meta["first_line"] is True
     lcc = first(LONGBENCH, "lcc")  # no {input}
-    assert lcc.context == "Please complete the code given below. \ndef area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n"
+    assert lcc.context == ("Please complete the code given below. \ndef area(w, h):\n    return w * h\n\n"
+                           "def perimeter(w, h):\n")
     assert lcc.questions[0].text == "Next line of code:\n"
     repobench = first(LONGBENCH, "repobench-p")  # {context}{input}: the file being completed is the question
     assert repobench.context == ("Please complete the code given below. \n# path: shapes/square.py\nclass Square:\n"
@@ -128,10 +129,10 @@ def test_longbench_templates_that_split_specially():
     count = first(LONGBENCH, "passage_count", 1)
     assert prompt(count) == (
         "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read "
-        "these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, "
-        "how many non-repeating paragraphs are there in total?\n\nParagraph 1: Salt melts ice.\n\nParagraph 2: Sand "
-        "gives grip.\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format "
-        "should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ")
+        "these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other "
+        "words, how many non-repeating paragraphs are there in total?\n\nParagraph 1: Salt melts ice.\n\nParagraph 2: "
+        "Sand gives grip.\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output "
+        "format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ")
     assert (count.metric, count.max_new_tokens) == ("count_score", 32)
 
 
@@ -182,9 +183,9 @@ def test_longbench_v2_zero_shot_prompt():
 
 def test_infinitebench_passkey():
     example = first(INFINITEBENCH, "passkey")
-    assert example.context == ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
-                               "it. I will quiz you about the important information.\n\nThe grass is green. The sky is "
-                               "blue. The pass key is 71432. Remember it. The grass is green.")
+    assert example.context == ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+                               "memorize it. I will quiz you about the important information.\n\nThe grass is green. "
+                               "The sky is blue. The pass key is 71432. Remember it. The grass is green.")
     assert example.questions[0].text == "\n\nWhat is the pass key?\n\nThe pass key is"
     assert (example.questions[0].answers, example.metric, example.max_new_tokens, example.chat) == (
         ("71432",), "infinitebench_passkey", 6, False)
@@ -192,8 +193,8 @@ def test_infinitebench_passkey():
 
 def test_infinitebench_choice_keeps_text_and_letter():
     example = first(INFINITEBENCH, "longbook_choice_eng")
-    assert example.questions[0].text == ("\n\nQuestion: What did Tess buy at the fair?\nA. A boat\nB. A goat\nC. A net\n"
-                                         "D. A coat\n\nThe letter of the correct answer is")
+    assert example.questions[0].text == ("\n\nQuestion: What did Tess buy at the fair?\nA. A boat\nB. A goat\n"
+                                         "C. A net\nD. A coat\n\nThe letter of the correct answer is")
     assert example.questions[0].answers == ("A goat", "B")
     assert example.meta == {"options": ["A boat", "A goat", "A net", "A coat"]}
     assert first(INFINITEBENCH, "longbook_choice_eng", 1).questions[0].answers == ("Wheat", "C")
@@ -207,8 +208,8 @@ def test_infinitebench_question_first_templates_are_all_context():
     assert first(INFINITEBENCH, "math_find", 1).context.startswith("What is the smallest number in the following list?")
     code = first(INFINITEBENCH, "code_run")
     assert code.context == ("There is a function called func_2 in the following Python code.\n\ndef func_1(x):\n    "
-                            "return x + 1\n\ndef func_2(x):\n    return func_1(x) * 2\n\nPlease compute the exact value "
-                            "of func_2(4). The value of func_2(4) is")
+                            "return x + 1\n\ndef func_2(x):\n    return func_1(x) * 2\n\nPlease compute the exact "
+                            "value of func_2(4). The value of func_2(4) is")
     assert code.questions[0].text == ""
     assert "func_7(-2). The value of func_7(-2) is" in first(INFINITEBENCH, "code_run", 1).context
     assert (math.max_new_tokens, code.max_new_tokens) == (3, 5)
@@ -248,14 +249,16 @@ def test_loogle_cloze_summary_and_long_dependency():
         "question could be an entity of Person, Location or Organiocation. The same masks represent the same entity. "
         "Output a json format answer, for example: {'<mask-0>': 'Bob', '<mask-1>': 'Gorrosion Magazine','<mask-2>': "
         "'Bethel Horizon'}\nRosa Lind founded the Harbor Choir in Vetta. Rosa led it for ten years.")
-    assert cloze.questions[0].text == ("\n Question: <mask-0> founded the Harbor Choir in <mask-1>. What are the masked "
-                                       "entities? \nAnswer:")
+    assert cloze.questions[0].text == ("\n Question: <mask-0> founded the Harbor Choir in <mask-1>. What are the "
+                                       "masked entities? \nAnswer:")
     assert cloze.questions[0].answers == ('{"<mask-0>": "Rosa Lind", "<mask-1>": "Vetta"}',)
     assert (cloze.metric, cloze.max_new_tokens) == ("loogle_exact_match", 50)
     summary = first(LOOGLE, "longdep_summarization")
-    assert prompt(summary) == ("Please generate a summary of the below paper. \nAbstract. We count birds on two islands "
-                               "for a year and find that the smaller island has more species.\n Summarization: ")
-    assert summary.questions[0].answers == ("A year of bird counts on two islands shows more species on the smaller one.",)
+    assert prompt(summary) == ("Please generate a summary of the below paper. \nAbstract. We count birds on two "
+                               "islands for a year and find that the smaller island has more species.\n"
+                               " Summarization: ")
+    assert summary.questions[0].answers == (
+        "A year of bird counts on two islands shows more species on the smaller one.",)
     assert summary.max_new_tokens == 500
     long = first(LOOGLE, "longdep_qa")
     assert long.meta["types"] == ["timeline_reorder", "computation"]
@@ -283,13 +286,13 @@ def test_scbench_turns_become_questions_of_one_context():
 
 def test_scbench_choice_and_number_lists():
     choice = first(SCBENCH, "scbench_choice_eng")
-    assert choice.questions[1].text == ("Question: How was Pim paid?\nA. In gold\nB. In bread\nC. In salt\nD. In wool\n\n"
-                                        "The the correct answer is")
+    assert choice.questions[1].text == ("Question: How was Pim paid?\nA. In gold\nB. In bread\nC. In salt\n"
+                                        "D. In wool\n\nThe the correct answer is")
     assert [question.answers for question in choice.questions] == [("Beans", "B"), ("In salt", "C")]
     mf = first(SCBENCH, "scbench_mf")  # the first turn's input opens the context, as in the official template
     assert mf.context == "Answer with one number. The smallest value in the list is\n\n[4, 11, 2, 7]"
-    assert mf.questions[1].text == ("What is the largest value in the list?\n\nAnswer with one number. The largest value "
-                                    "in the list is")
+    assert mf.questions[1].text == ("What is the largest value in the list?\n\nAnswer with one number. The largest "
+                                    "value in the list is")
     assert (mf.questions[0].answers, mf.max_new_tokens) == (("2",), 5)
 
 
@@ -300,9 +303,11 @@ def test_scbench_mixed_set_scores_each_turn_by_its_kind_and_turn_limit():
     assert [q.metric for q in mixed.questions] == ["scbench_summary", "scbench_passkey"]
     assert mixed.max_new_tokens == 800  # the longer of its turns' lengths (summary 800, passkey 15)
     assert first(SCBENCH, "scbench_summary_with_needles", 1).max_new_tokens == 15  # its one turn is a pass key
-    assert "scbench_repoqa" not in SCBENCH.tasks and "scbench_repoqa_and_kv" not in SCBENCH.tasks  # metric not reproduced
+    # metric not reproduced
+    assert "scbench_repoqa" not in SCBENCH.tasks and "scbench_repoqa_and_kv" not in SCBENCH.tasks
     row = {"id": 3, "context": "c", "multi_turns": [{"input": f"q{i}", "answer": f"a{i}"} for i in range(7)]}
-    assert [question.text for question in SCBENCH.build("scbench_vt", row, 0).questions] == ["q0", "q1", "q2", "q3", "q4"]
+    assert ([question.text for question in SCBENCH.build("scbench_vt", row, 0).questions]
+            == ["q0", "q1", "q2", "q3", "q4"])
 
 
 # kvpress's pre-rendered sets
@@ -332,13 +337,14 @@ def test_needle_hub_puts_the_needle_at_a_depth():
         NEEDLE_HUB.specs("needle_in_haystack", source=source)
     specs = NEEDLE_HUB.specs("needle_in_haystack", lengths=(150 + len(needle) + 21,), source=source)
     assert [spec["depth"] for spec in specs] == [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
-    assert [s["depth"] for s in NEEDLE_HUB.specs("needle_in_haystack", limit=3, lengths=(1,), source=source)] == [0, 50, 100]
+    assert ([s["depth"] for s in NEEDLE_HUB.specs("needle_in_haystack", limit=3, lengths=(1,), source=source)]
+            == [0, 50, 100])
     start, end = (NEEDLE_HUB.example(specs[i], ByteTokenizer()) for i in (0, -1))
     # 21 tokens (bytes) of the haystack are kept: the length less the needle and kvpress's 150 for the framing
-    assert start.context == ("This is a very long story book: <book>  The secret ingredient is smoked paprika. The hills "
-                             "were quiet. </book>.")
-    assert end.context == ("This is a very long story book: <book> The hills were quiet. The secret ingredient is smoked "
-                           "paprika.  </book>.")
+    assert start.context == ("This is a very long story book: <book>  The secret ingredient is smoked paprika. The "
+                             "hills were quiet. </book>.")
+    assert end.context == ("This is a very long story book: <book> The hills were quiet. The secret ingredient is "
+                           "smoked paprika.  </book>.")
     assert end.questions[0].text == "What is the secret ingredient?"
     assert (end.questions[0].answers, end.questions[0].answer_prefix) == ((needle,), "Answer:")
     assert (end.metric, end.max_new_tokens, end.meta["depth"]) == ("needle_rouge", 32, 100)
@@ -368,7 +374,8 @@ def test_offline_hub_says_it_needs_the_hub_or_a_source(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'microsoft/SCBench' on the Hub (LocalEntryNotFoundError)")
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
-    with pytest.raises(RuntimeError, match=r"microsoft/SCBench \(scbench_kv.*Couldn't reach.*needs the Hub.*--source DIR"):
+    with pytest.raises(RuntimeError,
+                       match=r"microsoft/SCBench \(scbench_kv.*Couldn't reach.*needs the Hub.*--source DIR"):
         SCBENCH.specs("scbench_kv")
 
 

@@ -99,7 +99,8 @@ def official_qa_input_output(QAS, DOCS, index, num_docs, template, rng, random_s
     if num_docs < len(DOCS):
         if (num_docs - len(curr_docs)) > len(curr_more):
             addition_docs = [i for i, d in enumerate(DOCS) if i not in curr_docs + curr_more]
-            all_docs = curr_docs + curr_more + rng.sample(addition_docs, max(0, num_docs - len(curr_docs) - len(curr_more)))
+            all_docs = curr_docs + curr_more + rng.sample(addition_docs,
+                                                          max(0, num_docs - len(curr_docs) - len(curr_more)))
         else:
             all_docs = curr_docs + rng.sample(curr_more, num_docs - len(curr_docs))
 
@@ -448,12 +449,15 @@ def official_build_chat(tokenizer, prompt, model_name):
 def official_longbench_input(tokenizer, json_obj, max_length, prompt_format, dataset, model_name):
     """pred.py lines 55-71 (not chatglm3): the input ids the model is given."""
     prompt = prompt_format.format(**json_obj)
-    # truncate to fit max_length (we suggest truncate in the middle, since the left and right side may contain crucial instructions)
+    # truncate to fit max_length (we suggest truncate in the middle, since the left and right side may contain
+    # crucial instructions)
     tokenized_prompt = tokenizer(prompt, truncation=False, return_tensors="pt").input_ids[0]
     if len(tokenized_prompt) > max_length:
         half = int(max_length/2)
-        prompt = tokenizer.decode(tokenized_prompt[:half], skip_special_tokens=True)+tokenizer.decode(tokenized_prompt[-half:], skip_special_tokens=True)
-    if dataset not in ["trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"]: # chat models are better off without build prompts on these tasks
+        prompt = (tokenizer.decode(tokenized_prompt[:half], skip_special_tokens=True)
+                  + tokenizer.decode(tokenized_prompt[-half:], skip_special_tokens=True))
+    # chat models are better off without build prompts on these tasks
+    if dataset not in ["trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"]:
         prompt = build_chat(tokenizer, prompt, model_name)
     input = tokenizer(prompt, truncation=False, return_tensors="pt")
     return input.input_ids[0].tolist()
@@ -534,7 +538,8 @@ def official_pred(model, tokenizer, input_ids, max_gen, dataset):
     """pred.py lines 72-91 (greedy, post_process a no-op for these models)."""
     input = dict(input_ids=torch.tensor([input_ids]), attention_mask=torch.ones(1, len(input_ids), dtype=torch.long))
     context_length = input["input_ids"].shape[-1]
-    if dataset == "samsum": # prevent illegal output on samsum (model endlessly repeat "\nDialogue"), might be a prompting issue
+    # prevent illegal output on samsum (model endlessly repeat "\nDialogue"), might be a prompting issue
+    if dataset == "samsum":
         output = model.generate(
             **input,
             max_new_tokens=max_gen,

@@ -154,7 +154,8 @@ def test_chat_framing_wraps_context_and_question_in_one_turn_unless_the_task_is_
 
 def _config(policies, ratios=(0.5,), modes=("query-aware", "query-agnostic"), task="repeat", index=0):
     return dict(model=None, policies=[policy_config(p) for p in policies], budgets=budgets(list(ratios)),
-                modes=list(modes), max_context=None, framing=None, example=dict(dataset="toy", task=task, index=index, seed=0))
+                modes=list(modes), max_context=None, framing=None,
+                example=dict(dataset="toy", task=task, index=index, seed=0))
 
 
 def test_one_example_gives_the_full_cache_and_every_policy_budget_and_mode_per_question(toy):
@@ -204,7 +205,8 @@ def test_a_rerun_resumes_without_redoing_a_cell(toy, tmp_path, monkeypatch, caps
     assert "2 already in" in err and "0 to run" in err
     pd.testing.assert_frame_equal(first, again)
     written = read_results(tmp_path / "eval_toy.csv")
-    assert written.example.tolist() == first.example.tolist() and written.prediction.tolist() == first.prediction.tolist()
+    assert (written.example.tolist() == first.example.tolist()
+            and written.prediction.tolist() == first.prediction.tolist())
     assert len(written) == 2 * 2 and set(written["mode"]) == {"full", "query-agnostic"}
 
 
@@ -346,7 +348,8 @@ def test_a_run_at_several_lengths_is_scored_per_length_as_ruler_reports_it(tmp_p
     (tmp_path / "data").mkdir()
     table.assign(model="tiny").to_csv(tmp_path / "data" / "eval_toy.csv", index=False)
     names = {p.name for p in draw(tmp_path / "data", tmp_path)}
-    assert {"eval_toy_4096_leaderboard.png", "eval_toy_8192_gap.html"} <= names and "eval_toy_leaderboard.png" not in names
+    assert ({"eval_toy_4096_leaderboard.png", "eval_toy_8192_gap.html"} <= names
+            and "eval_toy_leaderboard.png" not in names)
     assert not any("difference" in name for name in names)  # SnapKV alone: nothing to read against it
 
 
@@ -470,13 +473,15 @@ def test_an_earlier_table_stands_in_for_the_cells_it_answers_whole(toy, tiny_as_
     from snapkv_lab.evaluation import joined_tables
 
     groups = (["SnapKV(window_size=8)"], ["StreamingLLM(kept_tail=8)"])
-    options = dict(datasets=["toy"], tasks=["twice"], ratios=[0.5], modes=["query-agnostic", "query-aware"], write=False)
+    options = dict(datasets=["toy"], tasks=["twice"], ratios=[0.5], modes=["query-agnostic", "query-aware"],
+                   write=False)
     first = [evaluate(policies=group, limit=2, data_dir=tmp_path / "first", **options) for group in groups]
     earlier = joined_tables(first)
     earlier.to_csv(tmp_path / "earlier.csv", index=False)
     earlier = read_results(tmp_path / "earlier.csv")  # as a fresh clone reads the committed table
     capsys.readouterr()
-    grown = [evaluate(policies=group, limit=3, data_dir=tmp_path / "grown", reuse=earlier, **options) for group in groups]
+    grown = [evaluate(policies=group, limit=3, data_dir=tmp_path / "grown", reuse=earlier, **options)
+             for group in groups]
     err = capsys.readouterr().err
     assert err.count("2 taken whole") == 2 and err.count("1 to run") == 2
     for before, after in zip(first, grown):
@@ -541,7 +546,8 @@ def test_the_committed_leaderboard_is_reused_whole_by_a_fresh_clone(tmp_path):
 
 
 def test_cli_eval_says_when_it_replaces_a_table_holding_more(tmp_path, monkeypatch, capsys):
-    """A quick look run in the repository writes data/eval_ruler.csv over the committed leaderboard: said, not silent."""
+    """A quick look run in the repository writes data/eval_ruler.csv over the committed leaderboard: said, not
+    silent."""
     import snapkv_lab.evaluation as evaluation
     from snapkv_lab.app.cli import main
 

@@ -53,9 +53,11 @@ def test_experiment_tables_are_tidy(traces):
     a = prompt_segments(trace, segment=16, n_prompt_segments=5)
     assert set(a["segment"]) == {-1, -2, -3, -4, -5} and set(a["metric"]) == {"hit_rate", "recall"}
     assert len(a) == 2 * 5 * 4 * 2 * 2  # layers x prompt segments x heads x metrics x sink variants
-    b = generation_consistency(trace, obs_window=[8, 16], gen_segment=8, n_gen_segments=3, selection=["paper", "compressor"])
+    b = generation_consistency(trace, obs_window=[8, 16], gen_segment=8, n_gen_segments=3,
+                               selection=["paper", "compressor"])
     assert set(b["segment"]) == {1, 2, 3} and "coarse" in set(b["metric"])
-    assert len(b) == 2 * 2 * 2 * 3 * 4 * 3 * 2  # layers x observation windows x selections x generated segments x heads x metrics x sinks
+    # layers x observation windows x selections x generated segments x heads x metrics x sinks
+    assert len(b) == 2 * 2 * 2 * 3 * 4 * 3 * 2
     assert ((b["value"].isna()) | ((b["value"] >= 0) & (b["value"] <= 1))).all()
     assert (b.loc[b["support"] < 5, "value"].isna()).all()  # undefined, never 0 or 1
     with pytest.raises(ValueError, match="needs a prompt of more than"):
@@ -78,19 +80,22 @@ def test_generation_consistency_equals_eager_by_hand(tiny, traces):
     table = generation_consistency(trace, obs_window=obs, gen_segment=8, n_gen_segments=1)
     mine = table[(table.layer == layer) & (table["head"] == head) & (table.sinks == "kept")].set_index("metric")
     assert (mine.loc["hit_rate", "numerator"], mine.loc["hit_rate", "support"]) == (hits, len(above))
-    assert mine.loc["hit_rate", "chance"] == pytest.approx(k / prefix) if len(above) >= 5 else math.isnan(mine.loc["hit_rate", "chance"])
+    assert (mine.loc["hit_rate", "chance"] == pytest.approx(k / prefix) if len(above) >= 5
+            else math.isnan(mine.loc["hit_rate", "chance"]))
     expected = (rows[:, sorted(selected)].sum(1) / rows.sum(1)).mean()
     assert mine.loc["recall", "value"] == pytest.approx(expected.item(), abs=1e-5)
 
 
 def test_sinks_are_one_set_per_prompt_from_all_generated_rows(traces):
-    """Every segment of a prompt's generation, the short last one included, excludes the same sinks: those of all generated rows.
+    """Every segment of a prompt's generation, the short last one included, excludes the same sinks: those of all
+    generated rows.
 
     A share near the tiny model's uniform attention (1/200) makes the rule pick many positions, so that sets found on
     each segment's own rows would differ (checked below): the test can fail."""
     trace, rule, obs = traces["generated"], SinkRule(first=2, share=0.0044), 8
     prefix = trace.prompt_len - obs
-    table = generation_consistency(trace, obs_window=obs, gen_segment=9, n_gen_segments=3, sink_rule=rule)  # 9, 9, 6 rows
+    table = generation_consistency(trace, obs_window=obs, gen_segment=9, n_gen_segments=3,
+                                   sink_rule=rule)  # 9, 9, 6 rows
     excluded = table[(table.sinks == "excluded") & (table.metric == "recall")]
     differs_per_segment = False
     for layer in trace.layers:
@@ -98,7 +103,8 @@ def test_sinks_are_one_set_per_prompt_from_all_generated_rows(traces):
         sinks = rule.mask(attn)  # (heads, prefix), from all 24 generated rows
         votes = trace.column_sums(layer, queries=slice(prefix, trace.prompt_len))[:, :prefix]
         selected = select_mask(votes, 0.05, "paper", trace.n_kv_heads)
-        expected = ((selected & ~sinks).sum(-1) / (~sinks).sum(-1)).tolist()  # chance = share of eligible positions held
+        # chance = share of eligible positions held
+        expected = ((selected & ~sinks).sum(-1) / (~sinks).sum(-1)).tolist()
         for segment in (1, 2, 3):
             rows = excluded[(excluded.layer == layer) & (excluded.segment == segment)].sort_values("head")
             assert rows["chance"].tolist() == pytest.approx(expected, abs=1e-6)
@@ -108,12 +114,14 @@ def test_sinks_are_one_set_per_prompt_from_all_generated_rows(traces):
 
 
 def test_compressor_selection_is_what_snapkv_keeps(tiny):
-    """select_mask(..., "compressor") on a trace equals the prompt positions SnapKV keeps in the live cache (ties apart)."""
+    """select_mask(..., "compressor") on a trace equals the prompt positions SnapKV keeps in the live cache (ties
+    apart)."""
     ids, window = torch.arange(3, 163)[None], 8
     trace = capture(tiny, ByteTokenizer(), ids[0], max_new_tokens=1, stop_at_eos=False, progress=False)
     prefix = ids.shape[1] - window
     k = int(0.05 * prefix)
-    kept = generate(tiny, ByteTokenizer(), ids, policy=SnapKV(window_size=window, capacity=k + window), max_new_tokens=1).kept_indices
+    kept = generate(tiny, ByteTokenizer(), ids, policy=SnapKV(window_size=window, capacity=k + window),
+                    max_new_tokens=1).kept_indices
     ref_kept, ref_scores = reference_kept(tiny, ids, window, k + window, pooling="max", kernel=7)
     for layer in trace.layers:
         votes = trace.column_sums(layer, queries=slice(prefix, ids.shape[1]))[:, :prefix]
@@ -144,7 +152,8 @@ def test_question_placement_and_dependence(tiny, traces):
     for layer, head in ((0, 1), (1, 3)):
         part = d[(d.layer == layer) & (d["head"] == head) & (d.sinks == "kept")].set_index(["pair", "voters"])
         a, b = top_positions(greedy, layer, head, slice(150, n)), top_positions(forced, layer, head, slice(150, n))
-        assert (part.loc[("q0-q1", "all rows"), "numerator"], part.loc[("q0-q1", "all rows"), "support"]) == (len(a & b), 7)
+        assert (part.loc[("q0-q1", "all rows"), "numerator"],
+                part.loc[("q0-q1", "all rows"), "support"]) == (len(a & b), 7)
         even, odd = (top_positions(greedy, layer, head, list(range(start, n, 2))) for start in (150, 151))
         assert part.loc[("q0-q0", "alternate rows"), "numerator"] == len(even & odd)
     # The two continuations differ, so their selections must not all coincide.
@@ -155,8 +164,10 @@ def test_figures_follow_the_tables_any_layers_and_windows(traces, tmp_path):
     """Figures from tables of a 2-layer model with 4 prompt windows and 2 generation windows; no backend switch."""
     a = pd.concat([prompt_segments(t, segment=16, n_prompt_segments=4, sample=f"p{i}").assign(mode=m, table="a")
                    for i, (m, t) in enumerate(traces.items())])
-    b = pd.concat([generation_consistency(t, obs_window=[8, 16], gen_segment=8, n_gen_segments=2, selection=["paper", "compressor"],
-                                          sample=f"p{i}").assign(mode="generated", table="b") for i, t in enumerate(traces.values())])
+    b = pd.concat([generation_consistency(t, obs_window=[8, 16], gen_segment=8, n_gen_segments=2,
+                                          selection=["paper", "compressor"],
+                                          sample=f"p{i}").assign(mode="generated", table="b")
+                   for i, t in enumerate(traces.values())])
     raw = {"ab": pd.concat([a, b]).assign(split="dev", model="tiny-llama")}
     tables = findings_tables(raw, obs_window=8)
     for key in ("a", "b", "b_variants"):
@@ -165,7 +176,8 @@ def test_figures_follow_the_tables_any_layers_and_windows(traces, tmp_path):
     backend = matplotlib.get_backend()
     written = sorted(p.name for p in draw(tmp_path, tmp_path))
     assert matplotlib.get_backend() == backend
-    expected = {f"findings_{name}.{ext}" for name in ("a", "b", "b_windows", "b_selection", "heads") for ext in ("png", "html")}
+    expected = {f"findings_{name}.{ext}" for name in ("a", "b", "b_windows", "b_selection", "heads")
+                for ext in ("png", "html")}
     assert set(written) == expected | {"findings_a_teacher-forced.png", "findings_a_teacher-forced.html"}
     assert all((tmp_path / name).stat().st_size > 1000 for name in written)
     assert "tiny-llama" in (tmp_path / "findings_b.html").read_text()  # the title names the model of the tables
@@ -220,11 +232,13 @@ def test_run_findings_stores_cells_and_resumes(chat_tokenizer, tmp_path, monkeyp
     recipes["chat"].update(turn_tokens=40, continuation_tokens=16)
     recipes["qa"]["doc_tokens"] = 80
     (tmp_path / "prompt_recipes.json").write_text(json.dumps(recipes))
-    options = dict(samples=1, placement_documents=1, dependence_documents=1, questions=2, obs_windows=(8, 16), obs_window=8,
-                   prompt_segment=8, n_prompt_segments=3, gen_segment=4, n_gen_segments=2, qa_new_tokens=6)
+    options = dict(samples=1, placement_documents=1, dependence_documents=1, questions=2, obs_windows=(8, 16),
+                   obs_window=8, prompt_segment=8, n_prompt_segments=3, gen_segment=4, n_gen_segments=2,
+                   qa_new_tokens=6)
     calls = []
     real_capture = experiments.capture
-    monkeypatch.setattr(experiments, "capture", lambda *a, **k: calls.append(1) or real_capture(*a, progress=False, **k))
+    monkeypatch.setattr(experiments, "capture",
+                        lambda *a, **k: calls.append(1) or real_capture(*a, progress=False, **k))
     first = run_findings(model, chat_tokenizer, data_dir=tmp_path, **options)
     assert len(calls) == 2 * (1 + 2 + 2)  # per split: 1 chat, (c) front and back, (d) 2 questions at the back
     for key, table in first.items():

@@ -24,7 +24,8 @@ def _verdict(table: pd.DataFrame, key: str) -> str:
     return verdicts({key: table}).set_index("measure").loc["recall, sinks excluded", "verdict"]
 
 
-@pytest.mark.parametrize("front,back,expected", [(0.5, 0.5, "holds"), (0.4, 0.8, "partly"), (0.04, 0.5, "does not hold")])
+@pytest.mark.parametrize("front,back,expected", [(0.5, 0.5, "holds"), (0.4, 0.8, "partly"),
+                                                 (0.04, 0.5, "does not hold")])
 def test_question_placement_verdicts(front, back, expected):
     assert _verdict(_rows({"front": front, "back": back}, "placement"), "c").startswith(expected)
 
@@ -32,12 +33,15 @@ def test_question_placement_verdicts(front, back, expected):
 @pytest.mark.parametrize("values,expected", [({-1: 0.6, -2: 0.4, -3: 0.3}, "holds"),
                                              ({-1: 0.4, -2: 0.6, -3: 0.3}, "does not hold: segments [-2] agree better"),
                                              ({-1: 0.5, -2: 0.5, -3: 0.3}, "not shown"),
-                                             ({-1: 0.03, -2: 0.02, -3: 0.01}, "does not hold: the last segment is not above chance")])
+                                             ({-1: 0.03, -2: 0.02, -3: 0.01},
+                                              "does not hold: the last segment is not above chance")])
 def test_last_prompt_segment_verdicts(values, expected):
     assert _verdict(_rows(values, "segment"), "a").startswith(expected)
 
 
-@pytest.mark.parametrize("values,expected", [({1: 0.5, 2: 0.5, 3: 0.5}, "holds"), ({1: 0.6, 2: 0.5, 3: 0.4}, "holds (above chance in every segment, but it decays"),
+@pytest.mark.parametrize("values,expected", [({1: 0.5, 2: 0.5, 3: 0.5}, "holds"),
+                                             ({1: 0.6, 2: 0.5, 3: 0.4},
+                                              "holds (above chance in every segment, but it decays"),
                                              ({1: 0.5, 2: 0.04, 3: 0.5}, "does not hold: segment(s) [2]")])
 def test_generation_consistency_verdicts(values, expected):
     verdict = _verdict(_rows(values, "segment", noise=0.005), "b")
@@ -66,7 +70,8 @@ def test_side_by_side_puts_each_models_headline_verdicts_next_to_each_other():
     table = side_by_side({"A": one, "B": two}).splitlines()
     assert table[0] == "| finding | measure | A | B, global layers | B, sliding layers |"
     recall = next(line for line in table if "recall" in line)
-    assert recall == "| (c) question position does not matter | recall, sinks excluded | holds / - | holds / - | does not hold / - |"
+    assert recall == ("| (c) question position does not matter | recall, sinks excluded | holds / - | holds / - "
+                      "| does not hold / - |")
     assert short_verdict("holds (above chance in every window, but it decays)") == "holds"
 
 

@@ -97,10 +97,10 @@ def test_kv_bytes_stay_within_the_uniform_budget():
     run = C.generate(model, ByteTokenizer(), ids, policy=C.HeadKV(capacity=CAPACITY), max_new_tokens=1)
     uniform = C.generate(model, ByteTokenizer(), ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
                          max_new_tokens=1)
-    # b = 32: 31 of it pooled over 8 heads (248), a floor of 1. Query heads: layer 0 head 0 gets round(248 / 4 + 1) = 63,
-    # layer 1 head 3 round(3 * 248 / 4 + 1) = 187, the others 1. KV heads keep their pair's mean: layer 0 32 and 1,
-    # layer 1 1 and 94, which passes its 88-position prefix: it keeps the prefix, the rest of its share is lost
-    # (as officially), so the cache holds less than the uniform budget.
+    # b = 32: 31 of it pooled over 8 heads (248), a floor of 1. Query heads: layer 0 head 0 gets
+    # round(248 / 4 + 1) = 63, layer 1 head 3 round(3 * 248 / 4 + 1) = 187, the others 1. KV heads keep their pair's
+    # mean: layer 0 32 and 1, layer 1 1 and 94, which passes its 88-position prefix: it keeps the prefix, the rest of
+    # its share is lost (as officially), so the cache holds less than the uniform budget.
     held = [int((k[0] >= 0).sum()) for k in run.kept_indices]
     assert held == [32 + 1 + 2 * WINDOW, 1 + 88 + 2 * WINDOW]
     assert run.kv_bytes < uniform.kv_bytes
@@ -119,10 +119,10 @@ def test_a_model_whose_heads_score_nothing_is_refused():
 
 
 def official_full_heads(gates: np.ndarray, sparsity: float) -> np.ndarray:
-    """(layers, KV heads) bool, the full-attention heads: duo_attn/utils.py:353-373 at 03dca84 (sparsify_attention_heads)
-    line by line. Noise below 1e-6 breaks ties (the official draws it from numpy's global generator; the gates here
-    differ by more, so the draw changes nothing), the heads at or above the `sparsity` quantile of all gates are
-    full, sparsity >= 1 makes none full and <= 0 all."""
+    """(layers, KV heads) bool, the full-attention heads: duo_attn/utils.py:353-373 at 03dca84
+    (sparsify_attention_heads) line by line. Noise below 1e-6 breaks ties (the official draws it from numpy's global
+    generator; the gates here differ by more, so the draw changes nothing), the heads at or above the `sparsity`
+    quantile of all gates are full, sparsity >= 1 makes none full and <= 0 all."""
     gates = gates + np.random.default_rng(0).uniform(0, 1e-6, gates.shape)
     threshold = np.quantile(gates, sparsity)
     if sparsity >= 1:

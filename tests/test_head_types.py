@@ -20,7 +20,8 @@ def tables():
 
 def test_heads_split_by_their_score_and_pool_their_rows():
     findings, retrieval = tables()
-    assert head_types(retrieval).to_dict() == {(0, 0): "retrieval", (0, 1): "other", (1, 0): "other", (1, 1): "retrieval"}
+    assert head_types(retrieval).to_dict() == {(0, 0): "retrieval", (0, 1): "other", (1, 0): "other",
+                                               (1, 1): "retrieval"}
     table = findings_by_head_type(findings, retrieval).set_index("head_type")
     # retrieval heads (0,0) and (1,1): 6 x 2 + (3 x 4 + 3 x 5) = 39 of 120; the others 6 x (9 + 8) = 102 of 120
     assert table.loc["retrieval", "value"] == pytest.approx(39 / 120)

@@ -121,11 +121,13 @@ def test_forks_decode_apart_and_leave_the_original_unchanged():
         new_keys, new_values = (torch.cat([f, t], 2) for f, t in zip(first, tokens[name]))
         assert torch.equal(forked.layers[0].keys, new_keys) and torch.equal(forked.layers[0].values, new_values)
         ref = per_head_reference(keys, values, layer.kept, new_keys, new_values, query, 0.3, None)
-        torch.testing.assert_close(headwise_attention(forked.layers[0], query, settings).double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(headwise_attention(forked.layers[0], query, settings).double(), ref, atol=1e-5,
+                                   rtol=1e-5)
     assert torch.equal(layer.keys, before[0]) and torch.equal(layer.values, before[1])
     assert torch.equal(layer.positions, before[2]) and cache_bytes(cache) == before[3]
     layer.update(*tokens["o"])  # the original decodes on: the forks keep their own tokens
-    assert torch.equal(a.layers[0].keys[:, :, -1:], tokens["a"][0]) and torch.equal(b.layers[0].keys[:, :, -1:], tokens["b"][0])
+    assert (torch.equal(a.layers[0].keys[:, :, -1:], tokens["a"][0])
+            and torch.equal(b.layers[0].keys[:, :, -1:], tokens["b"][0]))
     assert torch.equal(layer.keys[:, :, -1:], tokens["o"][0]) and torch.equal(layer.keys[:, :, :1], first[0])
 
 

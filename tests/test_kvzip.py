@@ -18,7 +18,8 @@ from snapkv_lab.policies import NO_POSITION, kvzip
 from snapkv_lab.policies.kvzip import REPEAT_NEXT_BY, reconstruction_feeds
 
 N = 64
-SMOLLM_HEAD = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n"
+SMOLLM_HEAD = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+               "<|im_start|>user\n")
 SMOLLM_TAIL = "<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -115,7 +116,8 @@ def assert_top_count(kept, reference: torch.Tensor, pools, total: int):
     assert sum(len(s) for row in kept for s in row) == total
     for pool in pools:
         inside = [float(reference[l, h, p]) for l, h in pool for p in kept[l][h]]
-        outside = [float(reference[l, h, p]) for l, h in pool for p in range(reference.shape[-1]) if p not in kept[l][h]]
+        outside = [float(reference[l, h, p]) for l, h in pool for p in range(reference.shape[-1])
+                   if p not in kept[l][h]]
         if outside:
             assert min(inside) >= max(outside) - 1e-5
 
@@ -235,7 +237,8 @@ def test_global_budget_is_one_top_count_over_layers_and_heads(window):
     chosen = [[s - window_positions for s in row] for row in kept]
     assert_top_count(chosen, reference[..., :96 - window], [rows], (budget - window) * len(rows))
     assert len({len(kept[l][h]) for l, h in rows}) > 1  # non-uniform across heads and layers
-    assert run.kv_bytes == pytest.approx(budget / 96 * snapkv_lab.generate(model, tokenizer, ids, max_new_tokens=1).kv_bytes)
+    assert run.kv_bytes == pytest.approx(budget / 96 * snapkv_lab.generate(model, tokenizer, ids,
+                                                                           max_new_tokens=1).kv_bytes)
 
 
 def test_uniform_allocation_keeps_the_budget_per_head():

@@ -87,7 +87,8 @@ def official_lookahead_queries(model, ids, capacity, lookahead_size=8, lookahead
         layer = module.layer_idx
         drafted[layer].append(query)
         cached_k, cached_v = store[layer]
-        new_k, new_v = repeat_kv(key[:, :, -1:], module.num_key_value_groups), repeat_kv(value[:, :, -1:], module.num_key_value_groups)
+        new_k, new_v = (repeat_kv(key[:, :, -1:], module.num_key_value_groups),
+                        repeat_kv(value[:, :, -1:], module.num_key_value_groups))
         store[layer] = [torch.cat([cached_k, new_k], 2), torch.cat([cached_v, new_v], 2)]
         weights = torch.softmax(torch.matmul(query, store[layer][0].transpose(2, 3)) * scaling, dim=-1)
         return torch.matmul(weights, store[layer][1]).transpose(1, 2).contiguous(), weights

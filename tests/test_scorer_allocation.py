@@ -99,7 +99,8 @@ def small_table() -> pd.DataFrame:
         base = dict(model="tiny", benchmark="toy", task="repeat", example=str(example), budget_share=0.5,
                     prompt_tokens=100, prediction="")
         rows.append({**base, "mode": "full", "scorer": study.FULL, "allocation": study.FULL, "policy": "FullCache",
-                     "ratio": 0.0, "score": float(example < 4), "kv_entries": 100, "kv_share": 1.0, "over_budget": False})
+                     "ratio": 0.0, "score": float(example < 4), "kv_entries": 100, "kv_share": 1.0,
+                     "over_budget": False})
         for mode in ("query-aware", "query-agnostic"):
             base = {**base, "mode": mode}
             for (scorer, allocation), hits in found.items():

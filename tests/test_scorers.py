@@ -32,7 +32,8 @@ def eager_run(model, ids):
     with torch.no_grad():
         out = twin(ids, output_attentions=True, use_cache=True)
     layers = out.past_key_values.layers
-    return dict(attentions=out.attentions, keys=[layer.keys for layer in layers], values=[layer.values for layer in layers],
+    return dict(attentions=out.attentions, keys=[layer.keys for layer in layers],
+                values=[layer.values for layer in layers],
                 o_proj=[block.self_attn.o_proj.weight.detach() for block in twin.model.layers])
 
 
@@ -164,7 +165,8 @@ def test_tova_matches_last_query_attention(tiny_run, byte_tokenizer):
     result = C.generate(model, byte_tokenizer, ids, policy=C.TOVA(capacity=CAPACITY), max_new_tokens=1)
     ref_kept, ref_scores = ref_tova(run, CAPACITY, 2)
     assert_same_selection(result.kept_indices, ref_kept, ref_scores, 0)
-    grouped = C.generate(model, byte_tokenizer, ids, policy=C.TOVA(capacity=CAPACITY, per_layer=False), max_new_tokens=1)
+    grouped = C.generate(model, byte_tokenizer, ids, policy=C.TOVA(capacity=CAPACITY, per_layer=False),
+                         max_new_tokens=1)
     assert any(not torch.equal(k[:, 0], k[:, 1]) for k in grouped.kept_indices)  # the variant: one set per KV head
 
 
@@ -191,8 +193,10 @@ def test_tova_evicts_at_every_step_as_its_code(tiny_run, byte_tokenizer):
         for layer, positions in enumerate(held):
             mask[0, layer, 0, positions + [position]] = 0
         masks = {layer: mask[:, layer:layer + 1] for layer in range(len(held))}
-        with torch.no_grad(), intercept_attention(twin, None, attend=lambda f, m, q, k, v, a, **kw: f(m, q, k, v, masks[m.layer_idx], **kw)):
-            out = twin(token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[position]]), output_attentions=True)
+        with torch.no_grad(), intercept_attention(
+                twin, None, attend=lambda f, m, q, k, v, a, **kw: f(m, q, k, v, masks[m.layer_idx], **kw)):
+            out = twin(token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[position]]),
+                       output_attentions=True)
         for layer, attn in enumerate(out.attentions):  # (1, heads, 1, position + 1): the new query over the held keys
             row = attn[0, :, 0].mean(0)
             candidates = held[layer] + [position]
@@ -205,7 +209,8 @@ def test_tova_evicts_at_every_step_as_its_code(tiny_run, byte_tokenizer):
 
 def test_knorm_matches_key_norms(tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
-    result = C.generate(model, byte_tokenizer, ids, policy=C.KNorm(capacity=CAPACITY, kept_tail=WINDOW), max_new_tokens=2)
+    result = C.generate(model, byte_tokenizer, ids, policy=C.KNorm(capacity=CAPACITY, kept_tail=WINDOW),
+                        max_new_tokens=2)
     ref_kept, ref_scores = ref_knorm(run, CAPACITY, WINDOW)
     assert_same_selection(result.kept_indices, ref_kept, ref_scores, WINDOW)
 
@@ -224,12 +229,14 @@ def test_chunkkv_matches_its_official_code(chunk, tiny_run, byte_tokenizer):
 @pytest.mark.parametrize("chunk", [10, 7])  # 88-token prefix: 8 chunks of 10 and one of 8; 12 of 7 and one of 4
 def test_chunkkv_exact_budget_matches_chunk_ranking(chunk, tiny_run, byte_tokenizer):
     model, ids, run = tiny_run
-    policy = C.ChunkKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), chunk_size=chunk, per_head=True, exact_budget=True)
+    policy = C.ChunkKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), chunk_size=chunk, per_head=True,
+                       exact_budget=True)
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     assert_equal_kept(result.kept_indices, ref_chunkkv(run, CAPACITY, WINDOW, chunk, 2))
     for kept in result.kept_indices:  # whole chunks, but for at most one cut chunk per head
         prefix = kept[..., :-WINDOW]
-        counts = torch.stack([torch.bincount(row // chunk, minlength=N // chunk + 1) for row in prefix.reshape(-1, prefix.shape[-1])])
+        counts = torch.stack([torch.bincount(row // chunk, minlength=N // chunk + 1)
+                              for row in prefix.reshape(-1, prefix.shape[-1])])
         sizes = torch.bincount(torch.arange(N - WINDOW) // chunk, minlength=N // chunk + 1)
         assert (((counts > 0) & (counts < sizes)).sum(dim=-1) <= 1).all()
 
@@ -240,16 +247,19 @@ def test_criticalkv_matches_two_stage_selection(ratio, tiny_run, byte_tokenizer)
     policy = C.CriticalKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), first_stage_ratio=ratio)
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
     assert_equal_kept(result.kept_indices, ref_criticalkv(run, CAPACITY, WINDOW, 2, ratio=ratio))
-    snapkv = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW), max_new_tokens=2)
+    snapkv = C.generate(model, byte_tokenizer, ids, policy=C.SnapKV(capacity=CAPACITY, window_size=WINDOW),
+                        max_new_tokens=2)
     assert any(not torch.equal(a, b) for a, b in zip(result.kept_indices, snapkv.kept_indices))  # the norms matter
 
 
 VARIANTS = [C.TOVA(capacity=CAPACITY), C.KNorm(capacity=CAPACITY, kept_tail=WINDOW),
             C.ChunkKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), exact_budget=True),
             C.ChunkKV(policy=C.H2O(), capacity=CAPACITY, kept_tail=WINDOW, exact_budget=True),
-            C.CriticalKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)), C.CriticalKV(policy=C.H2O(), capacity=CAPACITY, kept_tail=WINDOW),
+            C.CriticalKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW)),
+            C.CriticalKV(policy=C.H2O(), capacity=CAPACITY, kept_tail=WINDOW),
             C.CriticalKV(policy=C.KNorm(), capacity=CAPACITY, kept_tail=WINDOW),
-            C.CriticalKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), per_query_head=True), C.ChunkKV(capacity=0.5, policy=C.SnapKV(window_size=WINDOW), exact_budget=True)]
+            C.CriticalKV(capacity=CAPACITY, policy=C.SnapKV(window_size=WINDOW), per_query_head=True),
+            C.ChunkKV(capacity=0.5, policy=C.SnapKV(window_size=WINDOW), exact_budget=True)]
 
 
 @pytest.mark.parametrize("policy", VARIANTS, ids=lambda p: p.label)
@@ -283,7 +293,8 @@ def test_wrappers_propagate_budget_and_name_settings():
     chunk = C.ChunkKV(capacity=40, policy=C.SnapKV(window_size=8), chunk_size=5, per_head=True)
     assert (chunk.policy.capacity, chunk.policy.window_size) == (40, 8)
     assert chunk.label == "ChunkKV(policy=SnapKV(window_size=8), chunk_size=5, per_head=True)@40"
-    assert C.CriticalKV(policy=C.SnapKV(kernel_size=5), capacity=64).label == "CriticalKV(policy=SnapKV(kernel_size=5))@64"
+    assert (C.CriticalKV(policy=C.SnapKV(kernel_size=5), capacity=64).label
+            == "CriticalKV(policy=SnapKV(kernel_size=5))@64")
     assert C.CriticalKV(policy=C.H2O()).scorer_label != C.CriticalKV().scorer_label
     assert C.ChunkKV(capacity=64).scorer_label == C.ChunkKV(capacity=128).scorer_label  # budgets share scores
     assert C.TOVA(capacity=2).kept_tail == 0 and C.KNorm(capacity=2).kept_tail == 0  # as their papers: no kept tail

@@ -48,11 +48,14 @@ def figures(args) -> int:
               f"repository's data/ has them: run from its root, or pass --data-dir; --recompute makes them)",
               file=sys.stderr)
         return 2
-    # The remaining options go to every figure set's recompute (model, samples, observation window and segment sizes, split).
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
+    # The remaining options go to every figure set's recompute (model, samples, observation window and segment
+    # sizes, split).
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("command", "data_dir", "figures_dir", "recompute", "only")}
     try:
         options["samples"] = _figures_samples(args.samples, args.only)
-        written = make_figures(args.data_dir, _figures_dir(args), recompute=args.recompute, only=args.only, options=options)
+        written = make_figures(args.data_dir, _figures_dir(args), recompute=args.recompute, only=args.only,
+                               options=options)
     except (ValueError, ModuleNotFoundError) as err:  # options a figure set refuses, or a missing Ray
         print(f"snapkv-lab figures: error: {err}", file=sys.stderr)
         return 2
@@ -82,10 +85,11 @@ def needle(args) -> int:
     suites = args.suites or [NEEDLE_SUITE]
     if not args.suites:  # the grid the options describe; the other suites (hours here) only when named
         others = ", ".join(name for name in SUITE_NAMES if name != NEEDLE_SUITE)
-        print(f"snapkv-lab needle: running the needle grid; the other suites ({others}) run when named: --suites NAME ...",
-              file=sys.stderr)
-    options = dict(data_dir=data_dir, model=args.model, framing=args.framing, samples=args.samples, first_sample=args.first_sample,
-                   lengths=args.lengths, depths=args.depths, skip_lines=args.skip_lines, lines_lengths=args.lines_lengths,
+        print(f"snapkv-lab needle: running the needle grid; the other suites ({others}) run when named: "
+              "--suites NAME ...", file=sys.stderr)
+    options = dict(data_dir=data_dir, model=args.model, framing=args.framing, samples=args.samples,
+                   first_sample=args.first_sample, lengths=args.lengths, depths=args.depths,
+                   skip_lines=args.skip_lines, lines_lengths=args.lines_lengths,
                    suites=suites, policies=args.policies, capacities=args.capacities, modes=args.modes,
                    executor=args.executor, ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker)
     try:  # bad names, budgets and modes, and a missing Ray, are said at once, before any model loads
@@ -309,8 +313,8 @@ def _folders_and_model(p) -> None:
                         "another folder than data: tables kept apart are drawn apart)")
     _model_argument(p)
     p.add_argument("--framing", choices=["chat", "plain"], default=None,
-                   help="how prompts are framed: the chat template, or plain text (\"Question: ... Answer:\") for a base "
-                        "model (default: chat where the tokenizer has a chat template, plain otherwise)")
+                   help="how prompts are framed: the chat template, or plain text (\"Question: ... Answer:\") for a "
+                        "base model (default: chat where the tokenizer has a chat template, plain otherwise)")
 
 
 def _figures_arguments(p) -> None:
@@ -318,10 +322,10 @@ def _figures_arguments(p) -> None:
     from .figure_sets import FIGURE_MODULES
 
     p.add_argument("--recompute", action="store_true",
-                   help="rerun the model and rewrite the tables in data/ first (the findings: about 23 minutes on 2 CPU "
-                        "cores, resumable). The needle grid and the eval leaderboard are not rerun but redrawn from their "
-                        "tables, as their runs are far longer: rerun them with --recompute --only pressure (or `snapkv-lab "
-                        "needle`) and --recompute --only eval (or `snapkv-lab eval`)")
+                   help="rerun the model and rewrite the tables in data/ first (the findings: about 23 minutes on 2 "
+                        "CPU cores, resumable). The needle grid and the eval leaderboard are not rerun but redrawn "
+                        "from their tables, as their runs are far longer: rerun them with --recompute --only pressure "
+                        "(or `snapkv-lab needle`) and --recompute --only eval (or `snapkv-lab eval`)")
     p.add_argument("--only", nargs="*", type=_one_of(list(FIGURE_MODULES), "figure sets"), choices=list(FIGURE_MODULES),
                    metavar="SET",
                    help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
@@ -331,8 +335,8 @@ def _figures_arguments(p) -> None:
                         "leaderboard (default 10), or with --only eval TASK=N ... to grow only the tasks named (e.g. "
                         "--samples niah_single_1=10 niah_multivalue=5 --reuse)")
     p.add_argument("--reuse", action="store_true",
-                   help="eval leaderboard: take the examples the existing eval_ruler.csv answers whole as done (a fresh "
-                        "clone then runs only the examples --samples adds)")
+                   help="eval leaderboard: take the examples the existing eval_ruler.csv answers whole as done (a "
+                        "fresh clone then runs only the examples --samples adds)")
     p.add_argument("--obs-window", type=_positive_int, default=None, help="observation window in tokens (default 32)")
     p.add_argument("--prompt-segment", "--prompt-window", type=_positive_int, default=None,
                    help="tokens per prompt segment in experiment (a), 20 segments (default 128; --prompt-window: "
@@ -347,8 +351,9 @@ def _figures_arguments(p) -> None:
 
 def _executor_arguments(p) -> None:
     p.add_argument("--executor", choices=["local", "ray"], default="local",
-                   help="where the grid's cells run: in this process (default), or on Ray (pip install 'snapkv_lab[ray]'). "
-                        "Finished cells are kept in <data-dir>/cells/: rerunning the same command skips them")
+                   help="where the grid's cells run: in this process (default), or on Ray (pip install "
+                        "'snapkv_lab[ray]'). Finished cells are kept in <data-dir>/cells/: rerunning the same command "
+                        "skips them")
     p.add_argument("--ray-address", default=None,
                    help="address of a running Ray cluster (e.g. auto, or ray://head:10001) for --executor ray; "
                         "default: a local Ray cluster started for this run")
@@ -362,27 +367,31 @@ def _needle_arguments(p) -> None:
     _folders_and_model(p)
     p.add_argument("--samples", type=_positive_int, default=None, help="haystacks per (length, depth) (default 3)")
     p.add_argument("--first-sample", type=int, default=0, help="index of the first sample (to run a grid in pieces)")
-    p.add_argument("--lengths", type=_positive_int, nargs="*", default=None, help="prompt lengths in tokens (default 2000 4000 7500)")
-    p.add_argument("--depths", type=_share(True, "a depth is the needle's place in the haystack, 0 its start and 1 its end"), nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
-    p.add_argument("--lines-lengths", type=_positive_int, nargs="*", default=None, help="lines-task record lengths (default 2000)")
+    p.add_argument("--lengths", type=_positive_int, nargs="*", default=None,
+                   help="prompt lengths in tokens (default 2000 4000 7500)")
+    p.add_argument("--depths",
+                   type=_share(True, "a depth is the needle's place in the haystack, 0 its start and 1 its end"),
+                   nargs="*", default=None, help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
+    p.add_argument("--lines-lengths", type=_positive_int, nargs="*", default=None,
+                   help="lines-task record lengths (default 2000)")
     p.add_argument("--skip-lines", action="store_true", help="leave the lines task out")
     p.add_argument("--suites", nargs="*", default=None,
                    help="which pressure tests to run, by name in snapkv_lab.pressure.SUITES (default needle: the "
                         "needle grid that --lengths, --depths, --policies and --capacities describe; all of them are "
-                        "rerun by `snapkv-lab figures --recompute --only pressure`). needle, the needle grid; lines, the lines task; windows, the SnapKV window ablation; ablations, SnapKV's settings and "
-                        "the other methods with coverage; fact-kernel, SnapKV with a fact-long pooling kernel on the 15 dev needles; "
-                        "question-free, KVzip's variants and the fact kernel on them, query-agnostic; "
-                        "surprisal, the Surprisal policy on them, both modes; "
-                        "surprisal-ruler, Surprisal on the RULER-style suite; "
-                        "haystacks, SnapKV, SnapKVFactKernel and Surprisal on needles in code, logs and lists of keys "
-                        "beside the essays; "
-                        "ruler, the RULER-style suite)")
+                        "rerun by `snapkv-lab figures --recompute --only pressure`). needle, the needle grid; lines, "
+                        "the lines task; windows, the SnapKV window ablation; ablations, SnapKV's settings and the "
+                        "other methods with coverage; fact-kernel, SnapKV with a fact-long pooling kernel on the 15 "
+                        "dev needles; question-free, KVzip's variants and the fact kernel on them, query-agnostic; "
+                        "surprisal, the Surprisal policy on them, both modes; surprisal-ruler, Surprisal on the "
+                        "RULER-style suite; haystacks, SnapKV, SnapKVFactKernel and Surprisal on needles in code, logs "
+                        "and lists of keys beside the essays; ruler, the RULER-style suite)")
     p.add_argument("--policies", type=_policy, nargs="+", default=None, metavar="POLICY",
                    help="compression policies by name in snapkv_lab.POLICIES or wrapped, with settings: SnapKV H2O "
-                        "'AdaKV(SnapKV)' 'SnapKV(window_size=64)', or all: every one (default SnapKV SnapKVNoPooling H2O "
-                        "StreamingLLM RandomKeep); suites that ablate a policy keep their own")
+                        "'AdaKV(SnapKV)' 'SnapKV(window_size=64)', or all: every one (default SnapKV SnapKVNoPooling "
+                        "H2O StreamingLLM RandomKeep); suites that ablate a policy keep their own")
     p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",
-                   help="KV budgets in tokens per head (default 256 512 1024 2048); suites that fix a budget keep theirs")
+                   help="KV budgets in tokens per head (default 256 512 1024 2048); suites that fix a budget "
+                        "keep theirs")
     p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"], default=None,
                    help="query-aware (question in the prompt when compressing), query-agnostic (context compressed "
                         "alone, question after) or both (default both)")
@@ -400,8 +409,10 @@ def _eval_arguments(p) -> None:
                    help="policies by name in snapkv_lab.POLICIES or wrapped, with settings: SnapKV "
                         "'AdaKV(ExpectedAttention)' 'SnapKV(window_size=64)', or all: every compressor in POLICIES "
                         "(default SnapKV); the full cache runs too")
-    p.add_argument("--ratios", type=_share(False, "a compression ratio is the share of KV pairs removed"), nargs="+", default=None, metavar="R",
-                   help="compression ratios as kvpress counts them, the share of KV pairs removed (default 0.25 0.5 0.75)")
+    p.add_argument("--ratios", type=_share(False, "a compression ratio is the share of KV pairs removed"), nargs="+",
+                   default=None, metavar="R",
+                   help="compression ratios as kvpress counts them, the share of KV pairs removed "
+                        "(default 0.25 0.5 0.75)")
     p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="budgets in tokens per KV head instead of ratios")
     p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"],
@@ -413,10 +424,12 @@ def _eval_arguments(p) -> None:
     p.add_argument("--max-context", type=_positive_int, default=None, metavar="TOKENS",
                    help="the cut's limit in tokens: LongBench's max_length (its whole prompt keeps the first and last "
                         "halves; default the window less about 500, model2maxlen's rule), for other sets context + "
-                        "question (the context cut from its middle; default the model's limit less the answer's tokens)")
+                        "question (the context cut from its middle; default the model's limit less the "
+                        "answer's tokens)")
     p.add_argument("--sizing", choices=["official", "fill"], default="official",
                    help="RULER's haystack sizes: official (sized once per task, an overflowing example cut by a whole "
-                        "step, as RULER's scripts) or fill (every example filled to the length: the lab's before 2026-11-29)")
+                        "step, as RULER's scripts) or fill (every example filled to the length: the lab's "
+                        "before 2026-11-29)")
     p.add_argument("--cwe-shots", choices=["turn", "inline"], default="turn",
                    help="RULER cwe's solved example: in a chat turn of its own (official) or inside the task's turn")
     p.add_argument("--truncation", choices=["official", "context"], default="official",
@@ -469,12 +482,12 @@ def _scorer_allocation_arguments(p) -> None:
 
 
 COMMANDS: dict[str, Command] = {
-    "convert": Command("Convert a bundled model's GGUF (default SmolLM2) once into the cache folder and print its path.",
-                       _model_argument, convert),
-    "figures": Command("Regenerate every figure into figures/ from the tables in data/ (--recompute reruns the model first).",
-                       _figures_arguments, figures),
-    "needle": Command("Run the needle grid for the policies and budgets given (or the pressure suites named by --suites: "
-                      "lines retrieval, ablations, RULER-style needles, ...), then draw them.",
+    "convert": Command("Convert a bundled model's GGUF (default SmolLM2) once into the cache folder and print its "
+                       "path.", _model_argument, convert),
+    "figures": Command("Regenerate every figure into figures/ from the tables in data/ (--recompute reruns the model "
+                       "first).", _figures_arguments, figures),
+    "needle": Command("Run the needle grid for the policies and budgets given (or the pressure suites named by "
+                      "--suites: lines retrieval, ablations, RULER-style needles, ...), then draw them.",
                       _needle_arguments, needle),
     "eval": Command("Run benchmarks (RULER generated here; LongBench, InfiniteBench, ... from the Hub) through the "
                     "policies at several compression ratios, with the full cache as baseline; write the table and the "

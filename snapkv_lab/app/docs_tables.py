@@ -70,7 +70,8 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
     board = boards[boards.average == ("13 tasks" if both else boards.average.iloc[0])]
     synthetic = boards[boards.average == "11 synthetic"].set_index(["policy", "mode", "ratio"]).score if both else None
     full, compressed = board[board.policy == "FullCache"], board[board.policy != "FullCache"]
-    columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware") for ratio in sorted(compressed.ratio.unique())]
+    columns = [(mode, ratio) for mode in ("query-agnostic", "query-aware")
+               for ratio in sorted(compressed.ratio.unique())]
     examples = table.drop_duplicates(["task", "example"]).groupby("task", sort=False).size()
     per_task = f"{examples.min()}" if examples.min() == examples.max() else f"{examples.min()} to {examples.max()}"
     mean = ("the mean over RULER's 13 tasks [95% interval] / over its 11 synthetic ones (without qa_1, qa_2)" if both
@@ -86,7 +87,8 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
         return text if synthetic is None else f"{text} / {synthetic[(policy, mode, ratio)]:.0f}"
 
     base = full.iloc[0]
-    lines.append("| FullCache | " + " | ".join(cell(base, "FullCache", base["mode"], base.ratio) for _ in columns) + " |")
+    lines.append("| FullCache | " + " | ".join(cell(base, "FullCache", base["mode"], base.ratio) for _ in columns)
+                 + " |")
     for policy, part in compressed.groupby("policy", sort=False):
         part = part.set_index(["mode", "ratio"])
         lines.append(f"| {policy} | " + " | ".join(
@@ -95,7 +97,8 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
 
 
 def _full_cache_per_task(table) -> str:
-    """The full cache's score per task of an eval table, and the tasks it fails (evaluation.full_cache_fails: under 50)."""
+    """The full cache's score per task of an eval table, and the tasks it fails (evaluation.full_cache_fails:
+    under 50)."""
     from ..evaluation import full_cache_fails, task_scores
     from ..evaluation.summary import lengths
 
@@ -197,7 +200,8 @@ def _family_runs(data_dir: Path) -> str:
              f"threshold Holm sets is {ALPHA:g} / {m} = {ALPHA / m:.2g}: an exact sign flip reaches it with {fewest} "
              f"agreeing examples at least (2 / 2^{fewest} = {2 / 2 ** fewest:.2g}), so a run of fewer answered "
              f"examples places its policies but cannot separate them.", "",
-             "| model | length | run | tasks | examples | answered | comparisons | evidence | hold: answered / task mean |",
+             "| model | length | run | tasks | examples | answered | comparisons | evidence | "
+             "hold: answered / task mean |",
              "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for table, rows in answered.groupby(level="table", sort=False):
         run = means.loc[table]
@@ -226,7 +230,8 @@ def _family_holds(data_dir: Path) -> str:
     lines = ["Each comparison that holds in either reading, policy less SnapKV in points (positive: the policy keeps "
              "more), the p of the sign flip (~ drawn) and Holm's p over the family, bold under 0.05:", "",
              "| model | length | mode | ratio | policy | answered: examples | difference | p | p_holm | "
-             "task mean: examples | difference | p | p_holm |", "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "task mean: examples | difference | p | p_holm |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def shown(row) -> str:
         adjusted = f"{row.p_holm:.2g}"
@@ -299,7 +304,8 @@ def _kvpress_timing_summary(data_dir: Path) -> str:
     ratios = table.pivot(index="method", columns="tokens", values="lab_over_kvpress").reindex(table.method.unique())
     lines = ["| lab time / kvpress time | " + " | ".join(f"{n} tokens" for n in ratios.columns) + " |",
              "|---|" + "---:|" * len(ratios.columns)]
-    lines += [f"| {method} | " + " | ".join(f"{value:.2f}" for value in row) + " |" for method, row in ratios.iterrows()]
+    lines += [f"| {method} | " + " | ".join(f"{value:.2f}" for value in row) + " |"
+              for method, row in ratios.iterrows()]
     return "\n".join(lines)
 
 
@@ -333,14 +339,17 @@ def _head_types(data_dir: Path, model: str = "") -> str:
     from ..findings.legacy import read_table
 
     data_dir = data_dir / model
-    table = findings_by_head_type(read_table(data_dir / "findings_b.csv"), pd.read_csv(data_dir / "retrieval_heads.csv"))
+    table = findings_by_head_type(read_table(data_dir / "findings_b.csv"),
+                                  pd.read_csv(data_dir / "retrieval_heads.csv"))
     heads = table.dropna(subset=["n_heads"]).drop_duplicates("head_type").set_index("head_type").n_heads
-    lines = [f"Retrieval heads (score > 0.1): {heads.get('retrieval', 0):.0f} of {heads.sum():.0f}; value [95% interval "
-             "over prompts], chance in parentheses:", "",
-             "| split | metric | sinks | retrieval heads | other heads | retrieval - other |", "|---|---|---|---|---|---|"]
+    lines = [f"Retrieval heads (score > 0.1): {heads.get('retrieval', 0):.0f} of {heads.sum():.0f}; value [95% "
+             "interval over prompts], chance in parentheses:", "",
+             "| split | metric | sinks | retrieval heads | other heads | retrieval - other |",
+             "|---|---|---|---|---|---|"]
     for (split, metric, sinks), part in table.groupby(["split", "metric", "sinks"], sort=True):
         cells = part.set_index("head_type")
-        shown = [f"{r.value:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]" + ("" if pd.isna(r.chance) else f" ({r.chance:.3f})")
+        shown = [f"{r.value:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]"
+                 + ("" if pd.isna(r.chance) else f" ({r.chance:.3f})")
                  for r in (cells.loc[t] for t in ("retrieval", "other", "retrieval - other"))]
         lines.append(f"| {split} | {metric} | {sinks} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
@@ -424,7 +433,8 @@ BLOCKS = {
 
 
 def _markers(name: str) -> tuple[str, str]:
-    return f"<!-- generated: {name} (snapkv_lab.app.docs_tables; do not edit by hand) -->", f"<!-- /generated: {name} -->"
+    return (f"<!-- generated: {name} (snapkv_lab.app.docs_tables; do not edit by hand) -->",
+            f"<!-- /generated: {name} -->")
 
 
 def _span(text: str, name: str, page: Path) -> tuple[int, int]:

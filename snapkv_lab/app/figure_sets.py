@@ -15,11 +15,13 @@ from ..core.figure_files import FIGURE_SETS, FigureSet, model_data_folders, mode
 # The figure sets by name: the module whose import registers the set (it calls `register`) and what the set
 # draws. A plain table, so that `snapkv-lab figures --help` lists the names without importing torch.
 FIGURE_MODULES = {
-    "findings": ("snapkv_lab.findings.experiments", "the paper's four observations (a)-(d), generated and teacher-forced"),
+    "findings": ("snapkv_lab.findings.experiments", "the paper's four observations (a)-(d), generated and "
+                                                    "teacher-forced"),
     "pressure": ("snapkv_lab.pressure", "needle grid heatmaps, accuracy vs budget, RULER-style suite, lines ablation"),
-    "eval": ("snapkv_lab.evaluation", "benchmark runs (snapkv-lab eval): score vs compression ratio, task x policy, gap to "
-                                      "the full cache"),
-    "heads": ("snapkv_lab.findings.heads_study", "which heads retrieve: Wu et al.'s retrieval score per layer and head"),
+    "eval": ("snapkv_lab.evaluation", "benchmark runs (snapkv-lab eval): score vs compression ratio, task x policy, "
+                                      "gap to the full cache"),
+    "heads": ("snapkv_lab.findings.heads_study", "which heads retrieve: Wu et al.'s retrieval score per layer "
+                                                 "and head"),
     "scorer-allocation": ("snapkv_lab.app.scorer_allocation_plots", "every scorer under every allocation at matched KV "
                                                               "entries (snapkv-lab scorer-allocation)"),
 }
@@ -59,7 +61,8 @@ def make_figures(data_dir="data", figures_dir="figures", *, recompute: bool = Fa
     return written
 
 
-def _make_model_figures(sets: dict, data_dir: Path, figures_dir: Path, *, recompute: bool, only, options: dict) -> list[Path]:
+def _make_model_figures(sets: dict, data_dir: Path, figures_dir: Path, *, recompute: bool, only,
+                        options: dict) -> list[Path]:
     figures_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, figure_set in sets.items():

@@ -136,15 +136,16 @@ def tidy(cells, store) -> pd.DataFrame:
         if cell.kind == "eval":
             parts.append(rows.assign(benchmark=rows.dataset))
         else:  # a needle: its depth and haystack name it; found or not is its score
-            parts.append(rows.assign(benchmark="needle", example=[f"{d:g}/{s}" for d, s in zip(rows.depth, rows["sample"])],
+            parts.append(rows.assign(benchmark="needle",
+                                     example=[f"{d:g}/{s}" for d, s in zip(rows.depth, rows["sample"])],
                                      ratio=(1 - rows.capacity.astype(float)).round(10).fillna(0.0),
                                      score=rows.correct.astype(float), prediction=rows.output))
     if not parts:
         return pd.DataFrame(columns=COLUMNS)
     table = pd.concat(parts, ignore_index=True)
     pairs = [names[label] for label in table.policy]
-    table = table.assign(scorer=[p[0] for p in pairs], allocation=[p[1] for p in pairs], ratio=table.ratio.astype(float),
-                         example=table.example.astype(str))
+    table = table.assign(scorer=[p[0] for p in pairs], allocation=[p[1] for p in pairs],
+                         ratio=table.ratio.astype(float), example=table.example.astype(str))
     repeated = (table.scorer == FULL) & table.duplicated(["benchmark", "task", "example", "mode", "policy"])
     return table.loc[~repeated, COLUMNS].reset_index(drop=True)
 

@@ -81,7 +81,8 @@ def rolling_window(policy: Policy, kept: list[torch.Tensor], lengths: list[int],
     windows = [policy.decode_window(n) for n in lengths]
     if all(window is None for window in windows):
         return None
-    streaming = torch.stack([(row >= 0).sum(-1) < n if window is not None else torch.zeros(row.shape[0], dtype=torch.bool)
+    streaming = torch.stack([(row >= 0).sum(-1) < n if window is not None
+                             else torch.zeros(row.shape[0], dtype=torch.bool)
                              for row, n, window in zip(kept, lengths, windows, strict=True)])
     sinks, recent = (torch.tensor([0 if window is None else window[i] for window in windows], device=device)
                      for i in (0, 1))

@@ -77,7 +77,8 @@ class RollingWindow:
             return None
         if any(w is None for w in windows):
             raise ValueError("rows of one layer either all roll their window or none does")
-        return RollingWindow(*(torch.cat([getattr(w, name) for w in windows]) for name in ("streaming", "sinks", "recent")))
+        return RollingWindow(*(torch.cat([getattr(w, name) for w in windows])
+                               for name in ("streaming", "sinks", "recent")))
 
 
 _ROLLBACK_REFUSED = (
@@ -275,7 +276,8 @@ class HeadwiseLayer(DynamicLayer):
     def kept_slot_positions(self) -> torch.Tensor:
         """(batch, slots) the token position each kept slot holds (kept_keys' layout), NO_POSITION on padding."""
         held, rows, slot, slots = _slot_layout(self.kept)
-        return self.kept.new_full((self.kept.shape[0], slots), NO_POSITION).index_put_((rows, slot[held]), self.kept[held])
+        return (self.kept.new_full((self.kept.shape[0], slots), NO_POSITION)
+                .index_put_((rows, slot[held]), self.kept[held]))
 
     def filled(self) -> torch.Tensor:
         """(batch, new) True on the appended slots that hold no token (see `fill`)."""

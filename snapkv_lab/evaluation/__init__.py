@@ -154,6 +154,6 @@ def joined_tables(tables) -> pd.DataFrame:
 register(FigureSet(name="eval", recompute=recompute, draw=draw, recompute_by_default=False))
 
 __all__ = ["DATASETS", "LEADERBOARD", "METRICS", "RATIOS", "Benchmark", "EncodedExample", "Example", "Explanation",
-           "Question", "answered_examples", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate", "full_cache_fails", "gap_to_full",
-           "leaderboard", "leaderboard_cells", "paired_difference", "read_results", "recompute", "reuse_rows",
-           "run_eval_cells", "run_example", "task_scores"]
+           "Question", "answered_examples", "budgets", "draw", "encode_example", "explain", "eval_cells", "evaluate",
+           "full_cache_fails", "gap_to_full", "leaderboard", "leaderboard_cells", "paired_difference", "read_results",
+           "recompute", "reuse_rows", "run_eval_cells", "run_example", "task_scores"]

@@ -70,7 +70,8 @@ class Explanation:
                                                    score=score_answer(self.example, self.question, text))
                                         for name, text in answers.items()}, orient="index")
         covered = coverage_summary(self.coverage.assign(policy=self.row["policy"]), sinks="excluded")
-        table.loc[self.row["policy"], ["coverage", "oracle", "chance"]] = covered.iloc[0][["coverage", "oracle", "chance"]]
+        table.loc[self.row["policy"],
+                  ["coverage", "oracle", "chance"]] = covered.iloc[0][["coverage", "oracle", "chance"]]
         if self.spans:
             shares = self.facts_kept().groupby("fact").kept.mean()  # every head counts alike: a fact's length each
             for i, share in shares.items():
@@ -105,7 +106,8 @@ class Explanation:
     def _repr_html_(self) -> str:
         row = self.row
         budget = f"ratio {row['ratio']:g}" if pd.notna(row.get("ratio")) else f"capacity {row['capacity']}"
-        head = (f"<h4>{html.escape(str(row['dataset']))}/{html.escape(str(row['task']))} #{html.escape(str(row['example']))}, "
+        head = (f"<h4>{html.escape(str(row['dataset']))}/{html.escape(str(row['task']))} "
+                f"#{html.escape(str(row['example']))}, "
                 f"{html.escape(str(row['policy']))} at {budget}, {html.escape(str(row['mode']))}</h4>"
                 f"<p>references: {html.escape(', '.join(self.question.answers))}</p>")
         return head + self.summary()._repr_html_() + self.kept_view().data

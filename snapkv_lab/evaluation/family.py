@@ -103,7 +103,8 @@ def comparisons(table: pd.DataFrame, baseline: str = "SnapKV") -> pd.DataFrame:
     runs = table.loc[table["mode"] != "full", ["policy", "ratio", "mode"]].drop_duplicates()
     at = runs.loc[runs.policy == baseline, ["ratio", "mode"]]
     if at.empty:
-        raise ValueError(f"the table has no rows of the baseline {baseline!r}: its policies are {sorted(set(runs.policy))}")
+        raise ValueError(f"the table has no rows of the baseline {baseline!r}: its policies are "
+                         f"{sorted(set(runs.policy))}")
     return runs[runs.policy != baseline].merge(at, on=["ratio", "mode"]).reset_index(drop=True)
 
 

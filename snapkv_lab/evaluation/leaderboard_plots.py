@@ -51,11 +51,13 @@ def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
     figures_dir/eval_<name>_{leaderboard,heatmap,gap,difference}; a run at several lengths, one set per length, as
     RULER reports them: eval_<name>_<length>_{leaderboard,heatmap,gap,difference}."""
     written = []
-    paths = sorted(Path(data_dir).glob("eval_*.csv")) if names is None else [Path(data_dir) / f"eval_{n}.csv" for n in names]
+    paths = (sorted(Path(data_dir).glob("eval_*.csv")) if names is None
+             else [Path(data_dir) / f"eval_{n}.csv" for n in names])
     for path in paths:
         table = read_results(path)
         held = lengths(table)
-        parts = [(path.stem, table)] if len(held) < 2 else [(f"{path.stem}_{n}", table[table.length == n]) for n in held]
+        parts = ([(path.stem, table)] if len(held) < 2
+                 else [(f"{path.stem}_{n}", table[table.length == n]) for n in held])
         for name, part in parts:
             stem = Path(figures_dir) / name
             written += leaderboard_figure(part, stem.with_name(name + "_leaderboard"))

@@ -44,7 +44,8 @@ Metric = Callable[..., float]  # (prediction, references, **meta) -> [0, 1]
 # ----------------------------------------------------------------------------------------------------------------
 # Text normalisation and token F1 (LongBench/metrics.py; InfiniteBench and SCBench compute_scores.py: the same code)
 
-_CHINESE_PUNCTUATION = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟"
+_CHINESE_PUNCTUATION = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～"
+                        "｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟"
                         "〰〾〿–—‘’‛“”„‟…‧﹏.")
 _ENGLISH_PUNCTUATION = frozenset(string.punctuation)
 _ALL_PUNCTUATION = frozenset(string.punctuation + _CHINESE_PUNCTUATION)

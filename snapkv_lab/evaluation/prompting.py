@@ -103,7 +103,8 @@ def encode_example(tokenizer, example: Example, *, framing: str | None = None,
         room = max_context - max(len(q) for q in question_ids)
         if room < 2:
             raise ValueError(f"max_context={max_context} leaves no room for the context of {example.dataset}/"
-                             f"{example.task} #{example.id}: its longest question alone takes {max_context - room} tokens")
+                             f"{example.task} #{example.id}: its longest question alone takes "
+                             f"{max_context - room} tokens")
         truncated = max(0, len(context_ids) - room)
         if truncated:
             half = room // 2

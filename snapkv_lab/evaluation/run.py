@@ -140,7 +140,8 @@ def check_protocol(protocol: dict | None) -> dict:
         raise ValueError(f"unknown protocol option {', '.join(sorted(unknown))}: the options are {', '.join(PROTOCOL)}")
     for name, value in protocol.items():
         if value not in PROTOCOL[name]:
-            raise ValueError(f"{name} must be one of {PROTOCOL[name]} (the first is the official script's), got {value!r}")
+            raise ValueError(f"{name} must be one of {PROTOCOL[name]} (the first is the official script's), "
+                             f"got {value!r}")
     return {name: protocol.get(name, values[0]) for name, values in PROTOCOL.items()}
 
 
@@ -161,7 +162,8 @@ def prepared_example(model, tokenizer, config: dict):
     encoded = encode_example(tokenizer, example, framing=config["framing"], max_context=max_context)
     longest = max(len(q) for q in encoded.questions)
     check_context_length(model, len(encoded.context_ids) + longest + example.max_new_tokens,
-                         what=f"{example.dataset}/{example.task} #{example.id} with {example.max_new_tokens} new tokens")
+                         what=f"{example.dataset}/{example.task} #{example.id} with {example.max_new_tokens} "
+                              "new tokens")
     budget_of, policies = {}, []
     for entry in config["policies"]:
         for budget in config["budgets"]:
@@ -274,8 +276,9 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     cells = eval_cells(model, datasets, tasks, policies, ratios, capacities, modes, limit, max_context, lengths, seed,
                        source, framing, protocol)
     _check_lengths(model, lengths)
-    options = dict(model=model, datasets=datasets, tasks=tasks, policies=[p if isinstance(p, str) else p.label for p in policies],
-                   ratios=ratios, capacities=capacities, modes=list(modes), limit=limit, max_context=max_context,
+    options = dict(model=model, datasets=datasets, tasks=tasks,
+                   policies=[p if isinstance(p, str) else p.label for p in policies], ratios=ratios,
+                   capacities=capacities, modes=list(modes), limit=limit, max_context=max_context,
                    lengths=list(lengths), seed=seed, source=source, framing=framing, **protocol)
     table = run_eval_cells(cells, model=model, options=options, data_dir=data_dir, executor=executor,
                            ray_address=ray_address, cpus_per_worker=cpus_per_worker, reuse=reuse)
@@ -334,8 +337,8 @@ def reuse_rows(cells, store, table: pd.DataFrame) -> int:
         # run_example's order: per question the full cache, then policy by policy, budget by budget, MODES' order.
         answers = [(entry, b, mode) for entry in config["policies"] for b in config["budgets"]
                    for mode in MODES if mode in config["modes"]]
-        wanted = {(json.dumps(policy_config(dataclasses.replace(policy_from_config(entry), capacity=_capacity(b)))), mode):
-                  rank for rank, (entry, b, mode) in enumerate(answers, start=1)}
+        wanted = {(json.dumps(policy_config(dataclasses.replace(policy_from_config(entry), capacity=_capacity(b)))),
+                   mode): rank for rank, (entry, b, mode) in enumerate(answers, start=1)}
         answer = pd.Series([pair in wanted for pair in zip(rows.policy_config, rows["mode"])], index=rows.index)
         answer &= ~rows.duplicated(["policy_config", "mode", "question"])
         answered = rows[answer].groupby(["policy_config", "mode"]).question.agg(lambda q: sorted(q) == questions)
@@ -359,8 +362,8 @@ def read_results(path) -> pd.DataFrame:
     table = pd.read_csv(path, dtype={column: str for column in TEXT_COLUMNS})
     table = table.fillna({column: "" for column in TEXT_COLUMNS if column in table})
     if "policy_config" in table:
-        current = {text: json.dumps(policy_config(policy_from_config(upgrade_config(json.loads(text))))) if text else text
-                   for text in table.policy_config.unique()}
+        current = {text: json.dumps(policy_config(policy_from_config(upgrade_config(json.loads(text)))))
+                   if text else text for text in table.policy_config.unique()}
         table["policy_config"] = table.policy_config.map(current)
     return table
 

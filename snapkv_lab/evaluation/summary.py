@@ -37,7 +37,8 @@ def lengths(table: pd.DataFrame) -> list[int]:
 def example_scores(table: pd.DataFrame) -> pd.DataFrame:
     """One row per (dataset, [length,] task, example, policy, budget, mode): the mean score over its questions, x 100,
     and where the table records them, the mean kv_share and whether any question's cache held more than its budget
-    (over_budget; compression.entries). The full cache's rows are repeated under every mode of the run, so that each mode's line has its baseline."""
+    (over_budget; compression.entries). The full cache's rows are repeated under every mode of the run, so that each
+    mode's line has its baseline."""
     keys = [*_scope(table), "task", "example", "policy", _budget(table), "mode"]
     held = dict(kv_share=("kv_share", "mean"), over_budget=("over_budget", "any")) if "kv_share" in table else {}
     scores = table.groupby(keys, dropna=False, sort=False).agg(score=("score", "mean"), **held).reset_index()
@@ -86,7 +87,8 @@ def leaderboard(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0, tasks=No
     for key, part in scores.groupby(keys, dropna=False, sort=False):
         groups = [task.score.to_numpy() for _, task in part.groupby("task", sort=False)]
         estimate, low, high = _interval(groups, n_boot, seed)
-        held = dict(kv_share=part.kv_share.mean(), over_budget=bool(part.over_budget.any())) if "kv_share" in part else {}
+        held = (dict(kv_share=part.kv_share.mean(), over_budget=bool(part.over_budget.any()))
+                if "kv_share" in part else {})
         rows.append(dict(zip(keys, key), score=estimate, low=low, high=high, tasks=len(groups), examples=len(part),
                          **held))
     return pd.DataFrame(rows).sort_values([*_scope(table), "mode", "policy", budget], ignore_index=True)

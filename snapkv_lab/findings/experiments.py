@@ -64,8 +64,8 @@ DEFAULTS = dict(splits=SPLITS, samples=8, placement_documents=6, dependence_docu
                 n_gen_segments=4, qa_new_tokens=48, modes=("generated",), p=TOP_P, framing=None)
 
 
-ORDER = ["layer", "head", "segment", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks", *PARTS,
-         "n_heads", "value", "chance"]
+ORDER = ["layer", "head", "segment", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks",
+         *PARTS, "n_heads", "value", "chance"]
 
 
 def _tidy(table: pd.DataFrame) -> pd.DataFrame:
@@ -86,12 +86,14 @@ def _generated_attention(trace, layer: int, sink_rule: SinkRule) -> tuple[torch.
 
 
 @old_keywords(**COLUMNS)  # prompt_windows' `window` is today's `segment`
-def prompt_segments(trace, *, segment=128, n_prompt_segments=20, p=TOP_P, sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
+def prompt_segments(trace, *, segment=128, n_prompt_segments=20, p=TOP_P, sink_rule=SinkRule(),
+                    sample=0) -> pd.DataFrame:
     """(a) Each of the last `n_prompt_segments` segments of `segment` prompt tokens votes on the common prefix
     before the earliest one; in column `segment`, -1 is the last (the observation window), -2 the one before."""
     _require(trace.prompt_len, segment * n_prompt_segments + 1, "prompt_segments")
     rows = [row for layer in trace.layers
-            for row in _segment_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), segment, n_prompt_segments, p)]
+            for row in _segment_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), segment,
+                                     n_prompt_segments, p)]
     return _segment_table(rows, sample)
 
 
@@ -108,13 +110,15 @@ def _segment_rows(trace, layer, attn, sinks, segment, n_prompt_segments, p) -> l
     selections = {}
     for j in range(1, n_prompt_segments + 1):
         start = trace.prompt_len - segment * j
-        selections[-j] = to_mask(select_from_trace(trace, layer, slice(start, start + segment), p, prefix_len=prefix_len), prefix_len)
+        selections[-j] = to_mask(select_from_trace(trace, layer, slice(start, start + segment), p,
+                                                   prefix_len=prefix_len), prefix_len)
     return selection_vs_generation(attn[..., :prefix_len], selections, sinks=sinks[:, :prefix_len], layer=layer)
 
 
 def _segment_table(rows: list[dict], sample) -> pd.DataFrame:
     # Each prompt segment is a selection here, scored against all generated rows (one segment of them).
-    return _tidy(pd.DataFrame(rows).drop(columns=["segment"]).rename(columns={"selection": "segment"}).assign(sample=sample))
+    return _tidy(pd.DataFrame(rows).drop(columns=["segment"]).rename(columns={"selection": "segment"})
+                 .assign(sample=sample))
 
 
 def select_mask(votes: torch.Tensor, p: float, selection: str, n_kv_heads: int) -> torch.Tensor:
@@ -171,8 +175,9 @@ def _consistency_rows(trace, layer, attn, sinks, obs_windows, selections, gen_se
 def question_placement(traces: dict, *, obs_window=32, p=TOP_P, sink_rule=SinkRule(), sample=0) -> pd.DataFrame:
     """(c) {"front": trace, "back": trace} of one question and document -> the observation window's selection
     against all generated tokens, per placement."""
-    tables = [generation_consistency(trace, obs_window=obs_window, gen_segment=max(1, trace.n_generated), n_gen_segments=1,
-                                     p=p, sink_rule=sink_rule, sample=sample).assign(placement=placement)
+    tables = [generation_consistency(trace, obs_window=obs_window, gen_segment=max(1, trace.n_generated),
+                                     n_gen_segments=1, p=p, sink_rule=sink_rule,
+                                     sample=sample).assign(placement=placement)
               for placement, trace in traces.items()]
     return pd.concat(tables, ignore_index=True).drop(columns=["obs_window", "selection"])
 
@@ -204,8 +209,10 @@ def dependence_rows(selections: list[dict], *, sample=0, min_support=MIN_SUPPORT
       depend on the question would overlap as much across questions as within one.
     The sink variant drops document positions that are sinks of either prompt.
     """
-    pairs = [(a, b, "different questions", "all rows", "all", "all") for a, b in itertools.permutations(range(len(selections)), 2)]
-    pairs += [(a, b, "different questions", "alternate rows", "even", "odd") for a, b in itertools.permutations(range(len(selections)), 2)]
+    pairs = [(a, b, "different questions", "all rows", "all", "all")
+             for a, b in itertools.permutations(range(len(selections)), 2)]
+    pairs += [(a, b, "different questions", "alternate rows", "even", "odd")
+              for a, b in itertools.permutations(range(len(selections)), 2)]
     pairs += [(a, a, "same question", "alternate rows", "even", "odd") for a in range(len(selections))]
     rows = []
     for layer in selections[0]:
@@ -243,7 +250,8 @@ def chat_cell(model, tokenizer, config: dict) -> pd.DataFrame:
     prompt = chat_prompt(tokenizer, config["recipes"], split=config["split"], index=config["index"],
                          framing=config.get("framing"))
     new_tokens = config["gen_segment"] * config["n_gen_segments"]
-    _require(prompt.n_tokens, max(config["prompt_segment"] * config["n_prompt_segments"], *config["obs_windows"]) + 1, prompt.name)
+    _require(prompt.n_tokens, max(config["prompt_segment"] * config["n_prompt_segments"], *config["obs_windows"]) + 1,
+             prompt.name)
     tables = []
     for mode in config["modes"]:
         forced = encode(tokenizer, prompt.continuation)[:new_tokens] if mode == "teacher-forced" else None
@@ -251,9 +259,10 @@ def chat_cell(model, tokenizer, config: dict) -> pd.DataFrame:
         a, b = [], []
         for layer in trace.layers:  # one pass of the generated rows' attention per layer serves (a) and (b)
             attn, sinks = _generated_attention(trace, layer, _sink_rule(config))
-            a += _segment_rows(trace, layer, attn, sinks, config["prompt_segment"], config["n_prompt_segments"], config["p"])
-            b += _consistency_rows(trace, layer, attn, sinks, config["obs_windows"], list(SELECTIONS), config["gen_segment"],
-                                   config["n_gen_segments"], config["p"])
+            a += _segment_rows(trace, layer, attn, sinks, config["prompt_segment"], config["n_prompt_segments"],
+                               config["p"])
+            b += _consistency_rows(trace, layer, attn, sinks, config["obs_windows"], list(SELECTIONS),
+                                   config["gen_segment"], config["n_gen_segments"], config["p"])
         tables += [_segment_table(a, prompt.name).assign(table="a", mode=mode),
                    _tidy(pd.DataFrame(b)).assign(sample=prompt.name, table="b", mode=mode)]
         del trace
@@ -265,12 +274,14 @@ def _qa_traces(model, tokenizer, prompts: dict, modes, new_tokens: int) -> dict[
 
     The essays come without reference answers, so the teacher-forced reference of a placement is the model's
     own greedy answer with the question at the *other* placement (with one placement, its own answer)."""
-    greedy = {placement: capture(model, tokenizer, q.ids, max_new_tokens=new_tokens) for placement, q in prompts.items()}
+    greedy = {placement: capture(model, tokenizer, q.ids, max_new_tokens=new_tokens)
+              for placement, q in prompts.items()}
     out = {"generated": greedy} if "generated" in modes else {}
     if "teacher-forced" in modes:
         other = {"front": "back", "back": "front"}
         answer = {placement: t.token_ids[t.generated] for placement, t in greedy.items()}
-        out["teacher-forced"] = {placement: capture(model, tokenizer, q.ids, continuation=answer.get(other[placement], answer[placement]))
+        out["teacher-forced"] = {placement: capture(model, tokenizer, q.ids,
+                                                    continuation=answer.get(other[placement], answer[placement]))
                                  for placement, q in prompts.items()}
     return out
 
@@ -301,9 +312,11 @@ def dependence_cell(model, tokenizer, config: dict) -> pd.DataFrame:
                    for placement in placements}
         for mode, placed in _qa_traces(model, tokenizer, prompts, config["modes"], config["new_tokens"]).items():
             back = prompts["back"]
-            summaries[mode].append(document_selections(placed["back"], back.spans["document"], back.spans["question"][0],
-                                                       p=config["p"], sink_rule=_sink_rule(config)))
-    tables = [dependence_rows(selections, sample=config["essay"]).assign(mode=mode) for mode, selections in summaries.items()]
+            summaries[mode].append(document_selections(placed["back"], back.spans["document"],
+                                                       back.spans["question"][0], p=config["p"],
+                                                       sink_rule=_sink_rule(config)))
+    tables = [dependence_rows(selections, sample=config["essay"]).assign(mode=mode)
+              for mode, selections in summaries.items()]
     return pd.concat(tables, ignore_index=True).assign(**_model_columns(model, config))
 
 
@@ -326,8 +339,8 @@ def findings_cells(options: dict, recipes: dict, model_name: str | None) -> dict
     from ..sweep import Cell
 
     o = _options(options)
-    common = dict(model=model_name, modes=list(o["modes"]), p=o["p"], sink_rule=dict(first=SinkRule.first, share=SinkRule.share),
-                  theta=THETA, min_support=MIN_SUPPORT)
+    common = dict(model=model_name, modes=list(o["modes"]), p=o["p"],
+                  sink_rule=dict(first=SinkRule.first, share=SinkRule.share), theta=THETA, min_support=MIN_SUPPORT)
     if o["framing"] is not None:  # only an override keys the cells: chosen per model, the framing is the model's
         common["framing"] = o["framing"]
     chat = dict(recipes={"seed": recipes["seed"], "chat": recipes["chat"]}, obs_windows=list(o["obs_windows"]),
@@ -338,17 +351,20 @@ def findings_cells(options: dict, recipes: dict, model_name: str | None) -> dict
     n_questions = len(recipes["qa"]["questions"])
     for split in o["splits"]:
         essays = recipes["qa"][split]
-        for name, count in (("placement_documents", o["placement_documents"]), ("dependence_documents", o["dependence_documents"])):
+        for name, count in (("placement_documents", o["placement_documents"]),
+                            ("dependence_documents", o["dependence_documents"])):
             if count > len(essays):
                 raise ValueError(f"{name}={count}, but the {split} split has {len(essays)} essays")
         if o["questions"] > n_questions:
             raise ValueError(f"questions={o['questions']}, but the recipes hold {n_questions}")
-        cells["ab"] += [Cell("findings-ab", dict(chat, finding="ab", split=split, index=i)) for i in range(o["samples"])]
+        cells["ab"] += [Cell("findings-ab", dict(chat, finding="ab", split=split, index=i))
+                        for i in range(o["samples"])]
         # (c) rotates through the questions, one per document.
         cells["c"] += [Cell("findings-c", dict(qa, finding="c", split=split, essay=essay, question=i % n_questions,
                                                obs_window=o["obs_window"]))
                        for i, essay in enumerate(essays[:o["placement_documents"]])]
-        cells["d"] += [Cell("findings-d", dict(qa, finding="d", split=split, essay=essay, questions=list(range(o["questions"]))))
+        cells["d"] += [Cell("findings-d", dict(qa, finding="d", split=split, essay=essay,
+                                               questions=list(range(o["questions"]))))
                        for essay in essays[:o["dependence_documents"]]]
     return cells
 
@@ -396,20 +412,23 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     else:  # a framing the model cannot take (chat without a template) is refused before any model loads
         resolve_framing(load_tokenizer(model), o["framing"])
     store = ResultStore(data_dir / "cells" / "findings")
-    manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), options={k: str(v) for k, v in o.items()},
-                    model=name, seeds=[recipes["seed"]])
+    manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                    options={k: str(v) for k, v in o.items()}, model=name, seeds=[recipes["seed"]])
     everything = [cell for cell_list in cells.values() for cell in cell_list]
-    run_cells(everything, findings_cell, store, model=None if loaded else model, executor=executor, ray_address=ray_address,
-              cpus_per_worker=cpus_per_worker, desc="findings cells", manifest=manifest, loader=(lambda _: (model, tokenizer)) if loaded else None)
+    run_cells(everything, findings_cell, store, model=None if loaded else model, executor=executor,
+              ray_address=ray_address, cpus_per_worker=cpus_per_worker, desc="findings cells", manifest=manifest,
+              loader=(lambda _: (model, tokenizer)) if loaded else None)
     out = findings_tables({key: store.table(cell_list) for key, cell_list in cells.items()}, o["obs_window"])
     data_dir.mkdir(parents=True, exist_ok=True)
     for key, table in out.items():
         table.to_csv(data_dir / f"findings_{key}.csv", index=False, float_format="%.7g")
-    counts = {key: {split: int(t.loc[t["split"] == split, "sample"].nunique()) for split in o["splits"]} for key, t in out.items()}
+    counts = {key: {split: int(t.loc[t["split"] == split, "sample"].nunique()) for split in o["splits"]}
+              for key, t in out.items()}
     config = model.config if loaded else AutoConfig.from_pretrained(model_source(model))
     run = {**{k: list(v) if isinstance(v, tuple) else v for k, v in o.items()}, "model": str(out["a"]["model"].iloc[0]),
            # the report gives verdicts for sliding-window and global layers apart (findings_report.verdicts)
-           "sliding_layers": sliding_layers(config), "sliding_window": getattr(config.get_text_config(), "sliding_window", None),
+           "sliding_layers": sliding_layers(config),
+           "sliding_window": getattr(config.get_text_config(), "sliding_window", None),
            "samples_per_table": counts, "cells": len(everything)}
     (data_dir / "findings_run.json").write_text(json.dumps(run, indent=1) + "\n")
     return out

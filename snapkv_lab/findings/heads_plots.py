@@ -33,8 +33,9 @@ def draw_retrieval_heads(table: pd.DataFrame, figures_dir: Path) -> list[Path]:
     figure.colorbar(image, ax=axes, label="retrieval score")
     scored = int((grid.to_numpy(dtype=float) > 0).sum())
     axes.set_title(f"Retrieval heads (Wu et al.): the share of copy steps whose\ntop-attended key is the copied token; "
-                   f"{int(table.prompts.iloc[0])} needle prompts answered,\n{int(table.copy_steps.iloc[0])} copy steps; "
-                   f"{scored} of {layers * heads} heads score above 0", fontsize=9)
+                   f"{int(table.prompts.iloc[0])} needle prompts answered,\n"
+                   f"{int(table.copy_steps.iloc[0])} copy steps; {scored} of {layers * heads} heads score above 0",
+                   fontsize=9)
     figure.tight_layout()
     png = figures_dir / "retrieval_heads.png"
     write_png(figure, png, dpi=100)
@@ -68,9 +69,9 @@ def draw_head_types(table: pd.DataFrame, figures_dir: Path) -> Path:
         axes.set_title(f"{split} prompts", fontsize=10)
         if row == 0:
             axes.legend(loc="lower left", fontsize=8)
-    figure.suptitle("Finding (b) by head type: SnapKV's window selection vs the generation's attention, retrieval heads "
-                    "(score > 0.1) and the others\n95% intervals over prompts; the difference is paired over the same "
-                    "prompts (docs/explorer.md)", fontsize=10)
+    figure.suptitle("Finding (b) by head type: SnapKV's window selection vs the generation's attention, retrieval "
+                    "heads (score > 0.1) and the others\n95% intervals over prompts; the difference is paired over "
+                    "the same prompts (docs/explorer.md)", fontsize=10)
     figure.tight_layout()
     path = figures_dir / "findings_b_head_types.png"
     write_png(figure, path, dpi=100)

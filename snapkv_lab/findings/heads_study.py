@@ -36,7 +36,8 @@ def draw(data_dir, figures_dir) -> list[Path]:
     table = pd.read_csv(data_dir / TABLE)
     written = draw_retrieval_heads(table, figures_dir)
     if (data_dir / "findings_b.csv").exists():
-        written.append(draw_head_types(findings_by_head_type(read_table(data_dir / "findings_b.csv"), table), figures_dir))
+        written.append(draw_head_types(findings_by_head_type(read_table(data_dir / "findings_b.csv"), table),
+                                       figures_dir))
     return written
 
 

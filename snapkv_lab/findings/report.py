@@ -69,7 +69,8 @@ def _a(part: pd.DataFrame) -> tuple[str, float, str]:
     best = s.loc[others, "value"].idxmax()
     closest = gaps.loc[gaps["other"] == best].iloc[0]
     text = (f"last {_fmt(last['value'], last['ci_low'], last['ci_high'])}; best other segment ({best}) "
-            f"{s.loc[best, 'value']:.2f}; last - best other {_signed(closest['difference'], closest['ci_low'], closest['ci_high'])}")
+            f"{s.loc[best, 'value']:.2f}; last - best other "
+            f"{_signed(closest['difference'], closest['ci_low'], closest['ci_high'])}")
     if not _clears(last, last["chance"]):
         verdict = "does not hold: the last segment is not above chance"
     elif (gaps["ci_low"] > 0).all():
@@ -89,13 +90,15 @@ def _b(part: pd.DataFrame) -> tuple[str, float, str]:
     decay = difference(part, ("segment", last, first), by=("metric",)).iloc[0]
     text = ("segments " + ", ".join(f"{s.loc[w, 'value']:.2f}" for w in s.index) +
             f" (segment 1 {_fmt(*s.loc[first, ['value', 'ci_low', 'ci_high']])}, segment {last} "
-            f"{_fmt(*s.loc[last, ['value', 'ci_low', 'ci_high']])}); last - first {_signed(decay['difference'], decay['ci_low'], decay['ci_high'])}")
+            f"{_fmt(*s.loc[last, ['value', 'ci_low', 'ci_high']])}); last - first "
+            f"{_signed(decay['difference'], decay['ci_low'], decay['ci_high'])}")
     chance = float(s["chance"].max())
     below = [w for w in s.index if not _clears(s.loc[w], s.loc[w, "chance"])]
     if below:
         return text, chance, f"does not hold: segment(s) {below} not above chance"
     trend = ("decays" if decay["ci_high"] < 0 else "rises" if decay["ci_low"] > 0 else None)
-    return text, chance, "holds" + (f" (above chance in every segment, but it {trend} from the first to the last)" if trend else "")
+    return text, chance, "holds" + (f" (above chance in every segment, but it {trend} from the first to the last)"
+                                    if trend else "")
 
 
 def _b_windows(part: pd.DataFrame) -> tuple[str, float, str]:
@@ -158,7 +161,8 @@ def _d(part: pd.DataFrame) -> tuple[str, float, str]:
             f"{gap['value_a']:.2f} vs different questions {gap['value_b']:.2f}, same - different "
             f"{_signed(gap['difference'], gap['ci_low'], gap['ci_high'])}")
     if gap["ci_low"] > 0:
-        verdict = f"holds: selections depend on the question, yet different questions share {s['value']:.0%} of their positions"
+        verdict = (f"holds: selections depend on the question, yet different questions share {s['value']:.0%} of "
+                   "their positions")
     else:
         verdict = "does not hold: different questions select as one question does"
     return text, float(s["chance"]), verdict
@@ -176,7 +180,8 @@ def verdicts(tables: dict[str, pd.DataFrame], obs_window: int = 32, sliding_laye
     """One row per (finding, measure, layers, split, mode): result (values with intervals), chance, verdict.
     layers: "all", or "global" and "sliding" apart when `sliding_layers` names the model's sliding-window layers."""
     rows = [dict(row, layers=layers) for key, whole in tables.items()
-            for layers, table in layer_groups(whole, sliding_layers).items() for row in _table_verdicts(key, table, obs_window)]
+            for layers, table in layer_groups(whole, sliding_layers).items()
+            for row in _table_verdicts(key, table, obs_window)]
     order = {k: i for i, k in enumerate(CLAIMS)}
     return pd.DataFrame(rows).sort_values(["finding", "mode", "measure", "layers", "split"],
                                           key=lambda c: c.map(order) if c.name == "finding" else c,
@@ -233,7 +238,8 @@ def _with_layers(table: pd.DataFrame) -> pd.DataFrame:
 
 def markdown(table: pd.DataFrame) -> str:
     """The verdicts as a markdown table: one row per (finding, measure, mode), the splits side by side."""
-    lines = ["| finding | measure | chance | dev: value [95% interval] | dev verdict | held-out: value [95% interval] | held-out verdict |",
+    lines = ["| finding | measure | chance | dev: value [95% interval] | dev verdict "
+             "| held-out: value [95% interval] | held-out verdict |",
              "|---|---|---|---|---|---|---|"]
     for (_finding, measure, mode, group), part in _with_layers(table).groupby(["finding", "measure", "mode", "layers"],
                                                                              sort=False):
@@ -260,7 +266,8 @@ def side_by_side(reports: dict[str, pd.DataFrame]) -> str:
     columns, cells = [], {}
     for model, table in reports.items():
         table = table[table["mode"] == "generated"]
-        for (finding, measure, group), part in _with_layers(table).groupby(["finding", "measure", "layers"], sort=False):
+        for (finding, measure, group), part in _with_layers(table).groupby(["finding", "measure", "layers"],
+                                                                            sort=False):
             column = model if group == "all" else f"{model}, {group} layers"
             columns += [column] if column not in columns else []
             by_split = part.set_index("split")["verdict"]

@@ -30,5 +30,7 @@ from .tables import accuracy_table, budget_labels, ruler_table, run_label
 
 register(FigureSet(name="pressure", recompute=recompute, draw=draw, recompute_by_default=False))
 
-__all__ = ["SUITES", "Suite", "grid_cells", "run_context", "CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS", "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly", "lines_context",
-           "needle_context", "recompute", "ruler_table", "run_label", "budget_labels", "run_retrieval", "accuracy_intervals", "wilson"]
+__all__ = ["SUITES", "Suite", "grid_cells", "run_context", "CAPACITIES", "DEFAULT_POLICIES", "MODES", "TASKS",
+           "VALUE_KINDS", "ruler_context", "Context", "Query", "accuracy_table", "draw", "found", "found_exactly",
+           "lines_context", "needle_context", "recompute", "ruler_table", "run_label", "budget_labels", "run_retrieval",
+           "accuracy_intervals", "wilson"]

@@ -1,4 +1,5 @@
-"""Moved to snapkv_lab.pressure.pressure_plots and snapkv_lab.views.palette (2026-11-28): an alias that warns, for one release."""
+"""Moved to snapkv_lab.pressure.pressure_plots and snapkv_lab.views.palette (2026-11-28): an alias that warns, for one
+release."""
 
 from ..core.moved import moved
 

@@ -77,7 +77,8 @@ def _samples(options: dict, default: int) -> range:
 
 
 def needle_specs(options: dict) -> list[dict]:
-    return [dict(builder="needle", n_tokens=int(n), depth=float(d), sample=s) for n in options.get("lengths") or NEEDLE_LENGTHS
+    return [dict(builder="needle", n_tokens=int(n), depth=float(d), sample=s)
+            for n in options.get("lengths") or NEEDLE_LENGTHS
             for d in options.get("depths") or NEEDLE_DEPTHS for s in _samples(options, NEEDLE_SAMPLES)]
 
 
@@ -88,7 +89,8 @@ def lines_specs(options: dict) -> list[dict]:
 
 
 def window_specs(options: dict) -> list[dict]:
-    return [dict(builder="needle", n_tokens=4000, depth=d, sample=s) for d in NEEDLE_DEPTHS for s in _samples(options, 1)]
+    return [dict(builder="needle", n_tokens=4000, depth=d, sample=s)
+            for d in NEEDLE_DEPTHS for s in _samples(options, 1)]
 
 
 def _budget_needles(options: dict, samples: int) -> list[dict]:
@@ -137,8 +139,10 @@ class Suite:
 # One row per suite, run in this order by `snapkv-lab needle --suites ...` (default all).
 SUITES = {
     "needle": Suite("pressure_needle.csv", needle_specs),
-    "lines": Suite("pressure_lines.csv", lines_specs, (SnapKV(), SnapKVNoPooling()), (256, 512, 1024), ("query-aware",)),
-    "windows": Suite("pressure_windows.csv", window_specs, tuple(SnapKV(window_size=w) for w in WINDOW_ABLATION), (1024,)),
+    "lines": Suite("pressure_lines.csv", lines_specs, (SnapKV(), SnapKVNoPooling()), (256, 512, 1024),
+                   ("query-aware",)),
+    "windows": Suite("pressure_windows.csv", window_specs, tuple(SnapKV(window_size=w) for w in WINDOW_ABLATION),
+                     (1024,)),
     "ablations": Suite("pressure_ablations.csv", ablation_specs, tuple(ablation_policies()), (ABLATION_CAPACITY,),
                        describe="coverage", max_new_tokens=ANSWER_TOKENS),
     # The ablations' best query-aware setting (a kernel as long as a fact) on all 15 dev needles of the grid's 4000.
@@ -177,13 +181,14 @@ def run_context(model, tokenizer, config: dict) -> pd.DataFrame:
     context = build_context(tokenizer, config["context"])
     describe = DESCRIBERS[config["describe"]](model, tokenizer) if config["describe"] else None
     table = run_retrieval(model, tokenizer, [context], policies=[policy_from_config(p) for p in config["policies"]],
-                          capacities=config["capacities"], modes=config["modes"], max_new_tokens=config["max_new_tokens"],
-                          progress=False, describe=describe)
+                          capacities=config["capacities"], modes=config["modes"],
+                          max_new_tokens=config["max_new_tokens"], progress=False, describe=describe)
     # One type per column, so that the table reads back from the store as written: capacity is empty for the full
     # cache (shares of the prompt, as a scorer x allocation study gives them, stay floats), and RULER's multivalue
     # answers are lists, written as CSV writes them.
     shares = any(isinstance(capacity, float) for capacity in config["capacities"])
-    return table.assign(capacity=table.capacity.astype("Float64" if shares else "Int64"), expected=table.expected.map(str))
+    return table.assign(capacity=table.capacity.astype("Float64" if shares else "Int64"),
+                        expected=table.expected.map(str))
 
 
 def grid_cells(options: dict) -> dict[str, list]:
@@ -221,9 +226,9 @@ def grid_cells(options: dict) -> dict[str, list]:
 
 
 def _check_before_running(model_name, by_suite: dict[str, list]) -> None:
-    """Refuse bad grids before the first prefill: the shortest context of each suite is built here (chat framing asked of a
-    tokenizer without a chat template, or a length with no room for the haystack, fails now), and the longest must fit
-    the model with its new tokens (each builder's n_tokens holds its questions). Skipped when the model cannot
+    """Refuse bad grids before the first prefill: the shortest context of each suite is built here (chat framing asked
+    of a tokenizer without a chat template, or a length with no room for the haystack, fails now), and the longest must
+    fit the model with its new tokens (each builder's n_tokens holds its questions). Skipped when the model cannot
     be read here (a Ray head node without it): the cells check the same things where they run."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -239,16 +244,17 @@ def _check_before_running(model_name, by_suite: dict[str, list]) -> None:
     for suite_specs in specs:
         build_context(tokenizer, min(suite_specs, key=lambda spec: spec["n_tokens"]))
     longest = max(spec["n_tokens"] for suite_specs in specs for spec in suite_specs)
-    check_context_length(config, longest + MAX_NEW_TOKENS, what=f"a {longest}-token context with {MAX_NEW_TOKENS} new tokens")
+    check_context_length(config, longest + MAX_NEW_TOKENS,
+                         what=f"a {longest}-token context with {MAX_NEW_TOKENS} new tokens")
 
 
 def recompute(options: dict) -> None:
     """Run the suites in options["suites"] (default all: see SUITES) as cells stored in <data_dir>/cells/pressure/,
     skipping the cells already there, then write each suite's table (data/pressure_needle.csv, ...).
 
-    options: data_dir, model, framing (None: the model's own, see framing.prompt_frame), suites, skip_lines, lengths, depths, samples, first_sample, lines_lengths,
-    line_queries, policies (names from snapkv_lab.POLICIES), capacities, modes, executor ("local" or "ray") and
-    ray_address (see sweep.run_cells).
+    options: data_dir, model, framing (None: the model's own, see framing.prompt_frame), suites, skip_lines, lengths,
+    depths, samples, first_sample, lines_lengths, line_queries, policies (names from snapkv_lab.POLICIES), capacities,
+    modes, executor ("local" or "ray") and ray_address (see sweep.run_cells).
     """
     from ..sweep import ResultStore, run_cells
 
@@ -263,7 +269,7 @@ def recompute(options: dict) -> None:
                     options=options,
                     seeds=sorted({cell.config["context"]["sample"] for cell in cells}))
     run_cells(cells, run_context, store, model=options.get("model"), executor=options.get("executor") or "local",
-              ray_address=options.get("ray_address"), cpus_per_worker=options.get("cpus_per_worker"), desc="pressure cells",
-              manifest=manifest)
+              ray_address=options.get("ray_address"), cpus_per_worker=options.get("cpus_per_worker"),
+              desc="pressure cells", manifest=manifest)
     for name, suite_cells in by_suite.items():
         store.table(suite_cells).to_csv(data_dir / SUITES[name].table, index=False)

@@ -108,10 +108,12 @@ def needle_heatmaps(table: pd.DataFrame, mode: str, stem: Path) -> list[Path]:
     cells = {("FullCache", None): found_counts(full, ["depth", "length"])}
     for policy in policies:
         for budget in budgets:
-            cells[(policy, budget)] = found_counts(part[(part.policy == policy) & (part.capacity == budget)], ["depth", "length"])
+            cells[(policy, budget)] = found_counts(part[(part.policy == policy) & (part.capacity == budget)],
+                                                   ["depth", "length"])
 
     def grid(counts: pd.DataFrame, column: str) -> np.ndarray:
-        return counts.pivot(index="depth", columns="length", values=column).reindex(index=depths, columns=lengths).to_numpy()
+        return (counts.pivot(index="depth", columns="length", values=column).reindex(index=depths, columns=lengths)
+                .to_numpy())
 
     name = model_name(table)
     n = _n_text(pd.concat(cells.values()).asked)
@@ -179,8 +181,8 @@ def needle_budget(table: pd.DataFrame, stem: Path) -> list[Path]:
     modes = [m for m in MODES if m in set(compressed["mode"])]
     lengths, budgets = sorted(compressed.length.unique()), sorted(compressed.budget.unique())
     policies = list(dict.fromkeys(table.policy[table.policy != "FullCache"]))
-    title = (f"Needle accuracy vs KV budget, {model_name(table)}: found / asked ({_n_text(compressed.asked)} prompts per "
-             "point), 95% Wilson intervals")
+    title = (f"Needle accuracy vs KV budget, {model_name(table)}: found / asked ({_n_text(compressed.asked)} prompts "
+             "per point), 95% Wilson intervals")
 
     fig = Figure(figsize=(3.6 * len(lengths) + 0.5, 2.9 * len(modes) + 1.2), layout="constrained")
     axes = fig.subplots(len(modes), len(lengths), squeeze=False, sharex=True, sharey=True)
@@ -192,7 +194,8 @@ def needle_budget(table: pd.DataFrame, stem: Path) -> list[Path]:
             ax.axhline(reference.accuracy, ls=":", color="k",
                        label="FullCache (band: its 95% interval)")
             for i, policy in enumerate(policies):
-                line = compressed[(compressed["mode"] == mode) & (compressed.length == length) & (compressed.policy == policy)]
+                line = compressed[(compressed["mode"] == mode) & (compressed.length == length)
+                                  & (compressed.policy == policy)]
                 line = line.sort_values("budget")
                 ax.errorbar(_dodge(line.budget, i, len(policies)), line.accuracy,
                             yerr=[line.accuracy - line.low, line.high - line.accuracy], ms=4, lw=1.2, capsize=2,
@@ -200,7 +203,8 @@ def needle_budget(table: pd.DataFrame, stem: Path) -> list[Path]:
             _budget_axis(ax, budgets)
             ax.set_ylim(-0.03, 1.03)
             ax.grid(alpha=0.3)
-            ax.set_title(f"{mode}, {length} tokens (full cache {int(reference.found)}/{int(reference.asked)})", fontsize=9)
+            ax.set_title(f"{mode}, {length} tokens (full cache {int(reference.found)}/{int(reference.asked)})",
+                         fontsize=9)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
     for ax in axes[-1]:
@@ -214,13 +218,15 @@ def needle_budget(table: pd.DataFrame, stem: Path) -> list[Path]:
         plus=lambda d: d.high - d.accuracy, minus=lambda d: d.accuracy - d.low)
     interactive = px.line(points, x="budget", y="accuracy", color="policy", facet_col="length", facet_row="mode",
                           markers=True, log_x=True, error_y="plus", error_y_minus="minus",
-                          hover_data=["found", "asked", "low", "high"], category_orders={"mode": modes, "policy": policies},
-                          color_discrete_sequence=LINE_COLOURS, title=title.replace(": ", ":<br>", 1) + "; dotted: full cache",
+                          hover_data=["found", "asked", "low", "high"],
+                          category_orders={"mode": modes, "policy": policies}, color_discrete_sequence=LINE_COLOURS,
+                          title=title.replace(": ", ":<br>", 1) + "; dotted: full cache",
                           labels=dict(budget="KV budget (positions per KV head)", accuracy="accuracy"))
     for c, length in enumerate(lengths):
         for r in range(len(modes)):
             interactive.add_hline(y=full.loc[length, "accuracy"], line_dash="dot", row=r + 1, col=c + 1,
-                                  annotation_text=f"full {int(full.loc[length, 'found'])}/{int(full.loc[length, 'asked'])}",
+                                  annotation_text=f"full {int(full.loc[length, 'found'])}/"
+                                                  f"{int(full.loc[length, 'asked'])}",
                                   annotation_font_size=9)
     interactive.update_xaxes(tickvals=budgets, ticktext=[str(b) for b in budgets])
     interactive.update_yaxes(range=[-0.03, 1.03])
@@ -254,12 +260,15 @@ def ruler_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     png = stem.with_suffix(".png")
     write_png(fig, png)
 
-    grades = table.melt(id_vars=["task", "value_kind", "run"], value_vars=[g for g in ("correct", "exact") if g in table],
-                        var_name="grade", value_name="accuracy")
-    grades = grades.groupby(["task", "value_kind", "run", "grade"], as_index=False).accuracy.agg(["mean", "sum", "size"])
+    grades = table.melt(id_vars=["task", "value_kind", "run"],
+                        value_vars=[g for g in ("correct", "exact") if g in table], var_name="grade",
+                        value_name="accuracy")
+    grades = (grades.groupby(["task", "value_kind", "run", "grade"], as_index=False).accuracy
+              .agg(["mean", "sum", "size"]))
     grades = grades.rename(columns={"mean": "accuracy", "sum": "found", "size": "asked"})
-    bars = px.bar(grades, x="run", y="accuracy", color="grade", barmode="group", facet_row="task", facet_col="value_kind",
-                  hover_data=["found", "asked"], category_orders={"run": runs}, color_discrete_sequence=LINE_COLOURS,
+    bars = px.bar(grades, x="run", y="accuracy", color="grade", barmode="group", facet_row="task",
+                  facet_col="value_kind", hover_data=["found", "asked"], category_orders={"run": runs},
+                  color_discrete_sequence=LINE_COLOURS,
                   title=title.replace("(RULER's substring grade)", "<br>(correct: RULER's substring grade; exact: the "
                                                                      "value as a whole token)"), height=900)
     return [png, write_html(bars, stem.with_suffix(".html"))]
@@ -283,7 +292,8 @@ def lines_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     fig = Figure(figsize=(10, 4), layout="constrained")
     accuracy_ax, kept_ax = fig.subplots(1, 2, sharex=True)
     accuracy_ax.axhspan(full.low, full.high, color="0.88", lw=0)
-    accuracy_ax.axhline(full.accuracy, ls=":", color="k", label=f"FullCache {full.found}/{full.asked} (band: 95% interval)")
+    accuracy_ax.axhline(full.accuracy, ls=":", color="k",
+                        label=f"FullCache {full.found}/{full.asked} (band: 95% interval)")
     for i, policy in enumerate(policies):
         line = compressed[compressed.policy == policy].sort_values("budget")
         style = dict(line_style(i), label=policy)
@@ -405,9 +415,9 @@ def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     runs = summary[summary.policy != "FullCache"]
     modes = [m for m in ("query-aware", "query-agnostic") if m in set(runs["mode"])]
     policies = list(dict.fromkeys(runs.policy))
-    title = (f"The newer methods at {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens: needles found, {model_name(table)}, "
-             f"n = {int(runs.asked.max())} per point\n(95% Wilson intervals; grey line and band: the full cache, "
-             f"{int(full.correct)}/{int(full.asked)}, and its interval)")
+    title = (f"The newer methods at {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens: needles found, "
+             f"{model_name(table)}, n = {int(runs.asked.max())} per point\n(95% Wilson intervals; grey line and band: "
+             f"the full cache, {int(full.correct)}/{int(full.asked)}, and its interval)")
     fig = Figure(figsize=(11, 0.32 * len(policies) + 2.0), layout="constrained")
     axes = fig.subplots(1, len(modes), sharey=True, squeeze=False)[0]
     for ax, mode in zip(axes, modes):
@@ -421,7 +431,8 @@ def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
         for yi, found, asked in zip(y, part.correct, part.asked):
             if pd.isna(asked):  # a method not run in this mode
                 continue
-            ax.annotate(f"{int(found)}/{int(asked)}", (1.04, yi), xycoords=("axes fraction", "data"), fontsize=7, va="center")
+            ax.annotate(f"{int(found)}/{int(asked)}", (1.04, yi), xycoords=("axes fraction", "data"), fontsize=7,
+                        va="center")
         ax.set_xlim(-0.05, 1.05)
         ax.set_xlabel(f"{FOUND_LABEL}, {mode}", fontsize=9)
         ax.set_yticks(list(y), policies, fontsize=8)

@@ -72,7 +72,8 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
             query = context.queries[run.question_index]
             rows.append(dict(**context.meta, **{k: v for k, v in query.meta.items() if k not in context.meta},
                              model=model.config.name_or_path,
-                             policy=run.policy.scorer_label, capacity=pd.NA if run.mode == "full" else run.policy.capacity,
+                             policy=run.policy.scorer_label,
+                             capacity=pd.NA if run.mode == "full" else run.policy.capacity,
                              mode=run.mode, expected=query.answer, output=redact_essays(run.text),
                              correct=found(query.answer, run.text),
                              exact=found_exactly(query.answer, run.text),

@@ -30,8 +30,8 @@ def accuracy_table(table: pd.DataFrame) -> pd.DataFrame:
     (columns, numeric order), the full cache expanded into every mode."""
     table = table.copy()
     full = table[table.policy == "FullCache"]
-    expanded = pd.concat([full.assign(mode=m) for m in MODES if m in set(table["mode"])] + [table[table.policy != "FullCache"]],
-                         ignore_index=True)
+    expanded = pd.concat([full.assign(mode=m) for m in MODES if m in set(table["mode"])]
+                         + [table[table.policy != "FullCache"]], ignore_index=True)
     expanded["budget"] = budget_labels(expanded.capacity)
     return expanded.pivot_table(index=["mode", "policy", "budget"], columns="length", values="correct", aggfunc="mean",
                                 observed=True)
@@ -42,7 +42,8 @@ def budget_labels(capacity: pd.Series) -> pd.Series:
     categorical, so that tables and figures never order budgets as text (1024 before 256)."""
     budgets = sorted(int(c) for c in capacity.dropna().unique())
     labels = capacity.map(lambda c: "full" if pd.isna(c) else str(int(c)))
-    return pd.Series(pd.Categorical(labels, categories=["full", *map(str, budgets)], ordered=True), index=capacity.index)
+    return pd.Series(pd.Categorical(labels, categories=["full", *map(str, budgets)], ordered=True),
+                     index=capacity.index)
 
 
 def methods_table(table: pd.DataFrame) -> pd.DataFrame:
@@ -55,5 +56,6 @@ def methods_table(table: pd.DataFrame) -> pd.DataFrame:
     order = ["FullCache", *dict.fromkeys(table.policy[table.policy != "FullCache"])]
     table = table.assign(policy=pd.Categorical(table.policy, categories=order, ordered=True))
     found = accuracy_intervals(table.sort_values(["policy", "mode"]), by=("policy", "mode"))
-    means = table.groupby(["policy", "mode"], observed=True)[["cache_length", "coverage_of_oracle", "value_served"]].mean()
+    means = (table.groupby(["policy", "mode"], observed=True)[["cache_length", "coverage_of_oracle", "value_served"]]
+             .mean())
     return found.merge(means.reset_index(), on=["policy", "mode"]).astype({"policy": str})
