@@ -6,9 +6,11 @@ never snapkv_lab.
 
 request.json: {"model": checkpoint folder, "ids": [token ids], "presses": {name: "kvpress constructor
 expression"}, "attn": "sdpa", "threads": int}. Each expression is evaluated with kvpress's names in scope
-(e.g. "SnapKVPress(compression_ratio=0.75)").
+(e.g. "SnapKVPress(compression_ratio=0.75)"); optional "values": [names] of (pruning, merging) presses whose kept
+values are returned too.
 out.pt (torch.save): {"versions": {...}, "last_logits": (vocab,) float32 of the uncompressed prefill,
-    "presses": {name: {"kept": [per layer (kv_heads, kept) long, sorted, -1 padded] or None, "error": str or None}}}.
+    "presses": {name: {"kept": [per layer (kv_heads, kept) long, sorted, -1 padded] or None, "error": str or None,
+    and for the names in "values": "values": [per layer (kv_heads, kept, head_dim), in the kept positions' order]}}}.
 
 The model is the checkpoint folder snapkv_lab loads (the bundled GGUF converted once to fp32 safetensors,
 snapkv_lab.core.models.bundled_checkpoint(), tokenizer and chat template included), loaded by this transformers in
@@ -66,8 +68,9 @@ def load_model(checkpoint: str, attn: str):
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attn).eval()
 
 
-def rows_to_positions(full: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
-    """(kv_heads, n, d) full keys, (kv_heads, m, d) pruned keys -> (kv_heads, m) positions, sorted.
+def rows_to_positions(full: torch.Tensor, pruned: torch.Tensor, sort: bool = True) -> torch.Tensor:
+    """(kv_heads, n, d) full keys, (kv_heads, m, d) pruned keys -> (kv_heads, m) positions, sorted (sort=False: in
+    the pruned rows' own order).
 
     Each pruned row is looked up among the full rows by a hash of its bits, then checked equal bit for bit
     (post-RoPE keys of distinct positions never coincide; if two did, positions could not be told apart)."""
@@ -82,7 +85,14 @@ def rows_to_positions(full: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
     positions = order.gather(-1, torch.searchsorted(sorted_full, hashed_pruned).clamp(max=n - 1))
     if not torch.equal(full.gather(1, positions[..., None].expand(-1, -1, d)), pruned):
         raise RuntimeError("a pruned key row is not among the full keys")
-    return positions.sort(dim=-1).values
+    return positions.sort(dim=-1).values if sort else positions
+
+
+def values_in_position_order(full: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, m, d) the values a press kept (a merging press's merged ones), in the order of their positions, as
+    `rows_to_positions` lists them: full (kv_heads, n, d) keys before the press, keys, values (kv_heads, m, d) after."""
+    order = rows_to_positions(full, keys, sort=False).argsort(dim=-1)
+    return values.gather(1, order[..., None].expand_as(values))
 
 
 def masked_to_positions(masked, kv_heads: int, n: int) -> torch.Tensor:
@@ -125,9 +135,12 @@ def hooked(stack: contextlib.ExitStack, modules, hook) -> None:
         stack.callback(module.register_forward_hook(hook, with_kwargs=True).remove)
 
 
-def run_shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple[dict, torch.Tensor]:
+def run_shared_prefill(model, ids: torch.Tensor, presses: dict, values: dict | None = None) -> tuple[dict, torch.Tensor]:
     """({name: {layer: kept}} of every press, (vocab,) last logits) from one prefill (see the module doc); the
-    logits are the uncompressed model's: presses change the cache after each layer's attention, not its output."""
+    logits are the uncompressed model's: presses change the cache after each layer's attention, not its output.
+    values: {name: {}} for the presses whose kept values are asked for, filled {layer: (kv_heads, kept, d)} in
+    position order."""
+    values = {} if values is None else values
     from transformers import DynamicCache
 
     full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -145,8 +158,11 @@ def run_shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple[dict, t
 
     def record(name):
         def hook(module, args, kwargs, output):
-            keys = kwargs["past_key_values"].layers[module.layer_idx].keys
-            kept[name][module.layer_idx] = kept_positions(module, full[module.layer_idx][0], keys)
+            layer = kwargs["past_key_values"].layers[module.layer_idx]
+            kept[name][module.layer_idx] = kept_positions(module, full[module.layer_idx][0], layer.keys)
+            if name in values:
+                values[name][module.layer_idx] = values_in_position_order(
+                    full[module.layer_idx][0][0].cpu(), layer.keys[0].cpu(), layer.values[0].cpu())
         return hook
 
     clear_masks(model)
@@ -238,8 +254,9 @@ def main(request_path: str, out_path: str) -> None:
         else:
             shared[name] = press
     start = time.perf_counter()
+    values = {name: {} for name in request.get("values", []) if name in shared}
     try:
-        kept, last_logits = run_shared_prefill(model, ids, shared)
+        kept, last_logits = run_shared_prefill(model, ids, shared, values)
         results.update({name: {"kept": layers, "error": None} for name, layers in kept.items()})
     except Exception:  # one failing press stops the shared prefill: run each alone, to tell which one failed
         traceback.print_exc()
@@ -256,6 +273,8 @@ def main(request_path: str, out_path: str) -> None:
             result["kept"] = None if missing else [result["kept"][layer] for layer in range(n_layers)]
             result["error"] = f"no compression recorded in layers {missing}" if missing else None
         print(f"kvpress {name}: {result['error'] or 'ok'}", file=sys.stderr)
+        if name in values:
+            result["values"] = [values[name].get(layer) for layer in range(n_layers)]
     versions = {pkg: md.version(pkg) for pkg in ("kvpress", "transformers", "torch")}
     torch.save({"versions": versions, "last_logits": last_logits, "presses": results}, out_path)
 

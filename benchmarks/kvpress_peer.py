@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 import torch
 
 WORKER = Path(__file__).resolve().parent / "_kvpress_worker.py"
@@ -53,6 +55,7 @@ class Row:
         ("" once it has landed: delete the text then).
     expect: fields of our built policy the row relies on, by dotted path ("policy.sinks"), with the values the
         target API gives them (new defaults included): until our policy has them the row is pending too.
+    values: compare the kept values too, not only the positions (merging presses rewrite them): Agreement.value_gap.
     """
 
     label: str
@@ -61,6 +64,7 @@ class Row:
     why: str
     pending: str = ""
     expect: dict = field(default_factory=dict)
+    values: bool = False
 
 
 ROWS = [
@@ -177,6 +181,11 @@ ROWS = [
         "retrieval score) in place of the published pattern, and the share of streaming heads our budget gives (74 of "
         "90 at 250 positions); kvpress streams the round(90 x share) lowest gates (duo_attention_press.py:86-90), ours "
         "keeps the highest in full. One head chosen differently costs its layer about 0.9 / 3 of Jaccard: the row fails."),
+    Row("Merging", f"Merging(policy={SNAP})", f"MergingPress(press={SNAP_PRESS})",
+        "Same definition and defaults (kvpress's is the method's own code): the inner SnapKV keeps the positions (as the "
+        "SnapKV row); each evicted value is folded into the kept value of its most cosine-similar key with weight "
+        "max(cos, 0) |v_e| / (|v_e| + |v_t| + 1e-6), v_t' = (v_t + sum w v_e) / (1 + sum w) (merging_press.py:137-174), "
+        "similarity_threshold 0.0 and merge_fraction 1.0. The kept values are compared too (value_gap).", values=True),
 ]
 
 
@@ -251,32 +260,48 @@ def duo_pattern(policy, n_tokens: int) -> dict:
             "recent_size": policy.recent_size}
 
 
-def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, torch.Tensor]:
-    """({label: per layer (kv_heads, kept) long, -1 padded}, (vocab,) last logits of the uncompressed prefill):
-    one SharedPrefill for every policy, each state as `compress` builds it."""
+def run_ours(model, tokenizer, ids: list[int], policies: dict, values=()) -> tuple[dict, torch.Tensor, dict]:
+    """({label: per layer (kv_heads, kept) long, -1 padded}, (vocab,) last logits of the uncompressed prefill,
+    {label: per layer (kv_heads, kept, head_dim) the stored values} for the labels in `values`, and for each of them
+    under label + " (uncompressed)" the full cache's values at the same positions): one SharedPrefill for every
+    policy, each state as `compress` builds it."""
     from snapkv_lab.compression import SharedPrefill
 
     shared = SharedPrefill.run(model, tokenizer, torch.tensor([ids], device=model.device), list(policies.values()))
     n_layers = model.config.num_hidden_layers
-    kept = {}
+    kept, stored = {}, {}
     for label, policy in policies.items():
         state = shared.state(policy)
         kept[label] = [state.kept_indices[layer][0].long().cpu() for layer in range(n_layers)]
-    return kept, shared.logits[0].float().cpu()
+        if label in values:
+            stored[label] = [prompt_values(state.cache.layers[layer]).float().cpu() for layer in range(n_layers)]
+            stored[f"{label} (uncompressed)"] = [
+                shared.cache.layers[layer].values[0].float().cpu().gather(1, positions.clamp(min=0)[..., None].expand(
+                    -1, -1, shared.cache.layers[layer].values.shape[-1])) for layer, positions in enumerate(kept[label])]
+    return kept, shared.logits[0].float().cpu(), stored
+
+
+def prompt_values(layer) -> torch.Tensor:
+    """(kv_heads, kept, head_dim) the values a compressed layer stores for batch row 0's kept prompt positions, in
+    their order (a ragged layer's heads zero-padded to the widest)."""
+    if hasattr(layer, "prompt_values"):
+        return torch.nn.utils.rnn.pad_sequence(layer.prompt_values[0], batch_first=True)
+    return layer.values[0]
 
 
 def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], q_filters: Path | None = None,
-                duo_pattern: dict | None = None) -> dict:
+                duo_pattern: dict | None = None, values=()) -> dict:
     """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression} on the model in
     `checkpoint`; RuntimeError with the worker's last output lines if it fails. q_filters: the query filters our
     QFilters calibrated, for QFilterPress (which would load the authors' from the Hub); duo_pattern: our
-    DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would load the published gates)."""
+    DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would load the published gates);
+    values: the labels whose kept values the worker returns too (merging presses)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
                                        "threads": torch.get_num_threads(),
                                        "q_filters": None if q_filters is None else str(q_filters),
-                                       "duo_pattern": duo_pattern}))
+                                       "duo_pattern": duo_pattern, "values": list(values)}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                "HF_HUB_OFFLINE": "1"}
         done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
@@ -357,6 +382,8 @@ class Agreement:
     pending: str | None = None
     error: str | None = None
     layers: list = field(default_factory=list)
+    value_gap: float | None = None  # rows with `values`: max |our stored value - kvpress's| over every kept entry
+    value_shift: float | None = None  # and max |kvpress's stored value - the uncompressed cache's|: what merging moved
 
     @property
     def jaccard_mean(self) -> float:
@@ -379,9 +406,11 @@ class Agreement:
 
     def summary(self) -> str:
         worst = self.worst_layer
+        values = "" if self.value_gap is None else (f", kept values max |gap| {self.value_gap:.2e} (merging moved "
+                                                    f"them by up to {self.value_shift:.2e})")
         return (f"{self.row.label}: mean Jaccard {self.jaccard_mean:.4f}, worst layer {worst} "
                 f"({self.layers[worst]['jaccard']:.4f}), identical layers {self.identical_layers:.0%}, "
-                f"kept per KV head ours {self.kept('ours')}, kvpress {self.kept('theirs')}")
+                f"kept per KV head ours {self.kept('ours')}, kvpress {self.kept('theirs')}{values}")
 
 
 def compare_layers(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> list[dict]:
@@ -425,15 +454,17 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     ids = prompt_ids(tokenizer, n_tokens)
     capacity = n_kept(len(ids), ratio)
     built = {row.label: our_policy(row, capacity) for row in rows}
+    with_values = [row.label for row in rows if row.values]
     start = time.perf_counter()
-    ours, logits = run_ours(model, tokenizer, ids, {label: policy for label, (policy, _) in built.items()})
+    ours, logits, our_values = run_ours(model, tokenizer, ids, {label: policy for label, (policy, _) in built.items()},
+                                        with_values)
     middle = time.perf_counter()
     duo = next((policy for policy, _ in built.values() if type(policy).__name__ == "DuoAttention"), None)
     pattern = None if duo is None else duo_pattern(duo, len(ids))
     presses = {row.label: row.press.format(ratio=ratio, head_ratio=pattern and pattern["head_ratio"]) for row in rows}
     theirs = run_kvpress(venv, bundled_checkpoint(), ids, presses,
                          q_filters=filters_path(model),  # calibrated by run_ours's QFilters
-                         duo_pattern=pattern)
+                         duo_pattern=pattern, values=with_values)
     seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
     agreements = {}
     for row in rows:
@@ -442,7 +473,28 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
         agreement = Agreement(row, policy.label, presses[row.label], pending=pending, error=other["error"])
         if other["error"] is None:
             agreement.layers = compare_layers(ours[row.label], other["kept"])
+            if row.values:
+                agreement.value_gap = value_gap(ours[row.label], other["kept"], our_values[row.label],
+                                                other["values"])
+                agreement.value_shift = value_gap(ours[row.label], other["kept"],
+                                                  our_values[f"{row.label} (uncompressed)"], other["values"])
         agreements[row.label] = agreement
     gap = float((logits - theirs["last_logits"]).abs().max())
     return SideBySide(model.config.name_or_path, len(ids), ratio, capacity, gap, theirs["versions"], agreements,
                       theirs["log"], seconds)
+
+
+def value_gap(ours: list[torch.Tensor], theirs: list[torch.Tensor], our_values: list, their_values: list) -> float:
+    """max |difference| of the values both sides store at the positions both keep (inf where a side returned none):
+    ours, theirs per layer (kv_heads, kept) positions in order; our_values, their_values per layer (kv_heads, kept,
+    head_dim), in those positions' order."""
+    gap = 0.0
+    for a, b, va, vb in zip(ours, theirs, our_values, their_values, strict=True):
+        if va is None or vb is None:
+            return math.inf
+        for head in range(a.shape[0]):
+            common, at_a, at_b = numpy.intersect1d(a[head].numpy(), b[head].numpy(), return_indices=True)
+            at_a, at_b = at_a[common >= 0], at_b[common >= 0]  # -1 pads a ragged layer's heads: no position
+            if len(at_a):
+                gap = max(gap, float((va[head][at_a] - vb[head][at_b].float()).abs().max()))
+    return gap

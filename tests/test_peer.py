@@ -58,6 +58,20 @@ def test_kept_positions_agree(side_by_side, row):
     assert agreement.jaccard_mean >= JACCARD_FLOOR, f"{agreement.summary()}\nwhy they should agree: {row.why}"
 
 
+VALUE_TOLERANCE = 1e-4  # fp32 values after 30 layers of two transformers versions, merged alike on both sides
+
+
+@pytest.mark.parametrize("row", [row for row in peer.ROWS if row.values],
+                         ids=[re.sub(r"\W+", "-", row.label).strip("-") for row in peer.ROWS if row.values])
+def test_merged_values_agree(side_by_side, row):
+    """A merging press rewrites the kept values: both sides store the same ones, entry for entry."""
+    agreement = side_by_side.rows[row.label]
+    assert agreement.error is None, agreement.error
+    print(agreement.summary())
+    assert agreement.value_shift > 100 * VALUE_TOLERANCE  # kvpress's values are merged: the comparison is not vacuous
+    assert agreement.value_gap < VALUE_TOLERANCE, agreement.summary()
+
+
 def test_duoattention_heads_are_chosen_alike(side_by_side):
     """kvpress's DuoAttentionPress, handed our gates and share of streaming heads, chooses the same heads to keep
     whole (all 1000 positions) as ours: head for head, not only on average."""
@@ -96,6 +110,25 @@ def test_pruned_keys_read_back_as_positions():
     twins[2, 7] = twins[2, 9]
     with pytest.raises(RuntimeError, match="share a hash"):
         worker.rows_to_positions(twins, pruned)
+
+
+def test_value_gap_compares_the_positions_both_keep():
+    ours, theirs = [torch.tensor([[0, 2, 5], [1, 3, -1]])], [torch.tensor([[0, 2, 5], [1, 3, 4]])]
+    values = [torch.arange(18.0).view(2, 3, 3)]
+    other = [values[0].clone()]
+    assert peer.value_gap(ours, theirs, values, other) == 0.0  # ragged pad (-1) ignored, position 4 not shared
+    other[0][1, 1, 2] += 0.5  # KV head 1's position 3
+    assert peer.value_gap(ours, theirs, values, other) == 0.5
+    assert peer.value_gap(ours, theirs, values, [None]) == float("inf")
+
+
+def test_kept_values_read_back_in_position_order():
+    generator = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 20, 4, generator=generator)
+    kept = torch.stack([torch.randperm(20, generator=generator)[:5] for _ in range(2)])  # kvpress's top-k order
+    pruned = full.gather(1, kept[..., None].expand(-1, -1, 4))
+    values = kept[..., None].float().expand(-1, -1, 3)  # each value row names its position
+    assert torch.equal(worker.values_in_position_order(full, pruned, values)[..., 0], kept.sort(dim=-1).values.float())
 
 
 def test_masked_pairs_read_back_as_kept_positions():

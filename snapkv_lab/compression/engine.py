@@ -1,8 +1,9 @@
-"""The one way a policy's scores become a compressed cache: score (recorder), keep, build, per layer.
+"""The one way a policy's scores become a compressed cache: score (recorder), keep, merge (a merging policy's
+values), build, per layer.
 
     calls = attention_calls(module, query, key, value, slots, settings, n_layers, lead=pads)   # one per batch row
     scores = {layer: (batch, rows, slots)}                       # recorder.ScoreRecorder, from those calls
-    kept, slots, seeds = compress_layers(policy, scores, cache, n_layers, pads=pads)       # keep, then build
+    kept, slots, seeds = compress_layers(policy, scores, cache, n_layers, pads=pads)       # keep, merge, build
 
 The live compressor (compressor.compress: one layer as its prefill call ends, or each prompt chunk) and the shared
 prefill (shared.SharedPrefill.state: every layer at once, from the scores recorded over a full prefill) both call
@@ -89,6 +90,23 @@ def rolling_window(policy: Policy, kept: list[torch.Tensor], lengths: list[int],
     return RollingWindow(streaming.to(device), sinks, recent)
 
 
+def merged_values(policy: Policy, keys: torch.Tensor, values: torch.Tensor, kept: list[torch.Tensor],
+                  lead: list[int]) -> torch.Tensor:
+    """A layer's values (batch, kv_heads, slots, head_dim) with each batch row's kept values rewritten by
+    `policy.merge` over the row's own slots (after its `lead` leading pads; kept: per row (rows, k) positions among
+    them), before `build_layer` gathers the kept positions: `values` itself where the policy merges nothing, else a
+    new tensor (the cache it came from, a shared prefill's among them, is left as it was)."""
+    merged_layer = values
+    for b, (row, drop) in enumerate(zip(kept, lead, strict=True)):
+        merged = policy.merge(keys[b, :, drop:], values[b, :, drop:], row)
+        if merged is None:
+            continue
+        if merged_layer is values:
+            merged_layer = values.clone()
+        merged_layer[b, :, drop:] = merged
+    return merged_layer
+
+
 def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: DynamicCache, n_layers: int, *,
                     pads: torch.Tensor | None = None, positions: dict[int, torch.Tensor] | None = None,
                     seen: int | None = None) -> tuple[dict, dict, dict]:
@@ -120,7 +138,8 @@ def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: Dyna
             if positions is not None and any(bool((row == NO_POSITION).any()) for row in own):
                 raise NotImplementedError(f"{policy.label}: head-wise budgets under a chunked prefill are not "
                                           "supported (a ragged cache layer cannot take the next chunk)")
-            cache.layers[layer], kept[layer] = build_layer(full.keys, full.values, own, held,
+            values = merged_values(policy, full.keys, full.values, rows[layer], lead)
+            cache.layers[layer], kept[layer] = build_layer(full.keys, values, own, held,
                                                            n_slots if seen is None else seen, pads)
             cache.layers[layer].window = rolling_window(policy, rows[layer], lengths, full.keys.device)
             slots[layer] = stack_rows(own, left=True)

@@ -9,6 +9,9 @@ from that head:
     scores[h, q, k] = -inf  where k is a prompt position head h did not keep
     output[h, q]    = softmax(scores[h, q]) @ V
 
+A policy that merges instead of evicting (`Policy.merge`: Merging) changes one more thing, the values: V is then the
+full cache's with each head's kept prompt values replaced by the merged ones that `merge` gives for the kept set.
+
 `masked_decode` computes exactly that, one eager attention call per layer with a per-head mask, on a full cache
 that never shrinks. It is as slow as the full cache (slower: eager attention), and as plain as the equations; the
 fast path (`compress`, `generate`: gathered or ragged keys, reserved room, sdpa) is checked to give the same tokens
@@ -23,8 +26,10 @@ whose token sits at position t, such a head also stops seeing every position fro
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..core.hooks import intercept_attention, model_eager_function, returned_cache, with_cache
+from ..policies.base import NO_POSITION
 from ..policies.decoding import EvictsWhileDecoding
 from .kept import kept_mask
 
@@ -68,6 +73,8 @@ def masked_decode(model, ids: torch.Tensor, kept, max_new_tokens: int) -> torch.
     with intercept_attention(model, None, attend=attend):
         out = model(ids, use_cache=True)
         cache, tokens = returned_cache(out), []
+        if policy is not None:
+            merge_values(cache, policy, ~hidden)
         token = out.logits[:, -1].argmax(-1)
         for step in range(max_new_tokens):
             tokens.append(token)
@@ -75,3 +82,15 @@ def masked_decode(model, ids: torch.Tensor, kept, max_new_tokens: int) -> torch.
                         position_ids=torch.tensor([[n + step]], device=model.device))
             token = out.logits[:, -1].argmax(-1)
     return torch.stack(tokens, 1)
+
+
+def merge_values(cache, policy, seen: torch.Tensor) -> None:
+    """Replace, in place, the prompt values of a full batch-1 `cache` by those `policy.merge` makes of each layer's
+    kept set, seen (layers, kv_heads, n) bool: True where a head kept a position; nothing for a policy that evicts."""
+    for layer, held in zip(cache.layers, seen, strict=True):
+        kept = pad_sequence([row.nonzero().flatten() for row in held], batch_first=True, padding_value=NO_POSITION)
+        n = held.shape[-1]
+        merged = policy.merge(layer.keys[0, :, :n], layer.values[0, :, :n], kept)
+        if merged is None:
+            return
+        layer.values[0, :, :n] = merged

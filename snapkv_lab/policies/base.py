@@ -12,6 +12,8 @@ may override, `budget` a LayerBudget (the prompt's length, the KV heads, the lay
     policy.head_budgets(scores, budget) -> (rows,) how many prefix positions each row keeps (uniform by default)
     policy.keep(scores, budget)         -> (rows, kept) sorted positions: each row's top prefix positions, the tail
     policy.keep_layers({layer: scores}, budget) -> {layer: kept}: every layer at once (budgets shared across layers)
+    policy.merge(key, value, kept)      -> (kv_heads, n, head_dim) values with the evicted folded into the kept ones
+                                           (merging policies); None (the default): eviction, values unchanged
 
 `AttentionCall` holds what the attention call had (queries, keys, values, the module, the layer's own softmax
 settings): a scorer reads what it needs and ignores the rest. A policy that needs more than one attention call
@@ -344,6 +346,15 @@ class Policy:
         whose budgets are shared across layers (KVzip) overrides this; the live compressor, which sees one layer at
         a time, refuses such a policy."""
         return {layer: self.keep(layer_scores, budget.at(layer)) for layer, layer_scores in scores.items()}
+
+    def merge(self, key: torch.Tensor, value: torch.Tensor, kept: torch.Tensor) -> torch.Tensor | None:
+        """(kv_heads, n, head_dim) `value` with the kept positions' values rewritten by what the evicted positions
+        fold into them, for a policy that merges instead of evicting (Merging); None, the default, leaves every value
+        as it is. key, value: one batch row's layer, (kv_heads, n, head_dim) post-RoPE keys and values; kept:
+        (kv_heads, k) the positions `keep` chose, NO_POSITION after a head's last. The engine then stores the kept
+        positions alone, from these values (compression.engine.merged_values), so a merged cache holds no more
+        bytes than an evicted one."""
+        return None
 
     def _reduce_to(self, scores: torch.Tensor, kv_heads: int) -> int | None:
         """The KV heads to reduce `scores`' rows onto, or None to keep one selection per row."""

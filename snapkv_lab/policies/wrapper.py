@@ -82,6 +82,9 @@ class Wrapper(Policy):
     def head_budgets(self, scores, budget: LayerBudget):
         return self.policy.head_budgets(scores, budget)
 
+    def merge(self, key, value, kept):
+        return self.policy.merge(key, value, kept)  # a merging inner policy merges what the wrapper keeps
+
     def _inner_settings(self, like: Policy | None = None) -> str:
         """The inner policy as written: its name and its settings that differ from `like`'s (the default wrapper's
         inner policy where it is of the same class, else that class's defaults), the settings the wrapper sets for it
