@@ -177,6 +177,20 @@ ROWS = [
         "retrieval score) in place of the published pattern, and the share of streaming heads our budget gives (74 of "
         "90 at 250 positions); kvpress streams the round(90 x share) lowest gates (duo_attention_press.py:86-90), ours "
         "keeps the highest in full. One head chosen differently costs its layer about 0.9 / 3 of Jaccard: the row fails."),
+    Row("LeverageScore", "LeverageScore(seed=0)", "seeded(LeverageScorePress(compression_ratio={ratio}), seed=0)",
+        "Same definition and defaults: ridge leverage (lambda 1e-2) of the sequence-centred pre-RoPE keys sketched by a "
+        "48-column Gaussian (leverage_press.py:75-100), every position competing, no window. kvpress draws the sketch "
+        "from torch's global generator: the worker seeds it with seed * 100_003 + layer before each layer, our "
+        "generator's seed. Our pre-RoPE keys are the cached keys un-rotated, kvpress's k_proj re-run (the same vectors "
+        "to float rounding)."),
+    Row("NonCausalAttn", "NonCausalAttn()", "NonCausalAttnPress(compression_ratio={ratio})",
+        "Same definition and defaults: each query attends to every key of its 256-position chunk, unscaled logits, "
+        "the last chunk's padding as kvpress pads it (non_causal_attention_press.py:75-101; ours mask_padding=False), "
+        "summed over the chunk's queries, averaged per GQA group, times ||v||, avg-pooled over 3 (:123-126)."),
+    Row("Compactor", "Compactor(seed=0)", "seeded(CompactorPress(compression_ratio={ratio}), seed=0)",
+        "Same definition and defaults: 8 sinks and 4 last positions kept (compactor_press.py:117-136), between them "
+        "blending * z(leverage) + z(non-causal attention) with blending = the compression ratio 0.75 (:133), ours "
+        "1 - capacity / n = 0.75; the sketch seeded as in the LeverageScore row."),
 ]
 
 

@@ -25,4 +25,7 @@ KVPRESS: dict[str, str] = {
     "QFilterPress": "QFilters",
     "DuoAttentionPress": "DuoAttention",
     "DecodingPress": "DecodingEviction",
+    "LeverageScorePress": "LeverageScore",
+    "NonCausalAttnPress": "NonCausalAttn",
+    "CompactorPress": "Compactor",
 }
