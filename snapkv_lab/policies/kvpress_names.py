@@ -28,4 +28,6 @@ KVPRESS: dict[str, str] = {
     "LeverageScorePress": "LeverageScore",
     "NonCausalAttnPress": "NonCausalAttn",
     "CompactorPress": "Compactor",
+    "CURPress": "CUR",
+    "CapPress": "Cap",
 }
