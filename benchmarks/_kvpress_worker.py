@@ -6,8 +6,8 @@ never snapkv_lab.
 
 request.json: {"model": checkpoint folder, "ids": [token ids], "presses": {name: "kvpress constructor
 expression"}, "attn": "sdpa", "threads": int}. Each expression is evaluated with kvpress's names in scope
-(e.g. "SnapKVPress(compression_ratio=0.75)"); optional "values": [names] of (pruning, merging) presses whose kept
-values are returned too.
+(e.g. "SnapKVPress(compression_ratio=0.75)"), and `seeded(press, seed)`, which fixes a random press's draws; optional
+"values": [names] of (pruning, merging) presses whose kept values are returned too.
 out.pt (torch.save): {"versions": {...}, "last_logits": (vocab,) float32 of the uncompressed prefill,
     "presses": {name: {"kept": [per layer (kv_heads, kept) long, sorted, -1 padded] or None, "error": str or None,
     and for the names in "values": "values": [per layer (kv_heads, kept, head_dim), in the kept positions' order]}}}.
@@ -204,6 +204,20 @@ def given_pattern(press, pattern: dict | None) -> None:
     press.post_init_from_model = lambda model: None
 
 
+def seeded(press, seed: int = 0):
+    """`press` with torch's global generator seeded with seed * 100_003 + layer before each layer's scoring, so that a
+    press drawing its random projection from it (LeverageScorePress, CompactorPress, CURPress with
+    use_random_leverage) draws what snapkv_lab's policy of that `seed` draws in that layer (its generator's seed)."""
+    score = press.score
+
+    def seeded_score(module, *args, **kwargs):
+        torch.manual_seed(seed * 100_003 + module.layer_idx)
+        return score(module, *args, **kwargs)
+
+    press.score = seeded_score
+    return press
+
+
 def run_kvzip(model, ids: torch.Tensor, press) -> dict:
     """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks."""
     from transformers import DynamicCache
@@ -230,6 +244,7 @@ def main(request_path: str, out_path: str) -> None:
     print(f"kvpress worker: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     ids = torch.tensor([request["ids"]], dtype=torch.long)
     scope = {name: getattr(kvpress, name) for name in dir(kvpress) if not name.startswith("_")}
+    scope["seeded"] = seeded
     n_layers = model.config.num_hidden_layers
 
     results, shared = {}, {}

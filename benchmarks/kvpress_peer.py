@@ -186,6 +186,35 @@ ROWS = [
         "SnapKV row); each evicted value is folded into the kept value of its most cosine-similar key with weight "
         "max(cos, 0) |v_e| / (|v_e| + |v_t| + 1e-6), v_t' = (v_t + sum w v_e) / (1 + sum w) (merging_press.py:137-174), "
         "similarity_threshold 0.0 and merge_fraction 1.0. The kept values are compared too (value_gap).", values=True),
+    Row("LeverageScore", "LeverageScore(seed=0)", "seeded(LeverageScorePress(compression_ratio={ratio}), seed=0)",
+        "Same definition and defaults: ridge leverage (lambda 1e-2) of the sequence-centred pre-RoPE keys sketched by a "
+        "48-column Gaussian (leverage_press.py:75-100), every position competing, no window. kvpress draws the sketch "
+        "from torch's global generator: the worker seeds it with seed * 100_003 + layer before each layer, our "
+        "generator's seed. Our pre-RoPE keys are the cached keys un-rotated, kvpress's k_proj re-run (the same vectors "
+        "to float rounding). Measured 2026 (this prompt): 1.000 in layers 1-29, 0.997 in layer 0, where a repeated "
+        "token has the very same pre-RoPE key, so kvpress's KV head 1 ties exactly at its 250th/251st score "
+        "(0.0576801) and the un-rotation's rounding picks the other twin: a tie, not a difference of method."),
+    Row("NonCausalAttn", "NonCausalAttn()", "NonCausalAttnPress(compression_ratio={ratio})",
+        "Same definition and defaults: each query attends to every key of its 256-position chunk, unscaled logits, "
+        "the last chunk's padding as kvpress pads it (non_causal_attention_press.py:75-101; ours mask_padding=False), "
+        "summed over the chunk's queries, averaged per GQA group, times ||v||, avg-pooled over 3 (:123-126)."),
+    Row("Compactor", "Compactor(seed=0)", "seeded(CompactorPress(compression_ratio={ratio}), seed=0)",
+        "Same definition and defaults: 8 sinks and 4 last positions kept (compactor_press.py:117-136), between them "
+        "blending * z(leverage) + z(non-causal attention) with blending = the compression ratio 0.75 (:133), ours "
+        "1 - capacity / n = 0.75; the sketch seeded as in the LeverageScore row."),
+    Row("CUR", "CUR()", "CURPress(compression_ratio={ratio})",
+        "Same definition and defaults: ||k||^2 and ||v||^2 of the cached keys and values, each a share of its window "
+        "of 16 from position 0 (cur_press.py:46-55, ours window_alignment='start'), their product normalised, the 4 "
+        "sinks kept (:57-69), no window."),
+    Row("CUR, random projection", "CUR(random_projection=True, seed=0)",
+        "seeded(CURPress(compression_ratio={ratio}, use_random_leverage=True), seed=0)",
+        "As the CUR row after a shared Gaussian projection of keys and values to 20 dims (cur_press.py:37-41), drawn "
+        "from torch's global generator, which the worker seeds with seed * 100_003 + layer, our generator's seed."),
+    Row("Cap", "Cap()", "CapPress(compression_ratio={ratio})",
+        "Same definition and defaults: per query head the mean pre-RoPE query after the 4 sinks rotated by RoPE "
+        "averaged over the next 512 positions (cap_press.py:101-181), weights exp(5 (cos - max)) of the keys after "
+        "the sinks (:183-219), scores w * v^T (I + sum (w + 1e-6) v v^T)^-1 v averaged per GQA group (:262-289), the "
+        "sinks kept (:295), no window."),
 ]
 
 

@@ -17,7 +17,8 @@ N, NEW, CHUNK = 160, 6, 48
 NAMES = sorted(snapkv_lab.POLICIES)
 # No meaning under chunks: a pass over the whole prompt (KVzip, Surprisal, LookaheadQCache's drafted answer), head-wise
 # budgets (ragged layers), budgets shared across layers (CAKE, GlobalAllocation).
-REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation"}
+REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation",
+           "LeverageScore", "NonCausalAttn", "Compactor"}  # these three: a prefill's every key position and query
 
 
 def prompt(seed=0, n=N):

@@ -30,6 +30,9 @@ _MODULES = {
     "PyramidAllocation": "pyramid_allocation", "GlobalAllocation": "global_allocation", "DuoAllocation": "duo_allocation",
     # Merging instead of eviction: the evicted values folded into kept ones (issue 54).
     "Merging": "merging",
+    # Compactor and its two halves (issue 54)
+    "LeverageScore": "leverage", "NonCausalAttn": "non_causal", "Compactor": "compactor",
+    "CUR": "cur", "Cap": "cap",  # CurDKV, CAPKV (issue 54)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

@@ -26,4 +26,9 @@ KVPRESS: dict[str, str] = {
     "DuoAttentionPress": "DuoAttention",
     "DecodingPress": "DecodingEviction",
     "MergingPress": "Merging",
+    "LeverageScorePress": "LeverageScore",
+    "NonCausalAttnPress": "NonCausalAttn",
+    "CompactorPress": "Compactor",
+    "CURPress": "CUR",
+    "CapPress": "Cap",
 }
