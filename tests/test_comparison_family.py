@@ -29,9 +29,10 @@ def test_an_example_set_is_written_in_stretches_and_read_back():
         family.parse_examples("a 4096-0-0")
 
 
-def _run(path: Path, examples: dict[str, range], kvzip_wins: bool) -> None:
+def _run(path: Path, examples: dict[str, range], kvzip_wins: bool, others: tuple[str, ...] = ()) -> None:
     """A toy eval table at 4096 tokens: the full cache answers every example of task "a" and none of "b"; KVzip
-    and SnapKV at ratio 0.5 without the question, KVzip keeping task a's answers where SnapKV loses them."""
+    and SnapKV at ratio 0.5 without the question, KVzip keeping task a's answers where SnapKV loses them (`others`:
+    more policies, each answering as SnapKV)."""
     rows = []
     for task, indices in examples.items():
         for i in indices:
@@ -39,6 +40,7 @@ def _run(path: Path, examples: dict[str, range], kvzip_wins: bool) -> None:
             rows.append((task, example, "FullCache", 0.0, "full", float(answered)))
             rows.append((task, example, "SnapKV", 0.5, "query-agnostic", 0.0))
             rows.append((task, example, "KVzip", 0.5, "query-agnostic", float(answered and kvzip_wins)))
+            rows += [(task, example, other, 0.5, "query-agnostic", 0.0) for other in others]
     table = pd.DataFrame(rows, columns=["task", "example", "policy", "ratio", "mode", "score"])
     table.assign(model="tiny", dataset="ruler", length=4096, capacity=np.nan, question=0).to_csv(path, index=False)
 
@@ -134,3 +136,60 @@ def test_the_docs_tables_read_the_familys_files():
     assert docs_tables.FAMILY_FILES == (family.FAMILY, family.RESULTS)
     for name in ("difference", "difference-ratios", "family-runs", "family-holds", "family-tasks"):
         assert set(docs_tables.FAMILY_FILES) <= set(docs_tables.BLOCKS[name].reads)
+
+
+def test_a_comparison_past_holm_over_its_run_but_not_over_the_family_is_marked_nowhere(runs):
+    """KVzip keeps task a's eight answers where SnapKV keeps none (p = 2 / 2^8 = 0.0078 on the answered examples and
+    on the mean over tasks alike): adjusted over its own run (one comparison) it passes, and over a family of two it
+    still does (p_holm 0.016), so the difference figure fills it and the docs' table bolds it. With eight more
+    comparisons in the family (another run's KVzip and seven policies that answer as SnapKV) Holm asks under
+    0.05 / 9 and p_holm is 9 x 0.0078 = 0.07: neither the figure nor the docs mark it, whatever the run alone says."""
+    from snapkv_lab.app.docs_tables import _differences
+    from snapkv_lab.evaluation import read_results
+    from snapkv_lab.evaluation.leaderboard_plots import draw, marked_differences
+    from snapkv_lab.evaluation.summary import paired_difference
+
+    big = read_results(runs / "eval_big.csv")
+    alone = paired_difference(big).iloc[0]
+    assert alone.p == pytest.approx(2 / 2 ** 8) and alone.separated  # Holm over the run alone: it passes
+
+    def marked(family_rows):
+        family_rows.to_csv(runs / family.FAMILY, index=False)
+        family.write_results(runs, n_boot=0)
+        adjustment = family.run_adjustment(runs / "eval_big.csv")
+        points = marked_differences(big, adjustment=adjustment).set_index("policy").loc["KVzip"]
+        figures = runs / "figures"
+        figures.mkdir(exist_ok=True)
+        draw(runs, figures, names=["big"])
+        page = (figures / "eval_big_difference.html").read_text()
+        return adjustment, points, page, _differences(runs, name="big")
+
+    adjustment, points, page, block = marked(pd.concat([family.rows_for(runs, "eval_big.csv"),
+                                                        family.rows_for(runs, "eval_other.csv")]))
+    assert points.p_holm == pytest.approx(2 * 2 / 2 ** 8) and points.filled and points.ringed
+    assert "Holm over the family's 2 primary comparisons" in adjustment.says
+    assert "Holm over the family's 2 primary comparisons" in page and "nothing filled" not in page
+    assert "| KVzip | **50, p 0.0078** |" in block  # n_boot=0: no interval
+
+    _run(runs / "eval_other.csv", {"a": range(10, 13)}, kvzip_wins=False, others=tuple(f"P{i}" for i in range(7)))
+    adjustment, points, page, block = marked(pd.concat([family.rows_for(runs, "eval_big.csv"),
+                                                        family.rows_for(runs, "eval_other.csv")]))
+    assert points.p == pytest.approx(2 / 2 ** 8) and points.p_holm == pytest.approx(9 * 2 / 2 ** 8)
+    assert not points.filled and not points.ringed
+    assert "Holm over the family's 9 primary comparisons" in page
+    assert "| KVzip | 50, p 0.0078 |" in block and "family's 9 primary comparisons" in block
+
+    # a run the family counts on another run's examples, or does not name, is marked nowhere either
+    _run(runs / "eval_other.csv", {"a": range(10, 13)}, kvzip_wins=False)
+    rows = pd.concat([family.rows_for(runs, "eval_big.csv"),
+                      family.rows_for(runs, "eval_small.csv", evidence="same examples as eval_big.csv")])
+    rows.to_csv(runs / family.FAMILY, index=False)
+    family.write_results(runs, n_boot=0)
+    assert "counted on eval_big.csv" in family.run_adjustment(runs / "eval_small.csv").says
+    assert "not in the family" in family.run_adjustment(runs / "eval_other.csv").says
+    small = marked_differences(read_results(runs / "eval_small.csv"), adjustment=family.run_adjustment(
+        runs / "eval_small.csv"))
+    assert paired_difference(read_results(runs / "eval_small.csv")).separated.all() and not small.filled.any()
+    # the table grew since the family declared it: no adjusted p until it is declared again
+    _run(runs / "eval_big.csv", {"a": range(9), "b": range(4)}, kvzip_wins=True)
+    assert family.run_adjustment(runs / "eval_big.csv").p_holm.empty

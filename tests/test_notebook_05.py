@@ -17,4 +17,7 @@ def test_benchmark_explained_notebook():
     pages = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "red box" in pages and "coverage" in pages  # the explanation's kept-token view and summary
     assert "p_holm" in pages  # StreamingLLM read against SnapKV on the same examples
+    # its p is not adjusted over its own run: the run is not in the family, whose verdicts are read beside it
+    assert "no adjusted p" in text and "the family's verdicts on these policies" in text
+    assert "eval_ruler.csv" in pages and "answered" in pages  # the family's rows: the committed leaderboard's
     assert count_plotly(outputs) >= 1

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.figure_files import FigureSet, register, write_html, write_png
-from ..evaluation.summary import _holm
+from ..evaluation.summary import holm
 from ..pressure.intervals import wilson
 from ..views.palette import HEATMAP_COLOURS
 from .scorer_allocation import ALLOCATIONS, FULL, SCORERS, TABLE, recompute
@@ -94,7 +94,7 @@ def decomposition(table: pd.DataFrame) -> pd.DataFrame:
         for part, rows in parts.items():
             out += [dict(method=method, part=part, **row) for row in rows.to_dict("records")]
     out = pd.DataFrame(out)
-    return out.assign(p_holm=_holm(out.p.to_numpy(dtype=float))) if len(out) else out
+    return out.assign(p_holm=holm(out.p.to_numpy(dtype=float))) if len(out) else out
 
 
 def draw(data_dir, figures_dir) -> list[Path]:

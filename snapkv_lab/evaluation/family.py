@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -132,6 +133,20 @@ def _refuse(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_run(rows: pd.DataFrame, data_dir, table: str, baseline: str) -> None:
+    """Refuses (ValueError) family rows of one run that do not say what its table holds now (rows_for): its model,
+    dataset, length, examples, or its comparisons against `baseline`."""
+    wanted = rows_for(data_dir, table, baseline)
+    for column in ("model", "dataset", "length", "examples"):
+        _refuse(set(rows[column]) != {wanted[column].iloc[0]},
+                f"{table} holds {column} {wanted[column].iloc[0]!r} where its family rows say {set(rows[column])}: "
+                f"a run that changed is declared again (evaluation.family.rows_for)")
+    key = ["policy", "ratio", "mode"]
+    have, held = set(map(tuple, rows[key].values)), set(map(tuple, wanted[key].values))
+    _refuse(have != held, f"{table}'s comparisons against {baseline} and its family rows differ: in the table only "
+                          f"{sorted(held - have)}, in the family only {sorted(have - held)}")
+
+
 def check_family(family: pd.DataFrame, data_dir) -> None:
     """Refuses (ValueError) a family that does not say what its tables hold or counts examples twice: a row named
     twice; a table whose comparisons, model, dataset, length or examples are not those of its rows (rows_for); an
@@ -140,15 +155,7 @@ def check_family(family: pd.DataFrame, data_dir) -> None:
     named = family.duplicated(["table", "policy", "baseline", "ratio", "mode"], keep=False)
     _refuse(named.any(), f"the family names these comparisons twice:\n{family[named]}")
     for (table, baseline), rows in family.groupby(["table", "baseline"], sort=False):
-        wanted = rows_for(data_dir, table, baseline)
-        for column in ("model", "dataset", "length", "examples"):
-            _refuse(set(rows[column]) != {wanted[column].iloc[0]},
-                    f"{table} holds {column} {wanted[column].iloc[0]!r} where its family rows say {set(rows[column])}: "
-                    f"a run that changed is declared again (evaluation.family.rows_for)")
-        key = ["policy", "ratio", "mode"]
-        have, held = set(map(tuple, rows[key].values)), set(map(tuple, wanted[key].values))
-        _refuse(have != held, f"{table}'s comparisons against {baseline} and its family rows differ: in the table only "
-                              f"{sorted(held - have)}, in the family only {sorted(have - held)}")
+        _check_run(rows, data_dir, table, baseline)
     bad = ~(family.evidence.eq(PRIMARY) | family.evidence.str.startswith(SAME))
     _refuse(bad.any(), f"evidence is {PRIMARY!r} or '{SAME}TABLE', not {sorted(set(family.evidence[bad]))}")
     examples = {table: parse_examples(text) for table, text in zip(family.table, family.examples)}
@@ -243,3 +250,52 @@ def read_family_results(data_dir="data") -> pd.DataFrame:
     """The committed family results (write_results), typed as family_results returns them."""
     results = pd.read_csv(Path(data_dir) / RESULTS, dtype={"task": str, "p_method": str, "evidence": str})
     return results.astype({"length": int, "ratio": float})
+
+
+class Adjustment(NamedTuple):
+    """The family's adjusted p for one run's comparisons, as a figure of that run marks them (run_adjustment).
+
+    p_holm: policy, ratio, mode, `p_holm` (the mean over tasks, the leaderboard's statistic) and `p_holm_answered`
+    (the examples the full cache answers), each Holm over the family's primary rows; no rows where the family does
+    not count this run. says: whose adjustment it is, or why there is none, in words for a title."""
+
+    p_holm: pd.DataFrame
+    says: str
+
+
+def run_adjustment(path, baseline: str = "SnapKV") -> Adjustment:
+    """The family's adjustment of the run whose table is `path`: the family (FAMILY and RESULTS) is looked for in the
+    table's folder and the folders above it, and names the table by its path relative to its own folder (data/'s
+    family names gemma-3-270m/eval_ruler_4k_ratios.csv). Nothing is adjusted, and `says` tells why, where no family
+    names the run, where the family counts its comparisons on another run (same examples), or where the table no
+    longer holds what the family declared (a run grown or replaced since: declare it again, rows_for, and rewrite the
+    results, write_results). A p adjusted over one run alone is never given: it would let a comparison pass in a
+    small family that fails in the whole one."""
+    path = Path(path).resolve()
+    empty = pd.DataFrame(columns=["policy", "ratio", "mode", "p_holm", "p_holm_answered"])
+    folder = next((f for f in path.parents if (f / FAMILY).exists() and (f / RESULTS).exists()), None)
+    if folder is None:
+        return Adjustment(empty, f"no family of comparisons ({FAMILY} with {RESULTS}) beside or above "
+                                 f"{path.name}: no adjusted p")
+    table = path.relative_to(folder).as_posix()
+    family = read_family(folder / FAMILY)
+    rows = family[(family.table == table) & (family.baseline == baseline)]
+    if rows.empty:
+        return Adjustment(empty, f"not in the family of comparisons ({folder.name}/{FAMILY}): no adjusted p")
+    try:
+        _check_run(rows, folder, table, baseline)
+    except ValueError:
+        return Adjustment(empty, f"the table is no longer the run {folder.name}/{FAMILY} declares: no adjusted p "
+                                 f"until it is declared again and the results rewritten")
+    evidence = rows.evidence.iloc[0]
+    if evidence != PRIMARY:
+        return Adjustment(empty, f"its comparisons are counted on {evidence.removeprefix(SAME)} (same examples): "
+                                 f"no adjusted p here")
+    results = read_family_results(folder)
+    results = results[(results.table == table) & (results.baseline == baseline) & (results.evidence == PRIMARY)]
+    key = ["policy", "ratio", "mode"]
+    means, answered = (results.loc[results.analysis == a, [*key, "p_holm"]] for a in ("task mean", "answered"))
+    adjusted = means.merge(answered.rename(columns={"p_holm": "p_holm_answered"}), on=key, how="outer")
+    family_size = int((family.evidence == PRIMARY).sum())
+    return Adjustment(adjusted.reset_index(drop=True),
+                      f"Holm over the family's {family_size} primary comparisons ({folder.name}/{FAMILY})")

@@ -6,9 +6,12 @@
 - gap: each task's score less the full cache's on the same examples, per policy at one budget (paired intervals in
   the HTML's hover).
 - difference (where the run has SnapKV and another compressed policy): each policy's score less SnapKV's on the same
-  examples at one budget, per mode, with its paired 95% interval (summary.paired_difference); filled where a paired
-  sign-flip test, Holm-adjusted over the run's comparisons, gives p < 0.05. The leaderboard's intervals overlap
-  where this may still separate.
+  examples at every budget, per mode, with its paired 95% interval (summary.paired_difference); filled where the
+  paired sign-flip test of that difference holds past Holm's adjustment over the family of comparisons
+  (evaluation.family: every comparison the docs report, across runs), ringed where it holds there on the examples
+  the full cache answers. A run the family does not count is drawn with nothing filled: a p adjusted over one run
+  alone would let a comparison pass in a small family that fails in the whole one. The leaderboard's intervals
+  overlap where this may still separate.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pandas as pd
 
 from ..core.figure_files import write_html, write_png
 from ..views.palette import HEATMAP_COLOURS, LINE_COLOURS, line_style
+from .family import ALPHA, Adjustment, run_adjustment
 from .run import read_results
 from .summary import _budget, gap_to_full, leaderboard, lengths, paired_difference, task_scores
 
@@ -58,6 +62,8 @@ def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
         held = lengths(table)
         parts = ([(path.stem, table)] if len(held) < 2
                  else [(f"{path.stem}_{n}", table[table.length == n]) for n in held])
+        # the family holds runs of one length: a run at several is not in it
+        adjustment = run_adjustment(path) if len(parts) == 1 else None
         for name, part in parts:
             stem = Path(figures_dir) / name
             written += leaderboard_figure(part, stem.with_name(name + "_leaderboard"))
@@ -65,7 +71,7 @@ def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
             written += heatmap_figure(part, middle, stem.with_name(name + "_heatmap"))
             written += gap_figure(part, middle, stem.with_name(name + "_gap"))
             if BASELINE in set(part.policy) and part.loc[part["mode"] != "full", "policy"].nunique() > 1:
-                written += difference_figure(part, stem.with_name(name + "_difference"))
+                written += difference_figure(part, stem.with_name(name + "_difference"), adjustment=adjustment)
     return written
 
 
@@ -206,19 +212,45 @@ def by_difference(differences: pd.DataFrame) -> list[str]:
     return list(differences.groupby("policy").difference.mean().sort_values(ascending=False, kind="stable").index)
 
 
-def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE) -> list[Path]:
+NOT_ADJUSTED = "no adjusted p given (draw reads the family's, evaluation.family.run_adjustment)"
+
+
+def marked_differences(table: pd.DataFrame, baseline: str = BASELINE,
+                       adjustment: Adjustment | None = None) -> pd.DataFrame:
+    """The difference figure's points: summary.paired_difference's rows (the mean over tasks of the paired
+    differences, its interval and p), its per-run Holm columns replaced by the family's adjusted p (`adjustment`,
+    family.run_adjustment: p_holm on this statistic, p_holm_answered on the examples the full cache answers; NaN
+    where the family does not count the comparison), `filled` where p_holm < 0.05 and `ringed` where
+    p_holm_answered < 0.05."""
+    budget = _budget(table)
+    differences = paired_difference(table, baseline).drop(columns=["p_holm", "separated"])
+    adjusted = (adjustment.p_holm if adjustment is not None else
+                pd.DataFrame(columns=["policy", "ratio", "mode", "p_holm", "p_holm_answered"]))
+    if budget != "ratio":  # the family compares runs at compression ratios
+        adjusted = adjusted.iloc[:0]
+    adjusted = adjusted.rename(columns={"ratio": budget}).astype({budget: float, "p_holm": float,
+                                                                  "p_holm_answered": float})
+    out = differences.merge(adjusted, on=["policy", budget, "mode"], how="left")
+    return out.assign(filled=out.p_holm.lt(ALPHA), ringed=out.p_holm_answered.lt(ALPHA))
+
+
+def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE,
+                      adjustment: Adjustment | None = None) -> list[Path]:
     """Each policy's score less `baseline`'s on the same examples, per mode (columns) and budget (rows): the paired
-    difference over tasks with its 95% interval (summary.paired_difference), filled where it is `separated`
-    (p_holm < 0.05, Holm over every panel); policies ordered by their difference averaged over modes and budgets."""
+    difference over tasks with its 95% interval (marked_differences), filled where it holds past Holm over the family
+    of comparisons (`adjustment`, family.run_adjustment; None: nothing filled), ringed where it holds there on the
+    examples the full cache answers; policies ordered by their difference averaged over modes and budgets."""
     import plotly.express as px
     from matplotlib.figure import Figure
 
     budget = _budget(table)
-    differences = paired_difference(table, baseline)
+    differences = marked_differences(table, baseline, adjustment)
     modes, steps = _modes(differences), sorted(differences[budget].unique())
     policies = by_difference(differences)[::-1]  # the largest at the top: y counts up
-    title = (_title(table, f"Score - {baseline}") + "\npaired 95% bootstrap intervals over examples; filled: p < 0.05 "
-             "in a paired sign-flip test, Holm-adjusted over the run")
+    says = NOT_ADJUSTED if adjustment is None else adjustment.says
+    marks = (f"filled: p_holm < {ALPHA:g} on this mean over tasks, ringed: on the examples the full cache answers"
+             if differences.p_holm.notna().any() else "nothing filled")
+    title = _title(table, f"Score - {baseline}") + f"\npaired 95% bootstrap intervals over examples; {marks};\n{says}"
     fig = Figure(figsize=(4.4 * len(modes) + 1.6, (0.28 * len(policies) + 0.9) * len(steps) + 0.7),
                  layout="constrained")
     grid = fig.subplots(len(steps), len(modes), squeeze=False, sharey=True, sharex=True)
@@ -230,17 +262,20 @@ def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE)
             ax.axvline(0, color="k", lw=0.8, ls=":")
             ax.errorbar(rows.difference, y, xerr=[rows.difference - rows.low, rows.high - rows.difference],
                         fmt="none", ecolor="0.4", lw=1.2, capsize=2)
-            separated = rows.separated.fillna(False).astype(bool).to_numpy()
-            ax.scatter(rows.difference[separated], y[separated], color=LINE_COLOURS[0], zorder=3, s=22,
-                       label="p_holm < 0.05")
-            ax.scatter(rows.difference[~separated], y[~separated], facecolors="white", edgecolors=LINE_COLOURS[0],
-                       zorder=3, s=22, label="p_holm >= 0.05")
+            filled = rows.filled.fillna(False).astype(bool).to_numpy()
+            ringed = rows.ringed.fillna(False).astype(bool).to_numpy()
+            ax.scatter(rows.difference[filled], y[filled], color=LINE_COLOURS[0], zorder=3, s=22,
+                       label=f"family p_holm < {ALPHA:g} (mean over tasks)")
+            ax.scatter(rows.difference[~filled], y[~filled], facecolors="white", edgecolors=LINE_COLOURS[0],
+                       zorder=3, s=22, label="not past the family's Holm" if adjustment is not None else "not adjusted")
+            ax.scatter(rows.difference[ringed], y[ringed], s=70, facecolors="none", edgecolors="k", lw=1.0, zorder=4,
+                       label=f"family p_holm < {ALPHA:g} on the answered examples")
             ax.set_yticks(y, policies, fontsize=7)
             ax.set_title(f"{mode}, {_at(budget, step)}", fontsize=9)
             ax.grid(alpha=0.3, axis="x")
     for ax in grid[-1]:
         ax.set_xlabel(f"score - {baseline} (points, paired)", fontsize=9)
-    fig.legend(*grid[0][0].get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7,
+    fig.legend(*grid[0][0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=7,
                frameon=False)
     fig.suptitle(title, fontsize=9)
     png = stem.with_suffix(".png")
@@ -248,8 +283,8 @@ def difference_figure(table: pd.DataFrame, stem: Path, baseline: str = BASELINE)
     shown = differences.assign(plus=differences.high - differences.difference,
                                minus=differences.difference - differences.low)
     interactive = px.scatter(shown, x="difference", y="policy", facet_col="mode", facet_row=budget,
-                             symbol="separated", error_x="plus", error_x_minus="minus",
-                             hover_data=["low", "high", "p", "p_holm", "tasks", "examples"],
+                             symbol="filled", error_x="plus", error_x_minus="minus",
+                             hover_data=["low", "high", "p", "p_holm", "p_holm_answered", "tasks", "examples"],
                              category_orders={"mode": modes, "policy": policies, budget: steps},
                              title=title.replace("\n", "<br>"),
                              labels={"difference": f"score - {baseline} (points, paired)"})

@@ -202,7 +202,8 @@ def paired_difference(table: pd.DataFrame, baseline: str = "SnapKV", n_boot: int
     on these examples? Pairing removes what the examples share (a hard example is hard for both), so it separates
     methods that unpaired intervals leave overlapping; the test, not the interval, decides, because on a handful of
     examples the bootstrap interval shrinks to a point. Holm over one run is that run's family only: a family written
-    down across runs is evaluation.family's."""
+    down across runs is evaluation.family's, and the lab's figures, pages and notebooks mark differences by it
+    (family.run_adjustment), never by this p_holm."""
     if average not in AVERAGES:
         raise ValueError(f"average must be one of {AVERAGES}, not {average!r}")
     keys = [*_scope(table), "policy", _budget(table), "mode"]
