@@ -177,6 +177,11 @@ ROWS = [
         "retrieval score) in place of the published pattern, and the share of streaming heads our budget gives (74 of "
         "90 at 250 positions); kvpress streams the round(90 x share) lowest gates (duo_attention_press.py:86-90), ours "
         "keeps the highest in full. One head chosen differently costs its layer about 0.9 / 3 of Jaccard: the row fails."),
+    Row("ObservedAttention", "ObservedAttention()", "ObservedAttentionPress(compression_ratio={ratio})",
+        "Same definition and defaults: every prompt query's attention to a key summed, divided by the n - j queries "
+        "that see key j, averaged per GQA group (observed_attention_press.py:46-51), every position competing, no "
+        "window (scorer_press.py:95-98). The press reads eager attention weights: the worker runs it alone under "
+        "eager attention (run_eager)."),
 ]
 
 
