@@ -204,6 +204,14 @@ def run_kvzip(model, ids: torch.Tensor, press) -> dict:
     return kept
 
 
+def with_window(press, window: int):
+    """A FinchPress whose window is the last `window` tokens of the ids, where the pipeline would find a delimiter
+    before the question (finch_press.py:139-153): the hook never fires on an id of -1, so the window stays as set, and
+    the ids need no delimiter token (which update_model_and_tokenizer would add to the model's vocabulary)."""
+    press.delimiter_token_id, press.window_size = -1, window
+    return press
+
+
 def run_eager(model, ids: torch.Tensor, name: str, press) -> dict:
     """{layer: kept} of a press that reads the attention weights (ObservedAttentionPress: "Requires
     attn_implementation='eager'", observed_attention_press.py:23), alone in a prefill under eager attention; the model
@@ -226,6 +234,7 @@ def main(request_path: str, out_path: str) -> None:
     print(f"kvpress worker: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     ids = torch.tensor([request["ids"]], dtype=torch.long)
     scope = {name: getattr(kvpress, name) for name in dir(kvpress) if not name.startswith("_")}
+    scope["with_window"] = with_window
     n_layers = model.config.num_hidden_layers
 
     results, shared = {}, {}

@@ -182,6 +182,18 @@ ROWS = [
         "that see key j, averaged per GQA group (observed_attention_press.py:46-51), every position competing, no "
         "window (scorer_press.py:95-98). The press reads eager attention weights: the worker runs it alone under "
         "eager attention (run_eager)."),
+    Row("Finch", f"Finch(window_size={WINDOW})", f"with_window(FinchPress(compression_ratio={{ratio}}, rerotate_keys=False), {WINDOW})",
+        "Same definition and defaults (kvpress's is the authors' code): the window's softmax over every key, row i "
+        "multiplied by i (finch_press.py:73-76), averaged over the window and each GQA group (:79-81), no pooling, "
+        "the window kept (:84). The window is the question, the tokens after a delimiter (:139-153): the worker "
+        "sets it to the last 64 tokens (with_window) where the pipeline would count them, ours window_size=64. "
+        "rerotate_keys=False: the default re-rotates the kept keys to consecutive positions (:113-116), the same "
+        "positions kept, but keys the worker can no longer match with the full ones."),
+    Row("EntropyGatedChunkKV", f"EntropyGatedChunkKV(policy={SNAP})", f"EntropyGatedChunkKVPress(press={SNAP_PRESS})",
+        "Same definition and defaults (kvpress's own method): SnapKV's scores with the window at max + 1 "
+        "(snapkv_press.py:103; ours puts the largest finite score + 1 on the kept tail), summed over KV heads; chunks "
+        "of 10 by mean, those at or above the median mean with entropy under the median cut to their 4 best, the "
+        "rest of the 250 to the best left (entropy_gated_chunkkv_press.py:71-142), one set for every head."),
 ]
 
 

@@ -4,6 +4,8 @@ tiny random Llama."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import eager_twin, make_tiny_llama
@@ -67,3 +69,92 @@ def test_observed_attention_over_a_context_then_a_question_is_one_prefill(byte_t
         assert torch.equal(state.kept_indices[layer], kept), layer
     with pytest.raises(NotImplementedError, match="compacted"):
         C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1, prefill_chunk=48)
+
+
+# ------------------------------------------------------------------------------------------------------ Finch
+
+def ref_finch(out, capacity, window, kv, normalize=True):
+    """FINCH as kvpress 0.5.5's FinchPress (the authors' code, presses/finch_press.py): the window's eager attention
+    over the context, row of the query at index i multiplied by i (:73-76), averaged over the window and each GQA
+    group (:79-81); the window padded with max + 1 (:84), the top n_kept of all."""
+    kept, scores = [], []
+    for attn in out.attentions:  # (batch, heads, n, n)
+        n = attn.shape[-1]
+        weights = attn[:, :, -window:, : n - window]
+        if normalize:
+            weights = weights * torch.arange(n - window, n)[None, None, :, None]
+        score = group_mean(weights.mean(dim=-2), kv)
+        padded = torch.nn.functional.pad(score, (0, window), value=float(score.max()) + 1)
+        kept.append(padded.topk(capacity, dim=-1).indices.sort(dim=-1).values)
+        scores.append(score)
+    return kept, scores
+
+
+@pytest.mark.parametrize("window,normalize", [(12, True), (8, False)])
+def test_finch_matches_its_official_code(window, normalize, tiny_run, byte_tokenizer):
+    model, ids, out = tiny_run
+    policy = C.Finch(capacity=CAPACITY, window_size=window, normalize_scores=normalize)
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
+    assert_same_selection(result.kept_indices, *ref_finch(out, CAPACITY, window, kv_heads(model.config), normalize),
+                          window)
+    if not normalize:  # without the weights it is SnapKV without pooling over the same window
+        snap = C.generate(model, byte_tokenizer, ids, policy=C.SnapKVNoPooling(capacity=CAPACITY, window_size=window),
+                          max_new_tokens=1)
+        assert all(torch.equal(a, b) for a, b in zip(result.kept_indices, snap.kept_indices, strict=True))
+
+
+# ---------------------------------------------------------------------------------------- EntropyGatedChunkKV
+
+def ref_entropy_gated(out, capacity, window, kv, chunk=10, low=4, kernel=7):
+    """kvpress 0.5.5's EntropyGatedChunkKVPress.compress (presses/entropy_gated_chunkkv_press.py:71-160) over an inner
+    SnapKVPress-style score written from the eager maps (window mean, max-pooled, GQA mean, the window padded with
+    max + 1): summed over heads; per chunk its mean and normalised entropy; chunks by mean, those at or above the
+    median mean with entropy under the median cut to their `low` best; the rest of the budget to the best left."""
+    kept = []
+    for attn in out.attentions:
+        n = attn.shape[-1]
+        votes = attn[:1, :, -window:, : n - window].mean(dim=2)
+        votes = group_mean(torch.nn.functional.max_pool1d(votes, kernel, stride=1, padding=kernel // 2), kv)
+        score = torch.nn.functional.pad(votes, (0, window), value=float(votes.max()) + 1)[0].sum(0)  # (n,)
+        chunks = [list(range(start, min(start + chunk, n))) for start in range(0, n, chunk)]
+        means = torch.tensor([float(score[c].mean()) for c in chunks])
+        entropies = []
+        for c in chunks:
+            s = score[c] - min(float(score[c].min()), 0.0)
+            p = s / (s.sum() + 1e-8)
+            entropies.append(0.0 if len(c) == 1 else min(max(float(-(p * (p + 1e-8).log()).sum()) / math.log(len(c)),
+                                                              0.0), 1.0))
+        entropies = torch.tensor(entropies)
+        mean_cut, entropy_cut = means.median(), entropies.median()  # torch's median: the lower middle value
+        chosen, left = set(), capacity
+        for i in sorted(range(len(chunks)), key=lambda i: -means[i]):
+            if left <= 0:
+                break
+            c = chunks[i]
+            take = min(len(c), left)
+            if means[i] >= mean_cut and entropies[i] < entropy_cut:
+                take = min(take, low)
+            chosen |= set(sorted(c, key=lambda p: -float(score[p]))[:take])
+            left -= take
+        rest = sorted((p for p in range(n) if p not in chosen), key=lambda p: -float(score[p]))
+        chosen |= set(rest[:left])
+        kept.append(torch.tensor(sorted(chosen)))
+    return kept
+
+
+def test_entropy_gated_chunkkv_matches_kvpress(tiny_run, byte_tokenizer):
+    model, ids, out = tiny_run
+    window = 8
+    # no pooling: max pooling makes plateaus of equal scores, whose order inside a chunk any tie-break may settle
+    policy = C.EntropyGatedChunkKV(policy=C.SnapKVNoPooling(window_size=window), capacity=CAPACITY)
+    result = C.generate(model, byte_tokenizer, ids[:1], policy=policy, max_new_tokens=1)
+    reference = ref_entropy_gated(out, CAPACITY, window, kv_heads(model.config), kernel=1)
+    for layer, (mine, ref) in enumerate(zip(result.kept_indices, reference, strict=True)):
+        assert mine.shape == (1, 2, CAPACITY), layer  # exactly the budget, one selection for both KV heads
+        assert torch.equal(mine[0, 0], ref) and torch.equal(mine[0, 1], ref), layer
+    chunkkv = C.generate(model, byte_tokenizer, ids[:1], policy=C.ChunkKV(policy=C.SnapKVNoPooling(window_size=window),
+                                                                         capacity=CAPACITY), max_new_tokens=1)
+    assert any(not torch.equal(a[..., :CAPACITY - 10], b[..., :CAPACITY - 10])
+               for a, b in zip(result.kept_indices, chunkkv.kept_indices))  # the gate cut some chunk
+    with pytest.raises(ValueError, match="low_entropy_chunk_size"):
+        C.EntropyGatedChunkKV(chunk_size=4)

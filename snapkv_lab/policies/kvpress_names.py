@@ -26,4 +26,6 @@ KVPRESS: dict[str, str] = {
     "DuoAttentionPress": "DuoAttention",
     "DecodingPress": "DecodingEviction",
     "ObservedAttentionPress": "ObservedAttention",
+    "FinchPress": "Finch",
+    "EntropyGatedChunkKVPress": "EntropyGatedChunkKV",
 }
