@@ -194,6 +194,11 @@ ROWS = [
         "(snapkv_press.py:103; ours puts the largest finite score + 1 on the kept tail), summed over KV heads; chunks "
         "of 10 by mean, those at or above the median mean with entropy under the median cut to their 4 best, the "
         "rest of the 250 to the best left (entropy_gated_chunkkv_press.py:71-142), one set for every head."),
+    Row("KVgrad", "KVgrad()", "KVgradPress(compression_ratio={ratio})",
+        "Same definition and defaults: KVzip's reconstruction (as the KVzip row: 4 sinks, kvpress's repeat prompt) in "
+        "chunks of 512 (kvgrad_press.py:100), one forward and one backward per chunk; a position's score is the max "
+        "over reconstruction tokens and each KV head's query heads of A x ||v W_O||_2 x ||grad of sum ||h^L||^2 at the "
+        "layer's attention output|| (:247-272), one selection over all layers and heads (kvzip_press.py:383-387)."),
 ]
 
 

@@ -15,10 +15,11 @@ from snapkv_lab.compression.generation import chunk_sizes, forward
 
 N, NEW, CHUNK = 160, 6, 48
 NAMES = sorted(snapkv_lab.POLICIES)
-# No meaning under chunks: a pass over the whole prompt (KVzip, Surprisal, LookaheadQCache's drafted answer), head-wise
-# budgets (ragged layers), budgets shared across layers (CAKE, GlobalAllocation), a mean over the queries that saw each
-# position (ObservedAttention: a compacted cache's slots no longer tell their positions).
-REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation", "ObservedAttention"}
+# No meaning under chunks: a pass over the whole prompt (KVzip, KVgrad, Surprisal, LookaheadQCache's drafted answer),
+# head-wise budgets (ragged layers), budgets shared across layers (CAKE, GlobalAllocation), a mean over the queries that
+# saw each position (ObservedAttention: a compacted cache's slots no longer tell their positions).
+REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation", "ObservedAttention",
+           "KVgrad"}
 
 
 def prompt(seed=0, n=N):

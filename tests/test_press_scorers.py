@@ -4,6 +4,7 @@ tiny random Llama."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -158,3 +159,74 @@ def test_entropy_gated_chunkkv_matches_kvpress(tiny_run, byte_tokenizer):
                for a, b in zip(result.kept_indices, chunkkv.kept_indices))  # the gate cut some chunk
     with pytest.raises(ValueError, match="low_entropy_chunk_size"):
         C.EntropyGatedChunkKV(chunk_size=4)
+
+
+# ----------------------------------------------------------------------------------------------------- KVgrad
+
+def ref_kvgrad(model, tokenizer, ids, *, sinks, start, protected, suffix, chunk_size):
+    """(layers, kv_heads, n) KVgrad scores as kvpress 0.5.5's KVgradPress (presses/kvgrad_press.py:171-272): each
+    chunk's feed (KVzip's official protocol, test_kvzip.official_feeds) runs over a copy of the eager cache with
+    gradients; Phi = sum ||h||^2 of the last decoder layer's output (:195-197); per layer A, the feed's eager attention
+    renormalised over [sinks, chunk, feed] (:287-313), the chunk's columns, times ||v W_O^h||_2 (:315-323), times
+    ||dPhi / d(attention output)|| at each feed token (:262-264), max over the feed and each KV head's query heads."""
+    from test_kvzip import official_feeds
+
+    eager, n = eager_twin(model), ids.shape[1]
+    config = model.config
+    kv, heads = config.num_key_value_heads, config.num_attention_heads
+    d = config.hidden_size // heads
+    with torch.no_grad():
+        cache = eager(ids, use_cache=True).past_key_values
+    scores = torch.zeros(config.num_hidden_layers, kv, n)
+    lo = start
+    for chunk, feed in official_feeds(tokenizer, ids[0, start:].tolist(), suffix, chunk_size):
+        m, hi = len(feed), lo + len(chunk)
+        outputs, last = {}, []
+
+        def keep(module, args, output):
+            output[0].retain_grad()
+            outputs[module.layer_idx] = output[0]
+
+        hooks = [block.self_attn.register_forward_hook(keep) for block in eager.model.layers]
+        hooks.append(eager.model.layers[-1].register_forward_hook(lambda module, args, output: last.append(output)))
+        for p in eager.parameters():
+            p.requires_grad_(False)
+        embedded = eager.model.embed_tokens(torch.tensor([feed])).detach().requires_grad_()
+        out = eager(inputs_embeds=embedded, past_key_values=copy.deepcopy(cache), output_attentions=True,
+                    position_ids=torch.arange(n, n + m)[None])
+        last[0].square().sum().backward()
+        for hook in hooks:
+            hook.remove()
+        columns = [*range(sinks), *range(lo, hi), *range(n, n + m)]
+        for layer, attention in enumerate(out.attentions):
+            probs = attention[0].detach()[..., columns]
+            probs = (probs / probs.sum(-1, keepdim=True))[..., sinks:sinks + hi - lo]  # (heads, m, chunk)
+            values = cache.layers[layer].values[0, :, lo:hi]  # (kv, chunk, d)
+            weight = eager.model.layers[layer].self_attn.o_proj.weight
+            norms = torch.stack([(values[h // (heads // kv)] @ weight[:, h * d:(h + 1) * d].T).norm(dim=-1)
+                                 for h in range(heads)])  # (heads, chunk)
+            gradient = outputs[layer].grad[0].norm(dim=-1)  # (m,)
+            best = (probs * norms[:, None, :] * gradient[None, :, None]).amax(1)
+            scores[layer, :, lo:hi] = best.view(kv, -1, hi - lo).amax(1)
+        lo = hi
+    scores[..., :protected] = math.inf
+    return scores
+
+
+def test_kvgrad_matches_kvpress():
+    """With a chat template (the byte tokenizer's, test_kvzip), sinks=2, chunks of 16 over 40 context tokens; the later
+    chunks' instruction as KVzip's official code words it (kvpress drops a space: repeat_prompts, the peer row's)."""
+    from test_kvzip import TEMPLATE_HEAD, TEMPLATE_TAIL, TemplateTokenizer, our_scores, text_ids
+
+    model, tokenizer = make_tiny_llama(initializer_range=0.3), TemplateTokenizer()
+    head = len(TEMPLATE_HEAD)
+    ids = torch.cat([torch.tensor([list(TEMPLATE_HEAD)]),
+                     torch.randint(2, 256, (1, 40), generator=torch.Generator().manual_seed(33))], 1)
+    policy = C.KVgrad(chunk_size=16, sinks=2, repeat_prompts="official")
+    ours = our_scores(policy, model, tokenizer, ids)
+    reference = ref_kvgrad(model, tokenizer, ids, sinks=2, start=head, protected=2,
+                           suffix=text_ids(tokenizer, TEMPLATE_TAIL), chunk_size=16)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+    kvzip = our_scores(C.KVzip(chunk_size=16, sinks=2, repeat_prompts="official"), model, tokenizer, ids)
+    assert not torch.allclose(ours[..., head:], kvzip[..., head:])  # not KVzip's scores
+    assert all(p.requires_grad for p in model.parameters())  # the weights left as they were

@@ -29,7 +29,7 @@ _MODULES = {
     # Allocations alone, over any scorer (AdaKV and HeadKV above are wrappers too): scorer x allocation studies.
     "PyramidAllocation": "pyramid_allocation", "GlobalAllocation": "global_allocation", "DuoAllocation": "duo_allocation",
     "ObservedAttention": "observed_attention",
-    "Finch": "finch", "EntropyGatedChunkKV": "entropy_gated_chunkkv",
+    "Finch": "finch", "EntropyGatedChunkKV": "entropy_gated_chunkkv", "KVgrad": "kvgrad",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

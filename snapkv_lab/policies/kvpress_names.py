@@ -28,4 +28,5 @@ KVPRESS: dict[str, str] = {
     "ObservedAttentionPress": "ObservedAttention",
     "FinchPress": "Finch",
     "EntropyGatedChunkKVPress": "EntropyGatedChunkKV",
+    "KVgradPress": "KVgrad",
 }
