@@ -234,6 +234,26 @@ def run_kvzip(model, ids: torch.Tensor, press) -> dict:
     return kept
 
 
+def with_window(press, window: int):
+    """A FinchPress whose window is the last `window` tokens of the ids, where the pipeline would find a delimiter
+    before the question (finch_press.py:139-153): the hook never fires on an id of -1, so the window stays as set, and
+    the ids need no delimiter token (which update_model_and_tokenizer would add to the model's vocabulary)."""
+    press.delimiter_token_id, press.window_size = -1, window
+    return press
+
+
+def run_eager(model, ids: torch.Tensor, name: str, press) -> dict:
+    """{layer: kept} of a press that reads the attention weights (ObservedAttentionPress: "Requires
+    attn_implementation='eager'", observed_attention_press.py:23), alone in a prefill under eager attention; the model
+    goes back to the request's attention after it."""
+    former = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        return run_shared_prefill(model, ids, {name: press})[0][name]
+    finally:
+        model.set_attn_implementation(former)
+
+
 def main(request_path: str, out_path: str) -> None:
     import kvpress
 
@@ -245,6 +265,7 @@ def main(request_path: str, out_path: str) -> None:
     ids = torch.tensor([request["ids"]], dtype=torch.long)
     scope = {name: getattr(kvpress, name) for name in dir(kvpress) if not name.startswith("_")}
     scope["seeded"] = seeded
+    scope["with_window"] = with_window
     n_layers = model.config.num_hidden_layers
 
     results, shared = {}, {}
@@ -258,7 +279,13 @@ def main(request_path: str, out_path: str) -> None:
             given_filters(press, request.get("q_filters"))
         if isinstance(press, kvpress.DuoAttentionPress):
             given_pattern(press, request.get("duo_pattern"))
-        if isinstance(press, kvpress.KVzipPress):
+        if isinstance(press, kvpress.ObservedAttentionPress):
+            try:
+                results[name] = {"kept": run_eager(model, ids, name, press), "error": None}
+            except Exception as err:  # one failing press must not hide the others
+                traceback.print_exc()
+                results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
+        elif isinstance(press, kvpress.KVzipPress):
             try:
                 start = time.perf_counter()
                 results[name] = {"kept": run_kvzip(model, ids, press), "error": None}

@@ -215,6 +215,28 @@ ROWS = [
         "averaged over the next 512 positions (cap_press.py:101-181), weights exp(5 (cos - max)) of the keys after "
         "the sinks (:183-219), scores w * v^T (I + sum (w + 1e-6) v v^T)^-1 v averaged per GQA group (:262-289), the "
         "sinks kept (:295), no window."),
+    Row("ObservedAttention", "ObservedAttention()", "ObservedAttentionPress(compression_ratio={ratio})",
+        "Same definition and defaults: every prompt query's attention to a key summed, divided by the n - j queries "
+        "that see key j, averaged per GQA group (observed_attention_press.py:46-51), every position competing, no "
+        "window (scorer_press.py:95-98). The press reads eager attention weights: the worker runs it alone under "
+        "eager attention (run_eager)."),
+    Row("Finch", f"Finch(window_size={WINDOW})", f"with_window(FinchPress(compression_ratio={{ratio}}, rerotate_keys=False), {WINDOW})",
+        "Same definition and defaults (kvpress's is the authors' code): the window's softmax over every key, row i "
+        "multiplied by i (finch_press.py:73-76), averaged over the window and each GQA group (:79-81), no pooling, "
+        "the window kept (:84). The window is the question, the tokens after a delimiter (:139-153): the worker "
+        "sets it to the last 64 tokens (with_window) where the pipeline would count them, ours window_size=64. "
+        "rerotate_keys=False: the default re-rotates the kept keys to consecutive positions (:113-116), the same "
+        "positions kept, but keys the worker can no longer match with the full ones."),
+    Row("EntropyGatedChunkKV", f"EntropyGatedChunkKV(policy={SNAP})", f"EntropyGatedChunkKVPress(press={SNAP_PRESS})",
+        "Same definition and defaults (kvpress's own method): SnapKV's scores with the window at max + 1 "
+        "(snapkv_press.py:103; ours puts the largest finite score + 1 on the kept tail), summed over KV heads; chunks "
+        "of 10 by mean, those at or above the median mean with entropy under the median cut to their 4 best, the "
+        "rest of the 250 to the best left (entropy_gated_chunkkv_press.py:71-142), one set for every head."),
+    Row("KVgrad", "KVgrad()", "KVgradPress(compression_ratio={ratio})",
+        "Same definition and defaults: KVzip's reconstruction (as the KVzip row: 4 sinks, kvpress's repeat prompt) in "
+        "chunks of 512 (kvgrad_press.py:100), one forward and one backward per chunk; a position's score is the max "
+        "over reconstruction tokens and each KV head's query heads of A x ||v W_O||_2 x ||grad of sum ||h^L||^2 at the "
+        "layer's attention output|| (:247-272), one selection over all layers and heads (kvzip_press.py:383-387)."),
 ]
 
 

@@ -34,6 +34,8 @@ _EXPORTS = {  # public name -> its module
     "Merging": "policies",
     "LeverageScore": "policies", "NonCausalAttn": "policies", "Compactor": "policies", "CUR": "policies",
     "Cap": "policies",
+    "ObservedAttention": "policies",
+    "Finch": "policies", "EntropyGatedChunkKV": "policies", "KVgrad": "policies",
     "compress": "compression", "generate": "compression", "compare": "compression.compare",
     "span_effects": "compression.span_effects", "causal_coverage": "views.causal",
     "attention_coverage": "views.coverage", "explore": "views.explorer",

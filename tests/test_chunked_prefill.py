@@ -15,10 +15,12 @@ from snapkv_lab.compression.generation import chunk_sizes, forward
 
 N, NEW, CHUNK = 160, 6, 48
 NAMES = sorted(snapkv_lab.POLICIES)
-# No meaning under chunks: a pass over the whole prompt (KVzip, Surprisal, LookaheadQCache's drafted answer), head-wise
-# budgets (ragged layers), budgets shared across layers (CAKE, GlobalAllocation).
-REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation",
-           "LeverageScore", "NonCausalAttn", "Compactor"}  # these three: a prefill's every key position and query
+# No meaning under chunks: a pass over the whole prompt (KVzip, KVgrad, Surprisal, LookaheadQCache's drafted answer),
+# head-wise budgets (ragged layers), budgets shared across layers (CAKE, GlobalAllocation), a mean over the queries that
+# saw each position (ObservedAttention: a compacted cache's slots no longer tell their positions), a prefill's every key
+# position and query (LeverageScore, NonCausalAttn, Compactor).
+REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation", "ObservedAttention",
+           "KVgrad", "LeverageScore", "NonCausalAttn", "Compactor"}
 
 
 def prompt(seed=0, n=N):

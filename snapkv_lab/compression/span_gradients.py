@@ -3,7 +3,8 @@
     gradients = gradient_effects(probe, spans)      # one backward pass instead of one forward per span
     scipy.stats.spearmanr(gradients.attribution, effects.kl)
 
-KVgrad (kvpress 0.5.5 kvgrad_press.py, KVgradPress docstring; openreview cg1wTCJjjk) scores KV pair c of layer l by
+KVgrad (kvpress 0.5.5 kvgrad_press.py, KVgradPress docstring; openreview cg1wTCJjjk; the policy
+snapkv_lab.policies.kvgrad, whose kvgrad_scores combines the three factors here too) scores KV pair c of layer l by
 
     S_{l,c} = max_p  A^l_{p,c} * ||v^l_c W_O^l|| * ||grad_{a^l_p} Phi||
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from ..core.attention import AttentionSettings, attention_probs
 from ..core.capture import value_norms
 from ..core.hooks import attention_modules, intercept_attention, with_cache
+from ..policies.kvgrad import kvgrad_scores
 from .span_effects import EvictionProbe, _batched, _checked_spans
 
 
@@ -81,8 +83,7 @@ def position_attribution(probe: EvictionProbe) -> torch.Tensor:
             values = probe.cache.layers[layer].values[0, :, :n]
             contribution, _ = value_norms(values, modules[layer].o_proj.weight.detach(), heads)  # (heads, n)
             gradient = outputs[layer].grad[0].float().norm(dim=-1)  # (probes,)
-            per_head = (attention * gradient[None, :, None]).amax(1) * contribution  # (heads, n)
-            scores += per_head.view(kv, heads // kv, n).amax(1).sum(0).cpu()
+            scores += kvgrad_scores(attention, gradient, contribution, kv).sum(0).cpu()
     return scores
 
 

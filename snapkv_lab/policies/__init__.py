@@ -33,6 +33,8 @@ _MODULES = {
     # Compactor and its two halves (issue 54)
     "LeverageScore": "leverage", "NonCausalAttn": "non_causal", "Compactor": "compactor",
     "CUR": "cur", "Cap": "cap",  # CurDKV, CAPKV (issue 54)
+    "ObservedAttention": "observed_attention",
+    "Finch": "finch", "EntropyGatedChunkKV": "entropy_gated_chunkkv", "KVgrad": "kvgrad",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

@@ -31,4 +31,8 @@ KVPRESS: dict[str, str] = {
     "CompactorPress": "Compactor",
     "CURPress": "CUR",
     "CapPress": "Cap",
+    "ObservedAttentionPress": "ObservedAttention",
+    "FinchPress": "Finch",
+    "EntropyGatedChunkKVPress": "EntropyGatedChunkKV",
+    "KVgradPress": "KVgrad",
 }
