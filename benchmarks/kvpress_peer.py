@@ -177,6 +177,19 @@ ROWS = [
         "retrieval score) in place of the published pattern, and the share of streaming heads our budget gives (74 of "
         "90 at 250 positions); kvpress streams the round(90 x share) lowest gates (duo_attention_press.py:86-90), ours "
         "keeps the highest in full. One head chosen differently costs its layer about 0.9 / 3 of Jaccard: the row fails."),
+    # Layer-level and threshold budgets (issue 54).
+    Row("SimLayerKV", "SimLayerKV(lazy_threshold=0.9)", "SimLayerKVPress(lazy_threshold=0.9, n_recent=247)",
+        "Same prefill decision: the last prompt query's softmax over every key, averaged over all query heads, summed "
+        "over the 4 first keys and the n_recent keys before it (simlayerkv_press.py:65-69, snapkv_press.py:58-66); a "
+        "layer above the threshold keeps its 4 first and last n_recent - 1 positions (:116-117), the others all. "
+        "Our capacity is what a lazy layer keeps, 250 = 4 + n_recent - 1: n_recent 247. Threshold 0.9 on both sides "
+        "(the authors' Llama-3 value; kvpress's default 1.0 compresses nothing)."),
+    Row("DMS", f"DMS(policy={SNAP}, threshold=2e-3)",
+        f"DMSPress(press={SNAP_PRESS}, threshold=2e-3, sliding_window_size=128)",
+        "Same definition (kvpress's dense prefill, no trained evictors): SnapKVPress's scores (as the SnapKV row), every "
+        "position before the last 128 evicted per KV head where below the threshold (dms_press.py:96-110), masked "
+        "(AdaKV-style) there, dropped here. The side by side sets our capacity to 250, which caps each head's picks "
+        "outside the window (ours, not kvpress's); at threshold 2e-3, twice the uniform share, no head reaches it."),
 ]
 
 

@@ -25,4 +25,6 @@ KVPRESS: dict[str, str] = {
     "QFilterPress": "QFilters",
     "DuoAttentionPress": "DuoAttention",
     "DecodingPress": "DecodingEviction",
+    "SimLayerKVPress": "SimLayerKV",
+    "DMSPress": "DMS",  # kvpress's dense-prefill DMS without trained evictors; prefill only
 }
