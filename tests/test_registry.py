@@ -194,7 +194,9 @@ def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, by
         with pytest.raises(TypeError, match="cannot wrap another CriticalKV"):
             snapkv_lab.CriticalKV(policy=snapkv_lab.CriticalKV())
         return
-    if snapkv_lab.POLICIES[inner].layers_share_budget:  # its own allocation across layers (CAKE): refused, not ignored
+    inner_cls = snapkv_lab.POLICIES[inner]
+    # its own allocation across layers (CAKE) or its own decision of what to hold (SimLayerKV, DMS): refused, not ignored
+    if inner_cls.layers_share_budget or not inner_cls.capacity_sets_entries:
         with pytest.raises(TypeError, match="cannot be wrapped"):
             snapkv_lab.POLICIES[wrapper](policy=build(inner))
         return
