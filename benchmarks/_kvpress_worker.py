@@ -109,15 +109,23 @@ def masked_to_positions(masked, kv_heads: int, n: int) -> torch.Tensor:
     return out
 
 
-def kept_positions(module, full: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """What a press kept in one layer: full (batch, kv_heads, n, d) keys before its hook, keys after it."""
+def kept_positions(module, full: torch.Tensor, keys: torch.Tensor, may_keep_all: bool = False) -> torch.Tensor:
+    """What a press kept in one layer: full (batch, kv_heads, n, d) keys before its hook, keys after it. may_keep_all:
+    the press may leave a layer whole by its own decision (SimLayerKVPress's busy layers, DMSPress where no score falls
+    below its threshold): then every position; otherwise a layer left whole is an error."""
     kv_heads, n = full.shape[1], full.shape[2]
     masked = getattr(module, "masked_key_indices", None)
     if masked is not None:
         return masked_to_positions(masked, kv_heads, n)
     if keys.shape[2] == n:
+        if may_keep_all:
+            return torch.arange(n).expand(kv_heads, -1).clone()
         raise RuntimeError(f"layer {module.layer_idx}: the press neither pruned nor masked any pair")
     return rows_to_positions(full[0].cpu(), keys[0].cpu())
+
+
+# Presses that may leave a layer whole by their own decision (see kept_positions).
+KEEP_ALL_PRESSES = ("SimLayerKVPress", "DMSPress")
 
 
 def attention_modules(model) -> list:
@@ -157,9 +165,11 @@ def run_shared_prefill(model, ids: torch.Tensor, presses: dict, values: dict | N
         module.masked_key_indices = None
 
     def record(name):
+        whole = type(presses[name]).__name__ in KEEP_ALL_PRESSES
+
         def hook(module, args, kwargs, output):
             layer = kwargs["past_key_values"].layers[module.layer_idx]
-            kept[name][module.layer_idx] = kept_positions(module, full[module.layer_idx][0], layer.keys)
+            kept[name][module.layer_idx] = kept_positions(module, full[module.layer_idx][0], layer.keys, whole)
             if name in values:
                 values[name][module.layer_idx] = values_in_position_order(
                     full[module.layer_idx][0][0].cpu(), layer.keys[0].cpu(), layer.values[0].cpu())

@@ -237,6 +237,19 @@ ROWS = [
         "chunks of 512 (kvgrad_press.py:100), one forward and one backward per chunk; a position's score is the max "
         "over reconstruction tokens and each KV head's query heads of A x ||v W_O||_2 x ||grad of sum ||h^L||^2 at the "
         "layer's attention output|| (:247-272), one selection over all layers and heads (kvzip_press.py:383-387)."),
+    # Layer-level and threshold budgets (issue 54).
+    Row("SimLayerKV", "SimLayerKV(lazy_threshold=0.9)", "SimLayerKVPress(lazy_threshold=0.9, n_recent=247)",
+        "Same prefill decision: the last prompt query's softmax over every key, averaged over all query heads, summed "
+        "over the 4 first keys and the n_recent keys before it (simlayerkv_press.py:65-69, snapkv_press.py:58-66); a "
+        "layer above the threshold keeps its 4 first and last n_recent - 1 positions (:116-117), the others all. "
+        "Our capacity is what a lazy layer keeps, 250 = 4 + n_recent - 1: n_recent 247. Threshold 0.9 on both sides "
+        "(the authors' Llama-3 value; kvpress's default 1.0 compresses nothing)."),
+    Row("DMS", f"DMS(policy={SNAP}, threshold=2e-3)",
+        f"DMSPress(press={SNAP_PRESS}, threshold=2e-3, sliding_window_size=128)",
+        "Same definition (kvpress's dense prefill, no trained evictors): SnapKVPress's scores (as the SnapKV row), every "
+        "position before the last 128 evicted per KV head where below the threshold (dms_press.py:96-110), masked "
+        "(AdaKV-style) there, dropped here. The side by side sets our capacity to 250, which caps each head's picks "
+        "outside the window (ours, not kvpress's); at threshold 2e-3, twice the uniform share, no head reaches it."),
 ]
 
 

@@ -36,6 +36,7 @@ _EXPORTS = {  # public name -> its module
     "Cap": "policies",
     "ObservedAttention": "policies",
     "Finch": "policies", "EntropyGatedChunkKV": "policies", "KVgrad": "policies",
+    "SimLayerKV": "policies", "DMS": "policies",
     "compress": "compression", "generate": "compression", "compare": "compression.compare",
     "span_effects": "compression.span_effects", "causal_coverage": "views.causal",
     "attention_coverage": "views.coverage", "explore": "views.explorer",

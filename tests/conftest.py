@@ -73,6 +73,8 @@ def build_with_tail(name: str, tail: int, **settings):
         settings["lookahead_window"] = tail
     elif "window_size" in fields:
         settings["window_size"] = tail
+    elif name == "SimLayerKV":  # no tail of its own: its lazy layers keep their last capacity - sinks positions
+        pass
     else:
         settings["kept_tail"] = tail
     return cls(**settings)

@@ -11,7 +11,9 @@ Counted right after the prompt's compression, before the question of a query-agn
 - full: the entries the uncompressed cache holds over the same prompt (KV heads x prompt tokens in a full-attention
   layer; a sliding-window layer's own bounded cache, which no policy compresses);
 - budget: the entries the policy's nominal budget allows: `Policy.budget(n)` per KV head in each full-attention layer
-  (the full count where the prompt fits), the full count in sliding layers.
+  (the full count where the prompt fits), the full count in sliding layers. A policy whose held entries are its own
+  decision, not its capacity's (`Policy.capacity_sets_entries` False: SimLayerKV, DMS), has the full count as its
+  budget: its kv_share is what it chose to hold.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class HeldEntries:
         sliding = [bool(getattr(layer, "is_sliding", False)) for layer in cache.layers]
         full, budget, compressed = [], [], []
         for row, n in zip(held, prompt_tokens, strict=True):
-            per_head = policy.budget(n)
+            per_head = policy.budget(n) if policy.capacity_sets_entries else None  # else no budget but the full cache
             full.append([h if slide else kv_heads * n for h, slide in zip(row, sliding, strict=True)])
             budget.append([f if slide or per_head is None else min(f, kv_heads * per_head)
                            for f, slide in zip(full[-1], sliding, strict=True)])

@@ -35,6 +35,8 @@ _MODULES = {
     "CUR": "cur", "Cap": "cap",  # CurDKV, CAPKV (issue 54)
     "ObservedAttention": "observed_attention",
     "Finch": "finch", "EntropyGatedChunkKV": "entropy_gated_chunkkv", "KVgrad": "kvgrad",
+    # Layer-level and threshold budgets (issue 54): what the cache holds is the method's decision, not its capacity.
+    "SimLayerKV": "simlayerkv", "DMS": "dms",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

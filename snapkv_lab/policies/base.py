@@ -170,6 +170,9 @@ class Policy:
     # True: each layer's budget depends on every layer's scores (CAKE), so the cache is compressed once the whole
     # prompt is prefilled, from the scores its attention calls recorded, never layer by layer as the prefill runs.
     layers_share_budget: ClassVar[bool] = False
+    # False: what the cache holds is the method's own decision, not its capacity (SimLayerKV keeps every position of a
+    # layer it finds busy, DMS what scores above its threshold): its entries are counted against the full cache.
+    capacity_sets_entries: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -35,4 +35,6 @@ KVPRESS: dict[str, str] = {
     "FinchPress": "Finch",
     "EntropyGatedChunkKVPress": "EntropyGatedChunkKV",
     "KVgradPress": "KVgrad",
+    "SimLayerKVPress": "SimLayerKV",
+    "DMSPress": "DMS",  # kvpress's dense-prefill DMS without trained evictors; prefill only
 }

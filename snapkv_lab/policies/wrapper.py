@@ -43,6 +43,9 @@ class Wrapper(Policy):
             raise TypeError(f"{self.name} keeps each layer's budget as the inner policy's layer_budget gives it, and "
                             f"{self.policy.name} shares its budget across layers from every layer's scores: it cannot be "
                             "wrapped")
+        if not self.policy.capacity_sets_entries:
+            raise TypeError(f"{self.name} keeps what its budget allows, and {self.policy.name} keeps what it decides "
+                            "itself (lazy layers, a threshold), whatever the capacity: it cannot be wrapped")
         if self.pooling is not None or self.kernel_size != 1 or self.gqa != "mean":
             raise ValueError(f"{self.name} ranks positions by its inner policy's pooling and GQA reduction: set them on "
                              f"the inner policy ({self.policy.name}(pooling=..., gqa=...)), not on {self.name}")
