@@ -32,6 +32,7 @@ _EXPORTS = {  # public name -> its module
     "RKV": "policies", "LookaheadQCache": "policies", "PyramidAllocation": "policies", "GlobalAllocation": "policies",
     "DuoAllocation": "policies",
     "Merging": "policies",
+    "CAM": "policies",
     "compress": "compression", "generate": "compression", "compare": "compression.compare",
     "span_effects": "compression.span_effects", "causal_coverage": "views.causal",
     "attention_coverage": "views.coverage", "explore": "views.explorer",

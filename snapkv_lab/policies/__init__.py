@@ -30,6 +30,8 @@ _MODULES = {
     "PyramidAllocation": "pyramid_allocation", "GlobalAllocation": "global_allocation", "DuoAllocation": "duo_allocation",
     # Merging instead of eviction: the evicted values folded into kept ones (issue 54).
     "Merging": "merging",
+    # Merging while decoding: the token leaving a StreamingLLM window folded into those after it (issue 54).
+    "CAM": "cam",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).
