@@ -119,19 +119,20 @@ class CompressedLayer(DynamicLayer):
                                                          value_states, spare)
         return self.keys, self.values
 
-    def evict(self, kept_slots: torch.Tensor) -> None:
+    def evict(self, kept_slots: torch.Tensor, values: torch.Tensor | None = None) -> None:
         """Keep only the slots `kept_slots` (batch, heads, k) of the layer (eviction while decoding); a slot of -1
-        is a fill slot (a row keeping fewer than the fullest), its position NO_POSITION. The kept slots are gathered
-        straight into a new reserve with room past them, so the next token is written after them instead of the
-        layer being copied once more; the tensors the layer held before are left as they were (a scorer's call
-        may still hold them)."""
+        is a fill slot (a row keeping fewer than the fullest), its position NO_POSITION. values: (batch, heads, slots,
+        head_dim) to gather the kept values from instead of the layer's own (a policy that merged into them: CAM).
+        The kept slots are gathered straight into a new reserve with room past them, so the next token is written
+        after them instead of the layer being copied once more; the tensors the layer held before are left as they
+        were (a scorer's call may still hold them)."""
         fill = kept_slots < 0
         slots = kept_slots.clamp(min=0)
         kept = slots.shape[-1]
         room = (*slots.shape[:2], kept + max(16, kept // 8), self.keys.shape[-1])
         reserve = _Reserve(self.keys.new_empty(room), self.values.new_empty(room), kept)
         self.keys = gather_kv(self.keys, slots, out=reserve.keys[:, :, :kept])
-        self.values = gather_kv(self.values, slots, out=reserve.values[:, :, :kept])
+        self.values = gather_kv(self.values if values is None else values, slots, out=reserve.values[:, :, :kept])
         self._reserve = reserve
         self.positions = self.positions.gather(-1, slots).masked_fill(fill, NO_POSITION)
 

@@ -120,7 +120,7 @@ class CompressionState:
                               after_prefill=self.phase is Phase.DECODE, **kwargs)
         if self.eviction is not None and module.layer_idx in self.eviction.pending:  # the call attended every slot
             cache_layer = self.cache.layers[module.layer_idx]
-            cache_layer.evict(self.eviction.pending.pop(module.layer_idx))
+            cache_layer.evict(*self.eviction.pending.pop(module.layer_idx))
             self.kept_indices[module.layer_idx] = cache_layer.positions
         return output
 
@@ -129,8 +129,10 @@ class CompressionState:
 class Eviction:
     """Eviction while decoding: one tracker (`policy.tracker`) per layer and batch row, each seeing the row's own
     slots (its fill slots cut off) as its batch-1 run's tracker sees them; rows that evict keep their picks, the
-    others all their slots. pending[layer]: (batch, heads, k) the slots the layer keeps, evicted once the call that
-    chose them has attended every slot it was handed (`CompressionState.attend`)."""
+    others all their slots. pending[layer]: ((batch, heads, k) the slots the layer keeps, and the values they are
+    gathered from: (batch, heads, slots, head_dim) where a tracker merged what leaves (CAM), else None), evicted once
+    the call that chose them has attended every slot it was handed (`CompressionState.attend`): a merge changes the
+    cache the next calls read, never the call that decided it, as CAM's official code merges after the output."""
 
     policy: Policy
     trackers: dict[int, list] = field(default_factory=dict)
@@ -158,7 +160,12 @@ class Eviction:
         heads = cache_layer.keys.shape[1]
         slots = [torch.arange(fill[b], n).expand(heads, -1) if p is None else p[0] + fill[b]
                  for b, p in enumerate(picked)]
-        self.pending[layer] = stack_rows(slots, left=True)
+        merged = [None if t is None else t.merged for t in trackers]
+        values = None if all(m is None for m in merged) else value.clone()
+        for b, rows_merged in enumerate(merged):
+            if rows_merged is not None:
+                values[b, :, fill[b]:] = rows_merged
+        self.pending[layer] = (stack_rows(slots, left=True), values)
 
 
 def visible_mask(like: torch.Tensor | None, query: torch.Tensor, n_keys: int, module,

@@ -37,6 +37,8 @@ _MODULES = {
     "Finch": "finch", "EntropyGatedChunkKV": "entropy_gated_chunkkv", "KVgrad": "kvgrad",
     # Layer-level and threshold budgets (issue 54): what the cache holds is the method's decision, not its capacity.
     "SimLayerKV": "simlayerkv", "DMS": "dms",
+    # Merging while decoding: the token leaving a StreamingLLM window folded into those after it (issue 54).
+    "CAM": "cam",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

@@ -122,10 +122,13 @@ class EvictionTracker:
     scores: list = field(default_factory=list)  # per batch row: (kv_heads, slots) accumulated attention
     recent: list = field(default_factory=list)  # per batch row: (heads, rows, head_dim) queries since the last eviction
     recent_positions: torch.Tensor | None = None  # (rows,) their token positions
+    merged: torch.Tensor | None = None  # (kv_heads, slots, head_dim) values the last eviction gathers from (CAM)
 
     def step(self, calls: list[AttentionCall]) -> torch.Tensor | None:
         """See one decode call (one AttentionCall per batch row, keys = every cached slot, the new tokens last);
-        return the slots to keep (batch, kv_heads, target), or None between evictions."""
+        return the slots to keep (batch, kv_heads, target), or None between evictions. A policy that merges what
+        leaves (CAM) sets `merged` at an eviction: the values the kept slots are gathered from."""
+        self.merged = None
         self.steps += calls[0].query.shape[1]
         if self.policy.accumulates:
             for b, call in enumerate(calls):
