@@ -220,3 +220,24 @@ def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, by
     for kept in run.kept_indices:
         valid = kept[kept != NO_POSITION]
         assert 0 <= int(valid.min()) and int(valid.max()) < N
+
+
+# kvpress 0.5.5's `kvpress/__init__.py` exports, every class whose name ends in Press (transcribed from the installed
+# package, ~/.cache/snapkv_lab/kvpress-venv: the list the lab must cover, issue 54).
+KVPRESS_055 = """AdaKVPress BasePress BlockPress CAMPress CURPress CapPress ChunkKVPress ChunkPress CompactorPress ComposedPress
+CompressionRatioDecodingPress CriticalAdaKVPress CriticalKVPress DMSPress DecodingPress DuoAttentionPress
+EntropyGatedChunkKVPress ExpectedAttentionPress ExpectedAttentionStatsPress FastKVzipPress FinchPress KVComposePress
+KVgradPress KVzapPress KVzipPress KeyDiffPress KeyRerotationPress KnormPress LUKVPress LagKVPress LeverageScorePress
+MergingPress NonCausalAttnPress ObservedAttentionPress PerLayerCompressionPress PrefillDecodingPress PyramidKVPress
+QFilterPress RandomPress RestoreKVPress ScorerPress SimLayerKVPress SnapKVPress StreamingLLMPress TOVAPress
+ThinKPress""".split()
+
+
+def test_every_kvpress_press_has_an_equivalent_or_says_why_not():
+    from snapkv_lab.policies import BASE_PRESSES, KVPRESS, KVPRESS_NOT_YET
+
+    assert len(KVPRESS_055) == 46
+    assert not set(KVPRESS) & set(KVPRESS_NOT_YET) and not set(KVPRESS) & set(BASE_PRESSES)
+    assert sorted([*KVPRESS, *KVPRESS_NOT_YET, *BASE_PRESSES]) == sorted(KVPRESS_055)
+    assert set(KVPRESS.values()) <= set(snapkv_lab.policies.POLICY_NAMES)
+    assert all(len(why) > 20 for why in KVPRESS_NOT_YET.values())

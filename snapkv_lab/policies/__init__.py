@@ -47,7 +47,7 @@ _FROM_BASE = ("ADDED_LATER", "NO_POSITION", "AttentionCall", "Policy")
 
 
 def __getattr__(name: str):
-    if name in ("KVPRESS", "BASE_PRESSES"):
+    if name in ("KVPRESS", "KVPRESS_NOT_YET", "BASE_PRESSES"):
         value = getattr(importlib.import_module(".kvpress_names", __name__), name)
     elif name == "POLICIES":
         value = {policy: __getattr__(policy) for policy in POLICY_NAMES}
@@ -178,6 +178,6 @@ def parse_policy(text: str):
         raise ValueError(f"{text!r}: {error}; {config['name']} takes {', '.join(fields)}{hint}") from error
 
 
-__all__ = ["ADDED_LATER", "ALL_POLICIES", "BASE_PRESSES", "KVPRESS", "NO_POSITION", "POLICIES", "POLICY_NAMES",
-           "AttentionCall", "Policy", "expand_policies", "parse_policy",
+__all__ = ["ADDED_LATER", "ALL_POLICIES", "BASE_PRESSES", "KVPRESS", "KVPRESS_NOT_YET", "NO_POSITION", "POLICIES",
+           "POLICY_NAMES", "AttentionCall", "Policy", "expand_policies", "parse_policy",
            "policy_config", "policy_from_config", "policy_spec", "upgrade_config", *POLICY_NAMES]

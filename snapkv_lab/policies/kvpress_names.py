@@ -2,7 +2,9 @@
 
 Keys are kvpress's class names as `kvpress/__init__.py` exports them; values are names in `POLICY_NAMES`. A press
 whose equivalent is another policy's setting maps to that policy (the setting is in benchmarks/kvpress_peer.py's
-row and docs/faithfulness.md). `BASE_PRESSES` are kvpress's abstract classes, which compress nothing themselves.
+row and docs/faithfulness.md). `BASE_PRESSES` are kvpress's abstract classes, which compress nothing themselves;
+`KVPRESS_NOT_YET` the presses with no equivalent yet, each with why. The three together are every press class
+kvpress 0.5.5 exports (tests/test_registry.py).
 """
 
 BASE_PRESSES = ("BasePress", "ScorerPress")
@@ -37,4 +39,28 @@ KVPRESS: dict[str, str] = {
     "KVgradPress": "KVgrad",
     "SimLayerKVPress": "SimLayerKV",
     "DMSPress": "DMS",  # kvpress's dense-prefill DMS without trained evictors; prefill only
+    # DecodingEviction compresses the prompt with its scorer, then cuts back while decoding: the pair kvpress builds as
+    # PrefillDecodingPress(prefilling_press=..., decoding_press=DecodingPress(...)) (docs/faithfulness.md)
+    "PrefillDecodingPress": "DecodingEviction",
 }
+
+# kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
+KVPRESS_NOT_YET: dict[str, str] = {
+    "CAMPress": "kvpress's own form (every 512 steps, one kept set for all heads, the k best evicted merged); the lab's "
+                "CAM is the authors' form (zyxxmu/cam), a different method, so the name is not mapped to it",
+    "KVComposePress": "composite tokens from extra question passes under eager attention: not written",
+    "PerLayerCompressionPress": "a ratio per layer around any press: not written",
+    "LUKVPress": "needs LU-KV's published budget curves, on GitHub only: not written",
+    "BlockPress": "block-wise scoring of any press: not written (the lab's prefill_chunk compresses per chunk of the "
+                  "prefill, which is ChunkPress's setting only in part)",
+    "ChunkPress": "each chunk of the prompt compressed alone: not written as a policy",
+    "ComposedPress": "presses applied one after another: not written (the lab composes wrappers, not sequences)",
+    "KeyRerotationPress": "kept keys re-rotated to contiguous positions: not written",
+    "CompressionRatioDecodingPress": "a decoding press held to a ratio of the growing cache: not written",
+    "ExpectedAttentionStatsPress": "ExpectedAttention with the query statistics precomputed on the Hub: not written",
+    "ThinKPress": "key channels pruned: branch under way",
+    "KVzapPress": "trained on the Hub's weights: training here under way",
+    "FastKVzipPress": "trained gates: training here under way",
+    "RestoreKVPress": "LoRA-adapted restore tokens: not written",
+}
+
