@@ -1,0 +1,136 @@
+"""kvpress's evaluation files both ways (evaluation.kvpress_format): a run exported then read back gives its task
+scores; the files written have the keys, columns and metric names of kvpress's own (tests/fixtures/kvpress, written by
+hand from kvpress's evaluate.py and RULER scorer: see its README)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from snapkv_lab.evaluation import read_results, task_scores
+from snapkv_lab.evaluation.kvpress_format import export_kvpress, metrics, read_kvpress, string_match
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "kvpress"
+# get_results_dir's names of RULER runs (NVIDIA/kvpress 8bb29b9, evaluation/evaluate.py:126-149)
+FOLDER = re.compile(r"ruler__\d+__[^/]+__[^/]+__\d\.\d\d(__query_aware)?")
+
+
+# kvpress's RULER scorer, as evaluation/benchmarks/ruler/calculate_metrics.py:10-43 (8bb29b9) writes it.
+def _string_match_part(preds, refs):
+    return round(sum(max(1.0 if r.lower() in p.lower() else 0.0 for r in ref) for p, ref in zip(preds, refs))
+                 / len(preds) * 100, 2)
+
+
+def _string_match_all(preds, refs):
+    return round(sum(sum(1.0 if r.lower() in p.lower() else 0.0 for r in ref) / len(ref) for p, ref in zip(preds, refs))
+                 / len(preds) * 100, 2)
+
+
+def kvpress_scorer(df: pd.DataFrame) -> dict:
+    df = df.assign(predicted_answer=df.predicted_answer.map(lambda x: re.sub(r"[\x00-\x1f]", "", x.strip()).strip()))
+    return {task: {"string_match": (_string_match_part if task.split("_")[0] == "qa" else _string_match_all)(
+        part.predicted_answer.tolist(), part.answer.tolist())} for task, part in df.groupby("task")}
+
+
+def numpy_list(cell: str) -> list[str]:
+    """An answer cell as pandas writes a numpy array of strings: "['a' 'b']" (wrapped lines included)."""
+    return re.findall(r"'([^']*)'", cell)
+
+
+def read_predictions(folder: Path) -> pd.DataFrame:
+    table = pd.read_csv(folder / "predictions.csv", dtype={"predicted_answer": str, "question": str}, keep_default_na=False)
+    return table.assign(answer=table.answer.map(numpy_list))
+
+
+@pytest.fixture(scope="module")
+def run() -> pd.DataFrame:
+    """A real run: the committed leaderboard (SmolLM2, RULER 4k), three policies at every ratio and mode."""
+    table = read_results(ROOT / "data" / "eval_ruler.csv")
+    return table[table.policy.isin(["FullCache", "SnapKV", "KNorm", "AdaKV"])].reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("kvpress")
+    export_kvpress(run, out)
+    return out
+
+
+def test_fixture_metrics_are_kvpress_scorer():
+    """The fixture is self-consistent with kvpress's scorer, and the lab's metrics() computes the same."""
+    for folder in sorted(FIXTURE.iterdir()):
+        if folder.is_dir():
+            predictions = read_predictions(folder)
+            written = json.loads((folder / "metrics.json").read_text())
+            assert written == kvpress_scorer(predictions), folder.name
+            assert metrics(predictions) == written, folder.name
+
+
+def test_export_has_kvpress_files_keys_and_columns(run, exported):
+    folders = sorted(p for p in exported.iterdir())
+    # one folder per policy x ratio x mode, the full cache once
+    compressed = run[run["mode"] != "full"].groupby(["policy", "ratio", "mode"]).ngroups
+    assert len(folders) == compressed + 1
+    reference = FIXTURE / "ruler__4096__Qwen--Qwen3-8B__snapkv__0.50__query_aware"
+    keys = list(yaml.safe_load((reference / "config.yaml").read_text()))
+    columns = set(pd.read_csv(reference / "predictions.csv").columns)
+    for folder in folders:
+        assert FOLDER.fullmatch(folder.name), folder.name
+        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in reference.iterdir() if p.is_file())
+        config = yaml.safe_load((folder / "config.yaml").read_text())
+        assert list(config) == keys  # kvpress's fields, in its order
+        assert folder.name.endswith("__query_aware") == config["query_aware"]
+        assert set(pd.read_csv(folder / "predictions.csv").columns) == columns
+        scores = json.loads((folder / "metrics.json").read_text())
+        assert scores and all(list(value) == ["string_match"] for value in scores.values())
+        # the written metrics are kvpress's scorer on the written predictions
+        assert scores == kvpress_scorer(read_predictions(folder))
+    full = exported / "ruler__4096__SmolLM2-135M-Instruct__no_press__0.00"
+    assert yaml.safe_load((full / "config.yaml").read_text())["compression_ratio"] == 0.0
+
+
+def test_export_then_import_gives_the_run_table(run, exported):
+    """The task scores read back from the exported files are the run's (metrics.json rounds to 2 decimals)."""
+    back = read_kvpress(exported)
+    ours = task_scores(run, n_boot=0)
+    # task_scores repeats the full cache's rows under each mode, as its lines' baseline; the run has them once
+    ours = ours[ours.policy != "FullCache"].merge(ours[ours.policy == "FullCache"].assign(mode="full")
+                                                  .drop_duplicates(), how="outer")
+    key = ["dataset", "length", "task", "policy", "ratio", "mode"]
+    merged = ours.merge(back, on=key, how="outer", suffixes=("", "_kvpress"), indicator=True)
+    assert (merged._merge == "both").all(), merged[merged._merge != "both"][key]
+    assert (merged.score - merged.score_kvpress).abs().max() <= 0.005 + 1e-9
+    assert (merged.examples == merged.examples_kvpress).all()
+    assert set(back.model) == {"SmolLM2-135M-Instruct"}
+
+
+def test_read_kvpress_fixture():
+    scores = read_kvpress(FIXTURE).set_index(["policy", "ratio", "mode", "task"]).score
+    assert scores[("FullCache", 0.0, "full", "vt")] == 83.33
+    assert scores[("snapkv", 0.5, "query-aware", "qa_1")] == 100.0
+    # the folder says 0.88 (f"{0.875:.2f}"): the ratio is config.yaml's
+    assert scores[("knorm", 0.875, "query-agnostic", "niah_single_1")] == 50.0
+    assert len(scores) == 9
+
+
+def test_scorer_drops_control_characters_as_kvpress_does():
+    """calculate_metrics.py:33-34 removes control characters (RULER's own scripts turn them into newlines, which
+    splits a number): the exported metric is kvpress's."""
+    assert string_match("niah_single_1", "82\x0027610", ["8227610"]) == 100.0
+    assert string_match("vt", "X then Y", ["x", "y", "z", "w"]) == 50.0
+    assert string_match("qa_2", "Paris", ["London", "paris"]) == 100.0
+
+
+def test_export_refuses_what_kvpress_cannot_hold(run, tmp_path):
+    with pytest.raises(ValueError, match="capacities"):
+        export_kvpress(run.assign(capacity=pd.array([64] * len(run), dtype="Int64")), tmp_path)
+    with pytest.raises(ValueError, match="RULER"):
+        export_kvpress(run.assign(dataset="longbench"), tmp_path)
+    with pytest.raises(FileNotFoundError, match="no kvpress results"):
+        read_kvpress(tmp_path)
