@@ -134,3 +134,48 @@ def test_export_refuses_what_kvpress_cannot_hold(run, tmp_path):
         export_kvpress(run.assign(dataset="longbench"), tmp_path)
     with pytest.raises(FileNotFoundError, match="no kvpress results"):
         read_kvpress(tmp_path)
+
+
+def test_cli_eval_exports_and_draws_kvpress_results_beside_the_run(run, tmp_path, monkeypatch, capsys):
+    """`snapkv-lab eval --export kvpress DIR --import DIR`: the run's table written in kvpress's format, and kvpress's
+    results (the fixture) drawn in the leaderboard figure, averaged over the run's tasks."""
+    import snapkv_lab.evaluation as evaluation
+    from snapkv_lab.app.cli import main
+    from snapkv_lab.evaluation.leaderboard_plots import peer_points
+
+    small = run[run.policy.isin(["FullCache", "SnapKV"]) & run.task.isin(["niah_single_1", "vt"])]
+
+    def fake_evaluate(model, *, data_dir, name=None, **options):  # a run, as `evaluate` writes it
+        small.to_csv(Path(data_dir) / "eval_ruler.csv", index=False)
+        return small
+
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
+    drawn = []
+    draw = evaluation.draw
+    monkeypatch.setattr(evaluation, "draw", lambda *args, peers=None, **kwargs: drawn.append(peers)
+                        or draw(*args, peers=peers, **kwargs))
+    out = tmp_path / "kvpress"
+    assert main(["eval", "--tasks", "niah_single_1", "vt", "--limit", "1", "--policies", "SnapKV", "--data-dir",
+                 str(tmp_path), "--import", str(FIXTURE), "--export", "kvpress", str(out)]) == 0
+    assert f"7 folders (config.yaml, metrics.json, predictions.csv) in {out}" in capsys.readouterr().out
+    assert sorted(set(read_kvpress(out).policy)) == ["FullCache", "SnapKV"]
+    points = peer_points(drawn.pop(), small).set_index(["policy", "ratio", "mode"])
+    # the fixture's three folders, each averaged over the run's two tasks (its qa_1 left out)
+    assert points.score.to_dict() == {("FullCache", 0.0, "full"): (100.0 + 83.33) / 2,
+                                      ("kvpress knorm (Qwen3-8B)", 0.875, "query-agnostic"): 50.0,
+                                      ("kvpress snapkv (Qwen3-8B)", 0.5, "query-aware"): (50.0 + 16.67) / 2}
+    assert (tmp_path / "figures" / "eval_ruler_leaderboard.png").is_file()
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--export", "csv", "out"], "--export csv: the formats are kvpress"),
+    (["--export", "kvpress", "out", "--capacities", "64"], "capacities in tokens"),
+    (["--import", "no/such/folder"], "no such folder of kvpress results"),
+])
+def test_cli_eval_refuses_bad_kvpress_options_before_running(options, said, tmp_path, monkeypatch, capsys):
+    import snapkv_lab.evaluation as evaluation
+    from snapkv_lab.app.cli import main
+
+    monkeypatch.setattr(evaluation, "evaluate", lambda *args, **kwargs: pytest.fail("ran"))
+    assert main(["eval", "--tasks", "niah_single_1", "--data-dir", str(tmp_path), *options]) == 2
+    assert said in capsys.readouterr().err

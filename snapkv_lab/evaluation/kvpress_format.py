@@ -100,15 +100,17 @@ def _config(model: str, length, policy: str, ratio: float, query_aware: bool, po
     return config
 
 
-def _check_exportable(table: pd.DataFrame) -> None:
-    others = sorted(set(table.dataset) - {"ruler"})
+def check_exportable(datasets, capacities: bool = False, policies=()) -> None:
+    """Refuse a run kvpress's format cannot hold, saying why: another set than RULER, budgets in tokens, a policy
+    label that cannot name a folder. Called on a run's options before it runs, and on the table written."""
+    others = sorted(set(datasets) - {"ruler"})
     if others:
         raise ValueError(f"kvpress's submission format is written for RULER runs (its leaderboard's set; kvpress scores "
-                         f"every set with a scorer of its own): this table also holds {', '.join(others)}")
-    if table["capacity"].notna().any():
+                         f"every set with a scorer of its own), not {', '.join(others)}")
+    if capacities:
         raise ValueError("kvpress counts budgets as compression ratios: this run's budgets are capacities in tokens "
-                         "(rerun it with --ratios)")
-    slashed = sorted(p for p in set(table.policy) if "/" in p)
+                         "(run it with --ratios)")
+    slashed = sorted(str(p) for p in set(policies) if "/" in str(p))
     if slashed:
         raise ValueError(f"a policy label with '/' cannot name a kvpress folder: {slashed}")
 
@@ -119,7 +121,7 @@ def export_kvpress(table: pd.DataFrame, out_dir) -> list[Path]:
     label as press_name (a lab policy is not kvpress's press of a similar name: docs/faithfulness.md says how they
     differ) and its settings in press_init_command. A folder already there is rewritten, not numbered as kvpress
     numbers a rerun's. Returns the folders, sorted."""
-    _check_exportable(table)
+    check_exportable(table.dataset, table["capacity"].notna().any(), table.policy)
     out_dir = Path(out_dir)
     written = []
     keys = ["model", "length", "policy", "ratio", "mode"]
