@@ -179,3 +179,45 @@ def test_cli_eval_refuses_bad_kvpress_options_before_running(options, said, tmp_
     monkeypatch.setattr(evaluation, "evaluate", lambda *args, **kwargs: pytest.fail("ran"))
     assert main(["eval", "--tasks", "niah_single_1", "--data-dir", str(tmp_path), *options]) == 2
     assert said in capsys.readouterr().err
+
+
+LEADERBOARD_RATIOS = [0.25, 0.5, 0.75, 0.875]  # kvpress's leaderboard (evaluation/leaderboard.sh:16-19)
+
+
+def test_ratio_0875_runs_through_eval_tables_figures_and_the_kvpress_files(tmp_path, monkeypatch):
+    """kvpress's fourth ratio, 0.875 (one eighth kept), through everything a ratio touches: the parsers of eval and
+    scorer-allocation, the cells, the run (its budget kept exactly), the leaderboard and its figure, the exported
+    folder (named 0.88, as kvpress's f"{ratio:.2f}" names it) and the ratio read back (0.875, from config.yaml)."""
+    from conftest import ByteTokenizer, make_tiny_llama
+    from test_eval_run import ToyBenchmark
+
+    from snapkv_lab.app.cli import build_parser
+    from snapkv_lab.app.scorer_allocation import study_cells
+    from snapkv_lab.evaluation import evaluate, leaderboard, registry
+    from snapkv_lab.evaluation.leaderboard_plots import leaderboard_figure, middle_budget
+
+    ratios = [str(r) for r in LEADERBOARD_RATIOS]
+    assert build_parser().parse_args(["eval", "--ratios", *ratios]).ratios == LEADERBOARD_RATIOS
+    assert build_parser().parse_args(["scorer-allocation", "--ratios", *ratios]).ratios == LEADERBOARD_RATIOS
+    cells = study_cells(tasks=["niah_single_1"], samples=1, ratios=LEADERBOARD_RATIOS)
+    # RULER's cells hold kvpress's ratios, the needles' the shares kept (1 - 0.875: an eighth, not 0.12499...)
+    assert {c.kind for c in cells} == {"eval", "pressure"}
+    assert all(c.config["budgets"][-1] == {"ratio": 0.875} for c in cells if c.kind == "eval")
+    assert all(c.config["capacities"][-1] == 0.125 for c in cells if c.kind == "pressure")
+
+    monkeypatch.setitem(registry.DATASETS, "toy", ToyBenchmark())
+    monkeypatch.setattr("snapkv_lab.sweep.executors._load_model", lambda name: (make_tiny_llama(), ByteTokenizer()))
+    table = evaluate(datasets=["toy"], policies=["SnapKV(window_size=8)"], ratios=LEADERBOARD_RATIOS,
+                     modes=["query-agnostic"], limit=1, data_dir=tmp_path)
+    agnostic = table[table["mode"] == "query-agnostic"].set_index("ratio")
+    context = int(table.context_tokens.iloc[0])
+    assert list(agnostic.index) == LEADERBOARD_RATIOS
+    assert agnostic.kept_tokens[0.875] == int(0.125 * context)  # kvpress's ratio: the share removed
+    assert 0.875 in set(leaderboard(table, n_boot=0).ratio) and middle_budget(table) == 0.75
+    assert leaderboard_figure(table, tmp_path / "board")[0].is_file()
+
+    ruler = table.assign(dataset="ruler", task="niah_single_1", length=4096)  # the toy's rows, as RULER's
+    export_kvpress(ruler, tmp_path / "kvpress")
+    [folder] = (tmp_path / "kvpress").glob("ruler__4096__*SnapKV(window_size=8)__0.88")  # a random model has no name
+    assert yaml.safe_load((folder / "config.yaml").read_text())["compression_ratio"] == 0.875
+    assert sorted(read_kvpress(tmp_path / "kvpress").ratio.unique()) == [0.0, *LEADERBOARD_RATIOS]

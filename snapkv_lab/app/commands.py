@@ -445,7 +445,7 @@ def _eval_arguments(p) -> None:
     p.add_argument("--ratios", type=_share(False, "a compression ratio is the share of KV pairs removed"), nargs="+",
                    default=None, metavar="R",
                    help="compression ratios as kvpress counts them, the share of KV pairs removed "
-                        "(default 0.25 0.5 0.75)")
+                        "(default 0.25 0.5 0.75; kvpress's leaderboard runs 0.25 0.5 0.75 0.875)")
     p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="budgets in tokens per KV head instead of ratios")
     p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"],
