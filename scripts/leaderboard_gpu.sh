@@ -6,7 +6,8 @@
 # leaderboard figure. kvpress's own script: NVIDIA/kvpress evaluation/leaderboard.sh (8bb29b9), Qwen/Qwen3-8B.
 #
 #   bash scripts/leaderboard_gpu.sh [--model ID] [--out DIR] [--limit N] [--tasks TASK ...] [--policies POLICY ...]
-#                                   [--skip POLICY ...] [--random SHAPE] [--length TOKENS] [--import DIR ...]
+#                                   [--skip POLICY ...] [--random SHAPE] [--length TOKENS] [--dataset ruler-hub]
+#                                   [--import DIR ...]
 #
 #   --model     hub id or folder (default Qwen/Qwen3-8B; on a machine without the Hub, a folder holding it)
 #   --out       everything goes here (default runs/leaderboard): data/ (tables, cells), kvpress/ (kvpress's files)
@@ -20,6 +21,8 @@
 #               is one token: CI runs the protocol (every policy, ratio and mode, the files), not long decoding.
 #               HeadKV, DuoAttention and DuoAllocation rank heads by retrieval scores that
 #               random weights cannot earn (they refuse them): skipped under --random.
+#   --dataset   ruler (default: RULER generated here, offline) or ruler-hub (kvpress's own rows, simonjegou/ruler,
+#               from the Hub: the leaderboard's very examples)
 #   --import    kvpress's published results folders, drawn beside the lab's points in the leaderboard figure
 #
 # Progress: eval's bar counts examples (cells) done, skipped and remaining; each example's answers have a bar of their
@@ -30,7 +33,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package
 
-model=Qwen/Qwen3-8B out=runs/leaderboard limit=() tasks=() chosen=() skip=() random="" length=4096 imports=()
+model=Qwen/Qwen3-8B out=runs/leaderboard limit=() tasks=() chosen=() skip=() random="" length=4096 imports=() dataset=ruler
 list=""
 while (($#)); do
   case $1 in
@@ -39,6 +42,7 @@ while (($#)); do
     --limit) limit=(--limit "$2"); shift 2 ;;
     --random) random=$2; shift 2 ;;
     --length) length=$2; shift 2 ;;
+    --dataset) dataset=$2; shift 2 ;;
     --tasks|--policies|--skip|--import) list=$1; shift ;;
     --*) echo "leaderboard_gpu: unknown option $1 (see the head of $0)" >&2; exit 2 ;;
     *) case $list in
@@ -121,8 +125,8 @@ if [[ ${#policies[@]} -eq 0 ]]; then
   echo "leaderboard_gpu: no policy left to run (--policies ${chosen[*]:-all}, --skip ${skip[*]:-nothing})" >&2
   exit 2
 fi
-echo "leaderboard_gpu: $model, RULER at $length tokens, ratios 0.25 0.5 0.75 0.875, both modes, ${#policies[@]} policies" \
+echo "leaderboard_gpu: $model, $dataset at $length tokens, ratios 0.25 0.5 0.75 0.875, both modes, ${#policies[@]} policies" \
      "and the full cache; tables in $out/data, kvpress's files in $out/kvpress" >&2
-"$PY" -m snapkv_lab eval --model "$model" --dataset ruler "${tasks[@]}" --lengths "$length" "${limit[@]}" \
+"$PY" -m snapkv_lab eval --model "$model" --dataset "$dataset" "${tasks[@]}" --lengths "$length" "${limit[@]}" \
   --ratios 0.25 0.5 0.75 0.875 --modes query-agnostic query-aware --policies "${policies[@]}" \
   --data-dir "$out/data" --name leaderboard --export kvpress "$out/kvpress" "${imports[@]}"

@@ -221,3 +221,14 @@ def test_ratio_0875_runs_through_eval_tables_figures_and_the_kvpress_files(tmp_p
     [folder] = (tmp_path / "kvpress").glob("ruler__4096__*SnapKV(window_size=8)__0.88")  # a random model has no name
     assert yaml.safe_load((folder / "config.yaml").read_text())["compression_ratio"] == 0.875
     assert sorted(read_kvpress(tmp_path / "kvpress").ratio.unique()) == [0.0, *LEADERBOARD_RATIOS]
+
+
+def test_a_run_of_kvpress_own_ruler_rows_exports_at_its_length(run, tmp_path):
+    """`--dataset ruler-hub` answers kvpress's own rows (simonjegou/ruler): its table keeps the length in the spec
+    alone, and its folders are kvpress's "ruler" at that length."""
+    hub = run.assign(dataset="ruler-hub", length=pd.array([pd.NA] * len(run), dtype="Int64"),
+                     spec=run.spec.map(lambda s: json.dumps(dict(json.loads(s), dataset="ruler-hub"))))
+    export_kvpress(hub, tmp_path)
+    back = read_kvpress(tmp_path)
+    assert set(back.dataset) == {"ruler"} and set(back.length) == {4096}
+    assert len(back) == len(read_kvpress(tmp_path).drop_duplicates(["task", "policy", "ratio", "mode"]))

@@ -25,8 +25,9 @@ What a lab table cannot fill: the question's and answer prefix's texts (the tabl
 which evaluation.explain rebuilds them, not its text): both columns are written empty, as kvpress's own query-aware
 runs leave the question. The examples are the lab's RULER, generated here (seed in config.yaml), not the rows of
 kvpress's simonjegou/ruler; `fraction` stays 1.0 (kvpress draws a random share; a lab run's --limit takes the first
-examples: predictions.csv holds them). Only RULER runs at compression ratios are written: kvpress scores each set
-with a scorer of its own, and counts budgets as ratios alone.
+examples: predictions.csv holds them); a run of `--dataset ruler-hub` answers kvpress's own rows. Only RULER runs
+(ruler, ruler-hub) at compression ratios are written: kvpress scores each set with a scorer of its own, and counts
+budgets as ratios alone.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ CONFIG_FIELDS = dict(dataset="ruler", data_dir=None, model="meta-llama/Meta-Llam
                      max_context_length=None, query_aware=False, needle_depth=None, compression_interval=None,
                      target_size=None, hidden_states_buffer_size=None, output_dir="./results", log_level="INFO",
                      model_kwargs=None, press_init_command=None, seed=42, fp8=False)
+# The lab's RULER (generated here) and kvpress's own rows of it (simonjegou/ruler): both are kvpress's "ruler".
+RULERS = ("ruler", "ruler-hub")
 SCORES = ["model", "dataset", "length", "task", "policy", "ratio", "mode", "score", "examples"]
 
 
@@ -103,7 +106,7 @@ def _config(model: str, length, policy: str, ratio: float, query_aware: bool, po
 def check_exportable(datasets, capacities: bool = False, policies=()) -> None:
     """Refuse a run kvpress's format cannot hold, saying why: another set than RULER, budgets in tokens, a policy
     label that cannot name a folder. Called on a run's options before it runs, and on the table written."""
-    others = sorted(set(datasets) - {"ruler"})
+    others = sorted(set(datasets) - set(RULERS))
     if others:
         raise ValueError(f"kvpress's submission format is written for RULER runs (its leaderboard's set; kvpress scores "
                          f"every set with a scorer of its own), not {', '.join(others)}")
@@ -124,6 +127,9 @@ def export_kvpress(table: pd.DataFrame, out_dir) -> list[Path]:
     check_exportable(table.dataset, table["capacity"].notna().any(), table.policy)
     out_dir = Path(out_dir)
     written = []
+    # kvpress's data_dir: the prompt length (ruler-hub's rows keep it in their spec alone)
+    table = table.assign(length=[int(n) if pd.notna(n) else json.loads(spec)["length"]
+                                 for n, spec in zip(table.length, table.spec)])
     keys = ["model", "length", "policy", "ratio", "mode"]
     for (model, length, policy, ratio, mode), rows in table.groupby(keys, sort=True, dropna=False):
         full = mode == "full"
