@@ -583,7 +583,7 @@ def test_cli_eval_draws_beside_its_tables_unless_told(tmp_path, monkeypatch, cap
     # two tasks' first examples share an id: two examples all the same
     monkeypatch.setattr(evaluation, "evaluate", lambda model, **options: pd.DataFrame(dict(
         dataset="ruler", task=["vt", "vt", "cwe"], example=["4096-0-0"] * 3)))
-    monkeypatch.setattr(evaluation, "draw", lambda data_dir, figures_dir, names: drawn.append(
+    monkeypatch.setattr(evaluation, "draw", lambda data_dir, figures_dir, names, peers=None: drawn.append(
         (Path(data_dir), Path(figures_dir))) or [])
     monkeypatch.chdir(tmp_path)
     quick = ["eval", "--tasks", "niah_single_1", "--limit", "1", "--policies", "SnapKV", "--ratios", "0.5"]

@@ -150,6 +150,11 @@ def evaluate(args) -> int:
     if missing:
         print(f"snapkv-lab eval: error: --reuse {' '.join(missing)}: no such table", file=sys.stderr)
         return 2
+    try:  # --export and --import are checked before the run too: kvpress's results read now, a bad folder said now
+        peers = _kvpress_options(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"snapkv-lab eval: error: {err}", file=sys.stderr)
+        return 2
     target = data_dir / f"eval_{args.name or '+'.join(args.dataset)}.csv"
     before = _examples_and_policies(target)
     table = run(args.model, **options, **protocol, data_dir=data_dir, name=args.name, executor=args.executor,
@@ -161,11 +166,39 @@ def evaluate(args) -> int:
               f"with its figures in {figures_dir}, by this run's; `git checkout` them if they were committed, or pass "
               "--name or --data-dir to keep runs apart", file=sys.stderr)
     figures_dir.mkdir(parents=True, exist_ok=True)
-    for path in draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)]):
+    for path in draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)], peers=peers):
         print(path)
+    if args.export:
+        from ..evaluation.kvpress_format import export_kvpress
+
+        folders = export_kvpress(table, args.export[1])
+        print(f"kvpress's results format: {len(folders)} folders (config.yaml, metrics.json, predictions.csv) in "
+              f"{args.export[1]}")
     examples = len(table[["dataset", "task", "example"]].drop_duplicates())  # an example id repeats across tasks
     print(f"{len(table)} answers ({counted(examples, 'example')}) in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+EXPORT_FORMATS = ("kvpress",)
+
+
+def _kvpress_options(args):
+    """--export and --import checked against the run's options: the export's format and whether kvpress's format can
+    hold the run (kvpress_format.check_exportable); --import's folders read (kvpress_format.read_kvpress, None
+    without --import)."""
+    if args.export:
+        from ..evaluation.kvpress_format import check_exportable
+
+        if args.export[0] not in EXPORT_FORMATS:
+            raise ValueError(f"--export {args.export[0]}: the formats are {', '.join(EXPORT_FORMATS)}")
+        check_exportable(args.dataset, bool(args.capacities))
+    if not args.import_dirs:
+        return None
+    import pandas as pd
+
+    from ..evaluation.kvpress_format import read_kvpress
+
+    return pd.concat([read_kvpress(folder) for folder in args.import_dirs], ignore_index=True)
 
 
 def scorer_allocation(args) -> int:
@@ -412,7 +445,7 @@ def _eval_arguments(p) -> None:
     p.add_argument("--ratios", type=_share(False, "a compression ratio is the share of KV pairs removed"), nargs="+",
                    default=None, metavar="R",
                    help="compression ratios as kvpress counts them, the share of KV pairs removed "
-                        "(default 0.25 0.5 0.75)")
+                        "(default 0.25 0.5 0.75; kvpress's leaderboard runs 0.25 0.5 0.75 0.875)")
     p.add_argument("--capacities", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="budgets in tokens per KV head instead of ratios")
     p.add_argument("--modes", nargs="+", choices=["query-aware", "query-agnostic"],
@@ -449,6 +482,13 @@ def _eval_arguments(p) -> None:
                    help="earlier eval tables (e.g. a committed one): the examples they answer whole together, under "
                         "the same model, policies, budgets and modes, are taken from them instead of run (one run at "
                         "ratio 0.5 and another at 0.25 and 0.75 answer a run at all three)")
+    p.add_argument("--export", nargs=2, default=None, metavar=("FORMAT", "DIR"),
+                   help="also write the run in another tool's format: `kvpress DIR` writes kvpress's results, what its "
+                        "leaderboard takes (one folder per policy x ratio x mode, the full cache as no_press: "
+                        "config.yaml, metrics.json, predictions.csv); RULER at --ratios only")
+    p.add_argument("--import", dest="import_dirs", nargs="+", default=None, metavar="DIR",
+                   help="kvpress's results folders (as its evaluate.py writes them and its leaderboard publishes them, "
+                        "RULER) drawn beside the run's points in the leaderboard figure, averaged over the run's tasks")
     _executor_arguments(p)
 
 

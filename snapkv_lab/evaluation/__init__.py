@@ -13,6 +13,7 @@
     audit.py        audit_entries: the KV entries behind a stored table's rows, recomputed without decoding
     explain.py      explain: one row of a table rerun, with the full cache's attention, its coverage and kept tokens
     figures.py      score vs compression ratio, task x policy heatmap, gap per task (the `eval` figure set)
+    kvpress_format.py  kvpress's results files both ways: a run exported for its leaderboard, its results read back
 """
 
 import json
@@ -55,11 +56,12 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-def draw(data_dir, figures_dir, names=None) -> list[Path]:
-    """Every benchmark figure of data_dir's eval_*.csv tables (evaluation.figures, imported when drawing)."""
+def draw(data_dir, figures_dir, names=None, peers=None) -> list[Path]:
+    """Every benchmark figure of data_dir's eval_*.csv tables (evaluation.figures, imported when drawing); peers:
+    kvpress's results (kvpress_format.read_kvpress) beside the leaderboards' points."""
     from .leaderboard_plots import draw as draw_figures
 
-    return draw_figures(data_dir, figures_dir, names)
+    return draw_figures(data_dir, figures_dir, names, peers)
 
 
 # The committed leaderboard: RULER at 4k on the bundled model, every policy, kvpress's ratios, both modes; its 11

@@ -1,7 +1,9 @@
 """The benchmark figures, drawn from data/eval_<name>.csv: PNG (matplotlib) and HTML (plotly), as the other sets.
 
 - leaderboard: score vs compression ratio (or capacity) per policy, one panel per mode; the full cache as a dotted
-  line with its interval as a grey band; 95% bootstrap intervals over examples (summary.leaderboard).
+  line with its interval as a grey band; 95% bootstrap intervals over examples (summary.leaderboard). kvpress's own
+  results (`snapkv-lab eval --import DIR`: kvpress_format.read_kvpress) beside them, hollow and dashed, each averaged
+  over the run's tasks (peer_points).
 - heatmap: policy x task at one budget, per mode, each cell its score (viridis, labelled).
 - gap: each task's score less the full cache's on the same examples, per policy at one budget (paired intervals in
   the HTML's hover).
@@ -50,10 +52,11 @@ def _title(table: pd.DataFrame, what: str) -> str:
             f"{counts} example{plural} per task")
 
 
-def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
+def draw(data_dir: Path, figures_dir: Path, names=None, peers: pd.DataFrame | None = None) -> list[Path]:
     """The figures of every data_dir/eval_<name>.csv (or of the named ones), into
     figures_dir/eval_<name>_{leaderboard,heatmap,gap,difference}; a run at several lengths, one set per length, as
-    RULER reports them: eval_<name>_<length>_{leaderboard,heatmap,gap,difference}."""
+    RULER reports them: eval_<name>_<length>_{leaderboard,heatmap,gap,difference}. peers: kvpress's task scores
+    (kvpress_format.read_kvpress), drawn in each leaderboard beside the run's points (peer_points)."""
     written = []
     paths = (sorted(Path(data_dir).glob("eval_*.csv")) if names is None
              else [Path(data_dir) / f"eval_{n}.csv" for n in names])
@@ -66,7 +69,8 @@ def draw(data_dir: Path, figures_dir: Path, names=None) -> list[Path]:
         adjustment = run_adjustment(path) if len(parts) == 1 else None
         for name, part in parts:
             stem = Path(figures_dir) / name
-            written += leaderboard_figure(part, stem.with_name(name + "_leaderboard"))
+            written += leaderboard_figure(part, stem.with_name(name + "_leaderboard"),
+                                          None if peers is None else peer_points(peers, part))
             middle = middle_budget(part)
             written += heatmap_figure(part, middle, stem.with_name(name + "_heatmap"))
             written += gap_figure(part, middle, stem.with_name(name + "_gap"))
@@ -82,24 +86,53 @@ def middle_budget(table: pd.DataFrame) -> float:
     return values[len(values) // 2]
 
 
-def _finish(fig, legend_axes, title: str, stem: Path) -> Path:
-    """The policies' legend on the right, the title, and the PNG written: stem.png."""
-    handles, labels = legend_axes.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False)
+def _finish(fig, axes, title: str, stem: Path) -> Path:
+    """The policies' legend on the right (each label of any panel once), the title, and the PNG written: stem.png."""
+    legend = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="outside right center", fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=9)
     return write_png(fig, stem.with_suffix(".png"))
 
 
-def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
+# Where kvpress's published results are drawn: the lab's own points stay filled and solid.
+PEER = "kvpress"
+
+
+def peer_points(peers: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
+    """kvpress's task scores (kvpress_format.read_kvpress) as points of `table`'s leaderboard: per (model, policy,
+    ratio, mode) the mean over `table`'s tasks, at its dataset and prompt length, of the results that hold every one
+    of those tasks (RULER's leaderboard averages 13; a lab run of 11 is compared on its 11). Columns: model, policy
+    ("kvpress <press> (<model>)"; FullCache for no_press), ratio, mode, score, tasks. Empty where none match."""
+    tasks = set(table.task)
+    held = lengths(table)
+    rows = peers[peers.dataset.isin(set(table.dataset)) & peers.task.isin(tasks)
+                 & (peers.length.isin(held) if held else True)]
+    keys = ["model", "policy", "ratio", "mode"]
+    points = rows.groupby(keys, sort=True).agg(score=("score", "mean"), tasks=("task", "nunique")).reset_index()
+    points = points[points.tasks == len(tasks)]
+    short = points.model.map(lambda m: str(m).rstrip("/").split("/")[-1])
+    named = points.policy.where(points.policy == "FullCache", PEER + " " + points.policy + " (" + short + ")")
+    return points.assign(policy=named).reset_index(drop=True)
+
+
+def leaderboard_figure(table: pd.DataFrame, stem: Path, peers: pd.DataFrame | None = None) -> list[Path]:
+    """Score vs budget per policy and mode (module doc); peers: peer_points of kvpress's results, drawn hollow and
+    dashed (their full cache dash-dotted)."""
     import plotly.express as px
     from matplotlib.figure import Figure
 
     board, budget = leaderboard(table), _budget(table)
+    peers = peers if peers is not None and not peers.empty and budget == "ratio" else None
     full = board[board.policy == "FullCache"].set_index("mode")
     points = board[board.policy != "FullCache"]
     modes, policies = _modes(points), list(dict.fromkeys(points.policy))
     axis = "compression ratio (share of KV pairs removed)" if budget == "ratio" else "capacity (tokens per KV head)"
     title = _title(table, "Score vs compression") + "; 95% bootstrap intervals over examples"
+    if peers is not None:
+        title += f"\nhollow, dashed: {PEER}'s results averaged over the same {counted(table.task.nunique(), 'task')}"
     fig = Figure(figsize=(5.2 * len(modes) + 0.6, 4.4), layout="constrained")
     axes = fig.subplots(1, len(modes), squeeze=False, sharey=True)[0]
     flagged = False
@@ -117,12 +150,16 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
                 ax.scatter(over[budget] + offset, over.score, s=70, facecolors="none", edgecolors="red", lw=1.2,
                            zorder=4, label=None if flagged else OVER_BUDGET)
                 flagged = True
+        if peers is not None:
+            _draw_peers(ax, peers, mode, policies)
         ax.set_title(f"{mode} (full cache {reference.score:.1f})", fontsize=9)
         ax.set_xlabel(axis, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(SCORE_LABEL)
-    png = _finish(fig, axes[0], title, stem)
+    png = _finish(fig, axes, title, stem)
     shown = points.assign(plus=points.high - points.score, minus=points.score - points.low)
+    if peers is not None:  # no intervals: kvpress publishes scores alone
+        shown = pd.concat([shown, peers[peers["mode"] != "full"].assign(plus=0.0, minus=0.0)], ignore_index=True)
     interactive = px.line(shown.sort_values(["mode", "policy", budget]), x=budget, y="score", color="policy",
                           facet_col="mode", markers=True, error_y="plus", error_y_minus="minus",
                           hover_data=["low", "high", "tasks", "examples"], category_orders={"mode": modes},
@@ -130,8 +167,25 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     for c, mode in enumerate(modes):
         interactive.add_hline(y=full.loc[mode, "score"], line_dash="dot", row=1, col=c + 1,
                               annotation_text=f"full {full.loc[mode, 'score']:.1f}", annotation_font_size=9)
+        for peer in [] if peers is None else peers[peers["mode"] == "full"].itertuples():
+            interactive.add_hline(y=peer.score, line_dash="dashdot", row=1, col=c + 1, annotation_font_size=9,
+                                  annotation_text=f"{PEER} no_press ({str(peer.model).split('/')[-1]}) "
+                                                  f"{peer.score:.1f}", annotation_position="bottom right")
     interactive.update_layout(height=480, width=520 * len(modes) + 250)
     return [png, write_html(interactive, stem.with_suffix(".html"))]
+
+
+def _draw_peers(ax, peers: pd.DataFrame, mode: str, policies: list[str]) -> None:
+    """kvpress's points of one mode panel: each press a dashed line of hollow markers, styled after the run's
+    `policies` (one style per press in every panel); its full cache (no_press, compressed without the question in
+    either mode) dash-dotted."""
+    for peer in peers[peers["mode"] == "full"].itertuples():
+        ax.axhline(peer.score, ls="-.", color="0.45", lw=1,
+                   label=f"{PEER} no_press ({str(peer.model).split('/')[-1]})")
+    named = sorted(set(peers.policy[peers["mode"] != "full"]))
+    for policy, line in peers[peers["mode"] == mode].groupby("policy", sort=True):
+        style = dict(line_style(len(policies) + named.index(policy)), ls="--")
+        ax.plot(line.ratio, line.score, ms=5, lw=1, markerfacecolor="none", label=policy, **style)
 
 
 # A point whose cache held more KV entries than its budget (compression.entries): not a matched-totals comparison.
