@@ -1,5 +1,5 @@
-"""Figures of the four findings, drawn from data/findings_*.csv: lines with 95% bootstrap bands (over prompts or
-documents), chance dashed, one column per (split, sinks variant), one row per metric; PNG (matplotlib, without
+"""Figures of the four findings, drawn from data/findings_*.csv: lines with 95% t-interval bands (over prompts or
+documents, `overlap.summarise`), chance dashed, one column per (split, sinks variant), one row per metric; PNG (matplotlib, without
 pyplot, so a notebook's backend is never switched) and an HTML twin (plotly) each.
 
 Nothing here assumes a model's layer count or a run's number of segments: both are read from the tables.
@@ -232,7 +232,7 @@ def _title(what: str, table: pd.DataFrame, mode: str, unit: str) -> str:
     model = ", ".join(sorted(table["model"].fillna("?").astype(str).unique())) if "model" in table else "?"
     counts = table.groupby("split")["sample"].nunique()
     samples = ", ".join(f"{n} {SPLIT_NAMES.get(s, s)}" for s, n in counts.items())
-    return (f"{what}\n{model}, {mode} tokens; {samples} {unit}; bands: {CI:.0%} bootstrap interval over {unit}; "
+    return (f"{what}\n{model}, {mode} tokens; {samples} {unit}; bands: {CI:.0%} t interval over {unit}; "
             "dashed: chance")
 
 
@@ -240,7 +240,19 @@ def _summary(table: pd.DataFrame, by) -> pd.DataFrame:
     return summarise(table, by=("split", "sinks", "metric", *by), ci=CI)
 
 
+# The window's selection and its baselines (experiments.BASELINES), as the legends name them.
+BASELINE_LABELS = {"recency": "recency: the last k prefix positions",
+                   "random segment": "a random earlier segment's selection",
+                   "oracle": "hindsight oracle: the best k positions"}
+
+
+def _paper(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the window's selection ("paper"), without the baselines' (a table without `selection` holds no others)."""
+    return table[table["selection"] == "paper"] if "selection" in table else table
+
+
 def figure_a(table: pd.DataFrame, mode: str, info: dict) -> Grid:
+    table = _paper(table)
     groups = layer_groups(table["layer"])
     grouped = pd.concat([table.assign(hue=table["layer"].map(groups)), table.assign(hue="all layers")])
     summary = _summary(grouped, ("hue", "segment"))
@@ -271,12 +283,15 @@ def figure_b_selection(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     window = info.get("obs_window", 32)
     part = table[table["obs_window"] == window]
     summary = _summary(part, ("layer", "selection"))
-    labels = {"paper": "paper: per query head, no pooling", "compressor": "SnapKV compressor: per KV head, max pool 7"}
-    return Grid(summary, "layer", "selection", _title(f"(b) The paper's selection vs the compressor's, observation window {window}, "
-                                                       "all generated tokens", part, mode, "prompts"), "layer", labels)
+    labels = {"paper": "paper: per query head, no pooling", "compressor": "SnapKV compressor: per KV head, max pool 7",
+              **BASELINE_LABELS}
+    return Grid(summary, "layer", "selection", _title(f"(b) The paper's selection vs the compressor's and the baselines of its "
+                                                       f"size, observation window {window}, all generated tokens", part, mode,
+                                                       "prompts"), "layer", labels)
 
 
 def figure_c(table: pd.DataFrame, mode: str, info: dict) -> Grid:
+    table = _paper(table)
     summary = _summary(table, ("layer", "placement"))
     return Grid(summary, "layer", "placement", _title("(c) Question before vs after the document: observation window vs "
                                                        "the answer", table, mode, "documents"), "layer", PLACEMENTS)
@@ -296,9 +311,29 @@ def figure_d(table: pd.DataFrame, mode: str, info: dict) -> Grid:
             columns.append((split, "excluded"))
     labels = {"different questions, all rows": "different questions (question + answer rows): the paper's H",
               "different questions, alternate rows": "different questions, alternate rows (A even vs B odd)",
-              "same question, alternate rows": "same question, alternate rows (even vs odd): control"}
+              "same question, alternate rows": "same question, alternate rows (even vs odd): control",
+              "question vs recency, all rows": "a question vs recency (the document's last k positions)",
+              "question vs random segment, all rows": "a question vs a random document segment's selection"}
     return Grid(summary, "layer", "hue", _title("(d) Selections over one document made by different questions vs by one "
                                                  "question", table, mode, "documents"), "layer", labels, notes, columns)
+
+
+def figure_a_baselines(table: pd.DataFrame, mode: str, info: dict) -> Grid:
+    """(a) per layer: the last segment's selection (the observation window) against the baselines of its size."""
+    window = table[(table["selection"] == "paper") & (table["segment"] == -1)]
+    part = pd.concat([window, table[table["selection"] != "paper"]])
+    summary = _summary(part, ("layer", "selection"))
+    labels = {"paper": "the last prompt segment (the observation window)", **BASELINE_LABELS}
+    return Grid(summary, "layer", "selection", _title("(a) The last prompt segment's selection vs the baselines of its size, "
+                                                       "on the common prefix", table, mode, "prompts"), "layer", labels)
+
+
+def figure_c_baselines(table: pd.DataFrame, mode: str, info: dict) -> Grid:
+    """(c) per layer, both placements pooled: the observation window's selection against the baselines of its size."""
+    summary = _summary(table, ("layer", "selection"))
+    labels = {"paper": "observation window (paper's selection)", **BASELINE_LABELS}
+    return Grid(summary, "layer", "selection", _title("(c) The observation window vs the baselines of its size, both "
+                                                       "question placements pooled", table, mode, "documents"), "layer", labels)
 
 
 SPLITS_ORDER = {"dev": 0, "heldout": 1}
@@ -316,7 +351,7 @@ def head_figure(table: pd.DataFrame, mode: str, info: dict):
     layers = summarise(part, by=("split", "layer"))
     splits = sorted(heads["split"].unique(), key=lambda s: SPLITS_ORDER.get(s, 9))
     title = _title("Per-head recall (sinks excluded) of the observation window's selection, all generated tokens",
-                   table, mode, "prompts").replace("; bands: 95% bootstrap interval over prompts", "")
+                   table, mode, "prompts").replace("; bands: 95% t interval over prompts", "")
     figure = Figure(figsize=(6.5 * len(splits) + 1.5, 4.6), layout="constrained")
     axes = figure.subplots(1, len(splits), squeeze=False, sharey=True)[0]
     n_heads = heads["head"].nunique()
@@ -345,7 +380,9 @@ def head_figure(table: pd.DataFrame, mode: str, info: dict):
 
 
 FIGURES = {"a": ("a", figure_a), "b": ("b", figure_b), "b_windows": ("b_variants", figure_b_windows),
-           "b_selection": ("b_variants", figure_b_selection), "c": ("c", figure_c), "d": ("d", figure_d)}
+           "b_selection": ("b_variants", figure_b_selection), "c": ("c", figure_c), "d": ("d", figure_d),
+           "a_baselines": ("a", figure_a_baselines), "c_baselines": ("c", figure_c_baselines)}
+BASELINE_FIGURES = ("a_baselines", "c_baselines")  # drawn only from tables that hold the baselines (an oracle)
 
 
 def draw_findings(data_dir, figures_dir) -> list[Path]:
@@ -357,6 +394,8 @@ def draw_findings(data_dir, figures_dir) -> list[Path]:
         if table_name not in tables:
             continue
         table = tables[table_name]
+        if name in BASELINE_FIGURES and ("selection" not in table or "oracle" not in set(table["selection"])):
+            continue
         if "sample" not in table or "split" not in table:
             raise ValueError(f"{data_dir / f'findings_{table_name}.csv'} has no sample and split columns: it predates the intervals; rerun "
                              "`snapkv-lab figures --recompute --only findings`")
