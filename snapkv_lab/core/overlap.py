@@ -24,7 +24,7 @@ attention in every generated row (per head). Every segment of that prompt uses t
 that only holds with sinks kept is about the sink.
 
 Intervals: `summarise(..., ci=0.95)` and `difference` give t intervals over samples (prompts or documents, the
-`sample` column) of the pooled ratio and of a paired difference (`core.intervals`); a percentile bootstrap over the
+`sample` column) of the pooled ratio and of a paired difference (`core.ratio_intervals`); a percentile bootstrap over the
 samples (`method="percentile"`, `RESAMPLES` replicates) is kept only to compare: over 4-8 prompts it undercovers.
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import intervals
+from . import ratio_intervals as intervals
 from .moved import renamed
 
 THETA = 0.05
@@ -225,7 +225,7 @@ def _top_sums(weights: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
 
 
 # ---- pooling and intervals -------------------------------------------------------------------------
-METHODS = ("t", "percentile")  # interval methods: core.intervals' t interval; the percentile bootstrap, for comparison
+METHODS = ("t", "percentile")  # interval methods: core.ratio_intervals' t interval; the percentile bootstrap, for comparison
 
 
 def _check_method(method: str) -> None:
@@ -250,7 +250,7 @@ def summarise(table: pd.DataFrame, by=("layer", "segment", "metric", "sinks"), m
     Adds `defined` (support >= min_support) and `n_cells`; undefined values are NaN.
     ci (e.g. 0.95) adds `ci_low`, `ci_high`, `se` and `n_samples` over the samples (distinct values of the `unit`
     column) in each group. method "t" (default): the t interval of the pooled ratio over the samples
-    (`core.intervals`: linearised, n - 1 degrees of freedom; with equal supports the t interval of the per-sample
+    (`core.ratio_intervals`: linearised, n - 1 degrees of freedom; with equal supports the t interval of the per-sample
     values, cut to [0, 1] as every metric here is a share), NaN for an undefined value or fewer than 2 samples.
     method "percentile": the percentile interval over
     `resamples` bootstrap replicates of the samples, drawn with numpy's default_rng(seed), replicates whose pooled
@@ -290,7 +290,7 @@ def difference(table: pd.DataFrame, between: tuple[str, object, object], by=("la
     """value(a) - value(b) per group, paired over samples: between = (column, a, b).
 
     Only samples present on both sides count. method "t" (default): the t interval of the paired difference
-    (`core.intervals`: each sample's linearised residual on side a minus its residual on side b; with equal supports
+    (`core.ratio_intervals`: each sample's linearised residual on side a minus its residual on side b; with equal supports
     the t interval of the per-sample differences), with `se` and `p`, the two-sided t test of a zero difference
     (n - 1 degrees of freedom). method "percentile": each bootstrap replicate draws samples once and pools both
     sides over the same draw; its percentile interval (`se` and `p` NaN).

@@ -1,7 +1,7 @@
 """Verdicts on the paper's four findings, per split (dev, held-out, and both pooled) and mode, from the committed tables.
 
 Every value is pooled over layers and heads (sum of numerators / sum of supports) with a 95% t interval over prompts
-or documents (`overlap.summarise`, `core.intervals`: a percentile bootstrap over 4-8 prompts undercovers); every
+or documents (`overlap.summarise`, `core.ratio_intervals`: a percentile bootstrap over 4-8 prompts undercovers); every
 comparison is the paired t interval of a difference over the same prompts (`overlap.difference`), with its two-sided
 t-test p. Each split is reported alone, then both pooled (their prompts are distinct, so pooling doubles n).
 
@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..core.intervals import tost
 from ..core.overlap import difference, summarise
+from ..core.ratio_intervals import tost
 from .legacy import read_table, upgrade_options
 
 CI = 0.95

@@ -2,7 +2,7 @@
 
 A findings value pools a ratio over prompts, R = sum_i numerator_i / sum_i support_i, and rests on 4 to 12 prompts.
 A percentile bootstrap over so few units undercovers: at 4 to 8 units its nominal 95% interval holds the true value
-73-89% of the time, and BCa (scipy.stats.bootstrap(method="BCa")) no better (tests/test_intervals.py simulates it).
+73-89% of the time, and BCa (scipy.stats.bootstrap(method="BCa")) no better (tests/test_ratio_intervals.py simulates it).
 The t interval over per-unit values is exact for normal per-unit values and loses least under skew, so the
 findings use it:
 

@@ -1,4 +1,4 @@
-"""The findings' intervals over 4-8 prompts: t intervals and tests (core.intervals, through overlap.summarise and
+"""The findings' intervals over 4-8 prompts: t intervals and tests (core.ratio_intervals, through overlap.summarise and
 overlap.difference) against scipy's t test, and their coverage by simulation on synthetic tables of the findings' size;
 the percentile bootstrap they replaced undercovers in the same simulation."""
 
@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from snapkv_lab.core import intervals
+from snapkv_lab.core import ratio_intervals as intervals
 from snapkv_lab.core.overlap import difference, summarise
 
 NOMINAL = 0.95
