@@ -127,7 +127,7 @@ def sampled_table():
 
 
 def test_summarise_interval_equals_a_plain_bootstrap(sampled_table):
-    summary = summarise(sampled_table, by=("layer",), ci=0.9, resamples=400, seed=3).set_index("layer")
+    summary = summarise(sampled_table, by=("layer",), ci=0.9, method="percentile", resamples=400, seed=3).set_index("layer")
     for layer, part in sampled_table.groupby("layer"):
         per_sample = part.groupby("sample")[["numerator", "support"]].sum()
         low, high = plain_bootstrap(per_sample["numerator"].tolist(), per_sample["support"].tolist(), 400, 3, 0.9)
@@ -143,14 +143,15 @@ def test_summarise_interval_equals_a_plain_bootstrap(sampled_table):
 
 def test_identical_samples_give_a_zero_width_interval(sampled_table):
     same = sampled_table.assign(numerator=5.0)
-    summary = summarise(same, by=("layer",), ci=0.95, resamples=200)
+    summary = summarise(same, by=("layer",), ci=0.95, method="percentile", resamples=200)
     assert (summary["ci_low"] == 0.25).all() and (summary["ci_high"] == 0.25).all()
 
 
 def test_difference_is_a_paired_bootstrap(sampled_table):
     table = pd.concat([sampled_table.assign(side="a"),
                        sampled_table.assign(side="b", numerator=sampled_table["numerator"] // 2)])
-    out = difference(table, ("side", "a", "b"), by=("layer",), ci=0.95, resamples=300, seed=5).set_index("layer")
+    out = difference(table, ("side", "a", "b"), by=("layer",), ci=0.95, method="percentile", resamples=300,
+                     seed=5).set_index("layer")
     for layer, part in sampled_table.groupby("layer"):
         per_sample = part.groupby("sample")[["numerator", "support"]].sum()
         half = (part["numerator"] // 2).groupby(part["sample"]).sum()

@@ -23,9 +23,9 @@ prompt): the first `SinkRule.first` tokens, and any position taking at least `Si
 attention in every generated row (per head). Every segment of that prompt uses the same set. A finding
 that only holds with sinks kept is about the sink.
 
-Intervals: `summarise(..., ci=0.95)` and `difference` bootstrap over samples (prompts or documents, the
-`sample` column): each of `RESAMPLES` replicates draws as many samples as there are, with replacement,
-and pools numerator and support over them; the interval is the percentile interval of the replicates.
+Intervals: `summarise(..., ci=0.95)` and `difference` give t intervals over samples (prompts or documents, the
+`sample` column) of the pooled ratio and of a paired difference (`core.ratio_intervals`); a percentile bootstrap over the
+samples (`method="percentile"`, `RESAMPLES` replicates) is kept only to compare: over 4-8 prompts it undercovers.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from . import ratio_intervals as intervals
 from .moved import renamed
 
 THETA = 0.05
@@ -186,17 +187,76 @@ def selection_vs_generation(attn, selections: dict, *, sinks, segments: dict | N
     return rows
 
 
+def hindsight_oracle(attn, reference, *, sinks, segments: dict | None = None, theta=THETA, min_support=MIN_SUPPORT,
+                     **columns) -> list[dict]:
+    """The hindsight oracle: per head, the k eligible prefix positions (k: as many as the reference selection holds)
+    that score best against the scored rows' own attention. hit_rate and recall both add up over positions (a
+    position's count of rows above theta; its share of each row's eligible mass, summed over rows), so the best set is
+    the top k of those sums: an upper bound that no selection of k positions can pass, sinks kept or excluded. Rows as
+    `selection_vs_generation`'s, with selection="oracle" (no coarse rows: coarse does not depend on a selection).
+
+    attn: (heads, generated rows, prefix); reference: (heads, prefix) bool, the selection whose size the oracle takes;
+    sinks: (heads, prefix) bool; segments as there.
+    """
+    segments = {None: slice(None)} if segments is None else segments
+    rows = []
+    for segment, rows_of_segment in segments.items():
+        block = attn[:, rows_of_segment].double()
+        counts = (block > theta).sum(dim=1, dtype=torch.float64)  # (heads, prefix)
+        for variant, allowed in (("kept", torch.ones_like(sinks)), ("excluded", ~sinks)):
+            size = torch.minimum(reference.sum(-1), allowed.sum(-1))  # (heads,)
+            eligible_mass = (block * allowed[:, None]).sum(-1, keepdim=True).clamp(min=1e-12)
+            shares = (block * allowed[:, None] / eligible_mass).sum(1)  # (heads, prefix): summed over rows
+            chance_rate = size.double() / allowed.sum(-1).clamp(min=1).double()
+            common = dict(columns, segment=segment, selection="oracle", sinks=variant, min_support=min_support)
+            for metric, weights in (("hit_rate", counts), ("recall", shares)):
+                weights = weights.masked_fill(~allowed, 0)
+                support = weights.sum(-1) if metric == "hit_rate" else torch.full_like(chance_rate, block.shape[1])
+                best = _top_sums(weights, size)
+                rows += metric_rows(dict(numerator=best, chance_numerator=support * chance_rate, support=support),
+                                    metric=metric, **common)
+    return rows
+
+
+def _top_sums(weights: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """(heads, n) non-negative weights, (heads,) counts -> (heads,) the sum of each head's `size` largest weights."""
+    cumulative = torch.cat([torch.zeros_like(weights[:, :1]), weights.sort(-1, descending=True).values.cumsum(-1)], -1)
+    return cumulative.gather(1, size.long()[:, None]).squeeze(1)
+
+
 # ---- pooling and intervals -------------------------------------------------------------------------
+METHODS = ("t", "percentile")  # interval methods: core.ratio_intervals' t interval; the percentile bootstrap, for comparison
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _per_unit(table: pd.DataFrame, by: list[str], unit: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """numerator and support summed per group and unit: two (groups, units) frames indexed by `by`, NaN where a group
+    lacks a unit."""
+    if unit not in table:
+        raise ValueError(f"intervals run over the {unit!r} column, which this table lacks (columns: {list(table)})")
+    sums = table.groupby([*by, unit], dropna=False, sort=True)[["numerator", "support"]].sum()
+    return sums["numerator"].unstack(unit), sums["support"].unstack(unit)
+
+
 def summarise(table: pd.DataFrame, by=("layer", "segment", "metric", "sinks"), min_support=MIN_SUPPORT, *,
-              ci: float | None = None, resamples: int = RESAMPLES, seed: int = 0, unit: str = "sample") -> pd.DataFrame:
+              ci: float | None = None, method: str = "t", resamples: int = RESAMPLES, seed: int = 0,
+              unit: str = "sample") -> pd.DataFrame:
     """Pool a tidy metric table over the other columns (heads, samples): value = sum(num) / sum(support).
 
     Adds `defined` (support >= min_support) and `n_cells`; undefined values are NaN.
-    ci (e.g. 0.95) adds `ci_low`, `ci_high` and `n_samples`: the percentile interval of the pooled ratio
-    over `resamples` bootstrap replicates of the samples (distinct values of the `unit` column) in each
-    group, drawn with numpy's default_rng(seed). Replicates whose pooled support is below min_support are
-    left out of the quantiles; a group with none left gets NaN.
+    ci (e.g. 0.95) adds `ci_low`, `ci_high`, `se` and `n_samples` over the samples (distinct values of the `unit`
+    column) in each group. method "t" (default): the t interval of the pooled ratio over the samples
+    (`core.ratio_intervals`: linearised, n - 1 degrees of freedom; with equal supports the t interval of the per-sample
+    values, cut to [0, 1] as every metric here is a share), NaN for an undefined value or fewer than 2 samples.
+    method "percentile": the percentile interval over
+    `resamples` bootstrap replicates of the samples, drawn with numpy's default_rng(seed), replicates whose pooled
+    support is below min_support left out (kept to show that it undercovers; `se` is then NaN).
     """
+    _check_method(method)
     by = list(by)
     grouped = table.groupby(by, dropna=False, sort=True)
     out = grouped[PARTS].sum()
@@ -205,22 +265,38 @@ def summarise(table: pd.DataFrame, by=("layer", "segment", "metric", "sinks"), m
     out["value"] = (out["numerator"] / out["support"]).where(out["defined"])
     out["chance"] = (out["chance_numerator"] / out["support"]).where(out["defined"])
     if ci is not None:
-        replicates, n_samples = _bootstrap(table, by, unit, resamples=resamples, seed=seed, min_support=min_support)
-        out["n_samples"] = n_samples.reindex(out.index)
-        low, high = _percentiles(replicates.reindex(out.index).to_numpy(), ci)
-        out["ci_low"], out["ci_high"] = low, high
+        if method == "t":
+            numerator, support = _per_unit(table, by, unit)
+            ratio, residual = intervals.linearised(numerator.to_numpy(), support.to_numpy())
+            se, n = intervals.standard_error(residual)
+            low, high = intervals.t_interval(ratio, se, n, ci)
+            low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)  # every metric here is a share: its interval too
+            index = numerator.index
+            out["se"] = pd.Series(se, index=index).reindex(out.index).where(out["defined"])
+            out["n_samples"] = pd.Series(n, index=index).reindex(out.index)
+            out["ci_low"] = pd.Series(low, index=index).reindex(out.index).where(out["defined"])
+            out["ci_high"] = pd.Series(high, index=index).reindex(out.index).where(out["defined"])
+        else:
+            replicates, n_samples = _bootstrap(table, by, unit, resamples=resamples, seed=seed, min_support=min_support)
+            out["se"], out["n_samples"] = np.nan, n_samples.reindex(out.index)
+            low, high = _percentiles(replicates.reindex(out.index).to_numpy(), ci)
+            out["ci_low"], out["ci_high"] = low, high
     return out.reset_index()
 
 
 def difference(table: pd.DataFrame, between: tuple[str, object, object], by=("layer", "metric", "sinks"),
-               min_support=MIN_SUPPORT, *, ci: float = 0.95, resamples: int = RESAMPLES, seed: int = 0,
-               unit: str = "sample") -> pd.DataFrame:
-    """value(a) - value(b) per group, with a paired bootstrap interval: between = (column, a, b).
+               min_support=MIN_SUPPORT, *, ci: float = 0.95, method: str = "t", resamples: int = RESAMPLES,
+               seed: int = 0, unit: str = "sample") -> pd.DataFrame:
+    """value(a) - value(b) per group, paired over samples: between = (column, a, b).
 
-    Each replicate draws samples (the `unit` column) once and pools both sides over the same draw, so the
-    interval is that of the difference, not of two independent values. Only samples present on both sides
-    count. Returns the `by` columns, value_a, value_b, difference, ci_low, ci_high, n_samples.
+    Only samples present on both sides count. method "t" (default): the t interval of the paired difference
+    (`core.ratio_intervals`: each sample's linearised residual on side a minus its residual on side b; with equal supports
+    the t interval of the per-sample differences), with `se` and `p`, the two-sided t test of a zero difference
+    (n - 1 degrees of freedom). method "percentile": each bootstrap replicate draws samples once and pools both
+    sides over the same draw; its percentile interval (`se` and `p` NaN).
+    Returns the `by` columns, value_a, value_b, difference, ci_low, ci_high, se, p, n_samples.
     """
+    _check_method(method)
     column, a, b = between
     by = [c for c in by if c != column]
     sides = {}
@@ -232,15 +308,28 @@ def difference(table: pd.DataFrame, between: tuple[str, object, object], by=("la
     common = set(sides["a"][unit]) & set(sides["b"][unit])
     sides = {label: part[part[unit].isin(common)] for label, part in sides.items()}
     point = {label: summarise(part, by, min_support).set_index(by)["value"] for label, part in sides.items()}
-    replicates = {}
-    for label, part in sides.items():
-        replicates[label], n_samples = _bootstrap(part, by, unit, resamples=resamples, seed=seed,
-                                                  min_support=min_support)
     index = point["a"].index.intersection(point["b"].index)
-    low, high = _percentiles(replicates["a"].reindex(index).to_numpy() - replicates["b"].reindex(index).to_numpy(), ci)
     out = pd.DataFrame(dict(value_a=point["a"].reindex(index), value_b=point["b"].reindex(index)), index=index)
     out["difference"] = out["value_a"] - out["value_b"]
-    out["ci_low"], out["ci_high"], out["n_samples"] = low, high, n_samples.reindex(index)
+    if method == "t":
+        residuals = {}
+        for label, part in sides.items():
+            numerator, support = _per_unit(part, by, unit)
+            residuals[label] = pd.DataFrame(intervals.linearised(numerator.to_numpy(), support.to_numpy())[1],
+                                            index=numerator.index, columns=numerator.columns)
+        units = residuals["a"].columns.intersection(residuals["b"].columns)
+        paired = (residuals["a"].reindex(index=index, columns=units) - residuals["b"].reindex(index=index, columns=units))
+        se, n = intervals.standard_error(paired.to_numpy())
+        estimate = out["difference"].to_numpy()
+        out["ci_low"], out["ci_high"] = intervals.t_interval(estimate, se, n, ci)
+        out["se"], out["p"], out["n_samples"] = se, intervals.t_test(estimate, se, n), n
+    else:
+        replicates = {}
+        for label, part in sides.items():
+            replicates[label], n_samples = _bootstrap(part, by, unit, resamples=resamples, seed=seed, min_support=min_support)
+        low, high = _percentiles(replicates["a"].reindex(index).to_numpy() - replicates["b"].reindex(index).to_numpy(), ci)
+        out["ci_low"], out["ci_high"], out["se"], out["p"] = low, high, np.nan, np.nan
+        out["n_samples"] = n_samples.reindex(index)
     return out.reset_index()
 
 
@@ -251,11 +340,7 @@ def _bootstrap(table: pd.DataFrame, by: list[str], unit: str, *, resamples: int,
     Groups holding the same samples share one draw, so a replicate is one resampling of the prompts applied
     to every statistic, and two tables over the same samples (see `difference`) get the same draws.
     """
-    if unit not in table:
-        raise ValueError(f"intervals bootstrap over the {unit!r} column, which this table lacks (columns: "
-                         f"{list(table)})")
-    sums = table.groupby([*by, unit], dropna=False, sort=True)[["numerator", "support"]].sum()
-    numerator, support = sums["numerator"].unstack(unit), sums["support"].unstack(unit)
+    numerator, support = _per_unit(table, by, unit)
     present = support.notna().to_numpy()
     replicates = np.full((len(support), resamples), np.nan)
     patterns: dict[bytes, list[int]] = {}
