@@ -123,6 +123,8 @@ def test_all_stands_for_every_registered_compressor(toy):
     assert names == [name for name in POLICY_NAMES if name != "FullCache"] and len(names) == len(POLICY_NAMES) - 1
     with pytest.raises(ValueError, match="share a label"):  # "all" already holds SnapKV at its defaults
         eval_cells(None, ["toy"], policies=["all", "SnapKV"], ratios=[0.5])
+    with pytest.raises(ValueError, match="full cache runs in every example"):  # the baseline is never a policy
+        eval_cells(None, ["toy"], policies=["FullCache"], ratios=[0.5])
 
 
 def test_plain_framing_keeps_the_official_text_and_cuts_the_context_from_its_middle(toy):
