@@ -187,6 +187,7 @@ def selection_vs_generation(attn, selections: dict, *, sinks, segments: dict | N
     return rows
 
 
+@renamed(RENAMED, windows="segments")
 def hindsight_oracle(attn, reference, *, sinks, segments: dict | None = None, theta=THETA, min_support=MIN_SUPPORT,
                      **columns) -> list[dict]:
     """The hindsight oracle: per head, the k eligible prefix positions (k: as many as the reference selection holds)
