@@ -429,6 +429,16 @@ def with_tail(picked: torch.Tensor, prefix_len: int, n_tokens: int) -> torch.Ten
     return torch.cat([picked, tail], dim=-1)
 
 
+def budget_past_sinks(policy: Policy, n_tokens: int) -> int | None:
+    """`policy.budget(n_tokens)` through Policy's own rule, refused where it holds no more than the policy's n_sink
+    sinks (which it always keeps): such a budget leaves it no position to choose."""
+    budget = Policy.budget(policy, n_tokens)
+    if budget is not None and budget <= policy.n_sink:
+        raise ValueError(f"{type(policy).__name__} always keeps its n_sink = {policy.n_sink} sinks: a budget of "
+                         f"{budget} positions for a {n_tokens}-token prompt leaves none to choose")
+    return budget
+
+
 @dataclass
 class FullCache(Policy):
     """No compression (the reference)."""

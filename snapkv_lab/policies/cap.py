@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..core.checks import check_int
 from ..core.rope import LayerRope
-from .base import AttentionCall, Policy
+from .base import AttentionCall, Policy, budget_past_sinks
 
 
 @dataclass
@@ -52,11 +52,7 @@ class Cap(Policy):
         check_int("n_future_positions", self.n_future_positions, 1)
 
     def budget(self, n_tokens: int) -> int | None:
-        budget = super().budget(n_tokens)
-        if budget is not None and budget <= self.n_sink:
-            raise ValueError(f"Cap always keeps its n_sink = {self.n_sink} sinks: a budget of {budget} positions for "
-                             f"a {n_tokens}-token prompt leaves none to choose")
-        return budget
+        return budget_past_sinks(self, n_tokens)
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         heads, _, d = call.query.shape

@@ -53,7 +53,7 @@ import torch
 
 from ..core.checks import check_int
 from ..core.rope import LayerRope
-from .base import AttentionCall, Policy
+from .base import AttentionCall, Policy, budget_past_sinks
 
 
 @dataclass
@@ -73,11 +73,7 @@ class ExpectedAttention(Policy):
         check_int("n_future_positions", self.n_future_positions, 1)
 
     def budget(self, n_tokens: int) -> int | None:
-        budget = super().budget(n_tokens)
-        if budget is not None and budget <= self.n_sink:
-            raise ValueError(f"ExpectedAttention always keeps its n_sink = {self.n_sink} sinks: a budget of {budget} "
-                             f"positions for a {n_tokens}-token prompt leaves none to choose")
-        return budget
+        return budget_past_sinks(self, n_tokens)
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         heads, _, d = call.query.shape
