@@ -177,6 +177,14 @@ ROWS = [
         "retrieval score) in place of the published pattern, and the share of streaming heads our budget gives (74 of "
         "90 at 250 positions); kvpress streams the round(90 x share) lowest gates (duo_attention_press.py:86-90), ours "
         "keeps the highest in full. One head chosen differently costs its layer about 0.9 / 3 of Jaccard: the row fails."),
+    Row("KVzap", "KVzap(model_type='linear')", "KVzapPress(compression_ratio={ratio}, model_type='linear')",
+        "Same weights, same scores: kvpress would fetch nvidia/KVzap-linear-<model> from the Hub (weights for 8B "
+        "models only, out of reach here), so the worker hands KVzapPress the linear surrogate the lab trained for "
+        "SmolLM2 (snapkv_lab/policies/weights/kvzap/, scripts/train_kvzap.py), loaded into kvpress's own KVzapModel "
+        "(same parameter names). Both score every position by that layer's module on the attention's input hidden "
+        "states (kvzap_press.py:70-82) and keep the top n_kept per KV head, no window (ScorerPress; ours kept_tail 0). "
+        "The MLP (kvpress's default model_type) is trained on the machine, not shipped: compared the same way by "
+        "model_type='mlp' on both sides once scripts/train_kvzap.py --model-type mlp has run."),
 ]
 
 
@@ -266,17 +274,18 @@ def run_ours(model, tokenizer, ids: list[int], policies: dict) -> tuple[dict, to
 
 
 def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], q_filters: Path | None = None,
-                duo_pattern: dict | None = None) -> dict:
+                duo_pattern: dict | None = None, kvzap_weights: dict | None = None) -> dict:
     """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression} on the model in
     `checkpoint`; RuntimeError with the worker's last output lines if it fails. q_filters: the query filters our
     QFilters calibrated, for QFilterPress (which would load the authors' from the Hub); duo_pattern: our
-    DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would load the published gates)."""
+    DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would load the published gates);
+    kvzap_weights: {model_type: the safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
                                        "threads": torch.get_num_threads(),
                                        "q_filters": None if q_filters is None else str(q_filters),
-                                       "duo_pattern": duo_pattern}))
+                                       "duo_pattern": duo_pattern, "kvzap_weights": kvzap_weights}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                "HF_HUB_OFFLINE": "1"}
         done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
@@ -419,6 +428,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     prefill, every press in one worker run on the same checkpoint."""
     import snapkv_lab
     from snapkv_lab.core.models import bundled_checkpoint
+    from snapkv_lab.policies.kvzap import find_weights
     from snapkv_lab.policies.query_filters import filters_path
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
@@ -433,7 +443,8 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     presses = {row.label: row.press.format(ratio=ratio, head_ratio=pattern and pattern["head_ratio"]) for row in rows}
     theirs = run_kvpress(venv, bundled_checkpoint(), ids, presses,
                          q_filters=filters_path(model),  # calibrated by run_ours's QFilters
-                         duo_pattern=pattern)
+                         duo_pattern=pattern, kvzap_weights={t: str(find_weights(model, t)) for t in ("linear", "mlp")
+                                                             if find_weights(model, t) is not None})
     seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
     agreements = {}
     for row in rows:

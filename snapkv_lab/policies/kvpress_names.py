@@ -25,4 +25,5 @@ KVPRESS: dict[str, str] = {
     "QFilterPress": "QFilters",
     "DuoAttentionPress": "DuoAttention",
     "DecodingPress": "DecodingEviction",
+    "KVzapPress": "KVzap",
 }
