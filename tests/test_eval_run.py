@@ -119,8 +119,8 @@ def test_all_stands_for_every_registered_compressor(toy):
 
     cells = eval_cells(None, ["toy"], policies=["all"], ratios=[0.5], limit=1)
     names = [config["name"] for config in cells[0].config["policies"]]
-    # 24 methods and 3 allocations over any scorer (PyramidAllocation, GlobalAllocation, DuoAllocation)
-    assert names == [name for name in POLICY_NAMES if name != "FullCache"] and len(names) == 27
+    # 26 methods and 3 allocations over any scorer (PyramidAllocation, GlobalAllocation, DuoAllocation)
+    assert names == [name for name in POLICY_NAMES if name != "FullCache"] and len(names) == 29
     with pytest.raises(ValueError, match="share a label"):  # "all" already holds SnapKV at its defaults
         eval_cells(None, ["toy"], policies=["all", "SnapKV"], ratios=[0.5])
 

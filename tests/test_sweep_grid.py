@@ -79,8 +79,8 @@ def test_cells_are_keyed_by_every_option_and_ablations_keep_their_own():
     assert grid_cells(dict(base, model="other"))["needle"][0].key != cells["needle"][0].key
     assert "lines" not in grid_cells(dict(skip_lines=True))
     every = grid_cells(dict(base, suites=["needle"], policies=["all"]))["needle"][0].config["policies"]
-    # 24 methods and 3 allocations over any scorer (PyramidAllocation, GlobalAllocation, DuoAllocation)
-    assert len(every) == 27 and "FullCache" not in [p["name"] for p in every]
+    # 26 methods and 3 allocations over any scorer (PyramidAllocation, GlobalAllocation, DuoAllocation)
+    assert len(every) == 29 and "FullCache" not in [p["name"] for p in every]
 
 
 def needle_command(model: Path, data_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:

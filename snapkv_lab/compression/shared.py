@@ -66,7 +66,10 @@ class SharedPrefill:
 
     @classmethod
     @torch.inference_mode()
-    def run(cls, model, tokenizer, ids: torch.Tensor, policies, mask: torch.Tensor | None = None) -> SharedPrefill:
+    def run(cls, model, tokenizer, ids: torch.Tensor, policies, mask: torch.Tensor | None = None,
+            layer_inputs: bool = False) -> SharedPrefill:
+        """layer_inputs: keep every attention layer's input hidden states even when no policy reads them (training
+        data for the trained scorers, policies.fastkvzip_training)."""
         policies = list(policies)
         for policy in policies:
             policy.prepare(model, tokenizer)
@@ -74,7 +77,8 @@ class SharedPrefill:
         empty = None if mask is None else mask[:, :0]
         return cls(model, tokenizer, ids[:, :0], DynamicCache(config=model.config), None, recorder, 0.0,
                    keeps_final_hidden=any(p.reads_final_hidden for p in policies), mask=empty,
-                   layer_inputs={} if any(p.reads_layer_inputs for p in policies) else None)._fed(ids, mask)
+                   layer_inputs={} if layer_inputs or any(p.reads_layer_inputs for p in policies) else None
+                   )._fed(ids, mask)
 
     @property
     def pads(self) -> torch.Tensor | None:

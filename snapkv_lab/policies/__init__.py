@@ -28,7 +28,7 @@ _MODULES = {
     "RKV": "rkv", "LookaheadQCache": "lookahead",
     # Allocations alone, over any scorer (AdaKV and HeadKV above are wrappers too): scorer x allocation studies.
     "PyramidAllocation": "pyramid_allocation", "GlobalAllocation": "global_allocation", "DuoAllocation": "duo_allocation",
-    "KVzap": "kvzap",
+    "KVzap": "kvzap", "FastKVzip": "fastkvzip",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

@@ -26,4 +26,5 @@ KVPRESS: dict[str, str] = {
     "DuoAttentionPress": "DuoAttention",
     "DecodingPress": "DecodingEviction",
     "KVzapPress": "KVzap",
+    "FastKVzipPress": "FastKVzip",
 }
