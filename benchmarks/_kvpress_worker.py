@@ -228,6 +228,30 @@ def seeded(press, seed: int = 0):
     return press
 
 
+def given_kvzap(press, weights: dict | None) -> None:
+    """KVzapPress with the surrogate snapkv_lab trained (a safetensors file per model_type, its shapes in the
+    metadata, parameters named as kvpress's KVzapModel's) instead of nvidia's, which it would fetch from the Hub."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = (weights or {}).get(press.model_type)
+    if path is None:
+        raise ValueError(f"KVzapPress({press.model_type}) needs the request's kvzap_weights (the Hub is out of reach): "
+                         f"train them with scripts/train_kvzap.py --model-type {press.model_type}")
+    with safe_open(path, "pt") as file:
+        metadata = file.metadata()
+    layers = json.loads(metadata["layers"])
+    if layers != list(range(len(layers))):
+        raise ValueError(f"{path} holds modules for layers {layers} only; KVzapModel needs every layer's")
+    config = KVzapConfig(input_dim=int(metadata["input_dim"]), output_dim=int(metadata["output_dim"]),
+                         n_modules=len(layers), hidden_dim=json.loads(metadata["hidden_dim"]))
+    surrogate = KVzapModel(config)
+    surrogate.load_state_dict(load_file(path))
+    press.kvzap_model = surrogate.eval()
+    press.post_init_from_model = lambda model: None
+
+
 def run_kvzip(model, ids: torch.Tensor, press) -> dict:
     """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks."""
     from transformers import DynamicCache
@@ -289,6 +313,8 @@ def main(request_path: str, out_path: str) -> None:
             given_filters(press, request.get("q_filters"))
         if isinstance(press, kvpress.DuoAttentionPress):
             given_pattern(press, request.get("duo_pattern"))
+        if isinstance(press, kvpress.KVzapPress):
+            given_kvzap(press, request.get("kvzap_weights"))
         if isinstance(press, kvpress.ObservedAttentionPress):
             try:
                 results[name] = {"kept": run_eager(model, ids, name, press), "error": None}

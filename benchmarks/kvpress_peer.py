@@ -250,6 +250,14 @@ ROWS = [
         "position before the last 128 evicted per KV head where below the threshold (dms_press.py:96-110), masked "
         "(AdaKV-style) there, dropped here. The side by side sets our capacity to 250, which caps each head's picks "
         "outside the window (ours, not kvpress's); at threshold 2e-3, twice the uniform share, no head reaches it."),
+    Row("KVzap", "KVzap(model_type='linear')", "KVzapPress(compression_ratio={ratio}, model_type='linear')",
+        "Same weights, same scores: kvpress would fetch nvidia/KVzap-linear-<model> from the Hub (weights for 8B "
+        "models only, out of reach here), so the worker hands KVzapPress the linear surrogate the lab trained for "
+        "SmolLM2 (snapkv_lab/policies/weights/kvzap/, scripts/train_kvzap.py), loaded into kvpress's own KVzapModel "
+        "(same parameter names). Both score every position by that layer's module on the attention's input hidden "
+        "states (kvzap_press.py:70-82) and keep the top n_kept per KV head, no window (ScorerPress; ours kept_tail 0). "
+        "The MLP (kvpress's default model_type) is trained on the machine, not shipped: compared the same way by "
+        "model_type='mlp' on both sides once scripts/train_kvzap.py --model-type mlp has run."),
 ]
 
 
@@ -354,18 +362,20 @@ def prompt_values(layer) -> torch.Tensor:
 
 
 def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], q_filters: Path | None = None,
-                duo_pattern: dict | None = None, values=()) -> dict:
+                duo_pattern: dict | None = None, values=(), kvzap_weights: dict | None = None) -> dict:
     """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression} on the model in
     `checkpoint`; RuntimeError with the worker's last output lines if it fails. q_filters: the query filters our
     QFilters calibrated, for QFilterPress (which would load the authors' from the Hub); duo_pattern: our
     DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would load the published gates);
-    values: the labels whose kept values the worker returns too (merging presses)."""
+    values: the labels whose kept values the worker returns too (merging presses); kvzap_weights: {model_type: the
+    safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
                                        "threads": torch.get_num_threads(),
                                        "q_filters": None if q_filters is None else str(q_filters),
-                                       "duo_pattern": duo_pattern, "values": list(values)}))
+                                       "duo_pattern": duo_pattern, "values": list(values),
+                                       "kvzap_weights": kvzap_weights}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                "HF_HUB_OFFLINE": "1"}
         done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
@@ -512,6 +522,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     prefill, every press in one worker run on the same checkpoint."""
     import snapkv_lab
     from snapkv_lab.core.models import bundled_checkpoint
+    from snapkv_lab.policies.kvzap import find_weights
     from snapkv_lab.policies.query_filters import filters_path
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
@@ -528,7 +539,9 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     presses = {row.label: row.press.format(ratio=ratio, head_ratio=pattern and pattern["head_ratio"]) for row in rows}
     theirs = run_kvpress(venv, bundled_checkpoint(), ids, presses,
                          q_filters=filters_path(model),  # calibrated by run_ours's QFilters
-                         duo_pattern=pattern, values=with_values)
+                         duo_pattern=pattern, values=with_values,
+                         kvzap_weights={kind: str(find_weights(model, kind)) for kind in ("linear", "mlp")
+                                        if find_weights(model, kind) is not None})
     seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
     agreements = {}
     for row in rows:

@@ -100,6 +100,59 @@ def random_models_have_retrieval_scores(monkeypatch):
                         if getattr(model.config, "name_or_path", "") else synthetic_retrieval_scores(model.config))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def random_models_have_trained_scorers(tmp_path_factory):
+    """KVzap refuses a model it has no trained weights for (the MLPs, tens of MB, are trained on the machine, not
+    shipped): in tests a model without them (a random one; SmolLM2's MLP before scripts/train_kvzap.py ran) gets a
+    random surrogate of the right shapes, seeded, so that the tests over every policy run it. tests/test_kvzap.py
+    trains real ones on a toy setting, and checks the refusal with `find_weights.original`; Fast KVzip's gates
+    likewise (tests/test_fastkvzip.py)."""
+    from snapkv_lab.policies import kvzap
+
+    found = kvzap.find_weights
+
+    def weights(model, model_type):
+        path = found(model, model_type)
+        if path is not None:
+            return path
+        path = tmp_path_factory.getbasetemp() / "kvzap" / kvzap.weights_name(model, model_type)
+        if not path.exists():
+            config = model.config
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                kvzap.Surrogate(list(range(config.num_hidden_layers)), config.hidden_size, config.num_key_value_heads,
+                                kvzap.HIDDEN_DIM if model_type == "mlp" else None).save(path)
+        return path
+
+    weights.original = found
+    from snapkv_lab.policies import fastkvzip
+
+    found_gates = fastkvzip.find_weights
+
+    def gates(model):  # the same for Fast KVzip's gates
+        path = found_gates(model)
+        if path is not None:
+            return path
+        path = tmp_path_factory.getbasetemp() / "fastkvzip" / fastkvzip.weights_name(model)
+        if not path.exists():
+            config = model.config
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                gates = fastkvzip.Gates(list(range(config.num_hidden_layers)), config.hidden_size,
+                                        config.num_key_value_heads,
+                                        config.num_attention_heads // config.num_key_value_heads)
+                for parameter in gates.parameters():
+                    torch.nn.init.normal_(parameter, std=0.5)
+                gates.save(path)
+        return path
+
+    gates.original = found_gates
+    with pytest.MonkeyPatch.context() as patch:  # session-wide: module fixtures prefill every policy (test_budgets)
+        patch.setattr(kvzap, "find_weights", weights)
+        patch.setattr(fastkvzip, "find_weights", gates)
+        yield
+
+
 @pytest.fixture
 def tiny_model():
     return make_tiny_llama()

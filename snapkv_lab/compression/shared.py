@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..core.attention import AttentionSettings
-from ..core.hooks import capture_final_hidden, intercept_attention, with_cache
+from ..core.hooks import capture_final_hidden, capture_layer_inputs, intercept_attention, with_cache
 from ..core.inputs import eos_ids, padded_positions
 from ..core.timing import SectionTimer, stopwatch
 from ..policies.base import Policy, Prompt
@@ -57,20 +57,28 @@ class SharedPrefill:
     keeps_final_hidden: bool = False
     final_hidden: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    # {layer: (batch, n, hidden_size)} each attention layer's input hidden states, kept when a policy reads them
+    # (`Policy.reads_layer_inputs`: KVzap, FastKVzip), else None
+    layer_inputs: dict | None = None
     # Scores made after the prefill (Policy.needs) by scoring_key: paid once per prefill, by the first state that needs
     # them.
     after_prefill_scores: dict = field(default_factory=dict)
 
     @classmethod
     @torch.inference_mode()
-    def run(cls, model, tokenizer, ids: torch.Tensor, policies, mask: torch.Tensor | None = None) -> SharedPrefill:
+    def run(cls, model, tokenizer, ids: torch.Tensor, policies, mask: torch.Tensor | None = None,
+            layer_inputs: bool = False) -> SharedPrefill:
+        """layer_inputs: keep every attention layer's input hidden states even when no policy reads them (training
+        data for the trained scorers, policies.fastkvzip_training)."""
         policies = list(policies)
         for policy in policies:
             policy.prepare(model, tokenizer)
         recorder = ScoreRecorder(policies, model.config.num_hidden_layers)
         empty = None if mask is None else mask[:, :0]
         return cls(model, tokenizer, ids[:, :0], DynamicCache(config=model.config), None, recorder, 0.0,
-                   keeps_final_hidden=any(p.reads_final_hidden for p in policies), mask=empty)._fed(ids, mask)
+                   keeps_final_hidden=any(p.reads_final_hidden for p in policies), mask=empty,
+                   layer_inputs={} if layer_inputs or any(p.reads_layer_inputs for p in policies) else None
+                   )._fed(ids, mask)
 
     @property
     def pads(self) -> torch.Tensor | None:
@@ -90,15 +98,21 @@ class SharedPrefill:
         positions = padded_positions(None if mask is None else (mask == 0).sum(-1), start, ids.shape[1],
                                      self.model.device)
         capture = capture_final_hidden(self.model) if self.keeps_final_hidden else nullcontext()
-        with intercept_attention(self.model, recorder), capture as hidden, stopwatch(self.model.device) as elapsed:
+        inputs = capture_layer_inputs(self.model) if self.layer_inputs is not None else nullcontext()
+        with intercept_attention(self.model, recorder), capture as hidden, inputs as fed_inputs, \
+                stopwatch(self.model.device) as elapsed:
             logits = self.model(ids, **with_cache(self.model, cache), position_ids=positions, use_cache=True,
                                 logits_to_keep=1, attention_mask=mask).logits[:, -1]
         final_hidden = None
         if self.keeps_final_hidden:  # every fed id's: the earlier chunks', then these
             final_hidden = torch.cat([self.final_hidden, *hidden], 1) if start else hidden[0]
+        layer_inputs = None
+        if self.layer_inputs is not None:  # the earlier chunks', then these
+            layer_inputs = {layer: torch.cat([*([self.layer_inputs[layer]] if start else []), *fed], 1)
+                            for layer, fed in fed_inputs.items()}
         return SharedPrefill(self.model, self.tokenizer, torch.cat([self.ids, ids], 1), cache, logits, recorder,
                              elapsed.seconds, keeps_final_hidden=self.keeps_final_hidden, final_hidden=final_hidden,
-                             mask=mask)
+                             mask=mask, layer_inputs=layer_inputs)
 
     def extend(self, ids: torch.Tensor) -> SharedPrefill:
         """The prefill of this context followed by ids (batch, m), e.g. a question (query-aware mode)."""
@@ -112,9 +126,11 @@ class SharedPrefill:
         hidden = None if self.final_hidden is None else self.final_hidden[row:row + 1, pads:]
         queries = {layer: (query[row], slots - pads, self.recorder.settings[layer])
                    for layer, (query, slots) in self.recorder.recent.items()}
+        inputs = None if self.layer_inputs is None else {
+            layer: states[row:row + 1, pads:] for layer, states in self.layer_inputs.items()}
         return Prompt(self.model, self.tokenizer, self.ids[row:row + 1, pads:], cache, hidden, queries,
                       feed=functools.partial(feed, self.model, cache),
-                      draft=functools.partial(draft, self.model, self.tokenizer, cache, hidden))
+                      draft=functools.partial(draft, self.model, self.tokenizer, cache, hidden), layer_inputs=inputs)
 
     def _after_prefill_scores(self, policy: Policy) -> dict:
         """{layer: (batch, rows, n)} the policy's scores made after the prefill, each prompt's left-padded back to the

@@ -30,6 +30,13 @@ run with `logits_to_keep=1`, so that scores needing every position's logits cost
     with capture_final_hidden(model) as hidden:
         model(ids, logits_to_keep=1)
     hidden[0]  # (batch, n, hidden_size), one tensor per forward
+
+`capture_layer_inputs(model)` collects what each attention layer reads, its input hidden states (after the decoder
+layer's input norm), what KVzap's and Fast KVzip's trained scorers read:
+
+    with capture_layer_inputs(model) as inputs:
+        model(ids)
+    inputs[layer][0]  # (batch, n, hidden_size), one tensor per forward
 """
 
 from __future__ import annotations
@@ -152,3 +159,23 @@ def capture_final_hidden(model):
         yield captured
     finally:
         handle.remove()
+
+
+@contextmanager
+def capture_layer_inputs(model):
+    """Inside the block, append each attention layer's input hidden states (batch, q_len, hidden_size) of every
+    forward of `model` to the dict this yields, {layer: [tensor per forward]} (see module doc). Forward pre-hooks on
+    the attention modules, removed on exit."""
+    captured: dict[int, list[torch.Tensor]] = {}
+
+    def keep(module, args, kwargs):
+        captured.setdefault(module.layer_idx, []).append(kwargs["hidden_states"] if "hidden_states" in kwargs
+                                                         else args[0])
+
+    handles = [module.register_forward_pre_hook(keep, with_kwargs=True)
+               for module in attention_modules(model).values()]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()

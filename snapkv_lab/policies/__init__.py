@@ -39,6 +39,7 @@ _MODULES = {
     "SimLayerKV": "simlayerkv", "DMS": "dms",
     # Merging while decoding: the token leaving a StreamingLLM window folded into those after it (issue 54).
     "CAM": "cam",
+    "KVzap": "kvzap", "FastKVzip": "fastkvzip",  # trained scorers (issue 54), weights in policies/weights/
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

@@ -48,7 +48,7 @@ ADDED_LATER = "added_later"
 NO_POSITION = -1  # fills the kept positions of heads that keep fewer than the layer's widest head
 _ABSENT = object()  # a field the default being compared with lacks: always a difference
 # What a policy may need beyond the prefill's attention calls (`Policy.needs`; the engine provides each in a Prompt).
-NEEDS = ("final_hidden", "last_queries", "feed", "draft")
+NEEDS = ("final_hidden", "last_queries", "feed", "draft", "layer_inputs")
 
 
 @dataclass
@@ -122,6 +122,8 @@ class Prompt:
         {layer: (1, rows, n)} scores, decode up to `tokens` greedy tokens over it from the prefill's own next token
         (stopping at an end of answer), and hand back the post-RoPE queries of the k tokens fed ("draft": Lookahead
         Q-Cache's pseudo queries).
+    layer_inputs: {layer: (1, n, hidden_size)} every attention layer's input hidden states over the prompt (after
+        the decoder layer's input norm), what a trained scorer reads ("layer_inputs": KVzap, FastKVzip).
     """
 
     model: object
@@ -132,6 +134,7 @@ class Prompt:
     last_queries: dict | None = None
     feed: Callable | None = None
     draft: Callable | None = None
+    layer_inputs: dict | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -218,6 +221,11 @@ class Policy:
     def reads_final_hidden(self) -> bool:
         """Whether the prefill must keep the decoder's final hidden states for this policy (Surprisal, LookaheadQCache)."""
         return "final_hidden" in self.needs
+
+    @property
+    def reads_layer_inputs(self) -> bool:
+        """Whether the prefill must keep every attention layer's input hidden states for this policy (KVzap)."""
+        return "layer_inputs" in self.needs
 
     @property
     def compresses_after_prefill(self) -> bool:

@@ -42,6 +42,8 @@ KVPRESS: dict[str, str] = {
     # DecodingEviction compresses the prompt with its scorer, then cuts back while decoding: the pair kvpress builds as
     # PrefillDecodingPress(prefilling_press=..., decoding_press=DecodingPress(...)) (docs/faithfulness.md)
     "PrefillDecodingPress": "DecodingEviction",
+    "KVzapPress": "KVzap",
+    "FastKVzipPress": "FastKVzip",
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
@@ -59,8 +61,6 @@ KVPRESS_NOT_YET: dict[str, str] = {
     "CompressionRatioDecodingPress": "a decoding press held to a ratio of the growing cache: not written",
     "ExpectedAttentionStatsPress": "ExpectedAttention with the query statistics precomputed on the Hub: not written",
     "ThinKPress": "key channels pruned: branch under way",
-    "KVzapPress": "trained on the Hub's weights: training here under way",
-    "FastKVzipPress": "trained gates: training here under way",
     "RestoreKVPress": "LoRA-adapted restore tokens: not written",
 }
 
