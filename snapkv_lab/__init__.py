@@ -31,6 +31,7 @@ _EXPORTS = {  # public name -> its module
     "LagKV": "policies", "QFilters": "policies", "HeadKV": "policies", "DuoAttention": "policies", "CAKE": "policies",
     "RKV": "policies", "LookaheadQCache": "policies", "PyramidAllocation": "policies", "GlobalAllocation": "policies",
     "DuoAllocation": "policies",
+    "ThinK": "policies", "KIVI": "policies",
     "compress": "compression", "generate": "compression", "compare": "compression.compare",
     "span_effects": "compression.span_effects", "causal_coverage": "views.causal",
     "attention_coverage": "views.coverage", "explore": "views.explorer",

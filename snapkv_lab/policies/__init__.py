@@ -28,6 +28,8 @@ _MODULES = {
     "RKV": "rkv", "LookaheadQCache": "lookahead",
     # Allocations alone, over any scorer (AdaKV and HeadKV above are wrappers too): scorer x allocation studies.
     "PyramidAllocation": "pyramid_allocation", "GlobalAllocation": "global_allocation", "DuoAllocation": "duo_allocation",
+    # How kept positions are stored, over any positional policy: key channels pruned (ThinK), bits (KIVI).
+    "ThinK": "think", "KIVI": "kivi",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

@@ -25,4 +25,5 @@ KVPRESS: dict[str, str] = {
     "QFilterPress": "QFilters",
     "DuoAttentionPress": "DuoAttention",
     "DecodingPress": "DecodingEviction",
+    "ThinKPress": "ThinK",  # kvpress zeroes the pruned channels; ours stores only the kept ones
 }
