@@ -55,7 +55,7 @@ def main() -> None:
         report(pd.DataFrame(rows), "quantized_decode_smollm2_fp32_cpu",
                f"Decode ms/token and KV bytes, SmolLM2-135M fp32, CPU {args.threads} threads, {args.new} new tokens, "
                f"median of {args.repeats}",  # after each length: a long run leaves the lengths done
-               formats=dict(kv_mib="{:.2f}", kv_share="{:.3f}", decode_ms_per_token="{:.1f}", vs_full="{:.2f}"))
+               formats=dict(kv_mib=".2f", kv_share=".3f", decode_ms_per_token=".1f", vs_full=".2f"))
 
 
 if __name__ == "__main__":
