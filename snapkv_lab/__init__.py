@@ -39,6 +39,7 @@ _EXPORTS = {  # public name -> its module
     "SimLayerKV": "policies", "DMS": "policies",
     "CAM": "policies",
     "KVzap": "policies", "FastKVzip": "policies",
+    "ThinK": "policies", "KIVI": "policies",
     "compress": "compression", "generate": "compression", "compare": "compression.compare",
     "span_effects": "compression.span_effects", "causal_coverage": "views.causal",
     "attention_coverage": "views.coverage", "explore": "views.explorer",

@@ -83,7 +83,8 @@ class LivePrefill:
             return
         held = (cache_layer.positions if isinstance(cache_layer, CompressedLayer)
                 else held_positions(cache_layer, seen + rows, state.pads))  # (batch, kv_heads, n_keys)
-        if not (compresses or seeded(policy) or (self.chunk is not None and policy.accumulates)):
+        packs = policy.storage is not None and policy.storage.packs  # stored pruned or quantized, fitting or not
+        if not (compresses or packs or seeded(policy) or (self.chunk is not None and policy.accumulates)):
             state.kept_indices[layer] = held
             return
         state.timer = state.timer or SectionTimer(key.device)
@@ -91,8 +92,10 @@ class LivePrefill:
             scores = self.recorder.record(module, query, key, value, settings,
                                           None if self.chunk is None else torch.arange(seen, seen + rows))
             chunked = {} if self.chunk is None else dict(positions={layer: held}, seen=seen + rows)
+            recent = self.recorder.recent.get(layer)
             kept, slots, seeds = compress_layers(policy, {layer: scores[policy.scorer_label]}, state.cache,
-                                                 state.n_layers, pads=state.pads, **chunked)
+                                                 state.n_layers, pads=state.pads, **chunked,
+                                                 queries=None if recent is None else {layer: recent[0]})
             state.kept_indices[layer] = kept[layer]
             state.seeds.update(seeds)
             if self.chunk is not None and compresses:
@@ -127,6 +130,9 @@ def check_chunking(policy: Policy, prefill_chunk: int) -> None:
                          "which knows the prompt")
     if policy.per_query_head:
         raise NotImplementedError(f"{policy.label}: per_query_head caches under a chunked prefill are not supported")
+    if policy.storage is not None and policy.storage.packs:
+        raise NotImplementedError(f"{policy.label}: pruned or quantized storage under a chunked prefill is not "
+                                  "supported (the next chunk would read the stored keys)")
     if prefill_chunk < policy.voters:
         raise ValueError(f"prefill_chunk={prefill_chunk} is shorter than the {policy.voters} last queries "
                          f"{policy.label} votes with: each chunk's own voters must fit in it")

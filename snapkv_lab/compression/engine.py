@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from ..policies.base import NO_POSITION, AttentionCall, Policy
 from ..policies.decoding import prefill_seeds, seeded
 from .layers import RollingWindow, build_layer, held_positions, stack_rows
+from .packed import pack_layers
 
 
 def attention_calls(module, query, key, value, slots, settings, n_layers, positions=None, lead=None, shift=None):
@@ -109,7 +110,7 @@ def merged_values(policy: Policy, keys: torch.Tensor, values: torch.Tensor, kept
 
 def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: DynamicCache, n_layers: int, *,
                     pads: torch.Tensor | None = None, positions: dict[int, torch.Tensor] | None = None,
-                    seen: int | None = None) -> tuple[dict, dict, dict]:
+                    seen: int | None = None, queries: dict[int, torch.Tensor] | None = None) -> tuple[dict, dict, dict]:
     """Keep and build: each layer of `scores` ({layer: (batch, rows, slots)}, a padded batch's rows left-padded with
     zeros) in `cache` is replaced by one holding what `policy` keeps of it, each batch row by its own scores and budget.
 
@@ -118,7 +119,9 @@ def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: Dyna
     tokens the layers have seen (default: their slots). Returns (kept positions {layer: (batch, rows, k)}, kept slots
     {layer: (batch, rows, k)}, seeds {layer: (batch, kv_heads, k)}: the prefill scores of the held positions, for a
     policy that evicts while decoding by accumulated scores (H2O); empty otherwise). Every row within its budget: the
-    layers are left as they are (their held positions reported)."""
+    layers are left as they are (their held positions reported). A policy whose `storage` prunes key channels or
+    quantizes (ThinK, KIVI) has every layer of `scores` stored so afterwards (packed.pack_layers; queries: {layer:
+    (batch, heads, w, head_dim)} the prompt's last queries, which ThinK's channel scores read)."""
     layers = sorted(scores)
     if not layers:
         return {}, {}, {}
@@ -147,6 +150,8 @@ def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: Dyna
             own_kept = rows[layer] if rows is not None else [torch.arange(n).expand(kv_heads, -1) for n in lengths]
             seeds[layer] = stack_rows([prefill_seeds([scores[layer][b][:, n_slots - n:]], k[None])[0]
                                        for b, (n, k) in enumerate(zip(lengths, own_kept, strict=True))], True, 0.0)
+    if policy.storage is not None and policy.storage.packs:
+        pack_layers(policy.storage, cache, layers, queries, pads)
     return kept, slots, seeds
 
 

@@ -286,9 +286,11 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
 
 def answers_batched(state: CompressionState, extras) -> bool:
     """Whether several questions over one compressed context can decode as one batch: not under eviction while
-    decoding, whose trackers follow one sequence each."""
+    decoding, whose trackers follow one sequence each, nor over pruned or quantized storage (ThinK, KIVI), whose
+    forks would be stacked dense (layers.stack_forks)."""
+    storage = state.policy.storage
     return (len(extras) > 1 and all(extra is not None for extra in extras)
-            and getattr(state.policy, "tracker", None) is None)
+            and getattr(state.policy, "tracker", None) is None and (storage is None or not storage.packs))
 
 
 def batched_answers(model, state: CompressionState, extras, n: int, max_new_tokens: int, eos,

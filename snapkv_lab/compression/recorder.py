@@ -45,8 +45,12 @@ class ScoreRecorder:
         # The most any policy votes with; a policy scoring after the prefill reads its voters from `recent`
         # (LookaheadQCache's draft window), so it counts here although it is not scored at the calls.
         self.voters = max((p.voters for p in policies), default=0)
+        # The last queries held per layer (`recent`): the voters, or more where a policy's storage scores key channels
+        # with them (ThinK's window), read by the engine after the prefill, never voting.
+        self.held_queries = max([self.voters, *(p.storage.channel_window for p in policies
+                                                if p.storage is not None and p.storage.prunes_channels)])
         self.scores: dict[str, dict[int, torch.Tensor]] = {label: {} for label in self.policies}
-        self.recent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> last `voters` queries, their slots
+        self.recent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> last `held_queries` queries, their slots
         self.settings: dict[int, AttentionSettings] = {}  # layer -> its attention settings (scaling, soft-cap)
         self.carry: dict[tuple[str, int, int], dict] = {}  # (policy label, layer, batch row) -> AttentionCall.carry
         self.seen_layers: set[int] = set()  # layers whose attention calls reached the recorder
@@ -75,7 +79,7 @@ class ScoreRecorder:
         slots = torch.arange(n - rows, n)  # a full cache: a query's cache slot is its position
         pads = self.pads
         new_calls = attention_calls(module, query, key, value, slots, settings, self.n_layers, positions, lead=pads)
-        spanning = new_calls
+        spanning, fed, fed_slots = new_calls, query, slots
         # (batch, heads, rows, d) with earlier chunks' last queries, over a full cache (a live chunked prefill's chunk
         # holds its own voters: compressor.check_chunking)
         if positions is None and layer in self.recent and rows < self.voters:
@@ -83,8 +87,12 @@ class ScoreRecorder:
             query, slots = (torch.cat([earlier, query], 2)[:, :, -self.voters:],
                             torch.cat([earlier_slots, slots])[-self.voters:])
             spanning = attention_calls(module, query, key, value, slots, settings, self.n_layers, lead=pads)
-        if self.voters:  # copies: a slice would keep the whole prompt's queries of every layer alive (8 GB at 32k, 8B)
-            self.recent[layer] = (query[:, :, -self.voters:].clone(), slots[-self.voters:].clone())
+        if self.held_queries:  # copies: a slice would keep the whole prompt's queries of every layer alive (8 GB at
+            keep = self.held_queries  # 32k, 8B); a short chunk's held after the earlier chunks' last ones
+            if positions is None and layer in self.recent and rows < keep:
+                earlier, earlier_slots = self.recent[layer]
+                fed, fed_slots = torch.cat([earlier, fed], 2), torch.cat([earlier_slots, fed_slots])
+            self.recent[layer] = (fed[:, :, -keep:].clone(), fed_slots[-keep:].clone())
         for label, policy in self.policies.items():
             calls = spanning if policy.voters else new_calls
             scored = [policy.score(dataclasses.replace(call, carry=self.carry.setdefault((label, layer, b), {})))
@@ -113,7 +121,7 @@ class ScoreRecorder:
     def copy(self) -> ScoreRecorder:
         """A recorder that goes on from this one's scores (a question chunk after a shared context)."""
         other = ScoreRecorder(self.policies.values(), self.n_layers)
-        other.voters, other.settings = self.voters, dict(self.settings)
+        other.voters, other.held_queries, other.settings = self.voters, self.held_queries, dict(self.settings)
         other.scores = {label: dict(layers) for label, layers in self.scores.items()}
         other.recent = dict(self.recent)
         other.carry = {key: dict(carried) for key, carried in self.carry.items()}

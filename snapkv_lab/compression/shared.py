@@ -150,6 +150,7 @@ class SharedPrefill:
         row fits its budget), kept_indices for every layer, the selection time (scoring after the prefill included)."""
         n, n_layers, pads = self.n_tokens, self.model.config.num_hidden_layers, self.pads
         compresses = any(policy.budget(length) is not None for length in row_lengths(n, self.ids.shape[0], pads))
+        compresses = compresses or (policy.storage is not None and policy.storage.packs)  # channels, bits
         if compresses:
             # A model whose attention bypasses the registry records nothing: the state would be the full cache.
             refuse_unseen_layers(self.cache, self.recorder.seen_layers, self.recorder.sliding_layers, policy.label)
@@ -161,7 +162,8 @@ class SharedPrefill:
                           else self.recorder.scores[policy.scorer_label])
             cache = fork(self.cache)
             kept = {i: held_positions(layer, n, pads) for i, layer in enumerate(self.cache.layers)}
-            compressed, _, seeds = compress_layers(policy, scores, cache, n_layers, pads=pads)
+            queries = {layer: query for layer, (query, _) in self.recorder.recent.items()}
+            compressed, _, seeds = compress_layers(policy, scores, cache, n_layers, pads=pads, queries=queries)
             kept.update(compressed)
         sliding = sorted(self.recorder.sliding_layers) if compresses and scores else []
         return CompressionState(policy, cache, kept_indices=kept, sliding_layers=sliding, seeds=seeds, pads=pads,

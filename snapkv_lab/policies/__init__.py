@@ -40,6 +40,8 @@ _MODULES = {
     # Merging while decoding: the token leaving a StreamingLLM window folded into those after it (issue 54).
     "CAM": "cam",
     "KVzap": "kvzap", "FastKVzip": "fastkvzip",  # trained scorers (issue 54), weights in policies/weights/
+    # How kept positions are stored, over any positional policy: key channels pruned (ThinK), bits (KIVI).
+    "ThinK": "think", "KIVI": "kivi",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

@@ -40,6 +40,7 @@ import torch
 from ..core.attention import AttentionSettings
 from ..core.checks import check_int
 from ..core.selection import GQA_REDUCTIONS, POOLINGS, pool_votes, votes_per_kv_head
+from .storage import Storage
 
 SELECTION = ("pooling", "kernel_size", "gqa", "per_query_head")  # applied to scores by `keep`, with the budget
 # A field's metadata flag: added after results were stored, with the former behaviour as its default, so that
@@ -216,6 +217,12 @@ class Policy:
     def scores_after_prefill(self) -> bool:
         """Whether scoring needs more than the prefill's attention calls (`needs`): then it runs after the prefill."""
         return bool(self.needs)
+
+    @property
+    def storage(self) -> Storage | None:
+        """What of each kept position the cache holds (ThinK's key channels, KIVI's bits), None: every channel in
+        full precision (policies.storage)."""
+        return None
 
     @property
     def reads_final_hidden(self) -> bool:

@@ -44,6 +44,7 @@ KVPRESS: dict[str, str] = {
     "PrefillDecodingPress": "DecodingEviction",
     "KVzapPress": "KVzap",
     "FastKVzipPress": "FastKVzip",
+    "ThinKPress": "ThinK",  # kvpress zeroes the pruned channels; ours stores only the kept ones
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
@@ -60,7 +61,6 @@ KVPRESS_NOT_YET: dict[str, str] = {
     "KeyRerotationPress": "kept keys re-rotated to contiguous positions: not written",
     "CompressionRatioDecodingPress": "a decoding press held to a ratio of the growing cache: not written",
     "ExpectedAttentionStatsPress": "ExpectedAttention with the query statistics precomputed on the Hub: not written",
-    "ThinKPress": "key channels pruned: branch under way",
     "RestoreKVPress": "LoRA-adapted restore tokens: not written",
 }
 

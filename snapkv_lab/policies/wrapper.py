@@ -63,6 +63,7 @@ class Wrapper(Policy):
     scores_query_heads = _inner("scores_query_heads")
     voters = _inner("voters")
     scoring_key = _inner("scoring_key")
+    storage = _inner("storage")
 
     def score(self, call: AttentionCall):
         return self.policy.score(call)
