@@ -289,11 +289,12 @@ def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overl
     assert list(difference.index) == [("KVzip", 0.25), ("KVzip", 0.5)]  # the full cache has no ratio to pair on
     at_half = difference.loc[("KVzip", 0.5)]
     assert (at_half.difference, at_half.low, at_half.high) == pytest.approx((5, 5, 5))
-    assert at_half.separated and at_half.tasks == 2 and at_half.examples == 16 and at_half.baseline == "SnapKV"
+    assert at_half.tasks == 2 and at_half.examples == 16 and at_half.baseline == "SnapKV"
     assert at_half.p == pytest.approx(2 / 2 ** 8)  # exact sign-flip test: 8 nonzero differences, all one way
-    assert at_half.p_holm == pytest.approx(2 * 2 / 2 ** 8)  # Holm over the table's two rows: the smaller p doubled
+    # no adjustment over one run's rows: the family is written down across runs (evaluation.family)
+    assert not {"p_holm", "separated"} & set(difference.columns)
     assert difference.loc[("KVzip", 0.25), "difference"] == pytest.approx(0)
-    assert not difference.loc[("KVzip", 0.25), "separated"]
+    assert difference.loc[("KVzip", 0.25), "p"] == pytest.approx(1)
     board = leaderboard(table, n_boot=300).set_index(["policy", "ratio"])
     assert board.loc[("KVzip", 0.5), "low"] < board.loc[("SnapKV", 0.5), "high"]  # unpaired: they overlap
 
@@ -301,11 +302,11 @@ def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overl
     mixed = _scores([("a", e, p, 0.5, "query-aware", s) for e in range(8)
                      for p, s in (("SnapKV", 0.5), ("KVzip", 0.5 + (0.5 if e % 2 else -0.5)))])
     row = paired_difference(mixed, n_boot=500).iloc[0]
-    assert row.difference == pytest.approx(0) and row.low < 0 < row.high and not row.separated
+    assert row.difference == pytest.approx(0) and row.low < 0 < row.high and row.p == pytest.approx(1)
     # five examples that all agree: the bootstrap interval is a point, but five coin flips agree one time in 16
     five = _scores([("a", e, p, 0.5, "query-aware", s) for e in range(5) for p, s in (("SnapKV", 0.0), ("KVzip", 1.0))])
     row = paired_difference(five, n_boot=200).iloc[0]
-    assert row.low == row.high == 100 and row.p == pytest.approx(2 / 32) and not row.separated
+    assert row.low == row.high == 100 and row.p == pytest.approx(2 / 32)
     assert row.p_method == "exact" and row.nonzero == 5
     # past 20 nonzero differences the flips are drawn: 21 agreeing examples are never matched by chance, and p is
     # the floor the column states
@@ -316,7 +317,7 @@ def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overl
     with pytest.raises(ValueError, match="no rows of 'TOVA'"):
         paired_difference(mixed, baseline="TOVA")
     alone = paired_difference(mixed[mixed.policy == "SnapKV"])  # nothing to read against it: no rows, same columns
-    assert alone.empty and {"difference", "p_holm", "separated"} <= set(alone.columns)
+    assert alone.empty and {"difference", "p", "p_method"} <= set(alone.columns)
 
     from snapkv_lab.evaluation.leaderboard_plots import draw
 

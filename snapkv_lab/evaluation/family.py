@@ -224,7 +224,7 @@ def family_results(data_dir="data", family=None, n_boot: int = 2000, seed: int =
     per_table = pd.concat([_table_results(data_dir, table, baseline, n_boot, seed, n_resamples)
                            for (table, baseline), _ in family.groupby(["table", "baseline"], sort=False)],
                           ignore_index=True)
-    out = family.drop(columns="examples").merge(per_table.drop(columns=["dataset", "length", "p_holm", "separated"]),
+    out = family.drop(columns="examples").merge(per_table.drop(columns=["dataset", "length"]),
                                                 on=["table", "policy", "baseline", "ratio", "mode"], how="left")
     out = out.assign(p_holm=np.nan)
     for analysis in ("answered", "task mean"):

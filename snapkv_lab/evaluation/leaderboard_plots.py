@@ -277,7 +277,7 @@ def marked_differences(table: pd.DataFrame, baseline: str = BASELINE,
     where the family does not count the comparison), `filled` where p_holm < 0.05 and `ringed` where
     p_holm_answered < 0.05."""
     budget = _budget(table)
-    differences = paired_difference(table, baseline).drop(columns=["p_holm", "separated"])
+    differences = paired_difference(table, baseline)
     adjusted = (adjustment.p_holm if adjustment is not None else
                 pd.DataFrame(columns=["policy", "ratio", "mode", "p_holm", "p_holm_answered"]))
     if budget != "ratio":  # the family compares runs at compression ratios

@@ -194,16 +194,15 @@ def paired_difference(table: pd.DataFrame, baseline: str = "SnapKV", n_boot: int
     """Per (dataset, [length,] policy, budget, mode): the policy's score less `baseline`'s at the same budget and
     mode, on the examples both answered, with a 95% bootstrap interval that resamples examples within each task for
     both at once, the two-sided p of a paired sign-flip test of the same statistic (sign_flip_test: `p_method` says
-    whether it is exact), the number of `nonzero` differences it flips, `p_holm` (Holm-adjusted over every row
-    returned: a table of 20 policies, 3 budgets and 2 modes asks 120 questions, and some would pass 0.05 by chance)
-    and `separated` where p_holm < 0.05. The statistic is, with `average="tasks"`, the leaderboard's: the mean over
+    whether it is exact) and the number of `nonzero` differences it flips. No adjusted p: one run is not a family
+    (a claim could pass in a small run and fail in a large one); the family is written down across runs in
+    evaluation.family, which adjusts these p once over all of it. The statistic is, with `average="tasks"`, the leaderboard's: the mean over
     tasks of each task's mean paired difference; with "examples", the mean over examples (each example weighs the
     same, whichever task holds it). The question a leaderboard's overlapping intervals cannot answer: does A beat B
     on these examples? Pairing removes what the examples share (a hard example is hard for both), so it separates
     methods that unpaired intervals leave overlapping; the test, not the interval, decides, because on a handful of
-    examples the bootstrap interval shrinks to a point. Holm over one run is that run's family only: a family written
-    down across runs is evaluation.family's, and the lab's figures, pages and notebooks mark differences by it
-    (family.run_adjustment), never by this p_holm."""
+    examples the bootstrap interval shrinks to a point. The lab's figures, pages and notebooks mark differences by
+    the family's adjustment (family.run_adjustment)."""
     if average not in AVERAGES:
         raise ValueError(f"average must be one of {AVERAGES}, not {average!r}")
     keys = [*_scope(table), "policy", _budget(table), "mode"]
@@ -219,9 +218,7 @@ def paired_difference(table: pd.DataFrame, baseline: str = "SnapKV", n_boot: int
                         p_method=method, nonzero=int(np.count_nonzero(np.concatenate(groups))),
                         tasks=part.task.nunique(), examples=len(part)))
     columns = [*keys, "baseline", "difference", "low", "high", "p", "p_method", "nonzero", "tasks", "examples"]
-    out = pd.DataFrame(out, columns=columns)  # no rows where nothing else ran at the baseline's budgets
-    out.insert(columns.index("p") + 1, "p_holm", holm(out.p.to_numpy(dtype=float)))
-    return out.assign(separated=out.p_holm < 0.05)
+    return pd.DataFrame(out, columns=columns)  # no rows where nothing else ran at the baseline's budgets
 
 
 def answered_examples(table: pd.DataFrame, at: float = 100.0) -> pd.DataFrame:
