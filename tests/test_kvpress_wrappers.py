@@ -106,3 +106,32 @@ def test_per_chunk_joins_a_last_chunk_too_short_to_vote_and_refuses_what_it_cann
     with pytest.raises(NotImplementedError, match="prefilled in one call"):
         C.generate(model, byte_tokenizer, ids, policy=C.PerChunk(capacity=48, policy=C.KNorm(), chunk_size=40),
                    max_new_tokens=1, prefill_chunk=48)
+
+
+# ------------------------------------------------------------------------------------------------- Composed
+
+def test_composed_runs_each_stage_on_what_the_one_before_kept(tiny_ids, byte_tokenizer):
+    """kvpress's ComposedPress([SnapKVPress, KnormPress]) (composed_press.py:59-63): SnapKV (from the eager maps) keeps
+    48 of 96, then KNorm, the keys of lowest L2 norm in the model's own cache, 24 of those 48 per KV head."""
+    from test_scorers import eager_run
+
+    model, ids = tiny_ids
+    policy = C.Composed(capacity=24, policy=C.KNorm(), before=(C.SnapKV(capacity=48, window_size=WINDOW),))
+    result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
+    first, _ = reference_kept(model, ids, WINDOW, 48, pooling="max", kernel=7)
+    keys = eager_run(model, ids)["keys"]
+    for layer, (held, key) in enumerate(zip(first, keys, strict=True)):
+        norms = key[0].gather(1, held[0][..., None].expand(-1, -1, key.shape[-1])).norm(dim=-1)  # (kv_heads, 48)
+        ref = held[0].gather(1, (-norms).topk(24, dim=-1).indices)
+        assert kept_sets([result.kept_indices[layer]]) == kept_sets([ref[None]]), layer
+    assert [k.shape[-1] for k in result.kept_indices] == [24] * 3
+
+
+def test_composed_refuses_stages_it_cannot_chain(tiny_ids, byte_tokenizer):
+    with pytest.raises(TypeError, match="cannot be a stage"):
+        C.Composed(policy=C.KNorm(), before=(C.KVzip(capacity=48),))
+    with pytest.raises(TypeError, match="cannot be a stage"):
+        C.Composed(policy=C.H2O())
+    with pytest.raises(ValueError, match="keeps its own capacity"):
+        C.Composed(before=(C.KNorm(capacity=None),))
+    assert C.Composed(capacity=40).label == "Composed@40"  # no stages before: SnapKV itself

@@ -43,7 +43,7 @@ _MODULES = {
     # How kept positions are stored, over any positional policy: key channels pruned (ThinK), bits (KIVI).
     "ThinK": "think", "KIVI": "kivi",
     # kvpress's wrappers around any press (issue 54): a budget per layer.
-    "PerLayer": "per_layer", "PerChunk": "per_chunk",
+    "PerLayer": "per_layer", "PerChunk": "per_chunk", "Composed": "composed",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).
