@@ -41,6 +41,10 @@ WINDOW, KERNEL = 64, 5  # kvpress's SnapKVPress defaults (snapkv_press.py:38-39)
 SNAP = f"SnapKV(pooling='avg', kernel_size={KERNEL}, window_size={WINDOW})"  # inner scorer of wrappers: kvpress's SnapKVPress
 SNAP_PRESS = f"SnapKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})"
 _ABSENT = object()
+# The PerLayer row's compression ratio per layer (kvpress) and the capacities they keep of N_TOKENS (ours; None: the
+# wrapper's capacity, the row's RATIO).
+PER_LAYER_RATIOS = [0.5] * 10 + [RATIO] * 10 + [0.875] * 10
+PER_LAYER_OURS = tuple([int(N_TOKENS * 0.5)] * 10 + [None] * 10 + [int(N_TOKENS * 0.125)] * 10)
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,28 @@ ROWS = [
         "states (kvzap_press.py:70-82) and keep the top n_kept per KV head, no window (ScorerPress; ours kept_tail 0). "
         "The MLP (kvpress's default model_type) is trained on the machine, not shipped: compared the same way by "
         "model_type='mlp' on both sides once scripts/train_kvzap.py --model-type mlp has run."),
+    # kvpress's wrappers around any press (issue 54).
+    Row("PerLayer", f"PerLayer(policy={SNAP}, layer_capacities={PER_LAYER_OURS})",
+        f"PerLayerCompressionPress(press={SNAP_PRESS}, compression_ratios={PER_LAYER_RATIOS})",
+        "Same definition: kvpress runs its press in layer l at compression_ratios[l] (per_layer_compression_press.py:"
+        "60-65), ours the inner policy at layer_capacities[l]: layers 0-9 at ratio 0.5 (500 positions), 10-19 at the "
+        "row's 0.75 (our None: the wrapper's capacity 250), 20-29 at 0.875 (125), each SnapKV as in the SnapKV row."),
+    Row("PerChunk", "PerChunk(policy=KeyDiff(), chunk_size=300)",
+        "ChunkPress(press=KeyDiffPress(compression_ratio={ratio}), chunk_length=300)",
+        "Same definition: chunks of 300 from position 0, each scored alone by its press (chunk_press.py:76-85; KeyDiff "
+        "as in the KeyDiff row, its anchor the mean unit key of the chunk) and kept at int(L * 0.25) = 75, 75, 75 and "
+        "25 (:86-88), ours floor(250 L / 1000), the same. KeyDiff reads no query: kvpress's SnapKVPress inside "
+        "ChunkPress rotates every chunk's window queries by the prompt's last positions (snapkv_press.py:57-58, "
+        "position_embeddings of the whole prefill), where ours rotate them by their own (docs/faithfulness.md)."),
+    Row("Composed", f"Composed(policy=KNorm(), before=({SNAP[:-1]}, capacity={N_TOKENS // 2}),))",
+        f"ComposedPress(presses=[{SNAP_PRESS.format(ratio=0.5)}, KnormPress(compression_ratio=0.5)])",
+        "Same definition: each press's hook runs on what the one before left (composed_press.py:59-63): SnapKV keeps "
+        "500 (as the SnapKV row), then KNorm the 250 keys of lowest norm among them, per KV head; ours the stages of "
+        "`before` at their own capacity (500), then the policy at the wrapper's (250). KNorm reads keys alone: "
+        "kvpress's pruned keys are in top-k order, not position order, which a later SnapKV would read "
+        "(docs/faithfulness.md). Measured 2026 (this prompt): 1.000 in layers 1-29, 0.997 in layer 0, where KV heads "
+        "0 and 1 hold two keys of exactly equal norm at the 250th/251st (a repeated token: the same pre-RoPE key, "
+        "and RoPE keeps norms), which each side's top-k breaks its own way: a tie, not a difference of method."),
 ]
 
 

@@ -42,6 +42,8 @@ _MODULES = {
     "KVzap": "kvzap", "FastKVzip": "fastkvzip",  # trained scorers (issue 54), weights in policies/weights/
     # How kept positions are stored, over any positional policy: key channels pruned (ThinK), bits (KIVI).
     "ThinK": "think", "KIVI": "kivi",
+    # kvpress's wrappers around any press (issue 54): a budget per layer.
+    "PerLayer": "per_layer", "PerChunk": "per_chunk", "Composed": "composed",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).
@@ -80,6 +82,8 @@ def policy_config(policy) -> dict:
         value = getattr(policy, field.name)
         if field.metadata.get(ADDED_LATER) and value == field.default:
             continue
+        if isinstance(value, tuple) and value and all(isinstance(v, Policy) for v in value):
+            value = [policy_config(v) for v in value]  # a sequence of policies (Composed's stages)
         config[field.name] = policy_config(value) if isinstance(value, Policy) else value
     return config
 
@@ -87,7 +91,9 @@ def policy_config(policy) -> dict:
 def policy_from_config(config: dict):
     """The policy `config` describes ({"name": "SnapKV"} alone gives the defaults); an unknown name is refused
     with the list of registered names."""
-    fields = {k: policy_from_config(v) if isinstance(v, dict) else v for k, v in config.items() if k != "name"}
+    fields = {k: policy_from_config(v) if isinstance(v, dict) else
+              [policy_from_config(x) for x in v] if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+              else v for k, v in config.items() if k != "name"}
     _check_name(config.get("name"))
     return __getattr__(config["name"])(**fields)
 

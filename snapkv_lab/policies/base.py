@@ -350,9 +350,12 @@ class Policy:
     def head_budgets(self, scores: torch.Tensor, budget: LayerBudget) -> list[int]:
         """How many prefix positions each row of `ranked` keeps (the same for every row unless a policy says
         otherwise): a list of ints, one per row."""
-        rows = scores.shape[0] if self._reduce_to(scores, budget.kv_heads) is None else budget.kv_heads
         layer_budget = self.layer_budget(budget)
-        return [layer_budget - self.tail(layer_budget)] * rows
+        return [layer_budget - self.tail(layer_budget)] * self.ranked_rows(scores, budget)
+
+    def ranked_rows(self, scores: torch.Tensor, budget: LayerBudget) -> int:
+        """The rows `ranked` gives for `scores`: the KV heads, or each row of scores where they are not reduced."""
+        return scores.shape[0] if self._reduce_to(scores, budget.kv_heads) is None else budget.kv_heads
 
     def keep(self, scores: torch.Tensor, budget: LayerBudget) -> torch.Tensor:
         """Kept positions (kv_heads, or heads if per_query_head, widest) long: each row its top `head_budgets`

@@ -45,6 +45,10 @@ KVPRESS: dict[str, str] = {
     "KVzapPress": "KVzap",
     "FastKVzipPress": "FastKVzip",
     "ThinKPress": "ThinK",  # kvpress zeroes the pruned channels; ours stores only the kept ones
+    # kvpress's wrappers around any press
+    "PerLayerCompressionPress": "PerLayer",
+    "ChunkPress": "PerChunk",  # not the lab's prefill_chunk (docs/faithfulness.md)
+    "ComposedPress": "Composed",
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
@@ -52,13 +56,12 @@ KVPRESS_NOT_YET: dict[str, str] = {
     "CAMPress": "kvpress's own form (every 512 steps, one kept set for all heads, the k best evicted merged); the lab's "
                 "CAM is the authors' form (zyxxmu/cam), a different method, so the name is not mapped to it",
     "KVComposePress": "composite tokens from extra question passes under eager attention: not written",
-    "PerLayerCompressionPress": "a ratio per layer around any press: not written",
     "LUKVPress": "needs LU-KV's published budget curves, on GitHub only: not written",
-    "BlockPress": "block-wise scoring of any press: not written (the lab's prefill_chunk compresses per chunk of the "
-                  "prefill, which is ChunkPress's setting only in part)",
-    "ChunkPress": "each chunk of the prompt compressed alone: not written as a policy",
-    "ComposedPress": "presses applied one after another: not written (the lab composes wrappers, not sequences)",
-    "KeyRerotationPress": "kept keys re-rotated to contiguous positions: not written",
+    "BlockPress": "block-wise iterative scoring of any press: not written (its kept set depends on the budget while it "
+                  "scores, where the lab's recorded scores are shared across budgets; a real block-wise prefill is "
+                  "prefill_chunk=block, e.g. KeyDiff's)",
+    "KeyRerotationPress": "kept keys re-rotated to contiguous positions: not written (the engine rewrites kept values "
+                          "only, Policy.merge; re-rotated keys need the same for keys)",
     "CompressionRatioDecodingPress": "a decoding press held to a ratio of the growing cache: not written",
     "ExpectedAttentionStatsPress": "ExpectedAttention with the query statistics precomputed on the Hub: not written",
     "RestoreKVPress": "LoRA-adapted restore tokens: not written",
