@@ -137,10 +137,11 @@ def evaluate(args) -> int:
     options = dict(datasets=args.dataset, tasks=args.tasks, policies=args.policies, ratios=ratios,
                    capacities=args.capacities, modes=args.modes, limit=args.limit, max_context=args.max_context,
                    lengths=args.lengths, seed=args.seed, source=args.source, framing=args.framing)
+    turns = dict(feeds=args.feeds, compress=args.compress) if args.multi_turn else None
     protocol = dict(sizing=args.sizing, cwe_shots=args.cwe_shots, truncation=args.truncation,
                     predictions=args.predictions)
     try:  # bad names, budgets, tasks and modes, a missing set or Ray, are said before any model loads
-        eval_cells(args.model, **options, protocol=protocol)
+        eval_cells(args.model, **options, protocol=protocol, multi_turn=turns)
         if args.executor == "ray":
             import_ray()
     except (ValueError, ImportError, FileNotFoundError, ConnectionError) as err:
@@ -158,7 +159,8 @@ def evaluate(args) -> int:
     target = data_dir / f"eval_{args.name or '+'.join(args.dataset)}.csv"
     before = _examples_and_policies(target)
     table = run(args.model, **options, **protocol, data_dir=data_dir, name=args.name, executor=args.executor,
-                ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker, reuse=args.reuse)
+                ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker, reuse=args.reuse,
+                multi_turn=args.multi_turn, feeds=args.feeds, compress=args.compress)
     lost = [what for what, had, has in zip(("examples", "policies"), before, _examples_and_policies(target))
             if had - has]
     if lost:  # e.g. a quick look run in the repository, over the committed leaderboard
@@ -166,7 +168,9 @@ def evaluate(args) -> int:
               f"with its figures in {figures_dir}, by this run's; `git checkout` them if they were committed, or pass "
               "--name or --data-dir to keep runs apart", file=sys.stderr)
     figures_dir.mkdir(parents=True, exist_ok=True)
-    for path in draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)], peers=peers):
+    # a multi-turn table has turns, feeds and compress options the leaderboard figures do not draw
+    for path in [] if args.multi_turn else draw(data_dir, figures_dir, names=[args.name or "+".join(args.dataset)],
+                                                 peers=peers):
         print(path)
     if args.export:
         from ..evaluation.kvpress_format import export_kvpress
@@ -476,6 +480,14 @@ def _eval_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of generated sets (default 0)")
     p.add_argument("--source", default=None, metavar="DIR",
                    help="a local folder of a Hub set's rows, <task>.jsonl in the set's own schema, instead of the Hub")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="SCBench's multi-turn mode: one cache carried through each example's turns, each answer fed "
+                        "back (--feeds), compressed once or every turn (--compress); every turn scored")
+    p.add_argument("--feeds", nargs="+", choices=["model", "gold"], default=["model", "gold"],
+                   help="multi-turn: the model's own answer or the reference answer enters the cache (default both)")
+    p.add_argument("--compress", nargs="+", choices=["once", "every-turn"], default=["once", "every-turn"],
+                   help="multi-turn: compress once (after the first prompt) or again before every later question, "
+                        "back to the first budget (default both)")
     p.add_argument("--name", default=None,
                    help="the run's table and figures: <data-dir>/eval_<name>.csv (default the datasets joined by +)")
     p.add_argument("--reuse", default=None, nargs="+", metavar="CSV",

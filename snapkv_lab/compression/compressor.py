@@ -21,6 +21,7 @@ batch-1 run, and pads never vote nor are kept (engine: batches are rows).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import contextmanager
 
@@ -34,7 +35,8 @@ from ..core.timing import SectionTimer
 from ..policies.base import FullCache, Policy
 from ..policies.decoding import seeded
 from .engine import compress_layers, refuse_unseen_layers
-from .layers import CompressedLayer, held_positions
+from .greedy import forward
+from .layers import CompressedLayer, HeadwiseLayer, held_positions
 from .recorder import ScoreRecorder
 from .state import CompressionState, Phase, applied
 
@@ -209,3 +211,53 @@ def compress(model, policy: Policy | None = None, prefill_chunk: int | None = No
     finally:
         handle.remove()
     state.end_prefill()
+
+
+@torch.inference_mode()
+def compress_again(model, state: CompressionState, ids: torch.Tensor, start: int, capacity: int) -> torch.Tensor:
+    """Feed ids (1, m) at positions start.. over the state's compressed cache, then compress the live cache again:
+    each layer's held slots and these m tokens, scored by this feed's queries, cut back to `capacity` tokens per KV
+    head. Returns the feed's last logits (1, vocab).
+
+    This is one more prompt chunk of a chunked prefill (`compress(prefill_chunk=...)`, the live compressor above), fed
+    after the prefill: the same scoring, keeping and building, so a policy is applied one way whatever runs it. A
+    multi-turn conversation (evaluation.multiturn) calls it before each new question, the cache holding the earlier
+    turns' questions and answers. What the scores mean is what a chunk's scores mean (see `compress`); a feed shorter
+    than a policy's voters (SnapKV's window) votes with all its tokens. The state's policy keeps its label (its
+    capacity as the run named it); eviction while decoding (H2O's tracker) starts afresh from this compression's
+    seeds. Refused, as a chunked prefill refuses them: policies that score after the whole prefill (KVzip, CAKE),
+    per_query_head, pruned or quantized storage, and head-wise caches (AdaKV: a ragged layer cannot take the feed)."""
+    policy = state.policy
+    check_int("capacity", capacity, 1, kind="a budget in tokens per KV head")
+    reason = again_refusal(policy) or ("its cache is head-wise (ragged)" if any(
+        isinstance(layer, HeadwiseLayer) for layer in state.cache.layers) else None)
+    if reason:
+        raise NotImplementedError(f"{policy.label} cannot compress a live cache again: {reason}")
+    if state.pads is not None:
+        raise NotImplementedError(PADDED_CHUNKS_REFUSED)
+    fed = dataclasses.replace(policy, capacity=capacity)
+    if getattr(policy, "window_size", None) and ids.shape[1] < policy.window_size:
+        fed = dataclasses.replace(fed, window_size=ids.shape[1])  # a short feed votes with all its tokens
+    state.policy = fed
+    state.phase, state.live = Phase.PREFILL_CHUNKS, LivePrefill(state, ids.shape[1])
+    state.live.fed = dict.fromkeys(range(state.n_layers), start)  # the tokens every layer has seen before this feed
+    try:
+        with applied(model, state):
+            logits = forward(model, ids, state.cache, start)
+        state.end_prefill()
+    finally:
+        state.policy, state.phase, state.live, state.eviction = policy, Phase.DECODE, None, None
+    return logits
+
+
+def again_refusal(policy: Policy) -> str | None:
+    """Why `compress_again` refuses `policy` (what a chunked prefill refuses too), None when it takes it."""
+    if policy.scores_after_prefill or policy.layers_share_budget:
+        return "it scores after the whole prefill or shares one budget across layers (KVzip, CAKE)"
+    if type(policy).head_budgets is not Policy.head_budgets:
+        return "its budgets are head-wise (AdaKV): a ragged layer cannot take the next feed"
+    if policy.per_query_head:
+        return "per_query_head caches cannot take the next feed"
+    if policy.storage is not None and policy.storage.packs:
+        return "pruned or quantized storage cannot take the next feed"
+    return None

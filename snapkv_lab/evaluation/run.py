@@ -39,6 +39,7 @@ from ..policies import expand_policies, parse_policy, policy_config, policy_from
 from ..tasks.corpus import redact_essays
 from .examples import Example, Question
 from .longbench import max_length
+from .multiturn import COMPRESS, FEEDS, check_multi_turn, run_conversations
 from .prompting import encode_example
 
 RATIOS = (0.25, 0.5, 0.75)
@@ -90,7 +91,7 @@ def _capacity(budget: dict) -> int | float:
 def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("SnapKV",), ratios=None,
                capacities=None, modes=MODES, limit: int | None = None, max_context: int | None = None,
                lengths=(), seed: int = 0, source: str | None = None, framing: str | None = None,
-               protocol: dict | None = None) -> list:
+               protocol: dict | None = None, multi_turn: dict | None = None) -> list:
     """The cells of a run, one per example, in order (dataset, task, example). Bad options fail here, before any run.
 
     protocol: {option: value} of PROTOCOL (the official value where not given); each benchmark's specs take the
@@ -99,9 +100,14 @@ def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("Sn
     tasks: the benchmarks' own task names (None: each dataset's default tasks; a name no dataset has is refused).
     policies: Policy objects or their written form ("SnapKV", "AdaKV(ExpectedAttention)", see policies.parse_policy);
     "all" stands for every registered compressor (policies.expand_policies).
+    multi_turn: {"feeds": [...], "compress": [...]} for SCBench's multi-turn mode (evaluation.multiturn), None for
+    the same-context mode; only a multi-turn cell's config holds it, so earlier runs' cells keep their identity.
     """
     from ..sweep import Cell
 
+    if multi_turn is not None:
+        check_multi_turn(datasets, tasks, multi_turn.get("feeds"), multi_turn.get("compress"), framing)
+        multi_turn = dict(feeds=list(multi_turn["feeds"]), compress=list(multi_turn["compress"]))
     named = [parse_policy(p) if isinstance(p, str) else p for p in expand_policies(policies)]
     if not named or any(type(policy).__name__ == "FullCache" for policy in named):  # DMS may run without capacity
         raise ValueError("policies takes compression policies: the full cache runs in every example as the baseline")
@@ -120,7 +126,7 @@ def eval_cells(model: str | None, datasets: list[str], tasks=None, policies=("Sn
     protocol = check_protocol(protocol)
     benchmarks = [_registry()[name] for name in datasets]
     config = dict(model=model, policies=[policy_config(p) for p in named], budgets=steps, modes=list(modes),
-                  max_context=max_context, framing=framing)
+                  max_context=max_context, framing=framing) | ({} if multi_turn is None else {"multi_turn": multi_turn})
     cells = []
     for benchmark in benchmarks:
         chosen = [t for t in benchmark.tasks if t in tasks] if tasks else list(benchmark.default_tasks)
@@ -175,7 +181,10 @@ def prepared_example(model, tokenizer, config: dict):
 
 def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
     """One cell: build the example, prefill its context once, answer every question with the full cache and every
-    policy x budget x mode, and score each answer with the task's metric. One row per answer (module doc)."""
+    policy x budget x mode, and score each answer with the task's metric. One row per answer (module doc). A
+    multi-turn cell (config["multi_turn"]) runs its conversations instead (multiturn.run_conversations)."""
+    if "multi_turn" in config:
+        return run_conversations(model, tokenizer, config)
     example, encoded, budget_of, policies = prepared_example(model, tokenizer, config)
     as_ids = lambda ids: torch.tensor([ids], device=model.device)  # noqa: E731
     shared = SharedPrefill.run(model, tokenizer, as_ids(encoded.context_ids), policies)
@@ -188,25 +197,32 @@ def run_example(model, tokenizer, config: dict) -> pd.DataFrame:
     # A cell is stored whole, and one at 8k takes most of an hour here: its answers get a bar of their own (transient,
     # quiet in log files).
     for run in progress_bar(runs, desc=f"{example.task} #{example.id} answers", total=answers, leave=False):
-        question = example.questions[run.question_index]
         budget = {"ratio": 0.0} if run.mode == "full" else budget_of[run.policy.label]
-        text = prediction(tokenizer, example, run, ends)
-        rows.append(dict(
-            model=model.config.name_or_path, dataset=example.dataset, task=example.task, example=example.id,
-            spec=json.dumps(config["example"], sort_keys=True), policy_config=json.dumps(policy_config(run.policy)),
-            question=run.question_index, metric=question.metric or example.metric, policy=run.policy.scorer_label,
-            ratio=budget.get("ratio"), capacity=budget.get("capacity"), mode=run.mode,
-            score=score_answer(example, question, text), prediction=redact_essays(text),
-            references=json.dumps(list(question.answers), ensure_ascii=False),
-            context_tokens=len(encoded.context_ids), prompt_tokens=run.prompt_tokens,
-            kept_tokens=max(run.cache_lengths), **run.entries.columns(),
-            layer_kv_share=json.dumps([round(share, 5) for share in run.entries.layer_shares()[0]]),
-            truncated_tokens=encoded.truncated, framing=encoded.framing, length=example.meta.get("length"),
-            prefill_s=shared.seconds, selection_s=run.selection_seconds,
-            decode_ms_per_token=ms_per_token(run.step_seconds), new_tokens=run.token_ids.shape[1]))
+        rows.append(example_row(model, example, config, run, budget, prediction(tokenizer, example, run, ends),
+                                len(encoded.context_ids), encoded.truncated, encoded.framing, shared.seconds))
     table = pd.DataFrame(rows)
     # One type per column, so that the table reads back from the store as written.
     return table.astype({"ratio": "Float64", "capacity": "Int64", "length": "Int64"})
+
+
+def example_row(model, example: Example, config: dict, run, budget: dict, text: str, context_tokens: int,
+                truncated: int, framing: str, prefill_seconds: float) -> dict:
+    """One answer's row of an eval table (`evaluate`'s columns): `run` a GenerationResult, `text` its prediction as
+    the scorer reads it, budget {"ratio": r} or {"capacity": c}."""
+    question = example.questions[run.question_index]
+    return dict(
+        model=model.config.name_or_path, dataset=example.dataset, task=example.task, example=example.id,
+        spec=json.dumps(config["example"], sort_keys=True), policy_config=json.dumps(policy_config(run.policy)),
+        question=run.question_index, metric=question.metric or example.metric, policy=run.policy.scorer_label,
+        ratio=budget.get("ratio"), capacity=budget.get("capacity"), mode=run.mode,
+        score=score_answer(example, question, text), prediction=redact_essays(text),
+        references=json.dumps(list(question.answers), ensure_ascii=False),
+        context_tokens=context_tokens, prompt_tokens=run.prompt_tokens,
+        kept_tokens=max(run.cache_lengths), **run.entries.columns(),
+        layer_kv_share=json.dumps([round(share, 5) for share in run.entries.layer_shares()[0]]),
+        truncated_tokens=truncated, framing=framing, length=example.meta.get("length"),
+        prefill_s=prefill_seconds, selection_s=run.selection_seconds,
+        decode_ms_per_token=ms_per_token(run.step_seconds), new_tokens=run.token_ids.shape[1])
 
 
 def stop_ids(tokenizer, example: Example) -> list[int]:
@@ -239,7 +255,8 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
              seed: int = 0, source: str | None = None, framing: str | None = None, data_dir="data",
              name: str | None = None, executor: str = "local", ray_address: str | None = None,
              cpus_per_worker: int | None = None, write: bool = True, reuse=None, sizing: str = "official",
-             cwe_shots: str = "turn", truncation: str = "official", predictions: str = "official") -> pd.DataFrame:
+             cwe_shots: str = "turn", truncation: str = "official", predictions: str = "official",
+             multi_turn: bool = False, feeds=FEEDS, compress=COMPRESS) -> pd.DataFrame:
     """Run benchmarks through policies; returns the tidy table, also written to <data_dir>/eval_<name>.csv unless
     write=False.
 
@@ -255,7 +272,9 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     of this run's kind (a path or a DataFrame, e.g. a committed eval_ruler.csv), or a list of them: the cells they
     answer whole together are stored from their rows instead of being run (reuse_rows), so a fresh clone grows a
     committed run by its new examples only, and runs of the same examples at different ratios join into one.
-    executor, ray_address, cpus_per_worker: see sweep.run_cells.
+    executor, ray_address, cpus_per_worker: see sweep.run_cells. multi_turn: SCBench's multi-turn mode
+    (evaluation.multiturn), under each of `feeds` ("model", "gold") and `compress` ("once", "every-turn"); its rows add
+    the columns feed, compress ("none" for the full cache), turn (1, 2, ...) and recompressed.
 
     Columns: model, dataset, task, example, spec and policy_config (JSON: what rebuilds the example and the policy,
     see evaluation.explain), question, metric, policy, ratio (0 for the full cache), capacity,
@@ -273,13 +292,15 @@ def evaluate(model: str | None = None, *, datasets=("ruler",), tasks=None, polic
     datasets = [datasets] if isinstance(datasets, str) else list(datasets)
     policies = expand_policies(policies)
     protocol = dict(sizing=sizing, cwe_shots=cwe_shots, truncation=truncation, predictions=predictions)
+    turns = dict(feeds=list(feeds), compress=list(compress)) if multi_turn else None
     cells = eval_cells(model, datasets, tasks, policies, ratios, capacities, modes, limit, max_context, lengths, seed,
-                       source, framing, protocol)
+                       source, framing, protocol, turns)
     _check_lengths(model, lengths)
     options = dict(model=model, datasets=datasets, tasks=tasks,
                    policies=[p if isinstance(p, str) else p.label for p in policies], ratios=ratios,
                    capacities=capacities, modes=list(modes), limit=limit, max_context=max_context,
-                   lengths=list(lengths), seed=seed, source=source, framing=framing, **protocol)
+                   lengths=list(lengths), seed=seed, source=source, framing=framing, **protocol,
+                   **({} if turns is None else {"multi_turn": turns}))
     table = run_eval_cells(cells, model=model, options=options, data_dir=data_dir, executor=executor,
                            ray_address=ray_address, cpus_per_worker=cpus_per_worker, reuse=reuse)
     # The per-layer shares stay in the cell store: 30 numbers a row would swamp the table.

@@ -87,7 +87,9 @@ def _example(task: str, row: dict, index: int) -> Example:
     # a mixed set scores each question by its turn's kind (compute_scores.py)
     questions = tuple(Question(_query(task, turn), _answers(task, turn), metric=turn["task"] if task in MIXED else None)
                       for turn in turns)
-    meta = {}
+    # what the multi-turn mode's gold feed puts in the cache: the previous turn's answer as the row holds it, str()
+    # as create_multiturn_prompt's generic branch formats it (eval_utils.py:711; evaluation.multiturn)
+    meta = {"golds": [str(turn["answer"]) for turn in turns]}
     if task == "scbench_choice_eng":
         meta["options"] = [list(turn["options"]) for turn in turns]
     if task in MIXED:

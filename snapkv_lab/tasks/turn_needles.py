@@ -1,0 +1,69 @@
+"""A generated multi-turn suite in SCBench's schema, on the lab's own offline texts: several needles in one haystack,
+asked one per turn.
+
+    rows = turn_needle_rows(16, words=1500, needles=3, seed=0)   # [{id, context, multi_turns: [{input, answer}]}]
+
+Each row is a `microsoft/SCBench` row of scbench_qa_eng (fields id, context, multi_turns), so the SCBench loader reads
+it from a folder (`--source`) and scores it with SCBench's metric for that task (an upper-cased reference found in
+the upper-cased answer). The haystack is `words` words of running text from corpus.SOURCES (Paul Graham's essays by
+default: read at run time, never committed, which is why the suite is written to a folder, not shipped); the needles
+are RULER's sentence (" One of the special magic numbers for {key} is: {value}. ") with adjective-noun keys and
+7-digit values, one per depth band (needle i of k in the band [i/k, (i+1)/k) of the text, at a sentence end), and the
+turns ask for them in a seeded order that is not the text's order. Seeded: the same arguments give the same rows.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from .corpus import SOURCES
+from .haystacks import word_key
+from .ruler_needles import NEEDLE, QUESTION
+
+_PIECE = re.compile(r"\S+\s*")
+
+
+def _haystack(rng: random.Random, source: str, words: int) -> list[str]:
+    """`words` whitespace-ended words of the source's documents joined, from a seeded sentence start."""
+    pieces = _PIECE.findall("\n\n".join(SOURCES[source]().values()))
+    if len(pieces) < 2 * words:
+        raise ValueError(f"{source} holds {len(pieces)} words: too few for haystacks of {words}")
+    start = rng.randrange(len(pieces) - words)
+    while start < len(pieces) - words and not pieces[start - 1].rstrip().endswith("."):
+        start += 1
+    return pieces[start:start + words]
+
+
+def turn_needle_rows(n_rows: int, *, words: int = 1500, needles: int = 3, seed: int = 0,
+                     source: str = "essays") -> list[dict]:
+    """n_rows SCBench rows (module doc), each `words` words of `source` with `needles` needles, one turn each."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {sorted(SOURCES)}, got {source!r}")
+    if n_rows < 1 or needles < 1 or words < 10 * needles:
+        raise ValueError(f"need n_rows >= 1, needles >= 1 and words >= 10 per needle; got {n_rows}, {needles}, {words}")
+    rows = []
+    for index in range(n_rows):
+        rng = random.Random(f"turn-needles-{source}-{words}-{needles}-{seed}-{index}")
+        pieces = _haystack(rng, source, words)
+        keys, values = [], []
+        while len(keys) < needles:  # distinct keys and values: no needle answers another's question
+            key, value = word_key(rng), str(rng.randint(1_000_000, 9_999_999))
+            if key not in keys and value not in values:
+                keys.append(key)
+                values.append(value)
+        # one needle per depth band, after the last sentence end at or before a seeded point of the band
+        cuts = []
+        for band in range(needles):
+            at = int(len(pieces) * (band + rng.random()) / needles)
+            while at > 0 and not pieces[at - 1].rstrip().endswith("."):
+                at -= 1
+            cuts.append(max(at, cuts[-1] if cuts else 0))
+        text = pieces[:]
+        for band in reversed(range(needles)):  # from the end, so earlier cuts keep their places
+            text.insert(cuts[band], NEEDLE.format(kind="number", key=keys[band], value=values[band]).strip() + " ")
+        order = list(range(needles))
+        rng.shuffle(order)
+        rows.append(dict(id=index, context="".join(text).strip(), multi_turns=[
+            dict(input=QUESTION.format(kind="number", key=keys[i]), answer=values[i]) for i in order]))
+    return rows
