@@ -40,7 +40,8 @@ def test_last_prompt_segment_verdicts(values, expected):
 
 
 @pytest.mark.parametrize("values,expected", [({1: 0.5, 2: 0.5, 3: 0.5}, "holds"),
-                                             ({1: 0.6, 2: 0.5, 3: 0.4}, "holds (above chance in every segment, but it decays"),
+                                             ({1: 0.6, 2: 0.5, 3: 0.4},
+                                              "holds (above chance in every segment, but it decays"),
                                              ({1: 0.5, 2: 0.04, 3: 0.5}, "does not hold: segment(s) [2]")])
 def test_generation_consistency_verdicts(values, expected):
     verdict = _verdict(_rows(values, "segment", noise=0.005), "b")
