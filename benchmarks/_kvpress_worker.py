@@ -143,7 +143,8 @@ def hooked(stack: contextlib.ExitStack, modules, hook) -> None:
         stack.callback(module.register_forward_hook(hook, with_kwargs=True).remove)
 
 
-def run_shared_prefill(model, ids: torch.Tensor, presses: dict, values: dict | None = None) -> tuple[dict, torch.Tensor]:
+def run_shared_prefill(model, ids: torch.Tensor, presses: dict,
+                       values: dict | None = None) -> tuple[dict, torch.Tensor]:
     """({name: {layer: kept}} of every press, (vocab,) last logits) from one prefill (see the module doc); the
     logits are the uncompressed model's: presses change the cache after each layer's attention, not its output.
     values: {name: {}} for the presses whose kept values are asked for, filled {layer: (kv_heads, kept, d)} in

@@ -38,7 +38,8 @@ import torch
 WORKER = Path(__file__).resolve().parent / "_kvpress_worker.py"
 N_TOKENS, RATIO = 1000, 0.75
 WINDOW, KERNEL = 64, 5  # kvpress's SnapKVPress defaults (snapkv_press.py:38-39), given to both sides
-SNAP = f"SnapKV(pooling='avg', kernel_size={KERNEL}, window_size={WINDOW})"  # inner scorer of wrappers: kvpress's SnapKVPress
+# inner scorer of wrappers: kvpress's SnapKVPress
+SNAP = f"SnapKV(pooling='avg', kernel_size={KERNEL}, window_size={WINDOW})"
 SNAP_PRESS = f"SnapKVPress(compression_ratio={{ratio}}, window_size={WINDOW}, kernel_size={KERNEL})"
 _ABSENT = object()
 # The PerLayer row's compression ratio per layer (kvpress) and the capacities they keep of N_TOKENS (ours; None: the
@@ -105,7 +106,8 @@ ROWS = [
         "kvpress's allocation by design (ours allocation='safeguard'): each head's top int(alpha * n_kept) scores "
         "first, then one top-k of kv_heads * n_kept over the layer's heads (adakv_press.py:64-80), the window "
         "winning through the inner press's max+1 pad. kvpress's safeguard counts the window: int(0.2 * 250) = 50 "
-        "positions, all inside the 64-token window, so it protects no prefix position: ours max(0, int(alpha * B) - W).",
+        "positions, all inside the 64-token window, so it protects no prefix position: ours "
+        "max(0, int(alpha * B) - W).",
         expect={"allocation": "safeguard"}),
     Row("ChunkKV", f"ChunkKV(policy={SNAP}, chunk_size=20)",
         f"ChunkKVPress(press={SNAP_PRESS}, chunk_length=20)",
@@ -124,7 +126,8 @@ ROWS = [
         "over the next 512 positions, a softmax over the keys after the sinks (expected_attention_press.py:"
         "136-152) averaged per GQA group, times ||v||; the sinks kept (:163), no window.",
         expect={"kept_tail": 0}),
-    Row("RandomPress", "RandomKeep(seed=0, kept_tail=0, layer_seeds=False)", "RandomPress(compression_ratio={ratio}, seed=0)",
+    Row("RandomPress", "RandomKeep(seed=0, kept_tail=0, layer_seeds=False)",
+        "RandomPress(compression_ratio={ratio}, seed=0)",
         "By design kvpress draws torch.rand(batch, kv_heads, n) from a generator seeded with `seed` in every layer "
         "(random_press.py:43-46), the same draw in every layer: ours layer_seeds=False; and every position "
         "competes: ours kept_tail=0.", expect={"layer_seeds": False}),
@@ -135,8 +138,8 @@ ROWS = [
         "position's score is the largest attention a reconstruction query pays it, over the query heads of its KV "
         "head, the softmax over the 4 sinks, the context after the head and the reconstruction only (:295-313, "
         "340-360); the head's positions after the sinks are never scored (0 from :236-248: evicted first), the sinks "
-        "always kept (:376); no window. kvpress's default layerwise=False keeps the highest scores over all layers and heads "
-        "at once (:383-387), as the official _threshold (snu-mllab/KVzip attention/score.py). Later chunks are "
+        "always kept (:376); no window. kvpress's default layerwise=False keeps the highest scores over all layers and "
+        "heads at once (:383-387), as the official _threshold (snu-mllab/KVzip attention/score.py). Later chunks are "
         "fed after '...starting with' and the previous chunk's last 8 tokens (:259-268): kvpress drops the space "
         "the official instruction has after 'with' (model/wrapper.py:214): ours repeat_prompts='kvpress'.",
         expect={"sinks": 4, "chunk_size": 2048, "kept_tail": 0, "repeat_prompts": "kvpress"}),
@@ -145,11 +148,13 @@ ROWS = [
         "As the KVzip row, with the context reconstructed in chunks of 300 on both sides (kvzip_press.py:226-243, "
         "our reconstruction_feeds): every chunk after the first quotes the previous one's last 8 tokens.",
         expect={"sinks": 4, "chunk_size": 300, "kept_tail": 0, "repeat_prompts": "kvpress"}),
-    Row("KVzip layerwise", "AdaKV(policy=KVzip(sinks=4, chunk_size=2048, repeat_prompts='kvpress'), alpha_safeguard=0.0)",
+    Row("KVzip layerwise",
+        "AdaKV(policy=KVzip(sinks=4, chunk_size=2048, repeat_prompts='kvpress'), alpha_safeguard=0.0)",
         "KVzipPress(compression_ratio={ratio}, layerwise=True)",
         "As the row above, but layerwise=True evicts the lowest kv_heads * n * ratio scores of each layer over its "
         "heads (kvzip_press.py:380-405): AdaKV's top-k over the heads, with no safeguard (KVzip has none, :372).",
-        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "policy.repeat_prompts": "kvpress", "policy.kept_tail": 0}),
+        expect={"policy.sinks": 4, "policy.chunk_size": 2048, "policy.repeat_prompts": "kvpress",
+                "policy.kept_tail": 0}),
     Row("AdaKV(ExpectedAttention)", "AdaKV(policy=ExpectedAttention(), allocation='safeguard')",
         "AdaKVPress(press=ExpectedAttentionPress(compression_ratio={ratio}))",
         "AdaKV's allocation (as the AdaKV row) over Expected Attention's scores (as its row), no window: kvpress's "
@@ -184,16 +189,18 @@ ROWS = [
         "The same gates, each side choosing its own heads: the worker hands kvpress our gates (a KV head's mean "
         "retrieval score) in place of the published pattern, and the share of streaming heads our budget gives (74 of "
         "90 at 250 positions); kvpress streams the round(90 x share) lowest gates (duo_attention_press.py:86-90), ours "
-        "keeps the highest in full. One head chosen differently costs its layer about 0.9 / 3 of Jaccard: the row fails."),
+        "keeps the highest in full. One head chosen differently costs its layer about 0.9 / 3 of Jaccard: the row "
+        "fails."),
     Row("Merging", f"Merging(policy={SNAP})", f"MergingPress(press={SNAP_PRESS})",
-        "Same definition and defaults (kvpress's is the method's own code): the inner SnapKV keeps the positions (as the "
-        "SnapKV row); each evicted value is folded into the kept value of its most cosine-similar key with weight "
-        "max(cos, 0) |v_e| / (|v_e| + |v_t| + 1e-6), v_t' = (v_t + sum w v_e) / (1 + sum w) (merging_press.py:137-174), "
-        "similarity_threshold 0.0 and merge_fraction 1.0. The kept values are compared too (value_gap).", values=True),
+        "Same definition and defaults (kvpress's is the method's own code): the inner SnapKV keeps the positions (as "
+        "the SnapKV row); each evicted value is folded into the kept value of its most cosine-similar key with weight "
+        "max(cos, 0) |v_e| / (|v_e| + |v_t| + 1e-6), v_t' = (v_t + sum w v_e) / (1 + sum w) "
+        "(merging_press.py:137-174), similarity_threshold 0.0 and merge_fraction 1.0. The kept values are compared too "
+        "(value_gap).", values=True),
     Row("LeverageScore", "LeverageScore(seed=0)", "seeded(LeverageScorePress(compression_ratio={ratio}), seed=0)",
-        "Same definition and defaults: ridge leverage (lambda 1e-2) of the sequence-centred pre-RoPE keys sketched by a "
-        "48-column Gaussian (leverage_press.py:75-100), every position competing, no window. kvpress draws the sketch "
-        "from torch's global generator: the worker seeds it with seed * 100_003 + layer before each layer, our "
+        "Same definition and defaults: ridge leverage (lambda 1e-2) of the sequence-centred pre-RoPE keys sketched by "
+        "a 48-column Gaussian (leverage_press.py:75-100), every position competing, no window. kvpress draws the "
+        "sketch from torch's global generator: the worker seeds it with seed * 100_003 + layer before each layer, our "
         "generator's seed. Our pre-RoPE keys are the cached keys un-rotated, kvpress's k_proj re-run (the same vectors "
         "to float rounding). Measured 2026 (this prompt): 1.000 in layers 1-29, 0.997 in layer 0, where a repeated "
         "token has the very same pre-RoPE key, so kvpress's KV head 1 ties exactly at its 250th/251st score "
@@ -224,7 +231,8 @@ ROWS = [
         "that see key j, averaged per GQA group (observed_attention_press.py:46-51), every position competing, no "
         "window (scorer_press.py:95-98). The press reads eager attention weights: the worker runs it alone under "
         "eager attention (run_eager)."),
-    Row("Finch", f"Finch(window_size={WINDOW})", f"with_window(FinchPress(compression_ratio={{ratio}}, rerotate_keys=False), {WINDOW})",
+    Row("Finch", f"Finch(window_size={WINDOW})",
+        f"with_window(FinchPress(compression_ratio={{ratio}}, rerotate_keys=False), {WINDOW})",
         "Same definition and defaults (kvpress's is the authors' code): the window's softmax over every key, row i "
         "multiplied by i (finch_press.py:73-76), averaged over the window and each GQA group (:79-81), no pooling, "
         "the window kept (:84). The window is the question, the tokens after a delimiter (:139-153): the worker "
@@ -250,10 +258,11 @@ ROWS = [
         "(the authors' Llama-3 value; kvpress's default 1.0 compresses nothing)."),
     Row("DMS", f"DMS(policy={SNAP}, threshold=2e-3)",
         f"DMSPress(press={SNAP_PRESS}, threshold=2e-3, sliding_window_size=128)",
-        "Same definition (kvpress's dense prefill, no trained evictors): SnapKVPress's scores (as the SnapKV row), every "
-        "position before the last 128 evicted per KV head where below the threshold (dms_press.py:96-110), masked "
-        "(AdaKV-style) there, dropped here. The side by side sets our capacity to 250, which caps each head's picks "
-        "outside the window (ours, not kvpress's); at threshold 2e-3, twice the uniform share, no head reaches it."),
+        "Same definition (kvpress's dense prefill, no trained evictors): SnapKVPress's scores (as the SnapKV row), "
+        "every position before the last 128 evicted per KV head where below the threshold (dms_press.py:96-110), "
+        "masked (AdaKV-style) there, dropped here. The side by side sets our capacity to 250, which caps each head's "
+        "picks outside the window (ours, not kvpress's); at threshold 2e-3, twice the uniform share, no head reaches "
+        "it."),
     Row("KVzap", "KVzap(model_type='linear')", "KVzapPress(compression_ratio={ratio}, model_type='linear')",
         "Same weights, same scores: kvpress would fetch nvidia/KVzap-linear-<model> from the Hub (weights for 8B "
         "models only, out of reach here), so the worker hands KVzapPress the linear surrogate the lab trained for "
@@ -375,7 +384,8 @@ def run_ours(model, tokenizer, ids: list[int], policies: dict, values=()) -> tup
             stored[label] = [prompt_values(state.cache.layers[layer]).float().cpu() for layer in range(n_layers)]
             stored[f"{label} (uncompressed)"] = [
                 shared.cache.layers[layer].values[0].float().cpu().gather(1, positions.clamp(min=0)[..., None].expand(
-                    -1, -1, shared.cache.layers[layer].values.shape[-1])) for layer, positions in enumerate(kept[label])]
+                    -1, -1, shared.cache.layers[layer].values.shape[-1]))
+                for layer, positions in enumerate(kept[label])]
     return kept, shared.logits[0].float().cpu(), stored
 
 
@@ -402,8 +412,8 @@ def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str,
                                        "q_filters": None if q_filters is None else str(q_filters),
                                        "duo_pattern": duo_pattern, "values": list(values),
                                        "kvzap_weights": kvzap_weights}))
-        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-               "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+               "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
         done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -422,8 +432,8 @@ class KvpressServer:
     """
 
     def __init__(self, venv: Path, checkpoint: Path, threads: int, no_eos: bool = True):
-        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-               "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+               "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvpress-worker-", suffix=".log")
         self.process = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), "--serve"], env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)

@@ -17,7 +17,8 @@ def test_merge_by_hand():
     """Two heads, five slots, head_dim 1, merge_budget 2, the next leaver at slot 1. Head 0: A_1 = 0.4 over the mean
     (0.2 + 0.2 + 0.1) / 3 of the slots after it: p = 2.4, clamped to 1, so slots 2 and 3 gain v_1 / 2 = 1.
     Head 1: A_1 = 0, p = 0: nothing moves. A head whose window has no attention at all: 0 / 0 = nan -> 0."""
-    value = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0], [10.0, 20.0, 30.0, 40.0, 50.0], [7.0, 7.0, 7.0, 7.0, 7.0]])[..., None]
+    value = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0], [10.0, 20.0, 30.0, 40.0, 50.0],
+                          [7.0, 7.0, 7.0, 7.0, 7.0]])[..., None]
     attention = torch.tensor([[0.1, 0.4, 0.2, 0.2, 0.1], [0.5, 0.0, 0.2, 0.2, 0.1], [1.0, 0.0, 0.0, 0.0, 0.0]])
     merged = merge_next_leaver(value.double(), attention.double(), leaver=1, merge_budget=2)
     expected = torch.tensor([[1.0, 2.0, 4.0, 5.0, 5.0], [10.0, 20.0, 30.0, 40.0, 50.0], [7.0, 7.0, 7.0, 7.0, 7.0]])

@@ -58,7 +58,8 @@ def test_one_chunk_covering_the_prompt_is_the_unchunked_run(name, model, byte_to
         assert torch.equal(a, b)
 
 
-# SimLayerKV's busy layers and DMS above its threshold hold what they choose, not their capacity: tests/test_layerwise.py
+# SimLayerKV's busy layers and DMS above its threshold hold what they choose, not their capacity:
+# tests/test_layerwise.py
 @pytest.mark.parametrize("name", sorted(n for n in set(NAMES) - REFUSED - {"FullCache"}
                                         if snapkv_lab.POLICIES[n].capacity_sets_entries))
 def test_the_cache_never_holds_more_than_capacity_plus_a_chunk(name, model):

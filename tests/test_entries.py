@@ -41,7 +41,8 @@ def test_every_policy_holds_its_budget_in_entries(name, capacity, model):
     heads = config.num_hidden_layers * config.num_key_value_heads
     assert run.kv_entries == kept_count(run)
     assert run.kv_share == pytest.approx(run.kv_entries / (heads * N))
-    if not run.policy.capacity_sets_entries:  # its own decision, counted against the full cache (tests/test_layerwise.py)
+    # its own decision, counted against the full cache (tests/test_layerwise.py)
+    if not run.policy.capacity_sets_entries:
         assert run.entries.budget_share == 1.0 and not run.entries.over_budget
         return
     assert run.entries.budget_share == pytest.approx(capacity)

@@ -54,7 +54,8 @@ def test_oracle_is_the_best_set_by_brute_force():
                 parts = (hit_rate(attn, mask, theta=0.1, eligible=eligible) if metric == "hit_rate"
                          else attention_recall(attn, mask, eligible=eligible))
                 best = max(best, parts["numerator"][head].item())
-            assert part.set_index("head").loc[head, "numerator"] == pytest.approx(best, rel=1e-6), (variant, metric, head)
+            assert part.set_index("head").loc[head, "numerator"] == pytest.approx(best, rel=1e-6), (
+                variant, metric, head)
 
 
 def test_recency_and_segment_starts():
@@ -92,8 +93,10 @@ def test_baseline_rows_in_every_findings_table(trace):
     assert (kept.sub(kept["paper"], axis=0).abs() < 1e-9).all(axis=None)
 
     a = prompt_segments(trace, segment=16, n_prompt_segments=4, baselines=True, sample="p")
-    assert set(a["selection"]) == {"paper", "recency", "oracle"} and a.loc[a.selection != "paper", "segment"].isna().all()
-    raw = {"ab": pd.concat([a.assign(table="a"), b.assign(table="b", sample="p")]).assign(split="dev", mode="generated")}
+    assert (set(a["selection"]) == {"paper", "recency", "oracle"}
+            and a.loc[a.selection != "paper", "segment"].isna().all())
+    raw = {"ab": pd.concat([a.assign(table="a"), b.assign(table="b", sample="p")])
+           .assign(split="dev", mode="generated")}
     pooled = findings_tables(raw, obs_window=8)["a"]
     random = pooled[pooled.selection == "random segment"].set_index(["layer", "metric", "sinks"])
     earlier = pooled[(pooled.selection == "paper") & (pooled.segment < -1)].groupby(["layer", "metric", "sinks"])

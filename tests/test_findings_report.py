@@ -24,7 +24,8 @@ def _verdict(table: pd.DataFrame, key: str) -> str:
     return verdicts({key: table}).set_index("measure").loc["recall, sinks excluded", "verdict"]
 
 
-@pytest.mark.parametrize("front,back,expected", [(0.5, 0.5, "holds"), (0.4, 0.8, "partly"), (0.04, 0.5, "does not hold")])
+@pytest.mark.parametrize("front,back,expected", [(0.5, 0.5, "holds"), (0.4, 0.8, "partly"),
+                                                 (0.04, 0.5, "does not hold")])
 def test_question_placement_verdicts(front, back, expected):
     assert _verdict(_rows({"front": front, "back": back}, "placement"), "c").startswith(expected)
 
@@ -32,12 +33,15 @@ def test_question_placement_verdicts(front, back, expected):
 @pytest.mark.parametrize("values,expected", [({-1: 0.6, -2: 0.4, -3: 0.3}, "holds"),
                                              ({-1: 0.4, -2: 0.6, -3: 0.3}, "does not hold: segments [-2] agree better"),
                                              ({-1: 0.5, -2: 0.5, -3: 0.3}, "not shown"),
-                                             ({-1: 0.03, -2: 0.02, -3: 0.01}, "does not hold: the last segment is not above chance")])
+                                             ({-1: 0.03, -2: 0.02, -3: 0.01},
+                                              "does not hold: the last segment is not above chance")])
 def test_last_prompt_segment_verdicts(values, expected):
     assert _verdict(_rows(values, "segment"), "a").startswith(expected)
 
 
-@pytest.mark.parametrize("values,expected", [({1: 0.5, 2: 0.5, 3: 0.5}, "holds"), ({1: 0.6, 2: 0.5, 3: 0.4}, "holds (above chance in every segment, but it decays"),
+@pytest.mark.parametrize("values,expected", [({1: 0.5, 2: 0.5, 3: 0.5}, "holds"),
+                                             ({1: 0.6, 2: 0.5, 3: 0.4},
+                                              "holds (above chance in every segment, but it decays"),
                                              ({1: 0.5, 2: 0.04, 3: 0.5}, "does not hold: segment(s) [2]")])
 def test_generation_consistency_verdicts(values, expected):
     verdict = _verdict(_rows(values, "segment", noise=0.005), "b")
@@ -51,7 +55,8 @@ def test_sliding_and_global_layers_get_verdicts_apart():
     sliding_rows = _rows({"front": 0.01, "back": 0.5}, "placement", seed=1).assign(layer=0)
     table = verdicts({"c": pd.concat([global_rows, sliding_rows])}, sliding_layers=[0, 1])
     recall = table[table.measure == "recall, sinks excluded"].set_index("layers").verdict
-    assert recall["global"].startswith("holds: after - before inside") and recall["sliding"].startswith("does not hold: question front")
+    assert (recall["global"].startswith("holds: after - before inside")
+            and recall["sliding"].startswith("does not hold: question front"))
     assert set(verdicts({"c": global_rows}).layers) == {"all"}
     assert "(c) question position does not matter, sliding layers" in markdown(table)
 
@@ -66,8 +71,8 @@ def test_side_by_side_puts_each_models_headline_verdicts_next_to_each_other():
     table = side_by_side({"A": one, "B": two}).splitlines()
     assert table[0] == "| finding | measure | A | B, global layers | B, sliding layers |"
     recall = next(line for line in table if "recall" in line)
-    assert recall == ("| (c) question position does not matter | recall, sinks excluded | holds / - / - | holds / - / - "
-                      "| does not hold / - / - |")
+    assert recall == ("| (c) question position does not matter | recall, sinks excluded | holds / - / - | holds / - / "
+                      "- | does not hold / - / - |")
     assert short_verdict("holds (above chance in every window, but it decays)") == "holds"
 
 
@@ -150,7 +155,9 @@ def test_a_window_that_does_not_beat_recency_is_above_chance_only():
     window = _noisy({1: 0.5, 2: 0.5}, "segment", 8, noise=0.01, seed=4).assign(selection="paper", obs_window=32)
     baselines = pd.concat([_noisy({1: v, 2: v}, "segment", 8, noise=0.01, seed=5).assign(selection=name, obs_window=32)
                            for name, v in (("recency", 0.52), ("random segment", 0.3), ("oracle", 0.8))])
-    table = verdicts({"b": window.drop(columns=["selection", "obs_window"]), "b_variants": pd.concat([window, baselines])})
+    table = verdicts({"b": window.drop(columns=["selection", "obs_window"]),
+                      "b_variants": pd.concat([window, baselines])})
     row = table[(table.finding == "b") & (table.measure == "recall, sinks excluded")].iloc[0]
     assert row["verdict"] == "above chance only: not above recency", row["verdict"]
-    assert "recency 0.52" in row["baselines"] and "oracle 0.80" in row["baselines"] and "% of the oracle" in row["result"]
+    assert ("recency 0.52" in row["baselines"] and "oracle 0.80" in row["baselines"]
+            and "% of the oracle" in row["result"])

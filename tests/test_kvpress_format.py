@@ -44,7 +44,8 @@ def numpy_list(cell: str) -> list[str]:
 
 
 def read_predictions(folder: Path) -> pd.DataFrame:
-    table = pd.read_csv(folder / "predictions.csv", dtype={"predicted_answer": str, "question": str}, keep_default_na=False)
+    table = pd.read_csv(folder / "predictions.csv", dtype={"predicted_answer": str, "question": str},
+                        keep_default_na=False)
     return table.assign(answer=table.answer.map(numpy_list))
 
 

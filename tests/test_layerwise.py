@@ -40,7 +40,8 @@ def simlayerkv_shares(attentions, sinks: int, recent: int) -> list[float]:
 
 
 def simlayerkv_kept(share: float, threshold: float, n: int, sinks: int, recent: int) -> list[int]:
-    """A lazy layer keeps keys[:sinks] and keys[-recent + 1:] (simlayerkv_press.py:116-117, n_last=1), a busy one all."""
+    """A lazy layer keeps keys[:sinks] and keys[-recent + 1:] (simlayerkv_press.py:116-117, n_last=1), a busy one
+    all."""
     if share <= threshold:
         return list(range(n))
     return list(range(sinks)) + list(range(n - recent + 1, n))

@@ -1,8 +1,9 @@
 """Compactor and its two halves, LeverageScore and NonCausalAttn (arXiv 2507.08143; kvpress 0.5.5's presses by the
-paper's author), CUR (CurDKV) and Cap (CAPKV), kvpress 0.5.5's leverage-style scorers: kept positions vs each score written plainly from the paper's equations and kvpress's code, over
-the pre-RoPE keys k_proj gives (a forward hook on the eager twin, as kvpress re-projects the hidden states), the
-post-RoPE queries rebuilt with transformers' own RoPE, and the eager twin's cached keys and values, on the tiny
-random Llama. Random sketches are drawn as the policies document (a generator seeded with seed * 100_003 + layer)."""
+paper's author), CUR (CurDKV) and Cap (CAPKV), kvpress 0.5.5's leverage-style scorers: kept positions vs each score
+written plainly from the paper's equations and kvpress's code, over the pre-RoPE keys k_proj gives (a forward hook on
+the eager twin, as kvpress re-projects the hidden states), the post-RoPE queries rebuilt with transformers' own RoPE,
+and the eager twin's cached keys and values, on the tiny random Llama. Random sketches are drawn as the policies
+document (a generator seeded with seed * 100_003 + layer)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def tiny():
 
 
 def distinct_ids(n, seed):
-    """(2, n) token ids without repeats in a row: a repeated token has the same pre-RoPE key in layer 0, an exact tie."""
+    """(2, n) token ids without repeats in a row: a repeated token has the same pre-RoPE key in layer 0, an exact
+    tie."""
     generator = torch.Generator().manual_seed(seed)
     return torch.stack([torch.randperm(254, generator=generator)[:n] + 2 for _ in range(2)])
 
@@ -108,7 +110,8 @@ def test_non_causal_keeps_the_keys_their_chunk_attends_to(n, capacity, chunk, ma
     ids = distinct_ids(n, n)
     policy = C.NonCausalAttn(capacity=capacity, chunk_size=chunk, mask_padding=mask)
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
-    scores = [ref_non_causal(queries, keys, values, chunk, mask) for _, queries, keys, values, _ in projections(model, ids)]
+    scores = [ref_non_causal(queries, keys, values, chunk, mask)
+              for _, queries, keys, values, _ in projections(model, ids)]
     assert_same_selection(result.kept_indices, [top_with_tail(s, capacity, n) for s in scores], scores, 0)
 
 
@@ -165,7 +168,8 @@ def test_cur_keeps_the_tokens_of_highest_local_key_and_value_energy(n, capacity,
     ids = distinct_ids(n, n + 2)
     policy = C.CUR(capacity=capacity, window_alignment=aligned)
     result = C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=2)
-    scores = [ref_cur(keys, values, start_aligned=aligned == "start") for _, _, keys, values, _ in projections(model, ids)]
+    scores = [ref_cur(keys, values, start_aligned=aligned == "start")
+              for _, _, keys, values, _ in projections(model, ids)]
     assert_same_selection(result.kept_indices, [top_with_tail(s, capacity, n) for s in scores], scores, 0)
 
 
@@ -199,5 +203,6 @@ def test_cap_keeps_the_aligned_values_of_highest_capacity_leverage(n, capacity, 
     ids = distinct_ids(n, n + 3)
     result = C.generate(model, byte_tokenizer, ids, policy=C.Cap(capacity=capacity), max_new_tokens=2)
     with torch.no_grad():
-        scores = [ref_cap(model, keys, values, pre_queries) for _, _, keys, values, pre_queries in projections(model, ids)]
+        scores = [ref_cap(model, keys, values, pre_queries)
+                  for _, _, keys, values, pre_queries in projections(model, ids)]
     assert_same_selection(result.kept_indices, [top_with_tail(s, capacity, n) for s in scores], scores, 0)

@@ -34,11 +34,11 @@ def ref_snapkv_kept(attention: torch.Tensor, window: int, capacity: int, kv_head
 def ref_merged(keys, values, kept, similarity_threshold=0.0, merge_fraction=1.0, eps=1e-6) -> torch.Tensor:
     """kvpress 0.5.5 MergingPress.merge (kvpress/presses/merging_press.py:100-177), one evicted position at a time, in
     float64. keys, values (kv_heads, n, d) of one batch row; kept (kv_heads, k) positions (NO_POSITION padding) -> per
-    head (k_h, d) the kept values after merging: each evicted e picks the kept t of highest cos(k_e, k_t) (norms clamped at eps, :137-140);
-    it merges if that cosine is >= similarity_threshold (:143) and, for merge_fraction < 1, >= the (1 - fraction) quantile of the head's
-    best cosines, failures counted as -inf (:147-151); its weight is max(cos, 0) * |v_e| / (|v_e| + |v_t| + eps) with
-    v_t the kept value before merging (:154-157); a kept value with total weight W > 0 becomes
-    (v_t + sum w v_e) / (1 + W) (:163-174), the others stay."""
+    head (k_h, d) the kept values after merging: each evicted e picks the kept t of highest cos(k_e, k_t) (norms clamped
+    at eps, :137-140); it merges if that cosine is >= similarity_threshold (:143) and, for merge_fraction < 1, >= the
+    (1 - fraction) quantile of the head's best cosines, failures counted as -inf (:147-151); its weight is
+    max(cos, 0) * |v_e| / (|v_e| + |v_t| + eps) with v_t the kept value before merging (:154-157); a kept value with
+    total weight W > 0 becomes (v_t + sum w v_e) / (1 + W) (:163-174), the others stay."""
     threshold, fraction = similarity_threshold, merge_fraction
     keys, values = keys.double(), values.double()
     out = []
@@ -113,7 +113,8 @@ def test_merged_values_match_kvpress_equations(settings, tiny_run, byte_tokenize
 def test_merging_composes_with_head_wise_budgets(tiny_run, byte_tokenizer):
     """Over AdaKV, heads keep different counts (a ragged layer): each head merges over its own kept set."""
     model, ids, _, keys, values = tiny_run
-    policy = snapkv_lab.Merging(policy=snapkv_lab.AdaKV(policy=snapkv_lab.SnapKV(window_size=WINDOW)), capacity=CAPACITY)
+    policy = snapkv_lab.Merging(policy=snapkv_lab.AdaKV(policy=snapkv_lab.SnapKV(window_size=WINDOW)),
+                                capacity=CAPACITY)
     state = SharedPrefill.run(model, byte_tokenizer, ids[:1], [policy]).state(policy)
     layer = state.cache.layers[0]
     kept = state.kept_indices[0][0]

@@ -127,7 +127,8 @@ def sampled_table():
 
 
 def test_summarise_interval_equals_a_plain_bootstrap(sampled_table):
-    summary = summarise(sampled_table, by=("layer",), ci=0.9, method="percentile", resamples=400, seed=3).set_index("layer")
+    summary = summarise(sampled_table, by=("layer",), ci=0.9, method="percentile", resamples=400,
+                        seed=3).set_index("layer")
     for layer, part in sampled_table.groupby("layer"):
         per_sample = part.groupby("sample")[["numerator", "support"]].sum()
         low, high = plain_bootstrap(per_sample["numerator"].tolist(), per_sample["support"].tolist(), 400, 3, 0.9)

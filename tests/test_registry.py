@@ -201,7 +201,8 @@ def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, by
             snapkv_lab.CriticalKV(policy=snapkv_lab.CriticalKV())
         return
     inner_cls = snapkv_lab.POLICIES[inner]
-    # its own allocation across layers (CAKE) or its own decision of what to hold (SimLayerKV, DMS): refused, not ignored
+    # its own allocation across layers (CAKE) or its own decision of what to hold (SimLayerKV, DMS): refused, not
+    # ignored
     if inner_cls.layers_share_budget or not inner_cls.capacity_sets_entries:
         with pytest.raises(TypeError, match="cannot be wrapped"):
             snapkv_lab.POLICIES[wrapper](policy=build(inner))
@@ -234,8 +235,8 @@ def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, by
 
 # kvpress 0.5.5's `kvpress/__init__.py` exports, every class whose name ends in Press (transcribed from the installed
 # package, ~/.cache/snapkv_lab/kvpress-venv: the list the lab must cover, issue 54).
-KVPRESS_055 = """AdaKVPress BasePress BlockPress CAMPress CURPress CapPress ChunkKVPress ChunkPress CompactorPress ComposedPress
-CompressionRatioDecodingPress CriticalAdaKVPress CriticalKVPress DMSPress DecodingPress DuoAttentionPress
+KVPRESS_055 = """AdaKVPress BasePress BlockPress CAMPress CURPress CapPress ChunkKVPress ChunkPress CompactorPress
+ComposedPress CompressionRatioDecodingPress CriticalAdaKVPress CriticalKVPress DMSPress DecodingPress DuoAttentionPress
 EntropyGatedChunkKVPress ExpectedAttentionPress ExpectedAttentionStatsPress FastKVzipPress FinchPress KVComposePress
 KVgradPress KVzapPress KVzipPress KeyDiffPress KeyRerotationPress KnormPress LUKVPress LagKVPress LeverageScorePress
 MergingPress NonCausalAttnPress ObservedAttentionPress PerLayerCompressionPress PrefillDecodingPress PyramidKVPress

@@ -165,8 +165,8 @@ def heatmap_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     fig.suptitle(title, fontsize=8)
     png = write_png(fig, stem.with_suffix(".png"))
     interactive.update_yaxes(autorange="reversed")
-    interactive.update_layout(title=dict(text=title.replace("\n", "<br>"), font=dict(size=11)), height=330 * len(modes) + 120,
-                              width=330 * len(ratios) + 200)
+    interactive.update_layout(title=dict(text=title.replace("\n", "<br>"), font=dict(size=11)),
+                              height=330 * len(modes) + 120, width=330 * len(ratios) + 200)
     return [png, write_html(interactive, stem.with_suffix(".html"))]
 
 

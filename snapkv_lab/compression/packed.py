@@ -63,7 +63,8 @@ def quantize(x: torch.Tensor, bits: int, group: int, axis: int, channels: torch.
     groups of tokens, as KIVI's keys; -1: per token, groups of channels, as its values). A group whose values are all
     equal gets scale 1 (its codes 0 give it back exactly), where the official code divides by zero."""
     if x.shape[axis] % group:
-        raise ValueError(f"{x.shape[axis]} {'tokens' if axis == -2 else 'channels'} do not split into groups of {group}")
+        raise ValueError(f"{x.shape[axis]} {'tokens' if axis == -2 else 'channels'} do not split into groups of "
+                         f"{group}")
     top = 2 ** bits - 1
     grouped = x.unflatten(axis, (-1, group))  # (b, h, t/g, g, c) or (b, h, t, c/g, g)
     inner = axis  # the within-group dimension of `grouped`, after the groups' own
@@ -194,7 +195,8 @@ class PackedLayer(CompressedLayer):
         """The bytes this layer holds: every stored block (codes, scales, zero points, channel indices, kept
         channels) and the full-precision tails, each tensor once."""
         held = [t for block in (*self.key_blocks, *self.value_blocks) for t in block.tensors]
-        unique = {t.data_ptr(): t for t in (*held, self.key_tail, self.value_tail) if t.numel()}  # blocks share channels
+        # blocks share channels
+        unique = {t.data_ptr(): t for t in (*held, self.key_tail, self.value_tail) if t.numel()}
         return sum(t.nbytes for t in unique.values())
 
 

@@ -50,7 +50,8 @@ class ScoreRecorder:
         self.held_queries = max([self.voters, *(p.storage.channel_window for p in policies
                                                 if p.storage is not None and p.storage.prunes_channels)])
         self.scores: dict[str, dict[int, torch.Tensor]] = {label: {} for label in self.policies}
-        self.recent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> last `held_queries` queries, their slots
+        # layer -> last `held_queries` queries, their slots
+        self.recent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.settings: dict[int, AttentionSettings] = {}  # layer -> its attention settings (scaling, soft-cap)
         self.carry: dict[tuple[str, int, int], dict] = {}  # (policy label, layer, batch row) -> AttentionCall.carry
         self.seen_layers: set[int] = set()  # layers whose attention calls reached the recorder

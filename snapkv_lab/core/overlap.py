@@ -24,8 +24,8 @@ attention in every generated row (per head). Every segment of that prompt uses t
 that only holds with sinks kept is about the sink.
 
 Intervals: `summarise(..., ci=0.95)` and `difference` give t intervals over samples (prompts or documents, the
-`sample` column) of the pooled ratio and of a paired difference (`core.ratio_intervals`); a percentile bootstrap over the
-samples (`method="percentile"`, `RESAMPLES` replicates) is kept only to compare: over 4-8 prompts it undercovers.
+`sample` column) of the pooled ratio and of a paired difference (`core.ratio_intervals`); a percentile bootstrap over
+the samples (`method="percentile"`, `RESAMPLES` replicates) is kept only to compare: over 4-8 prompts it undercovers.
 """
 
 from __future__ import annotations
@@ -226,7 +226,8 @@ def _top_sums(weights: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
 
 
 # ---- pooling and intervals -------------------------------------------------------------------------
-METHODS = ("t", "percentile")  # interval methods: core.ratio_intervals' t interval; the percentile bootstrap, for comparison
+# interval methods: core.ratio_intervals' t interval; the percentile bootstrap, for comparison
+METHODS = ("t", "percentile")
 
 
 def _check_method(method: str) -> None:
@@ -291,8 +292,8 @@ def difference(table: pd.DataFrame, between: tuple[str, object, object], by=("la
     """value(a) - value(b) per group, paired over samples: between = (column, a, b).
 
     Only samples present on both sides count. method "t" (default): the t interval of the paired difference
-    (`core.ratio_intervals`: each sample's linearised residual on side a minus its residual on side b; with equal supports
-    the t interval of the per-sample differences), with `se` and `p`, the two-sided t test of a zero difference
+    (`core.ratio_intervals`: each sample's linearised residual on side a minus its residual on side b; with equal
+    supports the t interval of the per-sample differences), with `se` and `p`, the two-sided t test of a zero difference
     (n - 1 degrees of freedom). method "percentile": each bootstrap replicate draws samples once and pools both
     sides over the same draw; its percentile interval (`se` and `p` NaN).
     Returns the `by` columns, value_a, value_b, difference, ci_low, ci_high, se, p, n_samples.
@@ -319,7 +320,8 @@ def difference(table: pd.DataFrame, between: tuple[str, object, object], by=("la
             residuals[label] = pd.DataFrame(intervals.linearised(numerator.to_numpy(), support.to_numpy())[1],
                                             index=numerator.index, columns=numerator.columns)
         units = residuals["a"].columns.intersection(residuals["b"].columns)
-        paired = (residuals["a"].reindex(index=index, columns=units) - residuals["b"].reindex(index=index, columns=units))
+        paired = (residuals["a"].reindex(index=index, columns=units)
+                  - residuals["b"].reindex(index=index, columns=units))
         se, n = intervals.standard_error(paired.to_numpy())
         estimate = out["difference"].to_numpy()
         out["ci_low"], out["ci_high"] = intervals.t_interval(estimate, se, n, ci)
@@ -327,8 +329,10 @@ def difference(table: pd.DataFrame, between: tuple[str, object, object], by=("la
     else:
         replicates = {}
         for label, part in sides.items():
-            replicates[label], n_samples = _bootstrap(part, by, unit, resamples=resamples, seed=seed, min_support=min_support)
-        low, high = _percentiles(replicates["a"].reindex(index).to_numpy() - replicates["b"].reindex(index).to_numpy(), ci)
+            replicates[label], n_samples = _bootstrap(part, by, unit, resamples=resamples, seed=seed,
+                                                      min_support=min_support)
+        low, high = _percentiles(
+            replicates["a"].reindex(index).to_numpy() - replicates["b"].reindex(index).to_numpy(), ci)
         out["ci_low"], out["ci_high"], out["se"], out["p"] = low, high, np.nan, np.nan
         out["n_samples"] = n_samples.reindex(index)
     return out.reset_index()

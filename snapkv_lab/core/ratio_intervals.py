@@ -2,8 +2,8 @@
 
 A findings value pools a ratio over prompts, R = sum_i numerator_i / sum_i support_i, and rests on 4 to 12 prompts.
 A percentile bootstrap over so few units undercovers: at 4 to 8 units its nominal 95% interval holds the true value
-73-89% of the time, and BCa (scipy.stats.bootstrap(method="BCa")) no better (tests/test_ratio_intervals.py simulates it).
-The t interval over per-unit values is exact for normal per-unit values and loses least under skew, so the
+73-89% of the time, and BCa (scipy.stats.bootstrap(method="BCa")) no better (tests/test_ratio_intervals.py simulates
+it). The t interval over per-unit values is exact for normal per-unit values and loses least under skew, so the
 findings use it:
 
 - the ratio is linearised (the delta method, Cochran 1977, "Sampling Techniques", 6.3): unit i's residual is
@@ -36,7 +36,8 @@ def linearised(numerator: np.ndarray, support: np.ndarray) -> tuple[np.ndarray, 
     linearised residual (groups, units), NaN where absent. A group with no support has NaN ratio and residuals."""
     numerator, support = np.asarray(numerator, float), np.asarray(support, float)
     if numerator.shape != support.shape or numerator.ndim != 2:
-        raise ValueError(f"numerator and support must be (groups, units) alike, got {numerator.shape} and {support.shape}")
+        raise ValueError(f"numerator and support must be (groups, units) alike, got {numerator.shape} and "
+                         f"{support.shape}")
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.nansum(numerator, 1) / np.nansum(support, 1)
         residual = (numerator - ratio[:, None] * support) / np.nanmean(support, 1)[:, None]

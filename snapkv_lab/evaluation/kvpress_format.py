@@ -108,8 +108,8 @@ def check_exportable(datasets, capacities: bool = False, policies=()) -> None:
     label that cannot name a folder. Called on a run's options before it runs, and on the table written."""
     others = sorted(set(datasets) - set(RULERS))
     if others:
-        raise ValueError(f"kvpress's submission format is written for RULER runs (its leaderboard's set; kvpress scores "
-                         f"every set with a scorer of its own), not {', '.join(others)}")
+        raise ValueError(f"kvpress's submission format is written for RULER runs (its leaderboard's set; kvpress "
+                         f"scores every set with a scorer of its own), not {', '.join(others)}")
     if capacities:
         raise ValueError("kvpress counts budgets as compression ratios: this run's budgets are capacities in tokens "
                          "(run it with --ratios)")

@@ -73,8 +73,8 @@ DEFAULTS = dict(splits=SPLITS, samples=8, placement_documents=6, dependence_docu
                 n_gen_segments=4, qa_new_tokens=48, modes=("generated",), p=TOP_P, framing=None)
 
 
-ORDER = ["layer", "head", "segment", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks", *PARTS,
-         "n_heads", "value", "chance"]
+ORDER = ["layer", "head", "segment", "obs_window", "selection", "pair", "comparison", "voters", "metric", "sinks",
+         *PARTS, "n_heads", "value", "chance"]
 
 
 def _tidy(table: pd.DataFrame) -> pd.DataFrame:
@@ -104,8 +104,8 @@ def prompt_segments(trace, *, segment=128, n_prompt_segments=20, p=TOP_P, sink_r
     the mean of the other segments (`findings_tables`)."""
     _require(trace.prompt_len, segment * n_prompt_segments + 1, "prompt_segments")
     rows = [row for layer in trace.layers
-            for row in _segment_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), segment, n_prompt_segments,
-                                     p, baselines)]
+            for row in _segment_rows(trace, layer, *_generated_attention(trace, layer, sink_rule), segment,
+                                     n_prompt_segments, p, baselines)]
     return _segment_table(rows, sample)
 
 
@@ -123,7 +123,8 @@ def _segment_rows(trace, layer, attn, sinks, segment, n_prompt_segments, p, base
     selections = {}
     for j in range(1, n_prompt_segments + 1):
         start = trace.prompt_len - segment * j
-        selections[-j] = to_mask(select_from_trace(trace, layer, slice(start, start + segment), p, prefix_len=prefix_len), prefix_len)
+        selections[-j] = to_mask(select_from_trace(trace, layer, slice(start, start + segment), p,
+                                                   prefix_len=prefix_len), prefix_len)
     attn, sinks = attn[..., :prefix_len], sinks[:, :prefix_len]
     scored = {**selections, "recency": recency_mask(selections[-1])} if baselines else selections
     rows = selection_vs_generation(attn, scored, sinks=sinks, layer=layer)
@@ -163,7 +164,8 @@ def earlier_segment_mask(trace, layer: int, start: int, length: int, k: int, spa
     return to_mask(select(votes, k, pooling=None), end - first)
 
 
-def random_segment_masks(trace, layer: int, length: int, k: int, span: tuple[int, int], baselines: dict) -> list[torch.Tensor]:
+def random_segment_masks(trace, layer: int, length: int, k: int, span: tuple[int, int],
+                         baselines: dict) -> list[torch.Tensor]:
     """`baselines["random_segments"]` selections of `earlier_segment_mask`, each voted by `length` rows placed at
     random inside `span` with at least k positions of the span before them (so that each can choose k it has
     seen); the same places in every layer of a trace (seed `baselines["seed"]`)."""
@@ -237,13 +239,14 @@ def _consistency_rows(trace, layer, attn, sinks, obs_windows, selections, gen_se
         chosen = {name: select_mask(votes, p, name, trace.n_kv_heads) for name in selections}
         settings = (baselines or {}).get(size)
         if not settings:
-            rows += selection_vs_generation(attn[..., :prefix_len], chosen, sinks=sinks[:, :prefix_len], observed=observed,
-                                            segments=segments, layer=layer, obs_window=size)
+            rows += selection_vs_generation(attn[..., :prefix_len], chosen, sinks=sinks[:, :prefix_len],
+                                            observed=observed, segments=segments, layer=layer, obs_window=size)
             continue
         reference = select_mask(votes, p, "paper", trace.n_kv_heads)  # every baseline keeps as many positions
         draws = {f"random segment {i}": mask for i, mask in enumerate(
             random_segment_masks(trace, layer, size, topk_count(p, prefix_len), (0, prefix_len), settings))}
-        scored = selection_vs_generation(attn[..., :prefix_len], {**chosen, "recency": recency_mask(reference), **draws},
+        scored = selection_vs_generation(attn[..., :prefix_len],
+                                         {**chosen, "recency": recency_mask(reference), **draws},
                                          sinks=sinks[:, :prefix_len], observed=observed, segments=segments, layer=layer,
                                          obs_window=size)
         rows += [row for row in scored if row["selection"] in chosen
@@ -259,8 +262,9 @@ def question_placement(traces: dict, *, obs_window=32, p=TOP_P, sink_rule=SinkRu
     """(c) {"front": trace, "back": trace} of one question and document -> the observation window's selection
     ("paper", column `selection`) against all generated tokens, per placement; baselines as in
     `generation_consistency`."""
-    tables = [generation_consistency(trace, obs_window=obs_window, gen_segment=max(1, trace.n_generated), n_gen_segments=1,
-                                     p=p, sink_rule=sink_rule, sample=sample, baselines=baselines).assign(placement=placement)
+    tables = [generation_consistency(trace, obs_window=obs_window, gen_segment=max(1, trace.n_generated),
+                                     n_gen_segments=1, p=p, sink_rule=sink_rule, sample=sample,
+                                     baselines=baselines).assign(placement=placement)
               for placement, trace in traces.items()]
     return pd.concat(tables, ignore_index=True).drop(columns=["obs_window"])
 
@@ -304,8 +308,10 @@ def dependence_rows(selections: list[dict], *, sample=0, min_support=MIN_SUPPORT
       for A's own rows is A's own selection (overlap 1).
     The sink variant drops document positions that are sinks of either prompt.
     """
-    pairs = [(a, b, "different questions", "all rows", "all", "all") for a, b in itertools.permutations(range(len(selections)), 2)]
-    pairs += [(a, b, "different questions", "alternate rows", "even", "odd") for a, b in itertools.permutations(range(len(selections)), 2)]
+    pairs = [(a, b, "different questions", "all rows", "all", "all")
+             for a, b in itertools.permutations(range(len(selections)), 2)]
+    pairs += [(a, b, "different questions", "alternate rows", "even", "odd")
+              for a, b in itertools.permutations(range(len(selections)), 2)]
     pairs += [(a, a, "same question", "alternate rows", "even", "odd") for a in range(len(selections))]
     rows = []
     for layer in selections[0]:
@@ -353,7 +359,8 @@ def chat_cell(model, tokenizer, config: dict) -> pd.DataFrame:
     prompt = chat_prompt(tokenizer, config["recipes"], split=config["split"], index=config["index"],
                          framing=config.get("framing"))
     new_tokens = config["gen_segment"] * config["n_gen_segments"]
-    _require(prompt.n_tokens, max(config["prompt_segment"] * config["n_prompt_segments"], *config["obs_windows"]) + 1, prompt.name)
+    _require(prompt.n_tokens, max(config["prompt_segment"] * config["n_prompt_segments"], *config["obs_windows"]) + 1,
+             prompt.name)
     tables = []
     for mode in config["modes"]:
         forced = encode(tokenizer, prompt.continuation)[:new_tokens] if mode == "teacher-forced" else None
@@ -361,10 +368,11 @@ def chat_cell(model, tokenizer, config: dict) -> pd.DataFrame:
         a, b = [], []
         for layer in trace.layers:  # one pass of the generated rows' attention per layer serves (a) and (b)
             attn, sinks = _generated_attention(trace, layer, _sink_rule(config))
-            a += _segment_rows(trace, layer, attn, sinks, config["prompt_segment"], config["n_prompt_segments"], config["p"],
-                               baselines=True)
-            b += _consistency_rows(trace, layer, attn, sinks, config["obs_windows"], list(SELECTIONS), config["gen_segment"],
-                                   config["n_gen_segments"], config["p"], {config["obs_window"]: config["baselines"]})
+            a += _segment_rows(trace, layer, attn, sinks, config["prompt_segment"], config["n_prompt_segments"],
+                               config["p"], baselines=True)
+            b += _consistency_rows(trace, layer, attn, sinks, config["obs_windows"], list(SELECTIONS),
+                                   config["gen_segment"], config["n_gen_segments"], config["p"],
+                                   {config["obs_window"]: config["baselines"]})
         tables += [_segment_table(a, prompt.name).assign(table="a", mode=mode),
                    _tidy(pd.DataFrame(b)).assign(sample=prompt.name, table="b", mode=mode)]
         del trace
@@ -376,12 +384,14 @@ def _qa_traces(model, tokenizer, prompts: dict, modes, new_tokens: int) -> dict[
 
     The essays come without reference answers, so the teacher-forced reference of a placement is the model's
     own greedy answer with the question at the *other* placement (with one placement, its own answer)."""
-    greedy = {placement: capture(model, tokenizer, q.ids, max_new_tokens=new_tokens) for placement, q in prompts.items()}
+    greedy = {placement: capture(model, tokenizer, q.ids, max_new_tokens=new_tokens)
+              for placement, q in prompts.items()}
     out = {"generated": greedy} if "generated" in modes else {}
     if "teacher-forced" in modes:
         other = {"front": "back", "back": "front"}
         answer = {placement: t.token_ids[t.generated] for placement, t in greedy.items()}
-        out["teacher-forced"] = {placement: capture(model, tokenizer, q.ids, continuation=answer.get(other[placement], answer[placement]))
+        out["teacher-forced"] = {placement: capture(model, tokenizer, q.ids,
+                                                    continuation=answer.get(other[placement], answer[placement]))
                                  for placement, q in prompts.items()}
     return out
 
@@ -395,7 +405,8 @@ def placement_cell(model, tokenizer, config: dict) -> pd.DataFrame:
                for placement in ("front", "back")}
     traces = _qa_traces(model, tokenizer, prompts, config["modes"], config["new_tokens"])
     tables = [question_placement(placed, obs_window=config["obs_window"], p=config["p"], sink_rule=_sink_rule(config),
-                                 sample=config["essay"], baselines=config["baselines"]).assign(mode=mode, question=config["question"])
+                                 sample=config["essay"], baselines=config["baselines"]).assign(
+                                     mode=mode, question=config["question"])
               for mode, placed in traces.items()]
     return pd.concat(tables, ignore_index=True).assign(**_model_columns(model, config))
 
@@ -412,10 +423,11 @@ def dependence_cell(model, tokenizer, config: dict) -> pd.DataFrame:
                    for placement in placements}
         for mode, placed in _qa_traces(model, tokenizer, prompts, config["modes"], config["new_tokens"]).items():
             back = prompts["back"]
-            summaries[mode].append(document_selections(placed["back"], back.spans["document"], back.spans["question"][0],
-                                                       p=config["p"], sink_rule=_sink_rule(config),
-                                                       baselines=config["baselines"]))
-    tables = [dependence_rows(selections, sample=config["essay"]).assign(mode=mode) for mode, selections in summaries.items()]
+            summaries[mode].append(document_selections(placed["back"], back.spans["document"],
+                                                       back.spans["question"][0], p=config["p"],
+                                                       sink_rule=_sink_rule(config), baselines=config["baselines"]))
+    tables = [dependence_rows(selections, sample=config["essay"]).assign(mode=mode)
+              for mode, selections in summaries.items()]
     return pd.concat(tables, ignore_index=True).assign(**_model_columns(model, config))
 
 
@@ -438,8 +450,9 @@ def findings_cells(options: dict, recipes: dict, model_name: str | None) -> dict
     from ..sweep import Cell
 
     o = _options(options)
-    common = dict(model=model_name, modes=list(o["modes"]), p=o["p"], sink_rule=dict(first=SinkRule.first, share=SinkRule.share),
-                  theta=THETA, min_support=MIN_SUPPORT, baselines=BASELINES)
+    common = dict(model=model_name, modes=list(o["modes"]), p=o["p"],
+                  sink_rule=dict(first=SinkRule.first, share=SinkRule.share), theta=THETA, min_support=MIN_SUPPORT,
+                  baselines=BASELINES)
     if o["framing"] is not None:  # only an override keys the cells: chosen per model, the framing is the model's
         common["framing"] = o["framing"]
     chat = dict(recipes={"seed": recipes["seed"], "chat": recipes["chat"]}, obs_windows=list(o["obs_windows"]),
@@ -451,17 +464,20 @@ def findings_cells(options: dict, recipes: dict, model_name: str | None) -> dict
     n_questions = len(recipes["qa"]["questions"])
     for split in o["splits"]:
         essays = recipes["qa"][split]
-        for name, count in (("placement_documents", o["placement_documents"]), ("dependence_documents", o["dependence_documents"])):
+        for name, count in (("placement_documents", o["placement_documents"]),
+                            ("dependence_documents", o["dependence_documents"])):
             if count > len(essays):
                 raise ValueError(f"{name}={count}, but the {split} split has {len(essays)} essays")
         if o["questions"] > n_questions:
             raise ValueError(f"questions={o['questions']}, but the recipes hold {n_questions}")
-        cells["ab"] += [Cell("findings-ab", dict(chat, finding="ab", split=split, index=i)) for i in range(o["samples"])]
+        cells["ab"] += [Cell("findings-ab", dict(chat, finding="ab", split=split, index=i))
+                        for i in range(o["samples"])]
         # (c) rotates through the questions, one per document.
         cells["c"] += [Cell("findings-c", dict(qa, finding="c", split=split, essay=essay, question=i % n_questions,
                                                obs_window=o["obs_window"]))
                        for i, essay in enumerate(essays[:o["placement_documents"]])]
-        cells["d"] += [Cell("findings-d", dict(qa, finding="d", split=split, essay=essay, questions=list(range(o["questions"]))))
+        cells["d"] += [Cell("findings-d", dict(qa, finding="d", split=split, essay=essay,
+                                               questions=list(range(o["questions"]))))
                        for essay in essays[:o["dependence_documents"]]]
     return cells
 
@@ -476,13 +492,14 @@ def findings_cell(model, tokenizer, config: dict) -> pd.DataFrame:
     made for other constants than this library's is refused rather than computed with the wrong ones."""
     for name, value in (("theta", THETA), ("min_support", MIN_SUPPORT)):
         if config[name] != value:
-            raise ValueError(f"this cell was configured for {name}={config[name]}, but snapkv_lab.metrics uses {value}")
+            raise ValueError(f"this cell was configured for {name}={config[name]}, but snapkv_lab.metrics uses "
+                             f"{value}")
     return WORK[config["finding"]](model, tokenizer, config)
 
 
 @old_keywords()  # the options of **options, as keywords: old and new name together are refused
-def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=None, executor="local", ray_address=None,
-                 cpus_per_worker=None, **options) -> dict[str, pd.DataFrame]:
+def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=None, executor="local",
+                 ray_address=None, cpus_per_worker=None, **options) -> dict[str, pd.DataFrame]:
     """Run every findings cell not yet stored (<data_dir>/cells/findings/) and write data/findings_{a,b,
     b_variants,c,d}.csv and data/findings_run.json (the settings and sample counts; the run's time and machine load go
     to the cells' manifest, not to a committed file).
@@ -509,20 +526,23 @@ def run_findings(model=None, tokenizer=None, *, data_dir="data", recipes_path=No
     else:  # a framing the model cannot take (chat without a template) is refused before any model loads
         resolve_framing(load_tokenizer(model), o["framing"])
     store = ResultStore(data_dir / "cells" / "findings")
-    manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), options={k: str(v) for k, v in o.items()},
-                    model=name, seeds=[recipes["seed"]])
+    manifest = dict(command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                    options={k: str(v) for k, v in o.items()}, model=name, seeds=[recipes["seed"]])
     everything = [cell for cell_list in cells.values() for cell in cell_list]
-    run_cells(everything, findings_cell, store, model=None if loaded else model, executor=executor, ray_address=ray_address,
-              cpus_per_worker=cpus_per_worker, desc="findings cells", manifest=manifest, loader=(lambda _: (model, tokenizer)) if loaded else None)
+    run_cells(everything, findings_cell, store, model=None if loaded else model, executor=executor,
+              ray_address=ray_address, cpus_per_worker=cpus_per_worker, desc="findings cells", manifest=manifest,
+              loader=(lambda _: (model, tokenizer)) if loaded else None)
     out = findings_tables({key: store.table(cell_list) for key, cell_list in cells.items()}, o["obs_window"])
     data_dir.mkdir(parents=True, exist_ok=True)
     for key, table in out.items():
         table.to_csv(data_dir / f"findings_{key}.csv", index=False, float_format="%.7g")
-    counts = {key: {split: int(t.loc[t["split"] == split, "sample"].nunique()) for split in o["splits"]} for key, t in out.items()}
+    counts = {key: {split: int(t.loc[t["split"] == split, "sample"].nunique()) for split in o["splits"]}
+              for key, t in out.items()}
     config = model.config if loaded else AutoConfig.from_pretrained(model_source(model))
     run = {**{k: list(v) if isinstance(v, tuple) else v for k, v in o.items()}, "model": str(out["a"]["model"].iloc[0]),
            # the report gives verdicts for sliding-window and global layers apart (findings_report.verdicts)
-           "sliding_layers": sliding_layers(config), "sliding_window": getattr(config.get_text_config(), "sliding_window", None),
+           "sliding_layers": sliding_layers(config),
+           "sliding_window": getattr(config.get_text_config(), "sliding_window", None),
            "samples_per_table": counts, "cells": len(everything)}
     (data_dir / "findings_run.json").write_text(json.dumps(run, indent=1) + "\n")
     return out

@@ -1,6 +1,6 @@
 """Figures of the four findings, drawn from data/findings_*.csv: lines with 95% t-interval bands (over prompts or
-documents, `overlap.summarise`), chance dashed, one column per (split, sinks variant), one row per metric; PNG (matplotlib, without
-pyplot, so a notebook's backend is never switched) and an HTML twin (plotly) each.
+documents, `overlap.summarise`), chance dashed, one column per (split, sinks variant), one row per metric; PNG
+(matplotlib, without pyplot, so a notebook's backend is never switched) and an HTML twin (plotly) each.
 
 Nothing here assumes a model's layer count or a run's number of segments: both are read from the tables.
 """
@@ -88,8 +88,9 @@ def _panel_title(grid: Grid, split: str, sinks: str, metric: str) -> str:
         for hue, line in part[~part["defined"].astype(bool)].groupby(grid.hue):
             gaps.setdefault(layer_ranges(line[grid.x]), []).append(grid.hue_label.get(hue, str(hue)))
         if gaps:
-            whose = "; ".join(f"{' & '.join(names) if len(names) < part[grid.hue].nunique() else 'all'}: layers {layers}"
-                              for layers, names in gaps.items())
+            whose = "; ".join(
+                f"{' & '.join(names) if len(names) < part[grid.hue].nunique() else 'all'}: layers {layers}"
+                for layers, names in gaps.items())
             title += "\n" + _wrap(f"undefined (support < {metrics.MIN_SUPPORT}), not drawn: {whose}", 46)
     note = grid.notes.get((split, sinks))
     return title + (f"\n{_wrap(note, 46)}" if note else "")
@@ -127,25 +128,29 @@ def draw_png(grid: Grid, path: Path) -> Path:
     for r, metric in enumerate(metric_names):
         for c, (split, sinks) in enumerate(columns):
             ax = axes[r][c]
-            part = grid.summary[(grid.summary.metric == metric) & (grid.summary.split == split) & (grid.summary.sinks == sinks)]
+            part = grid.summary[(grid.summary.metric == metric) & (grid.summary.split == split)
+                                & (grid.summary.sinks == sinks)]
             drawn = {}
             for hue in hues:
                 line = part[part[grid.hue] == hue].sort_values(grid.x)
                 if line.empty:
                     continue
-                line = line.assign(**{c: line[c].where(line["defined"].astype(bool)) for c in ("value", "ci_low", "ci_high")
+                line = line.assign(**{c: line[c].where(line["defined"].astype(bool))
+                                      for c in ("value", "ci_low", "ci_high")
                                       if c in line})  # no point and no band at an undefined cell
                 label = grid.hue_label.get(hue, str(hue))
                 ax.plot(line[grid.x], line["value"], marker=".", color=colours[hue], label=label)
                 thin = line[line["support"] < LOW_SUPPORT]
                 ax.plot(thin[grid.x], thin["value"], "o", ms=6, markerfacecolor="white", color=colours[hue])
                 if "ci_low" in line:  # a band with its own edges: overlapping bands stay apart from their lines
-                    ax.fill_between(line[grid.x], line["ci_low"], line["ci_high"], color=colours[hue], alpha=0.12, linewidth=0)
+                    ax.fill_between(line[grid.x], line["ci_low"], line["ci_high"], color=colours[hue], alpha=0.12,
+                                    linewidth=0)
                     for edge in ("ci_low", "ci_high"):
                         ax.plot(line[grid.x], line[edge], color=colours[hue], linewidth=0.6, linestyle=":", alpha=0.8)
                 drawn[label] = line.set_index(grid.x)["value"]
             for group in _coinciding(drawn):  # series hidden under another: say so on the panel
-                ax.text(0.5, 0.22, _wrap(f"{len(group)} series coincide (drawn on top of each other): {', '.join(group)}", 40),
+                ax.text(0.5, 0.22,
+                        _wrap(f"{len(group)} series coincide (drawn on top of each other): {', '.join(group)}", 40),
                         transform=ax.transAxes, ha="center", va="center", fontsize=7,
                         bbox=dict(boxstyle="round", facecolor="white", alpha=0.85, edgecolor="0.7"))
             chance = part.groupby(grid.x)["chance"].mean()
@@ -176,14 +181,17 @@ def draw_html(grid: Grid, path: Path) -> Path:
     from plotly.subplots import make_subplots
 
     metric_names, columns = _metrics(grid), _columns(grid)
-    titles = [_panel_title(grid, split, sinks, metric).replace("\n", "<br>") for metric in metric_names for split, sinks in columns]
+    titles = [_panel_title(grid, split, sinks, metric).replace("\n", "<br>")
+              for metric in metric_names for split, sinks in columns]
     figure = make_subplots(rows=len(metric_names), cols=len(columns), shared_xaxes=True, subplot_titles=titles,
                            vertical_spacing=0.14 if len(metric_names) > 1 else 0.1)
     hues = sorted(grid.summary[grid.hue].unique(), key=_natural)
-    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+               "#17becf"]
     for r, metric in enumerate(metric_names, start=1):
         for c, (split, sinks) in enumerate(columns, start=1):
-            part = grid.summary[(grid.summary.metric == metric) & (grid.summary.split == split) & (grid.summary.sinks == sinks)]
+            part = grid.summary[(grid.summary.metric == metric) & (grid.summary.split == split)
+                                & (grid.summary.sinks == sinks)]
             first = r == 1 and c == 1
             for i, hue in enumerate(hues):
                 line = part[part[grid.hue] == hue].sort_values(grid.x)
@@ -192,19 +200,23 @@ def draw_html(grid: Grid, path: Path) -> Path:
                 colour, name = palette[i % len(palette)], grid.hue_label.get(hue, str(hue))
                 if "ci_low" in line:
                     band = line.dropna(subset=["ci_low", "ci_high"])
-                    figure.add_trace(go.Scatter(x=[*band[grid.x], *band[grid.x][::-1]], y=[*band["ci_high"], *band["ci_low"][::-1]],
+                    figure.add_trace(go.Scatter(x=[*band[grid.x], *band[grid.x][::-1]],
+                                                y=[*band["ci_high"], *band["ci_low"][::-1]],
                                                 fill="toself", fillcolor=colour, opacity=0.2, line=dict(width=0),
                                                 hoverinfo="skip", showlegend=False, legendgroup=name), row=r, col=c)
-                hover = line[["value", "ci_low", "ci_high", "chance", "support", "n_samples"]].to_numpy() if "ci_low" in line else None
-                figure.add_trace(go.Scatter(x=line[grid.x], y=line["value"], mode="lines+markers", name=name, legendgroup=name,
-                                            showlegend=first, line=dict(color=colour), customdata=hover,
-                                            hovertemplate=(f"{name}<br>{grid.x} %{{x}}: %{{y:.3f}} [%{{customdata[1]:.3f}}, "
-                                                           "%{customdata[2]:.3f}]<br>chance %{customdata[3]:.3f}, support "
-                                                           "%{customdata[4]:.0f}, samples %{customdata[5]}<extra></extra>")
-                                            if hover is not None else None), row=r, col=c)
+                hover = (line[["value", "ci_low", "ci_high", "chance", "support", "n_samples"]].to_numpy()
+                         if "ci_low" in line else None)
+                figure.add_trace(go.Scatter(
+                    x=line[grid.x], y=line["value"], mode="lines+markers", name=name, legendgroup=name,
+                    showlegend=first, line=dict(color=colour), customdata=hover,
+                    hovertemplate=(f"{name}<br>{grid.x} %{{x}}: %{{y:.3f}} [%{{customdata[1]:.3f}}, "
+                                   "%{customdata[2]:.3f}]<br>chance %{customdata[3]:.3f}, support "
+                                   "%{customdata[4]:.0f}, samples %{customdata[5]}<extra></extra>")
+                    if hover is not None else None), row=r, col=c)
             chance = part.groupby(grid.x)["chance"].mean()
-            figure.add_trace(go.Scatter(x=chance.index, y=chance.values, mode="lines", name="chance", legendgroup="chance",
-                                        showlegend=first, line=dict(color="black", dash="dash", width=1)), row=r, col=c)
+            figure.add_trace(go.Scatter(x=chance.index, y=chance.values, mode="lines", name="chance",
+                                        legendgroup="chance", showlegend=first,
+                                        line=dict(color="black", dash="dash", width=1)), row=r, col=c)
             figure.update_yaxes(title_text=Y_LABELS[metric], range=[-0.02, 1.02], row=r, col=c)
             if r == len(metric_names):
                 figure.update_xaxes(title_text=grid.xlabel, row=r, col=c)
@@ -247,7 +259,8 @@ BASELINE_LABELS = {"recency": "recency: the last k prefix positions",
 
 
 def _paper(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows of the window's selection ("paper"), without the baselines' (a table without `selection` holds no others)."""
+    """The rows of the window's selection ("paper"), without the baselines' (a table without `selection` holds no
+    others)."""
     return table[table["selection"] == "paper"] if "selection" in table else table
 
 
@@ -257,26 +270,30 @@ def figure_a(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     grouped = pd.concat([table.assign(hue=table["layer"].map(groups)), table.assign(hue="all layers")])
     summary = _summary(grouped, ("hue", "segment"))
     size = info.get("prompt_segment", "?")
-    return Grid(summary, "segment", "hue", _title("(a) Each prompt segment votes; does the last one (-1, the observation window) "
-                                                  "agree best with generation?", table, mode, "prompts"),
+    return Grid(summary, "segment", "hue",
+                _title("(a) Each prompt segment votes; does the last one (-1, the observation window) "
+                       "agree best with generation?", table, mode, "prompts"),
                 f"prompt segment of {size} tokens (-1 = the last: the observation window)", x_ticks=(-1,))
 
 
 def figure_b(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     summary = _summary(table, ("layer", "segment"))
     size = info.get("gen_segment")
-    labels = {w: f"tokens {(w - 1) * size + 1}-{w * size}" if size else f"segment {w}" for w in summary["segment"].unique()}
+    labels = {w: f"tokens {(w - 1) * size + 1}-{w * size}" if size else f"segment {w}"
+              for w in summary["segment"].unique()}
     n = summary["segment"].nunique()
-    return Grid(summary, "layer", "segment", _title(f"(b) Observation window ({info.get('obs_window', '?')} tokens) vs {n} segments "
-                                                    "of generated tokens", table, mode, "prompts"), "layer", labels)
+    return Grid(summary, "layer", "segment",
+                _title(f"(b) Observation window ({info.get('obs_window', '?')} tokens) vs {n} segments "
+                       "of generated tokens", table, mode, "prompts"), "layer", labels)
 
 
 def figure_b_windows(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     part = table[table["selection"] == "paper"]
     summary = _summary(part, ("layer", "obs_window"))
     labels = {w: f"window of {w}" for w in summary["obs_window"].unique()}
-    return Grid(summary, "layer", "obs_window", _title("(b) Observation windows of different sizes, all generated tokens "
-                                                        "(paper's selection)", part, mode, "prompts"), "layer", labels)
+    return Grid(summary, "layer", "obs_window",
+                _title("(b) Observation windows of different sizes, all generated tokens "
+                       "(paper's selection)", part, mode, "prompts"), "layer", labels)
 
 
 def figure_b_selection(table: pd.DataFrame, mode: str, info: dict) -> Grid:
@@ -285,16 +302,18 @@ def figure_b_selection(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     summary = _summary(part, ("layer", "selection"))
     labels = {"paper": "paper: per query head, no pooling", "compressor": "SnapKV compressor: per KV head, max pool 7",
               **BASELINE_LABELS}
-    return Grid(summary, "layer", "selection", _title(f"(b) The paper's selection vs the compressor's and the baselines of its "
-                                                       f"size, observation window {window}, all generated tokens", part, mode,
-                                                       "prompts"), "layer", labels)
+    return Grid(summary, "layer", "selection",
+                _title(f"(b) The paper's selection vs the compressor's and the baselines of its "
+                       f"size, observation window {window}, all generated tokens", part, mode,
+                       "prompts"), "layer", labels)
 
 
 def figure_c(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     table = _paper(table)
     summary = _summary(table, ("layer", "placement"))
-    return Grid(summary, "layer", "placement", _title("(c) Question before vs after the document: observation window vs "
-                                                       "the answer", table, mode, "documents"), "layer", PLACEMENTS)
+    return Grid(summary, "layer", "placement",
+                _title("(c) Question before vs after the document: observation window vs "
+                       "the answer", table, mode, "documents"), "layer", PLACEMENTS)
 
 
 def figure_d(table: pd.DataFrame, mode: str, info: dict) -> Grid:
@@ -303,7 +322,8 @@ def figure_d(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     columns, notes = [], {}
     for split in sorted(summary["split"].unique(), key=lambda s: SPLITS_ORDER.get(s, 9)):
         kept, excluded = (table[(table.split == split) & (table.sinks == s)] for s in ("kept", "excluded"))
-        same = len(kept) == len(excluded) and np.array_equal(kept[metrics.PARTS].to_numpy(), excluded[metrics.PARTS].to_numpy())
+        same = len(kept) == len(excluded) and np.array_equal(kept[metrics.PARTS].to_numpy(),
+                                                             excluded[metrics.PARTS].to_numpy())
         columns.append((split, "kept"))
         if same:  # no document position is a sink: the second panel would repeat the first
             notes[(split, "kept")] = "sinks excluded: the same (no document position is a sink)"
@@ -314,8 +334,9 @@ def figure_d(table: pd.DataFrame, mode: str, info: dict) -> Grid:
               "same question, alternate rows": "same question, alternate rows (even vs odd): control",
               "question vs recency, all rows": "a question vs recency (the document's last k positions)",
               "question vs random segment, all rows": "a question vs a random document segment's selection"}
-    return Grid(summary, "layer", "hue", _title("(d) Selections over one document made by different questions vs by one "
-                                                 "question", table, mode, "documents"), "layer", labels, notes, columns)
+    return Grid(summary, "layer", "hue",
+                _title("(d) Selections over one document made by different questions vs by one "
+                       "question", table, mode, "documents"), "layer", labels, notes, columns)
 
 
 def figure_a_baselines(table: pd.DataFrame, mode: str, info: dict) -> Grid:
@@ -324,16 +345,18 @@ def figure_a_baselines(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     part = pd.concat([window, table[table["selection"] != "paper"]])
     summary = _summary(part, ("layer", "selection"))
     labels = {"paper": "the last prompt segment (the observation window)", **BASELINE_LABELS}
-    return Grid(summary, "layer", "selection", _title("(a) The last prompt segment's selection vs the baselines of its size, "
-                                                       "on the common prefix", table, mode, "prompts"), "layer", labels)
+    return Grid(summary, "layer", "selection",
+                _title("(a) The last prompt segment's selection vs the baselines of its size, "
+                       "on the common prefix", table, mode, "prompts"), "layer", labels)
 
 
 def figure_c_baselines(table: pd.DataFrame, mode: str, info: dict) -> Grid:
     """(c) per layer, both placements pooled: the observation window's selection against the baselines of its size."""
     summary = _summary(table, ("layer", "selection"))
     labels = {"paper": "observation window (paper's selection)", **BASELINE_LABELS}
-    return Grid(summary, "layer", "selection", _title("(c) The observation window vs the baselines of its size, both "
-                                                       "question placements pooled", table, mode, "documents"), "layer", labels)
+    return Grid(summary, "layer", "selection",
+                _title("(c) The observation window vs the baselines of its size, both "
+                       "question placements pooled", table, mode, "documents"), "layer", labels)
 
 
 SPLITS_ORDER = {"dev": 0, "heldout": 1}
@@ -373,8 +396,8 @@ def head_figure(table: pd.DataFrame, mode: str, info: dict):
     handles, labels = axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside right center", fontsize=8)
     figure.suptitle(_wrap(title, int(figure.get_figwidth() * 13)), fontsize=10)
-    html = px.scatter(heads.assign(head=heads["head"].astype(str)), x="layer", y="value", color="head", facet_col="split",
-                      hover_data=["chance", "support"], title=title.replace("\n", "<br>"),
+    html = px.scatter(heads.assign(head=heads["head"].astype(str)), x="layer", y="value", color="head",
+                      facet_col="split", hover_data=["chance", "support"], title=title.replace("\n", "<br>"),
                       labels={"value": "recall (attention mass share)"})
     return figure, html
 
@@ -397,8 +420,8 @@ def draw_findings(data_dir, figures_dir) -> list[Path]:
         if name in BASELINE_FIGURES and ("selection" not in table or "oracle" not in set(table["selection"])):
             continue
         if "sample" not in table or "split" not in table:
-            raise ValueError(f"{data_dir / f'findings_{table_name}.csv'} has no sample and split columns: it predates the intervals; rerun "
-                             "`snapkv-lab figures --recompute --only findings`")
+            raise ValueError(f"{data_dir / f'findings_{table_name}.csv'} has no sample and split columns: it "
+                             "predates the intervals; rerun `snapkv-lab figures --recompute --only findings`")
         for mode, part in table.groupby("mode"):
             stem = figures_dir / (f"findings_{name}" + ("" if mode == "generated" else f"_{mode}"))
             if make is None:

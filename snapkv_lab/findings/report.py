@@ -1,4 +1,5 @@
-"""Verdicts on the paper's four findings, per split (dev, held-out, and both pooled) and mode, from the committed tables.
+"""Verdicts on the paper's four findings, per split (dev, held-out, and both pooled) and mode, from the committed
+tables.
 
 Every value is pooled over layers and heads (sum of numerators / sum of supports) with a 95% t interval over prompts
 or documents (`overlap.summarise`, `core.ratio_intervals`: a percentile bootstrap over 4-8 prompts undercovers); every
@@ -181,8 +182,8 @@ def _b(part: pd.DataFrame, baselines: pd.DataFrame) -> tuple[str, float, str, st
     if not_beaten:
         return text, chance, values, f"above chance only: {_against(not_beaten)}"
     trend = ("decays" if decay["ci_high"] < 0 else "rises" if decay["ci_low"] > 0 else None)
-    return text, chance, values, "holds" + (f" (above chance in every segment, but it {trend} from the first to the last)"
-                                            if trend else "")
+    return text, chance, values, "holds" + (f" (above chance in every segment, but it {trend} from the first to the "
+                                            "last)" if trend else "")
 
 
 def _equivalence_verdict(gap: pd.Series, what: str) -> str:
@@ -195,7 +196,8 @@ def _equivalence_verdict(gap: pd.Series, what: str) -> str:
     if equivalent:
         return f"holds within the margin: {what} differs from 0 ({_p(gap['p'])}) but lies {inside}"
     if differs:
-        return f"does not hold: {what} differs from 0 ({_p(gap['p'])}), not shown inside +-{EQUIVALENCE_MARGIN} (TOST {_p(p)})"
+        return (f"does not hold: {what} differs from 0 ({_p(gap['p'])}), not shown inside +-{EQUIVALENCE_MARGIN} "
+                f"(TOST {_p(p)})")
     return (f"not shown: {what} neither differs from 0 ({_p(gap['p'])}) nor is shown inside +-{EQUIVALENCE_MARGIN} "
             f"(TOST {_p(p)}) on {int(gap['n_samples'])} samples")
 
@@ -211,16 +213,19 @@ def _b_windows(part: pd.DataFrame, baselines: pd.DataFrame) -> tuple[str, float,
     text = ", ".join(f"{w}: {_fmt(*s.loc[w, ['value', 'ci_low', 'ci_high']])}" for w in s.index)
     largest = gaps.loc[gaps["difference"].abs().idxmax()]
     text += f"; largest difference {int(largest.other)} - {reference} = {_gap(largest)}"
-    verdicts = {int(row.other): _equivalence_verdict(row, f"{int(row.other)} - {reference}") for _, row in gaps.iterrows()}
+    verdicts = {int(row.other): _equivalence_verdict(row, f"{int(row.other)} - {reference}")
+                for _, row in gaps.iterrows()}
     heads = {w: short_verdict(v) for w, v in verdicts.items()}
     if all(h.startswith("holds") for h in heads.values()):
         verdict = f"holds: every size within +-{EQUIVALENCE_MARGIN} of {reference} (TOST at level {ALPHA})"
     elif any(h == "does not hold" for h in heads.values()):
         bad = [w for w, h in heads.items() if h == "does not hold"]
-        verdict = f"does not hold: size(s) {bad} differ from {reference} and are not shown inside +-{EQUIVALENCE_MARGIN}"
+        verdict = (f"does not hold: size(s) {bad} differ from {reference} and are not shown inside "
+                   f"+-{EQUIVALENCE_MARGIN}")
     else:
         open_ = [w for w, h in heads.items() if h == "not shown"]
-        verdict = f"not shown: size(s) {open_} neither differ from {reference} nor are shown inside +-{EQUIVALENCE_MARGIN}"
+        verdict = (f"not shown: size(s) {open_} neither differ from {reference} nor are shown inside "
+                   f"+-{EQUIVALENCE_MARGIN}")
     return text, float(s["chance"].mean()), "as (b)", verdict
 
 
@@ -293,7 +298,8 @@ def _d(part: pd.DataFrame, baselines: pd.DataFrame) -> tuple[str, float, str, st
         shared = _paired(paper, rows)
         text += f"; H between questions - H(question, {name}) {_gap(shared)}"
     if gap["ci_low"] > 0:
-        verdict = f"holds: selections depend on the question, yet different questions share {s['value']:.0%} of their positions"
+        verdict = (f"holds: selections depend on the question, yet different questions share {s['value']:.0%} of "
+                   "their positions")
     elif _equivalent(gap)[0]:
         verdict = f"does not hold: different questions select as one question does (inside +-{EQUIVALENCE_MARGIN})"
     else:
@@ -324,7 +330,8 @@ def verdicts(tables: dict[str, pd.DataFrame], obs_window: int = 32, sliding_laye
     splits = {k: i for i, k in enumerate(SPLITS)}
     return pd.DataFrame(rows).sort_values(["finding", "mode", "measure", "layers", "split"],
                                           key=lambda c: c.map(order) if c.name == "finding" else
-                                          c.map(splits) if c.name == "split" else c, kind="stable").reset_index(drop=True)
+                                          c.map(splits) if c.name == "split" else c,
+                                          kind="stable").reset_index(drop=True)
 
 
 def _baseline_tables(tables: dict[str, pd.DataFrame], obs_window: int) -> dict[str, pd.DataFrame]:
@@ -400,8 +407,9 @@ def _with_layers(table: pd.DataFrame) -> pd.DataFrame:
 def markdown(table: pd.DataFrame) -> str:
     """The verdicts as a markdown table: one row per (finding, measure, mode, layers, split), dev, held-out and both
     pooled one under the other."""
-    lines = ["| finding | measure | split (n) | result: value [95% t interval]; paired differences [95% t interval], t-test p "
-             "| chance and baselines (same size as the window's selection) | verdict |", "|---|---|---|---|---|---|"]
+    lines = ["| finding | measure | split (n) | result: value [95% t interval]; paired differences [95% t interval], "
+             "t-test p | chance and baselines (same size as the window's selection) | verdict |",
+             "|---|---|---|---|---|---|"]
     table = _with_layers(table)
     for (_finding, measure, mode, group), part in table.groupby(["finding", "measure", "mode", "layers"], sort=False):
         claim = (part["claim"].iloc[0] + ("" if mode == "generated" else f" ({mode})")
@@ -409,8 +417,8 @@ def markdown(table: pd.DataFrame) -> str:
         for _, row in part.iterrows():
             beside = row.get("baselines", "") or f"chance {row['chance']:.2f}"
             n = f" ({row['n']})" if "n" in row else ""
-            lines.append(f"| {claim} | {measure} | {SPLITS.get(row['split'], row['split'])}{n} | {row['result']} | {beside} "
-                         f"| **{row['verdict']}** |")
+            lines.append(f"| {claim} | {measure} | {SPLITS.get(row['split'], row['split'])}{n} | {row['result']} | "
+                         f"{beside} | **{row['verdict']}** |")
     return "\n".join(lines)
 
 
@@ -426,7 +434,8 @@ def side_by_side(reports: dict[str, pd.DataFrame]) -> str:
     columns, cells = [], {}
     for model, table in reports.items():
         table = table[table["mode"] == "generated"]
-        for (finding, measure, group), part in _with_layers(table).groupby(["finding", "measure", "layers"], sort=False):
+        for (finding, measure, group), part in _with_layers(table).groupby(["finding", "measure", "layers"],
+                                                                           sort=False):
             column = model if group == "all" else f"{model}, {group} layers"
             columns += [column] if column not in columns else []
             by_split = part.set_index("split")["verdict"]

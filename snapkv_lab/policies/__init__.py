@@ -27,7 +27,8 @@ _MODULES = {
     "QFilters": "qfilters", "HeadKV": "headkv", "DuoAttention": "duoattention", "CAKE": "cake",
     "RKV": "rkv", "LookaheadQCache": "lookahead",
     # Allocations alone, over any scorer (AdaKV and HeadKV above are wrappers too): scorer x allocation studies.
-    "PyramidAllocation": "pyramid_allocation", "GlobalAllocation": "global_allocation", "DuoAllocation": "duo_allocation",
+    "PyramidAllocation": "pyramid_allocation", "GlobalAllocation": "global_allocation",
+    "DuoAllocation": "duo_allocation",
     # Merging instead of eviction: the evicted values folded into kept ones (issue 54).
     "Merging": "merging",
     # Compactor and its two halves (issue 54)
@@ -159,7 +160,8 @@ def _spec_from_node(node, text: str) -> dict:
         try:
             config[keyword.arg] = ast.literal_eval(keyword.value)
         except ValueError as error:
-            raise ValueError(f"the setting {keyword.arg} of {text!r} must be a literal (number, string, None, ...)") from error
+            raise ValueError(f"the setting {keyword.arg} of {text!r} must be a literal (number, string, None, "
+                             "...)") from error
     return config
 
 

@@ -227,7 +227,8 @@ class Policy:
 
     @property
     def reads_final_hidden(self) -> bool:
-        """Whether the prefill must keep the decoder's final hidden states for this policy (Surprisal, LookaheadQCache)."""
+        """Whether the prefill must keep the decoder's final hidden states for this policy (Surprisal,
+        LookaheadQCache)."""
         return "final_hidden" in self.needs
 
     @property
@@ -244,8 +245,8 @@ class Policy:
     @property
     def voters(self) -> int:
         """How many of the last queries `score` votes with (SnapKV: its observation window; TOVA: the last one), or
-        `prompt_scores` reads after the prefill (LookaheadQCache's draft window); 0 when it reads none of them, or all of a
-        chunk's (accumulated attention). A prompt chunk shorter than this is scored with the previous chunks' last
+        `prompt_scores` reads after the prefill (LookaheadQCache's draft window); 0 when it reads none of them, or all
+        of a chunk's (accumulated attention). A prompt chunk shorter than this is scored with the previous chunks' last
         queries in front (compression.recorder)."""
         return 0
 
@@ -273,7 +274,8 @@ class Policy:
     def scoring_key(self) -> str:
         """The scorer alone: policies with equal keys score identically, since the budget, pooling, GQA reduction
         and layout act after scoring (in `keep`), and a subclass that only changes those defaults (FactKV of KVzip)
-        scores as the class that defines the scoring. Lets scores made after the prefill be shared between such variants."""
+        scores as the class that defines the scoring. Lets scores made after the prefill be shared between such
+        variants."""
         scorer = next(c for c in type(self).__mro__ if "score" in vars(c) or "prompt_scores" in vars(c))
         settings = ", ".join(self._differences(scorer(), skip=("capacity", *SELECTION)))
         return f"{scorer.__name__}({settings})" if settings else scorer.__name__

@@ -7,8 +7,10 @@ cake/cake_cache.py CakeprefillKVCache, cake/utils.py adjust_budgets) reads, in e
 the last W prompt queries (the observation window, 32) over every key, causal inside the window, and computes
 
     H_l = -sum(A[..., :-W] * log(A[..., :-W] + 1e-10))     spatial dispersion: entropy over heads, rows and prefix keys
-    V_l = sum over heads and prefix keys of var_rows(A[..., :-W])    temporal shift: the unbiased variance over the W rows
-    P_l = H_l ** (1 / tau1) * V_l ** (1 / tau2)            the layer's preference (tau1 = tau2 = 1: its script's default)
+    V_l = sum over heads and prefix keys of var_rows(A[..., :-W])
+                                                           temporal shift: the unbiased variance over the W rows
+    P_l = H_l ** (1 / tau1) * V_l ** (1 / tau2)            the layer's preference
+                                                           (tau1 = tau2 = 1: its script's default)
     I   = mean_rows(A) + gamma * var_rows(A)               eviction indicator per query head and key (gamma = 200)
 
 I is cut to the prefix, average-pooled over 5 positions and averaged over each KV head's query heads. Once every

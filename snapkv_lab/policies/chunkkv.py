@@ -6,8 +6,8 @@ No code of the authors' own was found beside kvpress's ChunkKVPress, which the p
 62-125). The prompt, observation window included, is cut into chunks of `chunk_size` tokens from position 0 (the last
 one shorter); a chunk's score is the mean over its tokens of the inner scores summed over the KV heads, so one set of
 chunks serves every head; the best max(1, int(n_chunks * B / n)) chunks are kept whole (B the budget), the kept tail's
-chunks first (kvpress's inner SnapKV gives its window, the tail, the maximum score + 1; here +inf). Keeping whole chunks keeps up
-to chunk_size - 1 positions fewer than B. Chunks of 10 tokens, the paper's setting (kvpress defaults to 20).
+chunks first (kvpress's inner SnapKV gives its window, the tail, the maximum score + 1; here +inf). Keeping whole chunks
+keeps up to chunk_size - 1 positions fewer than B. Chunks of 10 tokens, the paper's setting (kvpress defaults to 20).
 
 Variants, named in the label: per_head=True chooses chunks per KV head (each its own ranking); exact_budget=True cuts
 the chunks over the prefix alone, the kept tail apart, and cuts the last chunk to fit, so every head keeps exactly B.

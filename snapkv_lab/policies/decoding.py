@@ -65,7 +65,8 @@ class EvictsWhileDecoding:
 
 def seeded(policy: Policy) -> bool:
     """Whether `policy` evicts while decoding by accumulated scores, which go on from the prefill's (H2O)."""
-    return isinstance(policy, EvictsWhileDecoding) and policy.interval is not None and policy.eviction_scorer().accumulates
+    return (isinstance(policy, EvictsWhileDecoding) and policy.interval is not None
+            and policy.eviction_scorer().accumulates)
 
 
 def prefill_seeds(scores: list[torch.Tensor], held: torch.Tensor) -> torch.Tensor:
@@ -91,10 +92,11 @@ class DecodingEviction(EvictsWhileDecoding, Wrapper):
     def __post_init__(self):
         super().__post_init__()
         if self.per_query_head:
-            raise NotImplementedError("DecodingEviction keeps one selection per KV head: per_query_head is not supported")
+            raise NotImplementedError("DecodingEviction keeps one selection per KV head: per_query_head is not "
+                                      "supported")
         if isinstance(self.policy, EvictsWhileDecoding) and self.policy.interval is not None:
-            raise ValueError(f"{self.policy.name} evicts while decoding itself (interval={self.policy.interval}): set its "
-                             f"interval, or wrap {self.policy.name}(interval=None)")
+            raise ValueError(f"{self.policy.name} evicts while decoding itself (interval={self.policy.interval}): "
+                             f"set its interval, or wrap {self.policy.name}(interval=None)")
         if self.interval is None:
             raise ValueError("DecodingEviction needs an interval (use the inner policy alone to compress once)")
         self.check_interval()
@@ -155,7 +157,8 @@ class EvictionTracker:
                 voters = self.recent[b]
                 rows = voters.shape[1]
                 scores = self.policy.score(dataclasses.replace(
-                    call, query=voters, slots=torch.arange(n_slots - rows, n_slots), positions=self.recent_positions, carry={}))
+                    call, query=voters, slots=torch.arange(n_slots - rows, n_slots), positions=self.recent_positions,
+                    carry={}))
             budget = LayerBudget(n_slots, call.key.shape[0], self.layer, self.n_layers, self.policy.budget(n_slots))
             kept.append(self.policy.keep(scores, budget))
         if self.policy.accumulates:

@@ -80,8 +80,8 @@ class DuoAttention(Policy):
         kv_scores = scores.view(scores.shape[0], kv_heads, -1).mean(-1)  # NaN on sliding layers: never full
         self._compressed_heads = int((~kv_scores.isnan()).sum())
         if self._compressed_heads and not bool((kv_scores.nan_to_num(0.0) > 0).any()):
-            raise ValueError(f"{self.label} keeps the whole context in its best retrieval heads, and no head scored above "
-                             "0 (the model copied no needle token): there is nothing to rank them by")
+            raise ValueError(f"{self.label} keeps the whole context in its best retrieval heads, and no head scored "
+                             "above 0 (the model copied no needle token): there is nothing to rank them by")
         self._kv_scores = kv_scores
 
     def score(self, call: AttentionCall):

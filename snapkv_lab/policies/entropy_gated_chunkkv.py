@@ -1,5 +1,5 @@
-"""EntropyGatedChunkKV (NVIDIA kvpress 0.5.5's own EntropyGatedChunkKVPress, "based on ChunkKV", arXiv 2502.00299): ChunkKV
-keeps or drops whole chunks; a chunk whose score comes from one token spends a whole chunk of slots on it. This
+"""EntropyGatedChunkKV (NVIDIA kvpress 0.5.5's own EntropyGatedChunkKVPress, "based on ChunkKV", arXiv 2502.00299):
+ChunkKV keeps or drops whole chunks; a chunk whose score comes from one token spends a whole chunk of slots on it. This
 variant measures how evenly each chunk's scores spread (their normalised entropy): an important but spiky chunk keeps
 only its best few tokens, and the slots saved go to further chunks.
 
@@ -23,8 +23,8 @@ EPSILON = 1e-8  # kvpress's, entropy_gated_chunkkv_press.py:12
 
 @dataclass
 class EntropyGatedChunkKV(Wrapper):
-    """Chunks of the inner policy's scores, summed over the KV heads, taken best mean first, every head alike; a chunk at
-    or above the median mean with an entropy below the median keeps its `low_entropy_chunk_size` best tokens only; a
+    """Chunks of the inner policy's scores, summed over the KV heads, taken best mean first, every head alike; a chunk
+    at or above the median mean with an entropy below the median keeps its `low_entropy_chunk_size` best tokens only; a
     budget left after the chunks is filled by the best tokens left. Keeps exactly the budget (kvpress, :134-142).
 
     The inner scores are those kvpress's inner press gives: the kept tail (SnapKV's window) and protected positions

@@ -168,7 +168,8 @@ class FastKVzip(Policy):
         if path is None:
             raise ValueError(
                 f"{self.label} has no gates for the model {model_label(model)!r} (its published gates are on the "
-                f"Hugging Face Hub, for other models): train them with `{TRAIN_COMMAND.format(model=model_label(model))}`"
+                f"Hugging Face Hub, for other models): train them with "
+                f"`{TRAIN_COMMAND.format(model=model_label(model))}`"
                 f" (writes {trained_path(model)}), or pass weights=PATH")
         return path
 

@@ -53,8 +53,8 @@ class GlobalAllocation(Wrapper):
             raise ValueError("GlobalAllocation allocates among KV heads: per_query_head=True is not supported")
         owner = own_allocation(self.policy)
         if owner is not None:
-            raise TypeError(f"GlobalAllocation chooses every layer's and head's count from the scores, and {owner} sets "
-                            f"budgets of its own, which it would override: wrap the scorer itself "
+            raise TypeError(f"GlobalAllocation chooses every layer's and head's count from the scores, and {owner} "
+                            f"sets budgets of its own, which it would override: wrap the scorer itself "
                             f"(GlobalAllocation(SnapKV))")
 
     def keep_layers(self, scores: dict[int, torch.Tensor], budget: LayerBudget) -> dict[int, torch.Tensor]:

@@ -17,10 +17,11 @@ the default inner policy here, SnapKV(window_size=8). With the former default wi
 HeadKV(policy=SnapKV(window_size=32)).
 
 The scores here are Wu et al.'s retrieval scores measured on the model itself (`snapkv_lab.retrieval_heads`, cached
-per model): the paper's HeadKV-R. Its HeadKV-R2 adds reasoning needles to the detection (retrieval_head_detection_r2.py),
-which the lab does not run. The official code selects per query head over keys repeated for each (Llama-3's 4
-query heads per KV head hold 4 copies); here, as for AdaKV, a KV head ranks by its query heads' mean votes (SnapKV's
-GQA reduction) and keeps the mean of their capacities, so the total is the same and the GQA saving stays real.
+per model): the paper's HeadKV-R. Its HeadKV-R2 adds reasoning needles to the detection
+(retrieval_head_detection_r2.py), which the lab does not run. The official code selects per query head over keys
+repeated for each (Llama-3's 4 query heads per KV head hold 4 copies); here, as for AdaKV, a KV head ranks by its query
+heads' mean votes (SnapKV's GQA reduction) and keeps the mean of their capacities, so the total is the same and the GQA
+saving stays real.
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ def redistributed(capacities: torch.Tensor, shares: torch.Tensor, room: int, sha
 @dataclass
 class HeadKV(Wrapper):
     """Per-head prefix budgets from retrieval scores, shared across all layers, over `policy`'s ranking (by default
-    SnapKV with the official run's 8-token window). beta: how much of each head's budget is pooled (b // beta of it; the official 1.005 pools almost all);
-    temperature: the exponent on the normalised scores (1: proportional). redistribute: our variant (see the field).
-    The scores are measured on the model at the first prefill (`retrieval_heads`: needle prompts, so the first use of
-    a model costs about ten captures)."""
+    SnapKV with the official run's 8-token window). beta: how much of each head's budget is pooled (b // beta of it; the
+    official 1.005 pools almost all); temperature: the exponent on the normalised scores (1: proportional).
+    redistribute: our variant (see the field). The scores are measured on the model at the first prefill
+    (`retrieval_heads`: needle prompts, so the first use of a model costs about ten captures)."""
 
     # The official LongBench run's SnapKV (FYYFU/HeadKV at 0862a09, run_longbench.py:217-226): window 8, kernel 7,
     # max pooling; ReasonSnapKVCluster's own default window (32) is overridden there.

@@ -33,7 +33,8 @@ def kvgrad_scores(attention: torch.Tensor, gradient: torch.Tensor, contribution:
     """KVgrad's score per KV head, (kv_heads, n): max over probes p and each KV head's query heads of
     A[h, p, c] * ||grad_p|| * ||W_O^h v_c||. attention: (heads, probes, n) the probes' attention; gradient: (probes,)
     the objective's gradient norm at each probe's attention output; contribution: (heads, n) ||W_O^h v_c||."""
-    per_head = (attention * gradient[None, :, None]).amax(1) * contribution  # (heads, n): ||W_O v|| does not vary with p
+    # (heads, n): ||W_O v|| does not vary with p
+    per_head = (attention * gradient[None, :, None]).amax(1) * contribution
     return per_head.unflatten(0, (kv_heads, -1)).amax(1)
 
 

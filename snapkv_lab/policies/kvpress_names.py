@@ -53,8 +53,8 @@ KVPRESS: dict[str, str] = {
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
 KVPRESS_NOT_YET: dict[str, str] = {
-    "CAMPress": "kvpress's own form (every 512 steps, one kept set for all heads, the k best evicted merged); the lab's "
-                "CAM is the authors' form (zyxxmu/cam), a different method, so the name is not mapped to it",
+    "CAMPress": "kvpress's own form (every 512 steps, one kept set for all heads, the k best evicted merged); the "
+                "lab's CAM is the authors' form (zyxxmu/cam), a different method, so the name is not mapped to it",
     "KVComposePress": "composite tokens from extra question passes under eager attention: not written",
     "LUKVPress": "needs LU-KV's published budget curves, on GitHub only: not written",
     "BlockPress": "block-wise iterative scoring of any press: not written (its kept set depends on the budget while it "

@@ -157,8 +157,8 @@ class KVzap(Policy):
             if surrogate.model_type != self.model_type:
                 raise ValueError(f"{path} holds a {surrogate.model_type} KVzap surrogate, not {self.model_type}")
             if surrogate.input_dim != model.config.hidden_size:
-                raise ValueError(f"{path} was trained on hidden states of {surrogate.input_dim} dimensions; this model's "
-                                 f"have {model.config.hidden_size}")
+                raise ValueError(f"{path} was trained on hidden states of {surrogate.input_dim} dimensions; this "
+                                 f"model's have {model.config.hidden_size}")
             loaded[path] = surrogate.to(model.device)
 
     def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:

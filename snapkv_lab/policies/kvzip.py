@@ -241,8 +241,8 @@ class KVzip(Policy):
         room = min(self.head_budgets(scores, budget))
         if protected > room:
             raise ValueError(f"{self.label} keeps {protected} protected positions (the system prompt or sinks) of a "
-                             f"{budget.tokens}-token prompt, more than the {room} its budget leaves per head: raise the "
-                             "capacity or set sinks=")
+                             f"{budget.tokens}-token prompt, more than the {room} its budget leaves per head: raise "
+                             "the capacity or set sinks=")
         return ranked
 
     def keep_layers(self, scores: dict[int, torch.Tensor], budget: LayerBudget) -> dict[int, torch.Tensor]:

@@ -61,9 +61,12 @@ class LagKV(Policy):
         scores[:, end:] = TAIL + torch.arange(1, tail + 1, device=scores.device) / (tail + 1)  # the most recent first
         if scored:
             span = slice(sinks, end + lag)
-            lagged = lag_scores(call.key[:, span].float(), lag) + self.value_weight * lag_scores(call.value[:, span].float(), lag)
-            rank = lagged.argsort(dim=-1).argsort(dim=-1).float()  # (kv_heads, scored, lag): 0 the worst of its partition
-            later = torch.arange(scored, device=scores.device)[:, None] / (scored + 1)  # a tie of ranks: the later partition
+            lagged = (lag_scores(call.key[:, span].float(), lag)
+                      + self.value_weight * lag_scores(call.value[:, span].float(), lag))
+            # (kv_heads, scored, lag): 0 the worst of its partition
+            rank = lagged.argsort(dim=-1).argsort(dim=-1).float()
+            # a tie of ranks: the later partition
+            later = torch.arange(scored, device=scores.device)[:, None] / (scored + 1)
             scores[:, sinks:end] = ((rank + later) / lag).reshape(kv_heads, -1)
         return scores
 

@@ -89,9 +89,9 @@ class LookaheadQCache(Policy):
         """The base budget; refused where it leaves the draft SnapKV no position beside its window."""
         budget = super().budget(n_tokens)
         if budget is not None and budget <= self.lookahead_window:
-            raise ValueError(f"{self.label} keeps {budget} positions of a {n_tokens}-token prompt, no more than its draft "
-                             f"SnapKV's window (lookahead_window={self.lookahead_window}): raise the capacity or lower "
-                             "lookahead_window")
+            raise ValueError(f"{self.label} keeps {budget} positions of a {n_tokens}-token prompt, no more than its "
+                             f"draft SnapKV's window (lookahead_window={self.lookahead_window}): raise the capacity or "
+                             "lower lookahead_window")
         return budget
 
     @property

@@ -10,7 +10,8 @@ Totals. kvpress's schedule holds layers x budget to rounding (under half a posit
 official integer step (largest - smallest) // (layers - 1) is floored, so its layers hold a little more than the
 uniform total: up to (layers - 1) / 2 positions more per layer and head (0.1% of a 4k prompt at ratio 0.5 on
 SmolLM2), and its flat fallback (a prompt shorter than twice the prefix budget: every compression ratio under 0.5
-where the kept tail is small) is the uniform allocation itself. A budget-matched comparison at every ratio takes schedule="kvpress".
+where the kept tail is small) is the uniform allocation itself. A budget-matched comparison at every ratio takes
+schedule="kvpress".
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class PyramidAllocation(Wrapper):
         owner = own_allocation(self.policy)
         if owner is not None:
             raise TypeError(f"PyramidAllocation shares the uniform budget between layers, and {owner} sets budgets of "
-                            f"its own, which it would override: wrap the scorer (PyramidAllocation(SnapKV)); a per-head "
-                            f"allocation within each pyramid layer is written outside, AdaKV(PyramidAllocation(...))")
+                            f"its own, which it would override: wrap the scorer (PyramidAllocation(SnapKV)); a "
+                            f"per-head allocation within each pyramid layer is written outside, "
+                            f"AdaKV(PyramidAllocation(...))")
 
     def layer_budget(self, budget: LayerBudget) -> int:
         return pyramid_layer_budget(budget, self.policy.tail(budget.capacity), self.beta, self.schedule)

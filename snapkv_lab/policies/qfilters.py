@@ -56,6 +56,6 @@ class QFilters(Policy):
     def score(self, call: AttentionCall):
         filters = _FILTERS.get(call.module, {}).get(self.calibration_tokens)
         if filters is None:
-            raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its query "
-                               "directions are unknown")
+            raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so its "
+                               "query directions are unknown")
         return torch.einsum("hnd,hd->hn", call.key.float(), filters)

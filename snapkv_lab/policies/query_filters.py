@@ -32,7 +32,8 @@ TOKENS, SEQUENCE = 8192, 1024
 
 
 @torch.no_grad()  # not inference_mode: the filters meet keys of forwards autograd may track
-def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQUENCE, cache: bool = True) -> torch.Tensor:
+def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQUENCE,
+                  cache: bool = True) -> torch.Tensor:
     """(layers, kv_heads, head_dim) float32 unit vectors on the model's device: per layer and KV head, the main
     direction of its query heads' post-RoPE queries over `tokens` calibration tokens (module doc). cache: read and
     write <cache folder>/query_filters/<model>-<hash>.pt."""

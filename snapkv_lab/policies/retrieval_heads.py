@@ -59,13 +59,15 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
         steps, emitted = copy_steps(trace, query.span)
         heads = torch.arange(trace.n_heads)
         kv_heads = heads // (trace.n_heads // trace.n_kv_heads)
-        tables += [pd.DataFrame(dict(layer=layer, head=heads.numpy(), kv_head=kv_heads.numpy(), copy_steps=steps.numel(),
+        tables += [pd.DataFrame(dict(layer=layer, head=heads.numpy(), kv_head=kv_heads.numpy(),
+                                     copy_steps=steps.numel(),
                                      retrieval_hits=retrieval_hits(trace, layer, steps, emitted, query.span).numpy()))
                    for layer in trace.layers]
     if not counted:
         raise ValueError(f"the model found no needle in {len(specs)} prompts: no copy step to score (found_only=False "
                          "counts every prompt)")
-    pooled = pd.concat(tables).groupby(["layer", "head", "kv_head"], as_index=False)[["copy_steps", "retrieval_hits"]].sum()
+    pooled = (pd.concat(tables).groupby(["layer", "head", "kv_head"], as_index=False)
+              [["copy_steps", "retrieval_hits"]].sum())
     pooled.insert(3, "prompts", counted)
     pooled["retrieval_score"] = (pooled.retrieval_hits / pooled.copy_steps).where(pooled.copy_steps > 0)
     pooled = pooled[COLUMNS]

@@ -1,6 +1,7 @@
 """Surprisal: keep what the context could not predict, pooled over a fact. Needs no question.
 
-Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; docs/pressure.md, "Why compression fails"):
+Why (measured on SmolLM2-135M, needles at 1024 of 4000 tokens, query-agnostic; docs/pressure.md, "Why compression
+fails"):
 - Without the question, SnapKV's window (the context's last tokens) keeps the needle only where it sits in the
   window. (KVzip's reconstruction attention, as its authors define it, keeps 14 of 15: `--suites question-free`;
   a former, simplified KVzip kept half, which is what this scorer was first built against.)
@@ -78,9 +79,10 @@ class Surprisal(Policy):
         own), from the final hidden states (1, n, hidden_size) its prefill kept (`prompt.final_hidden`)."""
         hidden, ids = prompt.final_hidden, prompt.ids
         if hidden is None or hidden.shape[:2] != ids.shape:
-            raise ValueError(f"{self.label} scores from the final hidden states of the prefill of ids, which the engine "
-                             "keeps (SharedPrefill): run it through snapkv_lab.generate or compare")
+            raise ValueError(f"{self.label} scores from the final hidden states of the prefill of ids, which the "
+                             "engine keeps (SharedPrefill): run it through snapkv_lab.generate or compare")
         scores = token_surprisal(prompt.model, hidden, ids)
-        scores[:, :self.sinks] = math.inf  # protected: kept, and never pooled into their neighbours (base.Policy.ranked)
+        # protected: kept, and never pooled into their neighbours (base.Policy.ranked)
+        scores[:, :self.sinks] = math.inf
         return {i: scores[:, None].expand(-1, layer.keys.shape[1], -1)
                 for i, layer in enumerate(prompt.cache.layers) if not getattr(layer, "is_sliding", False)}

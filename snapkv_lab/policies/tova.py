@@ -1,4 +1,5 @@
-"""TOVA (Oren et al. 2024, arXiv 2401.06104, "Transformers are Multi-State RNNs"): keep what the last token attends to."""
+"""TOVA (Oren et al. 2024, arXiv 2401.06104, "Transformers are Multi-State RNNs"): keep what the last token attends
+to."""
 
 from __future__ import annotations
 

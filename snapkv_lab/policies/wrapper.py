@@ -2,10 +2,10 @@
 
 The wrapper's budget is the one that counts: its capacity and per_query_head are copied onto the inner policy, and
 its kept_tail when set (None, the default, leaves the inner policy's own: SnapKV's is its observation window). The
-inner policy's pooling, kernel_size, gqa and observation window (`SnapKV(window_size=64)`) stay its own. A wrapper changes one
-step of the inner policy's pipeline (see base): AdaKV the budgets per head, ChunkKV and CriticalKV the ranking;
-every other step, scoring included (extra forward passes too, e.g. KVzip's, and the final hidden states Surprisal
-reads), is the inner policy's. So wrappers compose with any scorer and with each other:
+inner policy's pooling, kernel_size, gqa and observation window (`SnapKV(window_size=64)`) stay its own. A wrapper
+changes one step of the inner policy's pipeline (see base): AdaKV the budgets per head, ChunkKV and CriticalKV the
+ranking; every other step, scoring included (extra forward passes too, e.g. KVzip's, and the final hidden states
+Surprisal reads), is the inner policy's. So wrappers compose with any scorer and with each other:
 CriticalKV(policy=AdaKV(policy=SnapKV())) is kvpress's CriticalAdaKV.
 
 The allocation wrappers (PyramidAllocation, GlobalAllocation, DuoAllocation; AdaKV and HeadKV too) move one budget
@@ -38,17 +38,18 @@ class Wrapper(Policy):
 
     def __post_init__(self):
         if not isinstance(self.policy, Policy) or isinstance(self.policy, FullCache):
-            raise TypeError(f"{self.name} wraps a scoring policy (SnapKV, H2O, KVzip, AdaKV(...), ...), got {self.policy!r}")
+            raise TypeError(f"{self.name} wraps a scoring policy (SnapKV, H2O, KVzip, AdaKV(...), ...), got "
+                            f"{self.policy!r}")
         if self.policy.layers_share_budget:
             raise TypeError(f"{self.name} keeps each layer's budget as the inner policy's layer_budget gives it, and "
-                            f"{self.policy.name} shares its budget across layers from every layer's scores: it cannot be "
-                            "wrapped")
+                            f"{self.policy.name} shares its budget across layers from every layer's scores: it cannot "
+                            "be wrapped")
         if not self.policy.capacity_sets_entries:
             raise TypeError(f"{self.name} keeps what its budget allows, and {self.policy.name} keeps what it decides "
                             "itself (lazy layers, a threshold), whatever the capacity: it cannot be wrapped")
         if self.pooling is not None or self.kernel_size != 1 or self.gqa != "mean":
-            raise ValueError(f"{self.name} ranks positions by its inner policy's pooling and GQA reduction: set them on "
-                             f"the inner policy ({self.policy.name}(pooling=..., gqa=...)), not on {self.name}")
+            raise ValueError(f"{self.name} ranks positions by its inner policy's pooling and GQA reduction: set them "
+                             f"on the inner policy ({self.policy.name}(pooling=..., gqa=...)), not on {self.name}")
         self.policy = dataclasses.replace(self.policy, **self.shared())
         super().__post_init__()
 
@@ -114,7 +115,8 @@ class Wrapper(Policy):
 def own_allocation(policy: Policy) -> str | None:
     """The name of the policy, `policy` or one it wraps, that sets budgets of its own per layer or per head (PyramidKV,
     AdaKV, HeadKV, DuoAttention, an allocation wrapper, CAKE), or None where every layer and head keeps the uniform
-    budget. KVzip's global selection is not counted: it lives in `keep_layers`, which a wrapper's replaces (its docs)."""
+    budget. KVzip's global selection is not counted: it lives in `keep_layers`, which a wrapper's replaces (its
+    docs)."""
     while True:
         base = Wrapper if isinstance(policy, Wrapper) else Policy
         cls = type(policy)
