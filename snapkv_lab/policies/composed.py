@@ -55,8 +55,8 @@ class Composed(Wrapper):
         for stage in (*self.before, self.policy):
             if not isinstance(stage, Policy) or stage.needs or stage.accumulates or stage.layers_share_budget or \
                     not stage.capacity_sets_entries or stage.per_query_head:
-                raise TypeError(f"Composed runs each stage on what the stage before kept, from the prefill's attention "
-                                f"calls: {getattr(stage, 'name', stage)!r} cannot be a stage (scored after the prefill, "
+                raise TypeError("Composed runs each stage on what the stage before kept, from the prefill's "
+                                f"attention calls: {getattr(stage, 'name', stage)!r} cannot be a stage (scored after the prefill, "
                                 "added up over prompt chunks, a budget of its own across layers, or per query head)")
         for stage in self.before:
             if stage.capacity is None:

@@ -48,8 +48,8 @@ class PerLayer(Wrapper):
                 check_int(f"layer_capacities[{layer}]", capacity, 1, why=", a ratio in (0, 1) or None")
                 if self.tail(capacity) >= capacity:
                     raise ValueError(f"layer_capacities[{layer}] ({capacity}) must exceed "
-                                     f"{self.policy.tail_setting(capacity)}: a layer keeps its whole tail plus at least "
-                                     "one chosen position")
+                                     f"{self.policy.tail_setting(capacity)}: a layer keeps its whole tail plus at "
+                                     "least one chosen position")
 
     def _layer_positions(self, layer: int, n_tokens: int) -> int | None:
         """Positions layer `layer` keeps per head of an n-token prompt, None where its capacity covers it."""
