@@ -197,8 +197,8 @@ def paired_difference(table: pd.DataFrame, baseline: str = "SnapKV", n_boot: int
     whether it is exact) and the number of `nonzero` differences it flips. No adjusted p: one run is not a family
     (a claim could pass in a small run and fail in a large one); the family is written down across runs in
     evaluation.family, which adjusts these p once over all of it. The statistic is, with `average="tasks"`, the
-    leaderboard's: the mean over tasks of each task's mean paired difference; with "examples", the mean over examples (each example weighs the
-    same, whichever task holds it). The question a leaderboard's overlapping intervals cannot answer: does A beat B
+    leaderboard's: the mean over tasks of each task's mean paired difference; with "examples", the mean over
+    examples (each example weighs the same, whichever task holds it). The question a leaderboard's overlapping intervals cannot answer: does A beat B
     on these examples? Pairing removes what the examples share (a hard example is hard for both), so it separates
     methods that unpaired intervals leave overlapping; the test, not the interval, decides, because on a handful of
     examples the bootstrap interval shrinks to a point. The lab's figures, pages and notebooks mark differences by

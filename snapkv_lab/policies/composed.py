@@ -56,8 +56,9 @@ class Composed(Wrapper):
             if not isinstance(stage, Policy) or stage.needs or stage.accumulates or stage.layers_share_budget or \
                     not stage.capacity_sets_entries or stage.per_query_head:
                 raise TypeError("Composed runs each stage on what the stage before kept, from the prefill's "
-                                f"attention calls: {getattr(stage, 'name', stage)!r} cannot be a stage (scored after the prefill, "
-                                "added up over prompt chunks, a budget of its own across layers, or per query head)")
+                                f"attention calls: {getattr(stage, 'name', stage)!r} cannot be a stage (scored after "
+                                "the prefill, added up over prompt chunks, a budget of its own across layers, or per "
+                                "query head)")
         for stage in self.before:
             if stage.capacity is None:
                 raise ValueError(f"each stage of `before` keeps its own capacity: {stage.label} has none")
