@@ -194,15 +194,15 @@ def paired_difference(table: pd.DataFrame, baseline: str = "SnapKV", n_boot: int
     """Per (dataset, [length,] policy, budget, mode): the policy's score less `baseline`'s at the same budget and
     mode, on the examples both answered, with a 95% bootstrap interval that resamples examples within each task for
     both at once, the two-sided p of a paired sign-flip test of the same statistic (sign_flip_test: `p_method` says
-    whether it is exact) and the number of `nonzero` differences it flips. No adjusted p: one run is not a family
-    (a claim could pass in a small run and fail in a large one); the family is written down across runs in
+    whether it is exact) and the number of `nonzero` differences it flips. No adjusted p: one run is not a family (a
+    claim could pass in a small run and fail in a large one); the family is written down across runs in
     evaluation.family, which adjusts these p once over all of it. The statistic is, with `average="tasks"`, the
     leaderboard's: the mean over tasks of each task's mean paired difference; with "examples", the mean over
-    examples (each example weighs the same, whichever task holds it). The question a leaderboard's overlapping intervals cannot answer: does A beat B
-    on these examples? Pairing removes what the examples share (a hard example is hard for both), so it separates
-    methods that unpaired intervals leave overlapping; the test, not the interval, decides, because on a handful of
-    examples the bootstrap interval shrinks to a point. The lab's figures, pages and notebooks mark differences by
-    the family's adjustment (family.run_adjustment)."""
+    examples (each example weighs the same, whichever task holds it). The question a leaderboard's overlapping
+    intervals cannot answer: does A beat B on these examples? Pairing removes what the examples share (a hard
+    example is hard for both), so it separates methods that unpaired intervals leave overlapping; the test, not the
+    interval, decides, because on a handful of examples the bootstrap interval shrinks to a point. The lab's
+    figures, pages and notebooks mark differences by the family's adjustment (family.run_adjustment)."""
     if average not in AVERAGES:
         raise ValueError(f"average must be one of {AVERAGES}, not {average!r}")
     keys = [*_scope(table), "policy", _budget(table), "mode"]
