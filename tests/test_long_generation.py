@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import make_tiny_llama
 
 import snapkv_lab as C
-from snapkv_lab.pressure.long_generation import list_scores, list_task, long_generation
+from snapkv_lab.pressure.long_generation import decoding_policies, list_scores, list_task, long_generation
 
 
 def test_list_task_is_seeded_and_its_codes_distinct():
@@ -34,3 +34,20 @@ def test_every_policy_and_the_full_cache_copy_each_list(byte_tokenizer):
     full = table[table.policy == "FullCache"]
     assert (full.cache_after_prefill == full.prompt_tokens).all()
     assert (table[table.policy != "FullCache"].cache_after_prefill < full.prompt_tokens.max()).all()
+    # the footprint's steps are the generated tokens: the full cache holds prompt + t entries per head and layer at t
+    steps = full.new_tokens
+    heads = 2 * 2
+    expected = heads * (full.prompt_tokens * steps + steps * (steps - 1) // 2)
+    assert (full.footprint_integral == expected).all()
+    assert (full.footprint_peak == heads * (full.prompt_tokens + steps - 1)).all()
+
+
+def test_decoding_policies_name_kvpress_presses_and_a_rerun_skips_done_cells(byte_tokenizer):
+    labels = [p.label for p in decoding_policies(48)]
+    assert labels == ["DecodingEviction@48", "DecodingEviction(target=48)", "RKV(interval=32)@48", "H2O@48", "TOVA@48"]
+    model = make_tiny_llama(initializer_range=0.3, num_hidden_layers=2)
+    seen = []
+    table = long_generation(model, byte_tokenizer, [C.H2O(capacity=16)], n_items=3, seeds=(0, 1), tokens_per_item=4,
+                            progress=False, skip={("FullCache", 0), ("H2O@16", 1)}, on_row=seen.append)
+    assert list(zip(table.policy, table.seed)) == [("H2O@16", 0), ("FullCache", 1)] and len(seen) == 2
+    assert table.budget.isna().tolist() == [False, True] and (table[table.policy == "H2O@16"].footprint_peak <= 4 * 16).all()
