@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import re
 
+import numpy as np
 import pandas as pd
 
 from ..compression import generate
@@ -23,6 +24,7 @@ from ..compression.greedy import eos_cut
 from ..core.framing import resolve_framing
 from ..core.inputs import eos_ids
 from ..core.progress import progress_bar
+from ..core.ratio_intervals import t_interval
 from ..policies import H2O, RKV, TOVA, DecodingEviction, FullCache
 
 LIST_HEAD = "Here is a list of {n} codes, one per line:\n\n"
@@ -70,14 +72,23 @@ def decoding_policies(budget: int) -> list:
 KVPRESS_EQUIVALENT = {"DecodingEviction": "PrefillDecodingPress", "DecodingEviction(target)": "DecodingPress"}
 
 
+def list_written(tokenizer, n_items: int):
+    """stop(token_ids (1, t)) -> bool for `generate`: True once the output's text holds its last line, "<n_items>.
+    <code>" and a line break (the task's end: a full cache stops there, a run that loses its place goes on to its
+    end token or max_new_tokens)."""
+    last = re.compile(rf"^\s*{n_items}\.\s*\d+\s*\n", re.MULTILINE)
+    return lambda token_ids: bool(last.search(tokenizer.decode(token_ids[0], skip_special_tokens=True)))
+
+
 def long_generation(model, tokenizer, policies, *, n_items: int = 40, seeds=(0, 1, 2), tokens_per_item: int = 8,
                     progress: bool = True, skip=frozenset(), on_row=None) -> pd.DataFrame:
     """Each policy and the full cache copy the lists of `seeds`: one row per (policy, seed) with the scores, the
     prompt's and the generated tokens, the largest layer cache after the prefill and the KV footprint over the
     generation (compression.footprint: entries held summed over layers and KV heads, integral over the decode steps
     and peak, and the same in bytes). A chat model gets its template (the prompt as a user turn), a base model the
-    plain text. max_new_tokens = n_items * tokens_per_item; new_tokens counts the end token, ended says whether one
-    came. skip: (policy label, seed) cells already run; on_row(row) sees each row as it is made (a resumable run
+    plain text. Generation stops at the task's end (`list_written`), an end token or max_new_tokens = n_items *
+    tokens_per_item, which `stopped` says ("list", "eos", "max_new_tokens"); new_tokens, the output's length, counts
+    the end token. skip: (policy label, seed) cells already run; on_row(row) sees each row as it is made (a resumable run
     writes it)."""
     runs = [FullCache(), *policies]
     rows = []
@@ -88,12 +99,14 @@ def long_generation(model, tokenizer, policies, *, n_items: int = 40, seeds=(0, 
     for seed, policy in todo:
         text, codes = list_task(n_items, seed)
         prompt = [{"role": "user", "content": text}] if chat else text
-        result = generate(model, tokenizer, prompt, policy=policy, max_new_tokens=max_new_tokens)
+        done = list_written(tokenizer, n_items)
+        result = generate(model, tokenizer, prompt, policy=policy, max_new_tokens=max_new_tokens, stop=done)
         new_tokens = result.token_ids.shape[1]
+        ended = eos_cut(result.token_ids[0].tolist(), eos_ids(model, tokenizer)) < new_tokens
         row = dict(policy=policy.label, seed=seed, n_items=n_items, budget=policy_budget(policy),
                    **list_scores(result.text, codes), prompt_tokens=result.prompt_ids.shape[1],
-                   new_tokens=new_tokens, ended=bool(eos_cut(result.token_ids[0].tolist(),
-                                                             eos_ids(model, tokenizer)) < new_tokens),
+                   new_tokens=new_tokens,
+                   stopped="list" if done(result.token_ids) else "eos" if ended else "max_new_tokens",
                    max_new_tokens=max_new_tokens, cache_after_prefill=max(result.cache_lengths, default=0),
                    **result.footprint.columns(), text=result.text)
         rows.append(row)
@@ -111,6 +124,36 @@ def policy_budget(policy) -> int | None:
     return policy.target if getattr(policy, "target", None) is not None else policy.capacity
 
 
+SUMMARY_COLUMNS = ("correct", "in_order", "new_tokens", "footprint_integral", "footprint_peak")
+
+
+def long_generation_summary(table: pd.DataFrame, ci: float = 0.95) -> pd.DataFrame:
+    """Per policy (the table's order): lists run, and for each of SUMMARY_COLUMNS the mean over lists with its t
+    interval (`<column>_low`, `<column>_high`), and `correct`'s difference to the full cache on the same lists
+    (paired by seed: `correct_vs_full` with its t interval), the share of runs that reached the list's last line
+    and the budget. Descriptive: no test, no family row."""
+    full = table[table.policy == "FullCache"].set_index("seed").correct
+    rows = []
+    for policy, part in table.groupby("policy", sort=False):
+        row = dict(policy=policy, budget=part.budget.iloc[0], lists=len(part),
+                   list_written=(part.stopped == "list").mean())
+        for column in SUMMARY_COLUMNS:
+            row |= _mean_interval(part[column].to_numpy(float), column, ci)
+        paired = (part.set_index("seed").correct - full).dropna()
+        row |= _mean_interval(paired.to_numpy(float), "correct_vs_full", ci)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _mean_interval(values: np.ndarray, name: str, ci: float) -> dict:
+    """{name: mean, name_low, name_high}: the t interval of the mean (NaN under 2 values)."""
+    n = np.array([len(values)])
+    se = np.array([values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else np.nan])
+    mean = np.array([values.mean() if len(values) else np.nan])
+    low, high = t_interval(mean, se, n, ci)
+    return {name: float(mean[0]), f"{name}_low": float(low[0]), f"{name}_high": float(high[0])}
+
+
 def main(argv=None) -> None:
     """python -m snapkv_lab.pressure.long_generation [--items 12] [--seeds 0 1 2] [--budgets 48 96] [--out CSV]:
     the full cache and the decoding-time policies (`decoding_policies`) at each budget on the bundled model; rows
@@ -124,7 +167,7 @@ def main(argv=None) -> None:
     parser.add_argument("--items", type=int, default=12)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--budgets", type=int, nargs="+", default=[48, 96])
-    parser.add_argument("--tokens-per-item", type=int, default=10)
+    parser.add_argument("--tokens-per-item", type=int, default=16)
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", default="data/long_generation.csv")
     args = parser.parse_args(argv)
