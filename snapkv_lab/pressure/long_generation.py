@@ -154,6 +154,26 @@ def _mean_interval(values: np.ndarray, name: str, ci: float) -> dict:
     return {name: float(mean[0]), f"{name}_low": float(low[0]), f"{name}_high": float(high[0])}
 
 
+def long_generation_markdown(table: pd.DataFrame) -> str:
+    """The summary as a markdown table for the docs (app.docs_tables): means [95% t interval] over the lists."""
+    summary = long_generation_summary(table)
+
+    def cell(row, column, digits=2, scale=1.0):
+        mean, low, high = (row[column] / scale, row[f"{column}_low"] / scale, row[f"{column}_high"] / scale)
+        return f"{mean:.{digits}f}" + ("" if np.isnan(low) else f" [{low:.{digits}f}, {high:.{digits}f}]")
+
+    lines = ["| policy | budget (entries per head and layer) | lists | codes copied (correct) | minus the full cache, "
+             "same lists | in order | output tokens | list finished | footprint integral (M entry-steps) | "
+             "peak (k entries) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for _, row in summary.iterrows():
+        budget = "full" if pd.isna(row.budget) else f"{int(row.budget)}"
+        lines.append(f"| {row.policy} | {budget} | {row.lists} | {cell(row, 'correct')} | "
+                     f"{cell(row, 'correct_vs_full')} | {cell(row, 'in_order')} | {cell(row, 'new_tokens', 0)} | "
+                     f"{row.list_written:.2f} | {cell(row, 'footprint_integral', 2, 1e6)} | "
+                     f"{cell(row, 'footprint_peak', 1, 1e3)} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     """python -m snapkv_lab.pressure.long_generation [--items 12] [--seeds 0 1 2] [--budgets 48 96] [--out CSV]:
     the full cache and the decoding-time policies (`decoding_policies`) at each budget on the bundled model; rows
