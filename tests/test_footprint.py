@@ -64,3 +64,13 @@ def test_a_batch_row_keeps_its_own_steps_and_the_footprint_refuses_a_batch(byte_
         _ = result.footprint.integral
     assert Footprint([[3, 5]], [10, 20]).columns() == dict(footprint_integral=8, footprint_peak=5,
                                                            footprint_bytes_integral=30, footprint_bytes_peak=20)
+
+
+def test_questions_decoded_as_one_batch_each_count_their_own_entries(byte_tokenizer):
+    # two questions of 3 and 6 tokens over one 20-token context: stacked left-padded, the pads never counted
+    model = make_tiny_llama()
+    results = generate(model, byte_tokenizer, PROMPT, question=[[30, 31, 32], [40, 41, 42, 43, 44, 45]],
+                       max_new_tokens=4)
+    for result, m in zip(results, (3, 6), strict=True):
+        steps = result.token_ids.shape[1]
+        assert result.footprint.held == [[LAYERS_X_KV_HEADS * (20 + m + t) for t in range(steps)]]
