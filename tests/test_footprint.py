@@ -74,3 +74,12 @@ def test_questions_decoded_as_one_batch_each_count_their_own_entries(byte_tokeni
     for result, m in zip(results, (3, 6), strict=True):
         steps = result.token_ids.shape[1]
         assert result.footprint.held == [[LAYERS_X_KV_HEADS * (20 + m + t) for t in range(steps)]]
+
+
+def test_bytes_follow_the_storage_a_quantized_cache_holds_fewer_bytes_per_entry(byte_tokenizer):
+    # KIVI at 2 bits over every position: the same entries as the full cache, each in fewer bytes than fp32's 128
+    footprint = traced(C.KIVI(policy=C.SnapKV(window_size=4), capacity=None, key_bits=2, value_bits=2, group_size=8,
+                              residual_length=8),
+                       byte_tokenizer)
+    assert footprint.held == [[LAYERS_X_KV_HEADS * (20 + t) for t in range(NEW)]]
+    assert all(0 < b < 128 * h for b, h in zip(footprint.bytes, footprint.held[0], strict=True))

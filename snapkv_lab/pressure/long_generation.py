@@ -186,7 +186,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=12)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[48, 96])
+    parser.add_argument("--budgets", type=int, nargs="*", default=[48, 96], help="none: the full cache alone")
     parser.add_argument("--tokens-per-item", type=int, default=16)
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", default="data/long_generation.csv")
