@@ -355,6 +355,15 @@ def _head_types(data_dir: Path, model: str = "") -> str:
     return "\n".join(lines)
 
 
+def _long_generation(data_dir: Path) -> str:
+    """The long-generation run per policy: codes copied, output length, KV footprint, each with its interval."""
+    import pandas as pd
+
+    from ..pressure.long_generation import long_generation_markdown
+
+    return long_generation_markdown(pd.read_csv(data_dir / "long_generation.csv"))
+
+
 def _methods(data_dir: Path) -> str:
     """The methods suite per method: needles found [95% Wilson interval] in each mode, kept tokens and the coverage
     columns of the query-aware runs."""
@@ -421,6 +430,7 @@ BLOCKS = {
     "family-holds": Block("benchmarks.md", FAMILY_FILES, _family_holds),
     "family-tasks": Block("benchmarks.md", FAMILY_FILES, _family_tasks),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
+    "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),

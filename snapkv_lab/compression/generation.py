@@ -30,6 +30,7 @@ from ..core.timing import ms_per_token, stopwatch
 from ..policies.base import FullCache, Policy
 from .compressor import PADDED_CHUNKS_REFUSED, compress, refuse_after_prefill
 from .entries import HeldEntries
+from .footprint import Footprint
 from .greedy import decode_text, eos_cut, forward, greedy_decode
 from .layers import cache_bytes, cache_lengths, row_cache_lengths, stack_forks
 from .shared import SharedPrefill
@@ -65,6 +66,8 @@ class GenerationResult:
     columns, read from the state before decoding), entries (the KV entries held, the uncompressed cache's and the
     budget's, per row and layer, right after the prompt's compression: compression.entries; kv_entries and kv_share
     are their totals).
+    footprint: the entries and bytes the cache held as each new token was predicted (compression.footprint: its
+    integral over the decode steps and its peak), recorded for every policy by the decoding loop.
     """
 
     text: str | list[str]
@@ -89,6 +92,7 @@ class GenerationResult:
     step_seconds: list[float] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     entries: HeldEntries | None = None
+    footprint: Footprint | None = None
 
     @property
     def kv_entries(self):
@@ -135,7 +139,8 @@ class GenerationResult:
                 prompt_ids=self.prompt_ids[b:b + 1][:, mask[b].bool()], kept_indices=kept,
                 cache_lengths=lengths[b], kv_bytes=round(self.kv_bytes * sum(lengths[b]) / total),
                 prompt_mask=None, row_cache_lengths=None,
-                entries=None if self.entries is None else self.entries.row(b)))
+                entries=None if self.entries is None else self.entries.row(b),
+                footprint=None if self.footprint is None else self.footprint.row(b, cut)))
         return results
 
 
@@ -261,15 +266,17 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
     results = []
     for index, (text, extra) in enumerate(zip(questions, extras, strict=True)):
         if decoded is not None:
-            (token_ids, fed, seconds), kept = decoded[index], state.kept_indices
+            (token_ids, fed, seconds, footprint), kept = decoded[index], state.kept_indices
         else:
+            footprint = Footprint()
             asked = state.fork() if len(questions) > 1 else state
             with applied(model, asked):
                 with stopwatch(model.device) as feeding:
                     first = logits if extra is None else forward(model, extra, asked.cache, n, mask)
                 start = n + (0 if extra is None else extra.shape[1])
                 token_ids, seconds = greedy_decode(model, asked.cache, first, start, max_new_tokens, eos, stop,
-                                                   None if mask is None else extended_mask(mask, start), min_new_tokens)
+                                                   None if mask is None else extended_mask(mask, start), min_new_tokens,
+                                                   footprint)
             fed, kept = feeding.seconds, asked.kept_indices
         texts = decode_text(tokenizer, token_ids, eos)
         results.append(GenerationResult(
@@ -280,7 +287,8 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
             question=text if isinstance(text, str) else None, prompt_mask=None if mask is None else mask.cpu(),
             row_cache_lengths=row_lengths, mode=mode, question_index=question_index + index, compressed_tokens=n,
             compressed=compressed, prompt_tokens=n + (0 if extra is None else extra.shape[1]),
-            sliding_layers=list(state.sliding_layers), step_seconds=seconds, extra=described[index], entries=entries))
+            sliding_layers=list(state.sliding_layers), step_seconds=seconds, extra=described[index], entries=entries,
+            footprint=footprint))
     return results
 
 
@@ -299,7 +307,8 @@ def batched_answers(model, state: CompressionState, extras, n: int, max_new_toke
     fed on its own fork of the cache, then the forks stacked into one left-padded batch (`stack_forks`) and decoded
     together, so every decode step reads the weights once for all of them. Each row is its own question's batch-1
     run (same positions, same visible slots), its tokens cut after its first EOS as a batch-1 run stops there.
-    Returns per question (token ids (1, new), seconds its question took to feed, the shared decode steps' seconds)."""
+    Returns per question (token ids (1, new), seconds its question took to feed, the shared decode steps' seconds,
+    its footprint over its own steps)."""
     forks, firsts, fed = [], [], []
     for extra in extras:
         asked = state.fork()
@@ -311,13 +320,14 @@ def batched_answers(model, state: CompressionState, extras, n: int, max_new_toke
     together = dataclasses.replace(state.fork(), cache=cache, pads=pads)
     start = n + max(extra.shape[1] for extra in extras)
     mask = (torch.arange(start)[None] >= pads[:, None]).long().to(model.device)
+    footprint = Footprint()
     with applied(model, together):
         token_ids, seconds = greedy_decode(model, cache, torch.cat(firsts), start, max_new_tokens, eos, mask=mask,
-                                           min_new_tokens=min_new_tokens)
+                                           min_new_tokens=min_new_tokens, footprint=footprint)
     out = []
-    for row, appended in zip(token_ids, fed, strict=True):
+    for b, (row, appended) in enumerate(zip(token_ids, fed, strict=True)):
         cut = eos_cut(row.tolist(), eos) + 1
-        out.append((row[None, :cut], appended, seconds[:cut - 1]))
+        out.append((row[None, :cut], appended, seconds[:cut - 1], footprint.row(b, cut)))
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 from ..core.hooks import with_cache
 from ..core.inputs import extended_mask, padded_positions
 from ..core.timing import stopwatch
+from .footprint import Footprint
 
 
 def eos_cut(tokens: list[int], eos) -> int:
@@ -48,13 +49,15 @@ def pick(logits: torch.Tensor, step: int, eos_ids=(), min_new_tokens: int = 0) -
 
 @torch.inference_mode()
 def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids=(), stop=None,
-                  mask: torch.Tensor | None = None, min_new_tokens: int = 0) -> tuple[torch.Tensor, list[float]]:
+                  mask: torch.Tensor | None = None, min_new_tokens: int = 0,
+                  footprint: Footprint | None = None) -> tuple[torch.Tensor, list[float]]:
     """Greedy decoding from the last prompt logits (batch, vocab), positions counted from `start`.
 
     Run it inside `applied(model, state)` when the cache is compressed. stop(token_ids) -> bool ends early (e.g. once
     an answer is complete). mask: a padded batch's (batch, m) padding mask of the slots before `start` (each row's
     positions then count from its first token, and the mask, extended by ones, goes to the model so that it masks
     the pads of the layers the compressor leaves whole). min_new_tokens: no end token among the first ones (`pick`).
+    footprint: records the entries and bytes the cache holds as each new token is predicted (footprint.Footprint).
     A batch decodes until every row has ended (`eos_cut` finds each row's end). Returns ((batch, new), step seconds).
     """
     pads = None if mask is None else (mask == 0).sum(-1)
@@ -62,6 +65,8 @@ def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids
     done = torch.zeros(logits.shape[0], dtype=torch.bool)
     ends = torch.tensor(list(eos_ids), dtype=torch.long)
     next_token = pick(logits, 0, eos_ids, min_new_tokens)
+    if footprint is not None:
+        footprint.record(cache, pads)
     for step in range(max_new_tokens):
         tokens.append(next_token)
         done |= torch.isin(next_token.cpu(), ends)
@@ -74,4 +79,6 @@ def greedy_decode(model, cache, logits, start: int, max_new_tokens: int, eos_ids
                         attention_mask=padding)
             next_token = pick(out.logits[:, -1], step + 1, eos_ids, min_new_tokens)
         seconds.append(elapsed.seconds)
+        if footprint is not None:  # outside the stopwatch: counting is not the step's time
+            footprint.record(cache, pads)
     return torch.stack(tokens, 1), seconds

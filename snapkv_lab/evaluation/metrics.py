@@ -37,6 +37,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from itertools import chain
 
+from .math_answers import kvpress_aime, kvpress_math500, math_equal_score
+
 References = Sequence[str]
 Metric = Callable[..., float]  # (prediction, references, **meta) -> [0, 1]
 
@@ -741,6 +743,10 @@ METRICS: dict[str, Metric] = {
     "loogle_partial_match": loogle_partial_match,
     # kvpress's needle in a haystack
     "needle_rouge": needle_rouge,
+    # kvpress's reasoning sets (evaluation.math_answers): AIME25 and MATH500 as kvpress scores them, MATH's grader
+    "kvpress_aime": kvpress_aime,
+    "kvpress_math500": kvpress_math500,
+    "math_equal": math_equal_score,
 }
 
 NOT_REPRODUCED: dict[str, str] = {

@@ -11,8 +11,9 @@ from .hub import NEEDLE_HUB, RULER_HUB
 from .infinitebench import INFINITEBENCH
 from .longbench import LONGBENCH, LONGBENCH_E, LONGBENCH_V2
 from .loogle import LOOGLE
+from .reasoning import AIME25, MATH500
 from .ruler import RULER
 from .scbench import SCBENCH
 
 DATASETS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
-    RULER, LONGBENCH, LONGBENCH_E, LONGBENCH_V2, INFINITEBENCH, LOOGLE, SCBENCH, RULER_HUB, NEEDLE_HUB)}
+    RULER, LONGBENCH, LONGBENCH_E, LONGBENCH_V2, INFINITEBENCH, LOOGLE, SCBENCH, RULER_HUB, NEEDLE_HUB, AIME25, MATH500)}

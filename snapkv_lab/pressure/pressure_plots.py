@@ -20,6 +20,7 @@ from ..views.palette import HEATMAP_COLOURS, LINE_COLOURS, line_style
 from .ablations import ABLATION_CAPACITY, ABLATION_LENGTH, ablation_table, retrieval_predictors
 from .grid import RULER_CAPACITY, RULER_LENGTH
 from .intervals import wilson
+from .long_generation_plots import long_generation_figure
 from .runner import MODES
 from .tables import methods_table, run_label
 
@@ -75,7 +76,7 @@ def _dodge(budgets: pd.Series, index: int, count: int) -> pd.Series:
 
 def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
     """Every pressure figure whose table exists in data_dir: needle heatmaps per mode, accuracy vs budget,
-    the ablations (`draw_ablations`), the RULER-style suite and the lines ablation."""
+    the ablations (`draw_ablations`), the RULER-style suite, the lines ablation and long generation."""
     data_dir, figures_dir = Path(data_dir), Path(figures_dir)
     written = []
     if (data_dir / "pressure_needle.csv").exists():
@@ -90,6 +91,9 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
         written += lines_figure(pd.read_csv(data_dir / "pressure_lines.csv"), figures_dir / "pressure_lines")
     if (data_dir / "pressure_methods.csv").exists():
         written += methods_figure(pd.read_csv(data_dir / "pressure_methods.csv"), figures_dir / "pressure_methods")
+    if (data_dir / "long_generation.csv").exists():
+        written += long_generation_figure(pd.read_csv(data_dir / "long_generation.csv"),
+                                          figures_dir / "long_generation")
     return written
 
 
