@@ -88,8 +88,8 @@ def long_generation(model, tokenizer, policies, *, n_items: int = 40, seeds=(0, 
     and peak, and the same in bytes). A chat model gets its template (the prompt as a user turn), a base model the
     plain text. Generation stops at the task's end (`list_written`), an end token or max_new_tokens = n_items *
     tokens_per_item, which `stopped` says ("list", "eos", "max_new_tokens"); new_tokens, the output's length, counts
-    the end token. skip: (policy label, seed) cells already run; on_row(row) sees each row as it is made (a resumable run
-    writes it)."""
+    the end token. skip: (policy label, seed) cells already run; on_row(row) sees each row as it is made (a resumable
+    run writes it)."""
     runs = [FullCache(), *policies]
     rows = []
     chat = resolve_framing(tokenizer) == "chat"
