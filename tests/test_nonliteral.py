@@ -12,8 +12,10 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from conftest import ByteTokenizer
+from scipy.stats import t as scipy_t
 
 from snapkv_lab.evaluation import nolima
 from snapkv_lab.evaluation.metrics import score
@@ -147,3 +149,30 @@ def test_nolima_is_refused_clearly_without_its_files(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="amodaresi/NoLiMa.*--source DIR"):
         NOLIMA.specs("onehop")
     assert len(NOLIMA.specs("generated", limit=3)) == 3  # the generated tasks need no file
+
+
+def _run(scores: dict) -> pd.DataFrame:
+    """An eval table: {(policy, mode): [score per item]}, the full cache's under mode "full", one question each."""
+    rows = [dict(dataset="nolima", length=4096, task="t", example=f"i{i}", policy=policy, mode=mode,
+                 ratio=0.0 if policy == "FullCache" else 0.5, capacity=None, score=s, kv_share=0.5, over_budget=False)
+            for (policy, mode), values in scores.items() for i, s in enumerate(values)]
+    return pd.DataFrame(rows)
+
+
+def test_literal_gap_by_hand():
+    from snapkv_lab.evaluation.literal_gap import literal_gap
+
+    # four items; the full cache answers items 0-2 both ways and misses item 3's non-literal question
+    nonliteral = _run({("FullCache", "full"): [1, 1, 1, 0], ("SnapKV", "query-aware"): [0, 0, 1, 0]})
+    literal = _run({("FullCache", "full"): [1, 1, 1, 1], ("SnapKV", "query-aware"): [1, 1, 1, 0]})
+    out = literal_gap(nonliteral, literal).set_index("subset")
+    # gaps in points: item 0 (0-100) - (100-100) = -100, item 1 -100, item 2 0, item 3 (0-0) - (0-100) = +100
+    answered, every = out.loc["answered"], out.loc["all"]
+    assert answered.n == 3 and answered.gap == pytest.approx(-200 / 3) and answered.nonzero == 2
+    assert answered.loss_nonliteral == pytest.approx(-200 / 3) and answered.loss_literal == 0
+    half = scipy_t.ppf(0.975, 2) * np.std([-100, -100, 0], ddof=1) / np.sqrt(3)
+    assert (answered.low, answered.high) == pytest.approx((-200 / 3 - half, -200 / 3 + half))
+    assert answered.p == pytest.approx(0.5)  # two equal nonzero gaps of one sign: 2 / 2^2 flips reach it
+    assert every.n == 4 and every.gap == pytest.approx(-25) and every.full_nonliteral == 75
+    with pytest.raises(ValueError, match="different items"):
+        literal_gap(nonliteral, literal[literal.example != "i3"])
