@@ -84,7 +84,7 @@ def test_generated_literal_and_nonliteral_share_one_context_of_the_length():
                                                   "answer with no additional explanation or reasoning.")
         assert plain.questions[0].answers == literal.questions[0].answers == (item.answer,)
         for example in (plain, literal):  # bytes: one token each; the answer's tokens counted in the length
-            assert 1500 - 40 <= len((example.context + example.questions[0].text).encode()) + 32 <= 1500
+            assert 1500 - 24 <= len((example.context + example.questions[0].text).encode()) + 16 <= 1500
         share = plain.context.index(item.needle) / len(plain.context)
         assert abs(share - plain.meta["depth"]) < 0.1
     with pytest.raises(ValueError, match="no room"):
@@ -176,3 +176,10 @@ def test_literal_gap_by_hand():
     assert every.n == 4 and every.gap == pytest.approx(-25) and every.full_nonliteral == 75
     with pytest.raises(ValueError, match="different items"):
         literal_gap(nonliteral, literal[literal.example != "i3"])
+
+
+def test_the_docs_blocks_read_the_gap_tables():
+    from snapkv_lab.app.docs_tables import NOLIMA_TABLES
+    from snapkv_lab.evaluation.literal_gap import TABLES
+
+    assert NOLIMA_TABLES == TABLES

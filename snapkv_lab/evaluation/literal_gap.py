@@ -33,7 +33,7 @@ GAP_TABLE = "nolima_literal_gap.csv"
 SUBSETS = ("answered", "all")
 # The run the docs report (docs/non-literal.md): what --recompute reruns.
 LIMIT = 26  # items per model; the docs say how far the runs got (cells resume)
-POLICIES = ("StreamingLLM", "H2O", "SnapKV", "PyramidKV", "TOVA", "AdaKV", "KNorm", "ExpectedAttention")
+POLICIES = ("SnapKV", "H2O", "StreamingLLM", "KNorm", "ExpectedAttention")
 RUN = dict(datasets=["nolima"], lengths=(4096,), ratios=[0.5], policies=POLICIES, limit=LIMIT)
 
 
@@ -82,6 +82,46 @@ def literal_gap(nonliteral: pd.DataFrame, literal: pd.DataFrame) -> pd.DataFrame
                              high=float(high), p=p, p_method=method, nonzero=int(np.count_nonzero(gap)),
                              kv_share=group.kv_share.mean()))
     return pd.DataFrame(rows)
+
+
+def _share(found: float, n: int) -> str:
+    from ..pressure.intervals import wilson
+
+    low, high = wilson(round(found), n)
+    return f"{found:.0f}/{n} [{100 * low:.0f}, {100 * high:.0f}]"
+
+
+def report(nonliteral: pd.DataFrame, literal: pd.DataFrame) -> str:
+    """Markdown for docs/non-literal.md: the full cache each way (answered / n, Wilson 95% in percent), then per mode
+    each policy's score each way and its gap over all items and over the answered ones (mean [t 95%], sign-flip p,
+    nonzero gaps)."""
+    items = paired_items(nonliteral, literal)
+    full = items.drop_duplicates("example")
+    n = len(full)
+    gaps = literal_gap(nonliteral, literal)
+    both = int(((full.full_nl == 100) & (full.full_l == 100)).sum())
+    lines = [f"{n} items, ratio {gaps.ratio.iloc[0]:g}. The full cache answers the literal question on "
+             f"{_share(full.full_l.sum() / 100, n)}, the non-literal one on {_share(full.full_nl.sum() / 100, n)} "
+             f"(answered / n [Wilson 95%, percent]); both on {both}.", ""]
+    for mode in [m for m in ("query-aware", "query-agnostic") if m in set(gaps["mode"])]:
+        lines += [f"**{mode}** (scores 0-100 over all items; gap = (policy - full) non-literal less (policy - full) "
+                  "literal, per item: mean [t 95%], exact sign-flip p, nonzero gaps):", "",
+                  "| policy | KV share | literal | non-literal | gap, all items | gap, answered both ways |",
+                  "|---|---|---|---|---|---|"]
+        part = gaps[gaps["mode"] == mode].set_index(["subset", "policy"])
+        for policy in part.loc["all"].sort_values("gap").index:
+            row = part.loc[("all", policy)]
+            cells = [f"{row.kv_share:.2f}", f"{row.policy_literal:.0f}", f"{row.policy_nonliteral:.0f}"]
+            for subset in ("all", "answered"):
+                if (subset, policy) not in part.index:
+                    cells.append("no item")
+                    continue
+                r = part.loc[(subset, policy)]
+                interval = "" if np.isnan(r.low) else f" [{r.low:+.0f}, {r.high:+.0f}]"
+                cells.append(f"{r.gap:+.0f}{interval}, p {r.p:.2g} ({r.nonzero} of {r.n})")
+            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def read_runs(data_dir) -> tuple[pd.DataFrame, pd.DataFrame] | None:

@@ -32,7 +32,7 @@ Where this differs from the official run, and why:
 - run_tests.py reproduces a quirk (line 72): a question's placeholders are replaced from the original question at
   each argument, so only the last argument present survives; needle_set.json's questions have one placeholder each.
 - Haystack files are taken in name order (run_tests.py: os.listdir's order, which the OS decides).
-- The generated tasks are the lab's: 32 new tokens stopped at a line end (an answer is a name; the official model
+- The generated tasks are the lab's: 16 new tokens stopped at a line end (an answer is a name; the official model
   configs let 192 tokens come), the lab's essays as haystack (NoLiMa's books are filtered of every word a question
   could match; the essays are not, but they hold none of the bank's names or places: tasks.nonliteral).
 """
@@ -64,7 +64,7 @@ BASE_SEED = 42  # run_tests.py --base_seed
 MAX_TOKENS = 192  # model_configs/*.json "max_tokens"
 OFFICIAL_TASKS = ("onehop", "twohop")
 GENERATED_TASKS = ("generated", "generated_literal")
-GENERATED_NEW_TOKENS = 32
+GENERATED_NEW_TOKENS = 16
 DEFAULT_LIMIT = DEPTHS  # generated items per length when no limit is given: one per official depth
 
 
