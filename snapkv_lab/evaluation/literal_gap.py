@@ -168,16 +168,21 @@ def draw(data_dir, figures_dir) -> list[Path]:
     table = table[table.subset == "all"]
     modes = [m for m in ("query-aware", "query-agnostic") if m in set(table["mode"])]
     figure, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), sharey=True, squeeze=False)
+    policies = sorted(set(table.policy))  # one order in every panel: they share the y axis
     for axis, mode in zip(axes[0], modes, strict=True):
-        part = table[table["mode"] == mode].sort_values("gap")
-        y = np.arange(len(part))
+        part = table[table["mode"] == mode].set_index("policy").reindex(policies)
+        y = np.arange(len(policies))
         axis.barh(y - 0.2, part.loss_literal, height=0.4, label="literal question", color="#4c72b0")
         axis.barh(y + 0.2, part.loss_nonliteral, height=0.4, label="non-literal question", color="#dd8452")
-        axis.set_yticks(y, [f"{r.policy}  gap {r.gap:+.0f} [{r.low:+.0f}, {r.high:+.0f}]" for r in part.itertuples()])
+        for at, row in zip(y, part.itertuples(), strict=True):
+            interval = "" if np.isnan(row.low) else f" [{row.low:+.0f}, {row.high:+.0f}]"
+            axis.text(2, at, f"gap {row.gap:+.0f}{interval}", va="center", fontsize=8)
+        axis.set_yticks(y, policies)
+        axis.set_xlim(-105, 105)
         axis.axvline(0, color="black", linewidth=0.8)
-        axis.set_title(f"{mode}, ratio {part.ratio.iloc[0]:g}, n = {part.n.max()} items")
+        axis.set_title(f"{mode}, ratio {part.ratio.iloc[0]:g}, n = {part.n.max()} items", fontsize=10)
         axis.set_xlabel("policy less full cache (points)")
-    axes[0][0].legend(loc="lower left", fontsize=8)
+    axes[0][-1].legend(loc="lower right", fontsize=8)
     figure.suptitle("nolima generated items: loss to the full cache, literal vs non-literal", fontsize=10)
     figure.tight_layout()
     out = Path(figures_dir) / "nolima_literal_gap.png"
