@@ -85,10 +85,11 @@ def literal_gap(nonliteral: pd.DataFrame, literal: pd.DataFrame) -> pd.DataFrame
 
 
 def _share(found: float, n: int) -> str:
-    from ..pressure.intervals import wilson
+    """found / n with its Wilson 95% interval in percent (scipy.stats.binomtest's)."""
+    from scipy.stats import binomtest
 
-    low, high = wilson(round(found), n)
-    return f"{found:.0f}/{n} [{100 * low:.0f}, {100 * high:.0f}]"
+    interval = binomtest(round(found), n).proportion_ci(method="wilson")
+    return f"{found:.0f}/{n} [{100 * interval.low:.0f}, {100 * interval.high:.0f}]"
 
 
 def report(nonliteral: pd.DataFrame, literal: pd.DataFrame) -> str:
