@@ -25,6 +25,7 @@ DATASET_TASKS = {
                 "scbench_summary_with_needles"),
     "ruler-hub": RULER_TASKS,
     "needle-hub": ("needle_in_haystack",),
+    "nolima": ("onehop", "twohop", "generated", "generated_literal"),
 }
 # evaluation.LEADERBOARD["datasets"]: the tasks `figures --samples TASK=N` may name.
 LEADERBOARD_DATASETS = ("ruler",)

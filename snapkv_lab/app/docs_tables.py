@@ -52,6 +52,13 @@ def _scorer_allocation(data_dir: Path) -> str:
     return report(pd.read_csv(data_dir / TABLE, dtype={"example": str, "prediction": str}))
 
 
+def _nolima(data_dir: Path, model: str = "") -> str:
+    """nolima's generated items, literal vs non-literal, per policy and mode (evaluation.literal_gap.report)."""
+    from ..evaluation.literal_gap import read_runs, report
+
+    return report(*read_runs(data_dir / model))
+
+
 def _interval_cell(score: float, low: float, high: float) -> str:
     return f"{score:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
 
@@ -390,6 +397,8 @@ def _methods(data_dir: Path) -> str:
 
 # The family of comparisons (evaluation.family.FAMILY and RESULTS): every difference block reads its p from there.
 FAMILY_FILES = ("comparison_family.csv", "comparison_family_results.csv")
+# evaluation.literal_gap.TABLES (a copy: importing it here would import the evaluation package for every page)
+NOLIMA_TABLES = {"nonliteral": "eval_nolima_4k_nonliteral.csv", "literal": "eval_nolima_4k_literal.csv"}
 
 BLOCKS = {
     "findings": Block("findings.md", ("findings_a.csv",), _findings),
@@ -429,6 +438,9 @@ BLOCKS = {
     "family-runs": Block("benchmarks.md", FAMILY_FILES, _family_runs),
     "family-holds": Block("benchmarks.md", FAMILY_FILES, _family_holds),
     "family-tasks": Block("benchmarks.md", FAMILY_FILES, _family_tasks),
+    "nolima": Block("non-literal.md", tuple(NOLIMA_TABLES.values()), _nolima),
+    "nolima-gemma": Block("non-literal.md", tuple(f"gemma-3-270m/{t}" for t in NOLIMA_TABLES.values()),
+                          functools.partial(_nolima, model="gemma-3-270m")),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),

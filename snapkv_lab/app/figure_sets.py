@@ -24,6 +24,8 @@ FIGURE_MODULES = {
                                                  "and head"),
     "scorer-allocation": ("snapkv_lab.app.scorer_allocation_plots", "every scorer under every allocation at matched KV "
                                                               "entries (snapkv-lab scorer-allocation)"),
+    "non-literal": ("snapkv_lab.evaluation.literal_gap", "nolima's generated needles: each policy's loss to the full "
+                                                         "cache, literal vs non-literal question"),
 }
 
 

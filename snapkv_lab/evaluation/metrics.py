@@ -690,6 +690,26 @@ def needle_rouge(prediction: str, references: References, **meta) -> float:
     return 0.0 if scores is None else scores[2]
 
 
+# NoLiMa: evaluation/async_evaluate.py's _evaluate_response (adobe-research/NoLiMa at 7532e4e, lines 114-126), by
+# its four `metric` names; the response as the API returned it (case-sensitive, the gold answers a list).
+
+
+def nolima_em(prediction: str, references: References, **meta) -> float:
+    return float(prediction.strip() in references)
+
+
+def nolima_contains(prediction: str, references: References, **meta) -> float:
+    return float(any(reference in prediction for reference in references))
+
+
+def nolima_lastline_em(prediction: str, references: References, **meta) -> float:
+    return float(prediction.strip().split("\n")[-1] in references)
+
+
+def nolima_lastline_contains(prediction: str, references: References, **meta) -> float:
+    return float(any(reference in prediction.strip().split("\n")[-1] for reference in references))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The registry
 
@@ -747,6 +767,11 @@ METRICS: dict[str, Metric] = {
     "kvpress_aime": kvpress_aime,
     "kvpress_math500": kvpress_math500,
     "math_equal": math_equal_score,
+    # NoLiMa (its run configs score "contains")
+    "nolima_em": nolima_em,
+    "nolima_contains": nolima_contains,
+    "nolima_lastline_em": nolima_lastline_em,
+    "nolima_lastline_contains": nolima_lastline_contains,
 }
 
 NOT_REPRODUCED: dict[str, str] = {
