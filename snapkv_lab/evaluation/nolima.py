@@ -91,7 +91,8 @@ def needle_tests(needle_set: list[dict]) -> list[dict]:
                         full_question = question.replace(placeholder, argument)  # line 72, as it is
                     needle = needle.replace(placeholder, argument)
                 tests.append(dict(question_type=question_type,
-                                  test_name=f"{experiment['id']}_{test_id}_{question_type}", needle=needle, question=full_question, gold_answers=test.get("gold_answers", ""),
+                                  test_name=f"{experiment['id']}_{test_id}_{question_type}", needle=needle,
+                                  question=full_question, gold_answers=test.get("gold_answers", ""),
                                   character_set=experiment.get("character_set", ""),
                                   seed=BASE_SEED + int(experiment["id"][:4]),
                                   task_template=experiment.get("task_template", DEFAULT_TASK_TEMPLATE)))
