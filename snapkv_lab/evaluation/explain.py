@@ -29,9 +29,10 @@ from ..core.trace import AttentionTrace
 from ..policies import FullCache, policy_from_config, upgrade_config
 from ..tasks.corpus import redact_essays
 from ..views.coverage import attention_coverage, coverage_summary
+from .answer_rows import score_answer, stop_ids
 from .examples import Example
 from .prompting import EncodedExample, encode_example, frame_texts
-from .run import _benchmark, default_max_context, score_answer, stop_ids
+from .run import _benchmark, default_max_context
 
 
 @dataclass

@@ -53,6 +53,7 @@ from ..core.framing import PLACEHOLDER, require_chat_template, resolve_framing
 from ..core.inputs import check_context_length, eos_ids
 from ..core.tokens import encode
 from ..policies.base import FullCache
+from .answer_rows import example_row, prediction, stop_ids
 from .prompting import frame_texts
 from .scbench import MAX_NEW_TOKENS
 
@@ -177,13 +178,12 @@ def converse(model, tokenizer, shared: SharedPrefill, turns: list[Turn], policy,
         yield result, compressed
 
 
-def run_conversations(model, tokenizer, config: dict):
+def run_conversations(model, tokenizer, config: dict, prepared: tuple):
     """One cell of a multi-turn run: every feed x compress option x (full cache, and every policy x budget x mode),
     each conversation carrying its own cache over the example's turns; one row per turn (run.run_example's columns,
-    with feed, compress, turn and recompressed)."""
-    from .run import prepared_example  # run.py dispatches here: imported late
-
-    example, _, budget_of, policies = prepared_example(model, tokenizer, config)
+    with feed, compress, turn and recompressed). prepared: run.prepared_example's (example, encoded, {policy label:
+    budget}, policies) of the cell."""
+    example, _, budget_of, policies = prepared
     framing = resolve_framing(tokenizer, config["framing"])
     with torch.inference_mode():  # the states are built in inference mode: every feed over them must be too
         rows = _conversation_rows(model, tokenizer, config, example, budget_of, policies, framing)
@@ -192,8 +192,6 @@ def run_conversations(model, tokenizer, config: dict):
 
 
 def _conversation_rows(model, tokenizer, config, example, budget_of, policies, framing) -> list[dict]:
-    from .run import example_row, prediction, stop_ids  # run.py dispatches to this module: imported late
-
     options, rows = config["multi_turn"], []
     stops = stop_ids(tokenizer, example)
     ends = (*eos_ids(model, tokenizer), *stops)
