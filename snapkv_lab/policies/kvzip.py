@@ -159,7 +159,9 @@ class KVzip(Policy):
     prefill's n^2 / 2, 2.5x an 8k one's), then the scores, a softmax over [sinks, chunk, feed] per chunk; while a
     chunk runs the cache also holds its feed (a fork, then dropped). Measured on SmolLM2 fp32, 2 CPU cores
     (2026-11-24, benchmarks/bench_policies.py on a quiet machine): 3.1x / 4.1x / 3.5x the prefill at 2k / 4k / 8k
-    tokens, the forwards alone 1.9-2.8x (measured beside other jobs). The paper
+    tokens, the forwards alone 1.9-2.8x (measured beside other jobs). Since 2026-11-29 the scores come from the
+    forwards' own softmax (reconstruction_attention), which removes the second q.k over [sinks, chunk, feed]; its
+    cost on a quiet machine is not yet measured (one pair at load 15-20 gave 2.45x before, 2.68x after: noise). The paper
     reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly attention.
 
     chunk_size: context tokens reconstructed per forward (official 2000, wrapper.py:200; kvpress 2048).
