@@ -162,7 +162,8 @@ class KVzip(Policy):
     tokens, the forwards alone 1.9-2.8x (measured beside other jobs). Since 2026-11-29 the scores come from the
     forwards' own softmax (reconstruction_attention), which removes the second q.k over [sinks, chunk, feed]; its
     cost on a quiet machine is not yet measured (one pair at load 15-20 gave 2.45x before, 2.68x after: noise).
-    The paper reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly attention.
+    The paper reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly
+    attention.
 
     chunk_size: context tokens reconstructed per forward (official 2000, wrapper.py:200; kvpress 2048).
     sinks: None: the system prompt (the chat template's head when the prompt starts with it, else the first 4
