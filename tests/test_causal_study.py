@@ -19,7 +19,7 @@ from snapkv_lab.views.causal import causal_coverage
 @pytest.fixture(scope="module")
 def studied(tmp_path_factory):
     data = tmp_path_factory.mktemp("causal")
-    table = causal_study.study(make_tiny_llama(), ByteTokenizer(), data, prompts=2, length=400, block=64,
+    table = causal_study.study(make_tiny_llama(), ByteTokenizer(), data, prompts=1, length=400, block=64,
                                policies=["StreamingLLM", "SnapKV"], max_new_tokens=3, progress=False)
     return data, table
 
@@ -27,7 +27,7 @@ def studied(tmp_path_factory):
 def test_rows_are_causal_coverage_of_each_kept_set(studied):
     data, table = studied
     effects = pd.read_csv(data / causal_study.EFFECTS)
-    assert len(table) == 2 * 2 * 2 and set(table["mode"]) == {"query-aware", "query-agnostic"}
+    assert len(table) == 2 * 2 and set(table["mode"]) == {"query-aware", "query-agnostic"}
     row = table[(table.policy == "StreamingLLM@0.5") & (table["mode"] == "query-agnostic")].iloc[0]
     spans = effects[(effects.prompt == row.prompt) & (effects["mode"] == row["mode"])]
     n = int(spans.end.max())
@@ -50,10 +50,17 @@ def test_a_rerun_skips_the_stored_cells(studied, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a stored cell was recomputed")
 
-    monkeypatch.setattr(causal_study, "prompt_cells", refuse)
-    again = causal_study.study(make_tiny_llama(), ByteTokenizer(), data, prompts=2, length=400,
-                               policies=["StreamingLLM", "SnapKV"], progress=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(causal_study, "prompt_cells", refuse)
+        again = causal_study.study(make_tiny_llama(), ByteTokenizer(), data, prompts=1, length=400,
+                                   policies=["StreamingLLM", "SnapKV"], progress=False)
     assert len(again) == len(table)
+    # a policy added later runs alone, on the stored prompts, and their effects are kept once
+    more = causal_study.study(make_tiny_llama(), ByteTokenizer(), data, prompts=1, length=400,
+                              policies=["StreamingLLM", "SnapKV", "H2O"], max_new_tokens=3, progress=False)
+    assert sorted(more.policy) == ["H2O@0.5"] * 2 + ["SnapKV@0.5"] * 2 + ["StreamingLLM@0.5"] * 2
+    effects = pd.read_csv(data / causal_study.EFFECTS)
+    assert not effects.duplicated(["prompt", "mode", "start", "end"]).any()
 
 
 def test_mean_interval_is_scipys_t_interval():

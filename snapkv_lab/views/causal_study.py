@@ -17,7 +17,8 @@ Per prompt (a needle in Paul Graham's essays, tasks.needles.needle_context) and 
   coverage, oracle and chance (views.causal), attention coverage, oracle and chance (views.coverage, sinks kept, and
   sinks excluded beside), the needle's kept share.
 One row per (prompt, mode, policy) in the tidy table TABLE, the span effects of each (prompt, mode) in EFFECTS; a
-cell (prompt, mode) is written as soon as it is done and a rerun skips the cells stored.
+prompt's rows are written as soon as it is done, and a rerun skips the (prompt, mode, policy) rows stored (a policy
+added later runs alone on the prompts already done).
 """
 
 from __future__ import annotations
@@ -157,23 +158,28 @@ def study(model, tokenizer, data_dir="data", *, model_name: str = "", prompts: i
         raise ValueError(f"no policy of {list(policies)} can run on this model: {skipped}")
     table_path, effects_path = data_dir / TABLE, data_dir / EFFECTS
     stored = pd.read_csv(table_path) if table_path.exists() else pd.DataFrame(columns=COLUMNS)
-    done = set(zip(stored.prompt, stored["mode"], strict=True))
+    done = set(zip(stored.prompt, stored["mode"], stored.policy, strict=True))
     load = [os.getloadavg()[0]]
     started = time.perf_counter()
     for prompt in progress_bar(range(prompts), desc="causal coverage", total=prompts, disable=not progress):
-        todo = [mode for mode in modes if (prompt, mode) not in done]
+        # a policy added to a finished study runs alone on the stored prompts (their span effects are recomputed,
+        # deterministically, and kept once)
+        todo = [mode for mode in modes if any((prompt, mode, p.label) not in done for p in built)]
         if not todo:
             continue
-        rows, effects = prompt_cells(model, tokenizer, prompt, built, length=length,
+        missing = [p for p in built if any((prompt, mode, p.label) not in done for mode in todo)]
+        rows, effects = prompt_cells(model, tokenizer, prompt, missing, length=length,
                                      depth=depths[prompt % len(depths)], block=block, modes=todo, ratio=ratio,
                                      max_new_tokens=max_new_tokens, model_name=model_name)
+        rows = [row for row in rows if (prompt, row["mode"], row["policy"]) not in done]
         stored = pd.concat([stored, pd.DataFrame(rows, columns=COLUMNS)], ignore_index=True)
         stored.to_csv(table_path, index=False)
         old = pd.read_csv(effects_path) if effects_path.exists() else None
-        pd.concat([old, effects], ignore_index=True).to_csv(effects_path, index=False)
+        merged = pd.concat([old, effects], ignore_index=True).drop_duplicates(["prompt", "mode", "start", "end"])
+        merged.to_csv(effects_path, index=False)
         load.append(os.getloadavg()[0])
     record = dict(command=f"python -m snapkv_lab.views.causal_study --model {model_name} --prompts {prompts} "
-                          f"--length {length} --block {block} --ratio {ratio}",
+                          f"--length {length} --block {block} --ratio {ratio} --policies {' '.join(policies)}",
                   date=date.today().isoformat(), model=model_name, prompts=prompts, length=length,
                   depths=list(depths), block=block, ratio=ratio, modes=list(modes), policies=[p.label for p in built],
                   skipped=skipped, load_average=[round(x, 1) for x in load],
