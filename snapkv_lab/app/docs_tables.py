@@ -44,12 +44,10 @@ def _findings_side_by_side(data_dir: Path) -> str:
 
 def _causal_coverage(data_dir: Path) -> str:
     """Finding (e): attention coverage against causal coverage over every policy studied (findings.causal_finding)."""
-    import pandas as pd
-
     from ..findings.causal_finding import markdown
-    from ..views.causal_study import TABLE
+    from ..views.causal_study import TABLE, read_table
 
-    return markdown(pd.read_csv(data_dir / TABLE))
+    return markdown(read_table(data_dir / TABLE))
 
 
 def _scorer_allocation(data_dir: Path) -> str:

@@ -109,6 +109,10 @@ def per_policy(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def _p(p: float) -> str:
+    return "n/a" if np.isnan(p) else f"{p:.2g}"
+
+
 def _cell(value, low, high) -> str:
     return f"{value:.2f}" + ("" if np.isnan(low) else f" [{low:.2f}, {high:.2f}]")
 
@@ -124,8 +128,8 @@ def markdown(table: pd.DataFrame) -> str:
              "| mode | mean per-prompt rho | p (rho = 0) | TOST p | verdict | pooled rho (all rows, descriptive) |",
              "|---|---|---|---|---|---|"]
     for row in relation(table).itertuples():
-        lines.append(f"| {row.mode} | {_cell(row.value, row.ci_low, row.ci_high)} (n {row.n}) | {row.p:.2g} | "
-                     f"{row.tost_p:.2g} | {row.verdict} | {row.pooled_rho:.2f} ({row.rows} rows) |")
+        lines.append(f"| {row.mode} | {_cell(row.value, row.ci_low, row.ci_high)} (n {row.n}) | {_p(row.p)} | "
+                     f"{_p(row.tost_p)} | {row.verdict} | {row.pooled_rho:.2f} ({row.rows} rows) |")
     policies = per_policy(table)
     wide = {mode: part.set_index("policy") for mode, part in policies.groupby("mode", sort=False)}
     modes = [mode for mode in ("query-agnostic", "query-aware") if mode in wide]

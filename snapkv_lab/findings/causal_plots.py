@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..core.figure_files import FigureSet, register, write_html, write_png
-from ..views.causal_study import TABLE, run_study
+from ..views.causal_study import TABLE, read_table, run_study
 from .causal_finding import per_policy, relation
 
 FIGURE = "causal_coverage"
@@ -38,7 +38,7 @@ def draw(data_dir, figures_dir) -> list[Path]:
     data_dir, figures_dir = Path(data_dir), Path(figures_dir)
     if not (data_dir / TABLE).exists():
         return []
-    table = pd.read_csv(data_dir / TABLE)
+    table = read_table(data_dir / TABLE)
     if not table.full_correct.any():
         print(f"causal: the full cache answers none of {data_dir / TABLE}'s prompts; nothing to draw", file=sys.stderr)
         return []

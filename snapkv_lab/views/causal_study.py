@@ -60,6 +60,11 @@ COLUMNS = ["model", "prompt", "length", "depth", "needle_start", "needle_end", "
            "attention_coverage_no_sinks", "needle_kept"]
 
 
+def read_table(path) -> pd.DataFrame:
+    """The study's table as written: answers stay text (a 7-digit answer would otherwise read back as a number)."""
+    return pd.read_csv(path, dtype={"full_answer": str, "answer": str})
+
+
 def study_policies(model, tokenizer, names=("all",), ratio: float = RATIO) -> tuple[list, dict]:
     """(policies built at capacity 1 - ratio and prepared for the model, {name: why skipped}): a policy that cannot
     run on this model (trained weights absent) is left out with its reason, not silently."""
@@ -157,7 +162,7 @@ def study(model, tokenizer, data_dir="data", *, model_name: str = "", prompts: i
     if not built:
         raise ValueError(f"no policy of {list(policies)} can run on this model: {skipped}")
     table_path, effects_path = data_dir / TABLE, data_dir / EFFECTS
-    stored = pd.read_csv(table_path) if table_path.exists() else pd.DataFrame(columns=COLUMNS)
+    stored = read_table(table_path) if table_path.exists() else pd.DataFrame(columns=COLUMNS)
     done = set(zip(stored.prompt, stored["mode"], stored.policy, strict=True))
     load = [os.getloadavg()[0]]
     started = time.perf_counter()
