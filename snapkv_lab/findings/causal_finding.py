@@ -29,6 +29,12 @@ from .report import ALPHA, CI, EQUIVALENCE_MARGIN
 RHO_MARGIN = 0.3
 
 
+def share_interval(values: np.ndarray) -> dict:
+    """mean_interval of per-prompt shares, its interval cut to [0, 1] as every share's is (overlap.summarise)."""
+    out = mean_interval(values)
+    return dict(out, ci_low=max(out["ci_low"], 0.0), ci_high=min(out["ci_high"], 1.0))
+
+
 def mean_interval(values: np.ndarray, margin: float | None = None) -> dict:
     """The mean of per-prompt values (NaN: absent) with its CI t interval, the t test of 0 and, with a margin, the
     TOST p of |mean| < margin: the t interval of the per-unit values (linearised with equal supports)."""
@@ -100,8 +106,8 @@ def per_policy(table: pd.DataFrame) -> pd.DataFrame:
     and the answers the policy gets right (of the prompts)."""
     out = []
     for (mode, policy), part in answered(table).groupby(["mode", "policy"], sort=False):
-        causal = mean_interval(part.coverage.to_numpy())
-        attention = mean_interval(part.attention_coverage.to_numpy())
+        causal = share_interval(part.coverage.to_numpy())
+        attention = share_interval(part.attention_coverage.to_numpy())
         gap = mean_interval((part.oracle - part.coverage).to_numpy(), EQUIVALENCE_MARGIN)
         out.append(dict(mode=mode, policy=policy, coverage=causal["value"], coverage_low=causal["ci_low"],
                         coverage_high=causal["ci_high"], oracle=part.oracle.mean(), chance=part.chance.mean(),

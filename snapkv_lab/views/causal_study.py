@@ -164,7 +164,11 @@ def study(model, tokenizer, data_dir="data", *, model_name: str = "", prompts: i
     table_path, effects_path = data_dir / TABLE, data_dir / EFFECTS
     stored = read_table(table_path) if table_path.exists() else pd.DataFrame(columns=COLUMNS)
     done = set(zip(stored.prompt, stored["mode"], stored.policy, strict=True))
-    load = [os.getloadavg()[0]]
+    record = dict(command=f"python -m snapkv_lab.views.causal_study --model {model_name} --prompts {prompts} "
+                          f"--length {length} --block {block} --ratio {ratio} --policies {' '.join(policies)}",
+                  date=date.today().isoformat(), model=model_name, prompts=prompts, length=length,
+                  depths=list(depths), block=block, ratio=ratio, modes=list(modes), policies=[p.label for p in built],
+                  skipped=skipped, load_average=[round(os.getloadavg()[0], 1)], cpu_count=os.cpu_count())
     started = time.perf_counter()
     for prompt in progress_bar(range(prompts), desc="causal coverage", total=prompts, disable=not progress):
         # a policy added to a finished study runs alone on the stored prompts (their span effects are recomputed,
@@ -182,14 +186,10 @@ def study(model, tokenizer, data_dir="data", *, model_name: str = "", prompts: i
         old = pd.read_csv(effects_path) if effects_path.exists() else None
         merged = pd.concat([old, effects], ignore_index=True).drop_duplicates(["prompt", "mode", "start", "end"])
         merged.to_csv(effects_path, index=False)
-        load.append(os.getloadavg()[0])
-    record = dict(command=f"python -m snapkv_lab.views.causal_study --model {model_name} --prompts {prompts} "
-                          f"--length {length} --block {block} --ratio {ratio} --policies {' '.join(policies)}",
-                  date=date.today().isoformat(), model=model_name, prompts=prompts, length=length,
-                  depths=list(depths), block=block, ratio=ratio, modes=list(modes), policies=[p.label for p in built],
-                  skipped=skipped, load_average=[round(x, 1) for x in load],
-                  seconds_this_run=round(time.perf_counter() - started), cpu_count=os.cpu_count())
-    (data_dir / RUN).write_text(json.dumps(record, indent=1) + "\n")
+        # the record after every prompt, so that a run stopped part way says what it ran and under what load
+        record.update(prompts_done=int(stored.prompt.nunique()), seconds_this_run=round(time.perf_counter() - started))
+        record["load_average"].append(round(os.getloadavg()[0], 1))
+        (data_dir / RUN).write_text(json.dumps(record, indent=1) + "\n")
     return stored
 
 
