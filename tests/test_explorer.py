@@ -146,3 +146,25 @@ def test_positions_and_heads_come_in_any_usual_form(trace):
         np.testing.assert_allclose(ex.zoom(rows=rows, cols=cols).drawn(), expected, atol=1e-6)
     with pytest.raises(TypeError, match="consecutive"):
         ex.zoom(rows=[1, 5, 9])
+
+
+def test_causal_strip_is_each_blocks_span_effect(trace):
+    from snapkv_lab import span_effects
+
+    ids = trace.token_ids[:trace.prompt_len][None]
+    effects = span_effects(make_tiny_llama(), ByteTokenizer(), ids[:, :256], ids[:, 256:], block=64, max_new_tokens=2,
+                           progress=False)
+    ex = explore(trace, layer=1, head=0, effects=effects, max_cells=64, progress=False)  # 8-token blocks
+    strip = np.asarray(ex.figure().data[1].z[0], dtype=float)
+    per_position = np.repeat(effects.kl.to_numpy(), 64)  # blocks of 64 = 8 drawn blocks of 8 each
+    np.testing.assert_allclose(strip[:32], per_position.reshape(32, 8).mean(1))
+    assert np.isnan(strip[32:]).all()  # the question and the generated tokens are in no span
+    assert ex.figure().layout.yaxis3.visible and ex.show(effects=False).figure().data[1].visible is False
+    delta = explore(trace, layer=1, effects=effects, effect="logprob_delta", max_cells=64, progress=False)
+    assert delta.figure().data[1].colorscale[0][1] != ex.figure().data[1].colorscale[0][1]  # diverging scale
+    with pytest.raises(ValueError, match="lacks"):
+        explore(trace, effects=effects.drop(columns="kl"), progress=False)
+    with pytest.raises(ValueError, match="another prompt"):
+        explore(trace, effects=effects.assign(end=effects.end + 400), progress=False)
+    with pytest.raises(ValueError, match="no span effects"):
+        explore(trace, max_cells=64, progress=False).show(effects=True)

@@ -42,6 +42,14 @@ def _findings_side_by_side(data_dir: Path) -> str:
     return side_by_side({"SmolLM2-135M": report(data_dir), "Gemma 3 270M": report(data_dir / "gemma-3-270m")})
 
 
+def _causal_coverage(data_dir: Path) -> str:
+    """Finding (e): attention coverage against causal coverage over every policy studied (findings.causal_finding)."""
+    from ..findings.causal_finding import markdown
+    from ..views.causal_study import TABLE, read_table
+
+    return markdown(read_table(data_dir / TABLE))
+
+
 def _scorer_allocation(data_dir: Path) -> str:
     """The scorer x allocation study's scores and each method's decomposition (app.scorer_allocation_plots.report)."""
     import pandas as pd
@@ -404,6 +412,7 @@ BLOCKS = {
     "findings": Block("findings.md", ("findings_a.csv",), _findings),
     "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
                                    _findings_side_by_side),
+    "causal-coverage": Block("findings.md", ("causal_coverage.csv",), _causal_coverage),
     "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
     "difference": Block("benchmarks.md", ("eval_ruler.csv", *FAMILY_FILES), _differences),
     "leaderboard-answered": Block("benchmarks.md", ("eval_ruler_4k_answered.csv",),

@@ -22,6 +22,8 @@ FIGURE_MODULES = {
                                       "gap to the full cache"),
     "heads": ("snapkv_lab.findings.heads_study", "which heads retrieve: Wu et al.'s retrieval score per layer "
                                                  "and head"),
+    "causal": ("snapkv_lab.findings.causal_plots", "every policy's causal coverage against its attention coverage on "
+                                                   "needle prompts (finding (e); its recompute is long)"),
     "scorer-allocation": ("snapkv_lab.app.scorer_allocation_plots", "every scorer under every allocation at matched KV "
                                                               "entries (snapkv-lab scorer-allocation)"),
     "non-literal": ("snapkv_lab.evaluation.literal_gap", "nolima's generated needles: each policy's loss to the full "

@@ -107,15 +107,22 @@ class GenerationAttention:
     sinks-excluded eligible sets (`layers[i]["kept" | "excluded"]`: ReducedAttention), so that the coverage of
     many kept sets against one trace costs no attention recomputation."""
 
-    def __init__(self, trace: AttentionTrace, sinks: SinkRule = SinkRule()):
+    def __init__(self, trace: AttentionTrace, sinks: SinkRule = SinkRule(), *, context: int | None = None):
+        """context: only the prompt's first `context` positions are eligible (a context before its question, whose
+        question a policy never evicts: coverage then reads as the share of the attention paid to the context)."""
         _require_generated(trace)
+        if context is not None and not 0 < context <= trace.prompt_len:
+            raise ValueError(f"context must be 1..{trace.prompt_len} prompt positions, got {context}")
         self.trace, self.sinks, self.layers = trace, sinks, []
         for layer in trace.layers:
             # (heads, generated, prompt): the rows are normalised over all keys they see, prompt and generated.
             attn = trace.attention(layer, queries=trace.generated, keys=trace.prompt).cpu()
             sink = sinks.mask(attn)  # (heads, prompt)
-            self.layers.append({"kept": ReducedAttention(attn, torch.ones_like(sink)),
-                                "excluded": ReducedAttention(attn, ~sink)})
+            eligible = torch.ones_like(sink)
+            if context is not None:
+                eligible[:, context:] = False
+            self.layers.append({"kept": ReducedAttention(attn, eligible),
+                                "excluded": ReducedAttention(attn, eligible & ~sink)})
 
     @classmethod
     def of(cls, trace, sinks: SinkRule) -> GenerationAttention:

@@ -2,20 +2,24 @@
 its heads) pooled to screen resolution; drag a rectangle to zoom and the view recomputes that block at the
 resolution it now needs (`tiles.AttentionTiles`), down to exact per-token values with the tokens on both axes.
 
-    ex = snapkv_lab.explore(trace, layer=14, head=3, kept=run, spans={"needle": (1200, 1230)})
+    ex = snapkv_lab.explore(trace, layer=14, head=3, kept=run, spans={"needle": (1200, 1230)},
+                            effects=span_effects(model, tokenizer, context, question))
     ex                                      # the widget, in a notebook
     ex.zoom(rows=slice(3000, 3100), cols=slice(0, 4096))
     ex.drawn()                              # the 2-D array drawn now: block maxima, or exact values at block 1
     ex.to_html("trace.html")                # overview and zoom levels, one offline file
 
 Overlays, each toggled: a policy's kept positions (a strip above the map: the kept share of each block of key
-positions, for the head's KV head), the observation window (the last `window` prompt rows and the keys they vote
+positions, for the head's KV head), the causal side beside attention (`effects=`, a span_effects table of the trace's
+prompt: a second strip, each block of key positions coloured by the effect on the answer of evicting the span that
+holds it, its `kl` or `logprob_delta`), the observation window (the last `window` prompt rows and the keys they vote
 on), the sinks (the first `sinks` keys) and named spans. A click on a row shows its spotlight over the prompt.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +47,10 @@ class Explorer:
         trace layer), for the kept-positions strip.
     window: the observation window drawn by its overlay (the last `window` prompt rows).
     sinks: the first positions drawn as sinks. spans: {name: (start, end)} position ranges drawn as bands.
+    effects: a span_effects table (start, end and the `effect` column) of this trace's prompt, for the causal strip:
+        a position takes the effect of the span holding it (span_effects evicts whole spans), a drawn block the mean
+        over its positions; positions in no span (the question, the generated tokens) are blank.
+    effect: the column drawn, "kl" (nats, >= 0) or "logprob_delta" (log p(answer) lost: <= 0 where evicting hurts).
     tiles: an AttentionTiles of this trace, or the path of one saved (`AttentionTiles.save`, e.g. after `precompute`
         where the trace was captured): every head in it opens without its exact pass.
     max_cells: the most cells a view draws per side. stat: "max" (block maxima: nothing sharp disappears) or
@@ -51,7 +59,7 @@ class Explorer:
 
     def __init__(self, trace, layer: int | None = None, head: int | str = 0, *, kept=None, window: int = 32,
                  sinks: int = 4, spans: dict | None = None, max_cells: int = 512, stat: str = "max",
-                 tiles=None, progress: bool = True):
+                 tiles=None, progress: bool = True, effects=None, effect: str = "kl"):
         if not isinstance(trace, AttentionTrace):
             trace = AttentionTrace.load(trace, lazy=True)
         self.trace = trace
@@ -62,7 +70,10 @@ class Explorer:
         self.max_cells = max_cells
         self.window, self.sinks, self.spans = window, sinks, dict(spans or {})
         self.kept = None if kept is None else self._kept_masks(kept)
-        self.overlays = {"kept": kept is not None, "window": True, "sinks": True, "spans": bool(self.spans)}
+        self.effect = effect
+        self.effects = None if effects is None else self._effect_columns(effects, effect)
+        self.overlays = {"kept": kept is not None, "effects": effects is not None, "window": True, "sinks": True,
+                         "spans": bool(self.spans)}
         self._check_stat(stat)
         self.stat = stat
         self.layer = trace.layers[0] if layer is None else int(layer)
@@ -106,6 +117,8 @@ class Explorer:
             raise ValueError(f"unknown overlays {sorted(unknown)}; the overlays are {sorted(self.overlays)}")
         if overlays.get("kept") and self.kept is None:
             raise ValueError("no kept positions to draw: pass kept=<GenerationResult or kept_indices> to explore()")
+        if overlays.get("effects") and self.effects is None:
+            raise ValueError("no span effects to draw: pass effects=<a span_effects table of the prompt> to explore()")
         self.overlays.update(overlays)
         if self._widget is not None:
             self._sync_widget()
@@ -195,6 +208,15 @@ class Explorer:
                                      colorscale="Greys", reversescale=False, showscale=False, name="kept",
                                      xaxis="x", yaxis="y2", visible=self.overlays["kept"],
                                      hovertemplate="keys %{x}<br>kept share %{z:.2f}<extra></extra>"))
+        if self.effects is not None:
+            values = self._effect_blocks()
+            diverging = self.effect == "logprob_delta"
+            bound = float(np.nanmax(np.abs(self.effects))) if np.isfinite(self.effects).any() else 1.0
+            traces.append(go.Heatmap(z=[values], x=self._centres(tile.cols), y=[self.effect], showscale=False,
+                                     zmin=-bound if diverging else 0, zmax=bound or 1.0,
+                                     colorscale="RdBu" if diverging else "Magenta", name="span effects",
+                                     xaxis="x", yaxis="y3", visible=self.overlays["effects"],
+                                     hovertemplate=f"keys %{{x}}<br>{self.effect} of evicting %{{z:.4g}}<extra></extra>"))
         return traces
 
     def _axis(self, span: range, reverse: bool = False) -> dict:
@@ -207,12 +229,17 @@ class Explorer:
 
     def _layout(self) -> dict:
         tile = self.tile
-        strip = self.kept is not None and self.overlays["kept"]
+        kept = self.kept is not None and self.overlays["kept"]
+        effects = self.effects is not None and self.overlays["effects"]
+        top = 1.0 - 0.07 * (kept + effects)  # each strip shown takes 0.05 of the height and a 0.02 gap
         return dict(title=dict(text=self._title(), font=dict(size=13)), width=760, height=720, dragmode="zoom",
                     xaxis=dict(self._axis(tile.cols), title="key position", constrain="domain"),
                     yaxis=dict(self._axis(tile.rows, reverse=True), title="query position",
-                               domain=[0, 0.92 if strip else 1.0]),
-                    yaxis2=dict(domain=[0.94, 1.0], visible=strip, fixedrange=True, showticklabels=True),
+                               domain=[0, top if kept or effects else 1.0]),
+                    yaxis2=dict(domain=[top + 0.02, top + 0.07] if kept else [0.95, 1.0], visible=kept,
+                                fixedrange=True, showticklabels=True),
+                    yaxis3=dict(domain=[1.0 - 0.05, 1.0] if effects else [0.95, 1.0], visible=effects,
+                                fixedrange=True, showticklabels=True),
                     shapes=self._shapes(), margin=dict(l=130, b=110, t=50))
 
     def _shapes(self) -> list[dict]:
@@ -250,6 +277,30 @@ class Explorer:
         sums = pool_blocks(columns[None, tile.cols.start: tile.cols.stop], 1, tile.block, "sum")[0]
         return (sums / cell_counts(tile.cols, tile.block)).numpy()
 
+    def _effect_columns(self, effects, effect: str) -> np.ndarray:
+        """(n_tokens,) each position's effect: that of the span holding it, NaN outside every span; checked."""
+        missing = {"start", "end", effect} - set(effects.columns)
+        if missing:
+            raise ValueError(f"effects must be a span_effects table with start, end and {effect!r}; it lacks "
+                             f"{sorted(missing)}")
+        if len(effects) and (effects.end.max() > self.trace.prompt_len or effects.start.min() < 0):
+            raise ValueError(f"the effects' spans reach position {int(effects.end.max())}, past the trace's "
+                             f"{self.trace.prompt_len}-token prompt: they are another prompt's")
+        columns = np.full(self.trace.n_tokens, np.nan)
+        for start, end, value in zip(effects.start, effects.end, effects[effect], strict=True):
+            columns[int(start):int(end)] = value
+        return columns
+
+    def _effect_blocks(self) -> np.ndarray:
+        """The mean effect over each drawn block of key positions (NaN where no position of it lies in a span)."""
+        tile, block = self.tile, self.tile.block
+        part = self.effects[tile.cols.start:tile.cols.stop]
+        padded = np.full(-(-len(part) // block) * block, np.nan)
+        padded[:len(part)] = part
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a block outside every span: NaN, drawn blank
+            return np.nanmean(padded.reshape(-1, block), axis=1)
+
     # ---- checks ------------------------------------------------------------------------------
     def _check_head(self, layer, head) -> None:
         if layer not in self.trace.layers:
@@ -286,7 +337,8 @@ class Explorer:
                                                   style=dict(button_width="60px"))
         self._toggles = {name: widgets.Checkbox(value=on, description=name, indent=False,
                                                 layout=widgets.Layout(width="90px"),
-                                                disabled=name == "kept" and self.kept is None)
+                                                disabled=(name == "kept" and self.kept is None)
+                                                or (name == "effects" and self.effects is None))
                          for name, on in self.overlays.items()}
         reset = widgets.Button(description="overview", layout=widgets.Layout(width="100px"))
         self._mode = widgets.ToggleButtons(options=["map", "heads grid"], value="map", style=dict(button_width="90px"))
