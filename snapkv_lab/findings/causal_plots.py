@@ -50,7 +50,8 @@ def draw(data_dir, figures_dir) -> list[Path]:
     for column, (axes, mode) in enumerate(zip(figure.subplots(1, len(modes), squeeze=False)[0], modes, strict=True)):
         part = policies[policies["mode"] == mode]
         axes.errorbar(part.attention_coverage, part.coverage,
-                      xerr=[part.attention_coverage - part.attention_low, part.attention_high - part.attention_coverage],
+                      xerr=[part.attention_coverage - part.attention_low,
+                            part.attention_high - part.attention_coverage],
                       yerr=[part.coverage - part.coverage_low, part.coverage_high - part.coverage], fmt="o", ms=4,
                       color="#7a1f5c", ecolor="#c9a3bd", elinewidth=0.8)
         for row in part.itertuples():

@@ -216,7 +216,8 @@ class Explorer:
                                      zmin=-bound if diverging else 0, zmax=bound or 1.0,
                                      colorscale="RdBu" if diverging else "Magenta", name="span effects",
                                      xaxis="x", yaxis="y3", visible=self.overlays["effects"],
-                                     hovertemplate=f"keys %{{x}}<br>{self.effect} of evicting %{{z:.4g}}<extra></extra>"))
+                                     hovertemplate=f"keys %{{x}}<br>{self.effect} of evicting %{{z:.4g}}"
+                                                   "<extra></extra>"))
         return traces
 
     def _axis(self, span: range, reverse: bool = False) -> dict:
