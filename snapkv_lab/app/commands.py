@@ -362,8 +362,8 @@ def _figures_arguments(p) -> None:
                    help="rerun the model and rewrite the tables in data/ first (the findings: about 23 minutes on 2 "
                         "CPU cores, resumable). The needle grid, the eval leaderboard and the causal study are not "
                         "rerun but redrawn from their tables, as their runs are far longer: rerun them with "
-                        "--recompute --only pressure (or `snapkv-lab needle`), --recompute --only eval (or `snapkv-lab eval`) "
-                        "and --recompute --only causal")
+                        "--recompute --only pressure (or `snapkv-lab needle`), --recompute --only eval (or "
+                        "`snapkv-lab eval`) and --recompute --only causal")
     p.add_argument("--only", nargs="*", type=_one_of(list(FIGURE_MODULES), "figure sets"), choices=list(FIGURE_MODULES),
                    metavar="SET",
                    help="figure sets to draw (default all): " + "; ".join(f"{name}: {what}" for name, (_, what)
