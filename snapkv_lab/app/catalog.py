@@ -25,6 +25,8 @@ DATASET_TASKS = {
                 "scbench_summary_with_needles"),
     "ruler-hub": RULER_TASKS,
     "needle-hub": ("needle_in_haystack",),
+    "aime25": ("aime25",),
+    "math500": ("math500",),
     "nolima": ("onehop", "twohop", "generated", "generated_literal"),
 }
 # evaluation.LEADERBOARD["datasets"]: the tasks `figures --samples TASK=N` may name.
