@@ -35,6 +35,13 @@ ROUGE_ONE = pytest.approx(1.0, abs=1e-8)
 
 # One perfect prediction per metric: (prediction, references, meta). A metric without one fails the test below.
 PERFECT = {
+    "kvpress_aime": ("so the answer is \\boxed{42}", ["42"], {}),
+    "kvpress_math500": ("\\boxed{5}", ["5"], {}),
+    "math_equal": ("\\boxed{\\frac12}", ["\\frac{1}{2}"], {}),
+    "nolima_em": ("Yuki", ["Yuki"], {}),
+    "nolima_contains": ("It is Yuki.", ["Yuki"], {}),
+    "nolima_lastline_em": ("Let me think.\nYuki", ["Yuki"], {}),
+    "nolima_lastline_contains": ("Let me think.\nIt is Yuki.", ["Yuki"], {}),
     "qa_f1_score": ("The Eiffel Tower", ["eiffel tower"], {}),
     "qa_f1_zh_score": ("北京", ["北京"], {}),
     "rouge_score": ("the cat sat on the mat", ["the cat sat on the mat"], {}),
