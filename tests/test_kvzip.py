@@ -318,28 +318,3 @@ def test_smollm_chat_prompt_reconstruction_and_scores(smollm):
     rows = [(layer, head) for layer in range(30) for head in range(3)]
     assert_top_count(kept, reference, [rows], budget * len(rows))
     assert all(set(range(layout.start)) <= kept[l][h] for l, h in rows)
-
-
-def test_the_feeds_attention_output_is_the_backends_and_its_scores_the_restricted_softmax():
-    """One softmax serves the feed's forward and its scores: the output equals torch's own attention over every key
-    (the feed's causally), and each score is the largest softmax over [sinks, chunk, feed] alone, computed here
-    directly from q.k (score.py:44-63), not by renormalising."""
-    torch.manual_seed(0)
-    kv_heads, group, n, m, d, sinks, chunk = 2, 3, 20, 6, 8, 2, slice(5, 14)
-    query = torch.randn(kv_heads * group, m, d)
-    key, value = torch.randn(kv_heads, n + m, d), torch.randn(kv_heads, n + m, d)
-    output, scores = kvzip.reconstruction_attention(query, key, value, sinks, chunk,
-                                                    kvzip.AttentionSettings(scaling=d ** -0.5))
-    sees = torch.ones(m, n + m, dtype=torch.bool).tril(n)  # feed query i sees the cache and feed keys 0..i
-    theirs = torch.nn.functional.scaled_dot_product_attention(
-        query[None], key.repeat_interleave(group, 0)[None], value.repeat_interleave(group, 0)[None], attn_mask=sees)
-    assert torch.allclose(output, theirs[0].transpose(0, 1), atol=1e-5)
-    subset = torch.cat([torch.arange(sinks), torch.arange(chunk.start, chunk.stop), torch.arange(n, n + m)])
-    width = sinks + chunk.stop - chunk.start
-    for v in range(kv_heads):
-        best = []
-        for h in range(v * group, (v + 1) * group):
-            logits = (query[h] @ key[v, subset].T) * d ** -0.5  # (m, subset)
-            logits[:, width:] = logits[:, width:].masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), -math.inf)
-            best.append(torch.softmax(logits, -1)[:, sinks:width].amax(0))
-        assert torch.allclose(scores[v], torch.stack(best).amax(0), atol=1e-6)

@@ -112,39 +112,30 @@ def reconstruction_feeds(tokenizer, context: torch.Tensor, suffix: list[int], ch
     return feeds
 
 
-def reconstruction_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: int, chunk: slice,
-                             settings: AttentionSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """The feed's attention output and its reconstruction scores, from one softmax.
+def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, chunk: slice,
+                          settings: AttentionSettings) -> torch.Tensor:
+    """(kv_heads, chunk length) float32: the largest attention any feed query pays each position of `chunk`, over
+    the queries and each KV head's query heads, the softmax restricted to [sinks, chunk, feed] (score.py:44-63).
 
-    query: (heads, m, head_dim) the feed's, post-RoPE; key, value: (kv_heads, n + m, head_dim) the cache, then the
-    feed. Returns (output (m, heads, head_dim) in the query's dtype: the attention over every key, the feed's own
-    causally, as the backend computes it; scores (kv_heads, chunk length) float32: the largest attention any feed
-    query pays each position of `chunk`, over the queries and each KV head's query heads, the softmax restricted to
-    [sinks, chunk, feed] (score.py:44-63)). The restricted softmax is the full one renormalised over those keys
-    (exp(l_j) / sum over the subset), so the probabilities the output needs give the scores too: one q.k per key
-    instead of the backend's and a second one over the subset. Computed by blocks of feed rows of at most
-    BLOCK_ELEMENTS probabilities, each in whole-block operations: on a shared CPU every operation waits for both of
-    its threads, so fewer, larger ones are faster there."""
-    kv_heads, (heads, m, _), n = key.shape[0], query.shape, key.shape[1] - query.shape[1]
+    query: (heads, m, head_dim) the feed's; key: (kv_heads, n + m, head_dim) the cache, then the feed. Computed
+    by blocks of feed rows of at most BLOCK_ELEMENTS probabilities, each in four whole-block operations: on a
+    shared CPU every operation waits for both of its threads, so fewer, larger ones are faster there."""
+    kv_heads, (heads, m, _) = key.shape[0], query.shape
     # (kv, rows, group, d): a block of rows is one contiguous (kv, rows * group, d) matrix, multiplied without a copy
     grouped = rearrange(query.float() * settings.scaling, "(kv g) q d -> kv q g d", kv=kv_heads)
-    keys, values = key.float().mT, value.float()  # (kv, d, n + m), (kv, n + m, d)
+    keys = torch.cat([key[:, :sinks], key[:, chunk], key[:, -m:]], dim=1).float().mT  # (kv, d, keys)
+    width = keys.shape[-1] - m  # sinks and chunk: every feed query sees them; the feed's own keys causally
     later = torch.ones(m, m, dtype=torch.bool, device=query.device).triu(1)  # (m, m): a feed key after the query
-    best = torch.zeros(kv_heads, chunk.stop - chunk.start, device=query.device)
-    output = torch.empty_like(grouped)
-    rows = max(1, BLOCK_ELEMENTS // (heads * key.shape[1]))
+    best = torch.zeros(kv_heads, width - sinks, device=query.device)
+    rows = max(1, BLOCK_ELEMENTS // (heads * keys.shape[-1]))
     for start in range(0, m, rows):
         stop = min(start + rows, m)
         block = grouped[:, start:stop]  # (kv, rows, g, d)
-        logits = (block.flatten(1, 2) @ keys[..., :n + stop]).unflatten(1, block.shape[1:3])  # (kv, rows, g, seen)
+        logits = (block.flatten(1, 2) @ keys[..., :width + stop]).unflatten(1, block.shape[1:3])  # (kv, rows, g, seen)
         logits = _capped(logits, settings.softcap)
-        logits[..., n:].masked_fill_(later[start:stop, None, :stop], -math.inf)  # only the feed's keys are causal
-        probs = torch.softmax(logits, dim=-1)
-        output[:, start:stop] = (probs.flatten(1, 2) @ values[:, :n + stop]).unflatten(1, block.shape[1:3])
-        subset = probs[..., :sinks].sum(-1) + probs[..., chunk].sum(-1) + probs[..., n:].sum(-1)  # (kv, rows, g)
-        restricted = probs[..., chunk] / subset.clamp_min(torch.finfo(subset.dtype).tiny)[..., None]
-        best = torch.maximum(best, restricted.amax(dim=(1, 2)))
-    return rearrange(output, "kv q g d -> q (kv g) d").to(query.dtype), best
+        logits[..., width:].masked_fill_(later[start:stop, None, :stop], -math.inf)  # only the feed's keys are causal
+        best = torch.maximum(best, torch.softmax(logits, dim=-1)[..., sinks:width].amax(dim=(1, 2)))
+    return best
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -159,11 +150,8 @@ class KVzip(Policy):
     prefill's n^2 / 2, 2.5x an 8k one's), then the scores, a softmax over [sinks, chunk, feed] per chunk; while a
     chunk runs the cache also holds its feed (a fork, then dropped). Measured on SmolLM2 fp32, 2 CPU cores
     (2026-11-24, benchmarks/bench_policies.py on a quiet machine): 3.1x / 4.1x / 3.5x the prefill at 2k / 4k / 8k
-    tokens, the forwards alone 1.9-2.8x (measured beside other jobs). Since 2026-11-29 the scores come from the
-    forwards' own softmax (reconstruction_attention), which removes the second q.k over [sinks, chunk, feed]; its
-    cost on a quiet machine is not yet measured (one pair at load 15-20 gave 2.45x before, 2.68x after: noise).
-    The paper reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly
-    attention.
+    tokens, the forwards alone 1.9-2.8x (measured beside other jobs). The paper
+    reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly attention.
 
     chunk_size: context tokens reconstructed per forward (official 2000, wrapper.py:200; kvpress 2048).
     sinks: None: the system prompt (the chat template's head when the prompt starts with it, else the first 4
@@ -226,11 +214,9 @@ class KVzip(Policy):
             chunk = slice(layout.start + start, layout.start + end)
 
             def record(module, query, key, value, settings):
-                if settings.sliding_window is not None:
-                    return None  # never compressed: the backend attends
-                output, scores[module.layer_idx][0, :, chunk] = reconstruction_attention(
-                    query[0], key[0], value[0], layout.sinks, chunk, settings)
-                return output[None]
+                if settings.sliding_window is None:
+                    scores[module.layer_idx][0, :, chunk] = reconstruction_scores(query[0], key[0], layout.sinks,
+                                                                                   chunk, settings)
 
             prompt.feed(feed, torch.arange(n, n + feed.shape[1], device=ids.device)[None], record)
         for layer_scores in scores.values():
