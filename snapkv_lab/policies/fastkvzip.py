@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -33,16 +32,14 @@ from ..core.checks import check_int
 from ..core.models import cache_dir, measured_cache_path
 from .base import LayerBudget, Policy, Prompt
 from .global_allocation import keep_globally
-from .kvzap import model_label
 from .kvzip import ALLOCATIONS
+from .trained_weights import PACKAGED, LoadedWeights, find_file, model_label, weights_path
 
 DIM, SINK = 16, 16  # the gate's key/query width and its sink keys: the published gates' q{g}_dim16_sink16
 SINKS, WINDOW_RATIO = 4, 0.02  # kvpress FastKVzipPress n_sink, window_ratio (fastkvzip_press.py:176-178)
 RMS_EPS = 1e-6  # Qwen3RMSNorm's
-SHIPPED = Path(__file__).parent / "weights" / "fastkvzip"
+SHIPPED = PACKAGED / "fastkvzip"
 TRAIN_COMMAND = "python3 scripts/train_kvzap.py --method fastkvzip --model {model}"
-
-_GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {weights file: Gates}
 
 
 class RMSNorm(nn.Module):
@@ -122,8 +119,18 @@ def trained_path(model) -> Path:
 
 def find_weights(model) -> Path | None:
     """`model`'s gates: shipped in the package first, then trained into the cache folder."""
-    name = weights_name(model)
-    return next((path for path in (SHIPPED / name, cache_dir() / "fastkvzip" / name) if path.exists()), None)
+    return find_file("fastkvzip", weights_name(model))
+
+
+def _load(path: Path, model) -> Gates:
+    gates = Gates.load(path)
+    if gates.shape[0] != model.config.hidden_size:
+        raise ValueError(f"{path} was trained on hidden states of {gates.shape[0]} dimensions; this model's have "
+                         f"{model.config.hidden_size}")
+    return gates
+
+
+_GATES = LoadedWeights(_load)
 
 
 @dataclass
@@ -162,33 +169,18 @@ class FastKVzip(Policy):
         return Policy.scoring_key.fget(dataclasses.replace(self, allocation="global"))
 
     def _path(self, model) -> Path:
-        if self.weights is not None:
-            return Path(self.weights)
-        path = find_weights(model)
-        if path is None:
-            raise ValueError(
-                f"{self.label} has no gates for the model {model_label(model)!r} (its published gates are on the "
-                f"Hugging Face Hub, for other models): train them with "
-                f"`{TRAIN_COMMAND.format(model=model_label(model))}`"
-                f" (writes {trained_path(model)}), or pass weights=PATH")
-        return path
+        return weights_path(self.weights, lambda: find_weights(model), lambda: (
+            f"{self.label} has no gates for the model {model_label(model)!r} (its published gates are on the "
+            f"Hugging Face Hub, for other models): train them with `{TRAIN_COMMAND.format(model=model_label(model))}`"
+            f" (writes {trained_path(model)}), or pass weights=PATH"))
 
     def prepare(self, model, tokenizer) -> None:
-        path = self._path(model)
-        loaded = _GATES.setdefault(model, {})
-        if path not in loaded:
-            gates = Gates.load(path)
-            if gates.shape[0] != model.config.hidden_size:
-                raise ValueError(f"{path} was trained on hidden states of {gates.shape[0]} dimensions; this model's "
-                                 f"have {model.config.hidden_size}")
-            loaded[path] = gates.to(model.device)
+        _GATES.prepare(model, self._path(model))
 
     def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
         """{layer: (1, kv_heads, n)} float32 gate scores, +inf on the sinks and the last window (sliding-window layers
         left out, never compressed)."""
-        gates = _GATES.get(prompt.model, {}).get(self._path(prompt.model))
-        if gates is None:
-            raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer))")
+        gates = _GATES.get(prompt.model, self._path(prompt.model), self.label)
         n = prompt.n_tokens
         window = max(1, int(n * self.window_ratio)) if self.window_ratio else 0
         scores = {}

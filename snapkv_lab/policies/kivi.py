@@ -40,8 +40,6 @@ class KIVI(Wrapper):
 
     @property
     def storage(self) -> Storage:
-        inner = self.policy.storage or Storage()
-        if inner.quantizes:
-            raise ValueError(f"{self.label}: the inner policy quantizes already")
-        return inner.with_settings(key_bits=self.key_bits, value_bits=self.value_bits, group_size=self.group_size,
-                                   residual_length=self.residual_length)
+        return (self.policy.storage or Storage()).wrapped(
+            self, key_bits=self.key_bits, value_bits=self.value_bits, group_size=self.group_size,
+            residual_length=self.residual_length)

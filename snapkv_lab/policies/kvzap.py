@@ -17,7 +17,6 @@ are rebuilt by the same command into the cache folder. A model without weights i
 from __future__ import annotations
 
 import json
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -28,14 +27,12 @@ from torch import nn
 
 from ..core.models import cache_dir, measured_cache_path
 from .base import Policy, Prompt
+from .trained_weights import PACKAGED, LoadedWeights, find_file, model_label, weights_path
 
 MODEL_TYPES = ("linear", "mlp")  # kvpress/presses/kvzap_press.py:60 (default "mlp")
 HIDDEN_DIM = 512  # the MLP's hidden width, kvzap/train.py:133
-SHIPPED = Path(__file__).parent / "weights" / "kvzap"  # weights trained by the lab, in the package
+SHIPPED = PACKAGED / "kvzap"  # weights trained by the lab, in the package
 TRAIN_COMMAND = "python3 scripts/train_kvzap.py --model {model} --model-type {model_type}"
-
-# model -> {weights file: Surrogate}: loaded by `prepare`, so that scoring needs only the prompt's model
-_SURROGATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Surrogate(nn.Module):
@@ -100,13 +97,18 @@ def trained_path(model, model_type: str) -> Path:
 
 def find_weights(model, model_type: str) -> Path | None:
     """`model`'s KVzap weights of `model_type`: shipped in the package first, then trained into the cache folder."""
-    name = weights_name(model, model_type)
-    return next((path for path in (SHIPPED / name, cache_dir() / "kvzap" / name) if path.exists()), None)
+    return find_file("kvzap", weights_name(model, model_type))
 
 
-def model_label(model) -> str:
-    """The name scripts/train_kvzap.py takes for `model` (a bundled model's short name, else its path or Hub id)."""
-    return Path(str(getattr(model.config, "name_or_path", "") or "MODEL")).name
+def _load(path: Path, model) -> Surrogate:
+    surrogate = Surrogate.load(path)
+    if surrogate.input_dim != model.config.hidden_size:
+        raise ValueError(f"{path} was trained on hidden states of {surrogate.input_dim} dimensions; this model's have "
+                         f"{model.config.hidden_size}")
+    return surrogate
+
+
+_SURROGATES = LoadedWeights(_load)
 
 
 @dataclass
@@ -138,35 +140,23 @@ class KVzap(Policy):
             raise ValueError(f"KVzap weights {self.weights!r}: no such file")
 
     def _path(self, model) -> Path:
-        if self.weights is not None:
-            return Path(self.weights)
-        path = find_weights(model, self.model_type)
-        if path is None:
-            raise ValueError(
-                f"{self.label} has no {self.model_type} KVzap weights for the model {model_label(model)!r} (its "
-                f"published weights are on the Hugging Face Hub, for other models): train them with `"
-                f"{TRAIN_COMMAND.format(model=model_label(model), model_type=self.model_type)}` (about 10 minutes on "
-                f"2 CPU cores; writes {trained_path(model, self.model_type)}), or pass weights=PATH")
-        return path
+        return weights_path(self.weights, lambda: find_weights(model, self.model_type), lambda: (
+            f"{self.label} has no {self.model_type} KVzap weights for the model {model_label(model)!r} (its "
+            f"published weights are on the Hugging Face Hub, for other models): train them with `"
+            f"{TRAIN_COMMAND.format(model=model_label(model), model_type=self.model_type)}` (about 10 minutes on "
+            f"2 CPU cores; writes {trained_path(model, self.model_type)}), or pass weights=PATH"))
 
     def prepare(self, model, tokenizer) -> None:
         path = self._path(model)
-        loaded = _SURROGATES.setdefault(model, {})
-        if path not in loaded:
-            surrogate = Surrogate.load(path)
-            if surrogate.model_type != self.model_type:
-                raise ValueError(f"{path} holds a {surrogate.model_type} KVzap surrogate, not {self.model_type}")
-            if surrogate.input_dim != model.config.hidden_size:
-                raise ValueError(f"{path} was trained on hidden states of {surrogate.input_dim} dimensions; this "
-                                 f"model's have {model.config.hidden_size}")
-            loaded[path] = surrogate.to(model.device)
+        _SURROGATES.prepare(model, path)
+        surrogate = _SURROGATES.get(model, path, self.label)
+        if surrogate.model_type != self.model_type:
+            raise ValueError(f"{path} holds a {surrogate.model_type} KVzap surrogate, not {self.model_type}")
 
     def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
         """{layer: (1, kv_heads, n)} float32 predicted scores of every layer the cache compresses (sliding-window
         layers are left out, never compressed)."""
-        surrogate = _SURROGATES.get(prompt.model, {}).get(self._path(prompt.model))
-        if surrogate is None:
-            raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer))")
+        surrogate = _SURROGATES.get(prompt.model, self._path(prompt.model), self.label)
         scores = {}
         for layer, cache_layer in enumerate(prompt.cache.layers):
             if getattr(cache_layer, "is_sliding", False):

@@ -27,6 +27,10 @@ from ..core.checks import check_int
 BITS = (2, 4, 8)  # KIVI packs 2, 4 or 8 bits per code (quant/new_pack.py:99: "Only 2, 4, 8 bits are supported")
 
 
+_CHANNELS = frozenset({"key_channel_ratio", "channel_window", "full_channel_recent"})  # ThinK's axis
+_QUANTIZATION = frozenset({"key_bits", "value_bits", "group_size", "residual_length"})  # KIVI's
+
+
 @dataclass(frozen=True)
 class Storage:
     """What of each kept position a cache layer holds (see module doc). Defaults store everything."""
@@ -70,6 +74,16 @@ class Storage:
 
     def with_settings(self, **settings) -> Storage:
         return dataclasses.replace(self, **settings)
+
+    def wrapped(self, wrapper, **settings) -> Storage:
+        """This (an inner policy's) storage with the storage wrapper `wrapper`'s `settings` added, refused where it
+        already uses the axis they set: a second wrapper of one axis would silently replace the first one's
+        settings."""
+        for fields, used, uses in ((_QUANTIZATION, self.quantizes, "quantizes"),
+                                   (_CHANNELS, self.prunes_channels, "prunes key channels")):
+            if used and fields & settings.keys():
+                raise ValueError(f"{wrapper.label}: the inner policy {uses} already")
+        return self.with_settings(**settings)
 
     def pruned(self, head_dim: int) -> int:
         """Key channels pruned of head_dim (ThinK's int(head_dim * ratio), kv_pruning_utils.py:13)."""

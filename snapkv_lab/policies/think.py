@@ -45,8 +45,6 @@ class ThinK(Wrapper):
 
     @property
     def storage(self) -> Storage:
-        inner = self.policy.storage or Storage()
-        if inner.prunes_channels:
-            raise ValueError(f"{self.label}: the inner policy prunes key channels already")
-        return inner.with_settings(key_channel_ratio=self.key_channel_ratio, channel_window=self.window_size,
-                                   full_channel_recent=self.recent_size)
+        return (self.policy.storage or Storage()).wrapped(
+            self, key_channel_ratio=self.key_channel_ratio, channel_window=self.window_size,
+            full_channel_recent=self.recent_size)
