@@ -21,19 +21,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tables", nargs="+", type=Path, help="tables of one model: their examples are audited once")
     parser.add_argument("--data-dir", default="data", help="where the cells are stored (cells/entries/)")
+    parser.add_argument("--examples", type=int, default=None,
+                        help="audit the first N examples only (the others' columns left empty; a rerun resumes)")
     args = parser.parse_args()
     tables = [pd.read_csv(path) for path in args.tables]
     joined = pd.concat([t.assign(_table=i) for i, t in enumerate(tables)], ignore_index=True)
     models = joined.model.unique()
     if len(models) != 1:
         raise SystemExit(f"one model per run, found {list(models)}")
-    audited = audit_entries(joined, model=models[0], data_dir=args.data_dir)
+    audited = audit_entries(joined, model=models[0], data_dir=args.data_dir, examples=args.examples)
     for i, (path, table) in enumerate(zip(args.tables, tables, strict=True)):
         own = audited[audited._table == i].drop(columns="_table")
         columns = [c for c in own.columns if c in table.columns or c in COLUMNS]
         own[columns].to_csv(path, index=False)
-        over = own[own.over_budget.astype(bool)]
-        print(f"{path}: {len(own)} rows, {len(over)} over budget; kv_share by policy and ratio (min, max):")
+        over = own[own.over_budget.eq(True)]
+        print(f"{path}: {own.kv_entries.notna().sum()} of {len(own)} rows audited, {len(over)} over budget; kv_share "
+              "by policy and ratio (min, max):")
         print(own.groupby(["policy", "ratio"]).kv_share.agg(["min", "max"]).round(3).unstack().to_string())
 
 

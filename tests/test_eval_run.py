@@ -630,6 +630,11 @@ def test_a_budget_audit_recomputes_the_entries_a_run_recorded(toy, tiny_as_defau
     assert list(audited.columns) == list(table.columns)
     pd.testing.assert_frame_equal(audited[COLUMNS].reset_index(drop=True), table[COLUMNS].reset_index(drop=True),
                                   check_dtype=False)
+    first = older.spec == older.spec.iloc[0]  # an audit in parts: the first example, the other's columns left empty
+    part = audit_entries(older, model=None, data_dir=tmp_path / "part", examples=1)
+    pd.testing.assert_frame_equal(part.loc[first, COLUMNS].reset_index(drop=True),
+                                  table.loc[first, COLUMNS].reset_index(drop=True), check_dtype=False)
+    assert (~first).any() and part.loc[~first, COLUMNS].isna().all().all()
 
     changed = older.assign(context_tokens=older.context_tokens + 1)
     with pytest.raises(ValueError, match="cannot be recomputed"):

@@ -79,20 +79,25 @@ def example_entries(model, tokenizer, config: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).astype({"ratio": "Float64", "capacity": "Int64"})
 
 
-def audit_entries(table: pd.DataFrame, *, model: str | None = None, data_dir="data") -> pd.DataFrame:
+def audit_entries(table: pd.DataFrame, *, model: str | None = None, data_dir="data",
+                  examples: int | None = None) -> pd.DataFrame:
     """`table` (an `evaluate` table) with COLUMNS filled from recomputed compressions (module doc), placed after
-    kept_tokens; cells stored in <data_dir>/cells/entries/. model: the table's model (None: the bundled default)."""
+    kept_tokens; cells stored in <data_dir>/cells/entries/. model: the table's model (None: the bundled default).
+    examples: audit only the table's first `examples` examples (in its order), leaving the others' COLUMNS empty (an
+    audit in parts: a rerun with a larger number resumes); None audits every one."""
     from ..sweep import ResultStore, run_cells
 
     store = ResultStore(Path(data_dir) / "cells" / CELL_KIND)
-    found = run_cells(audit_cells(table, model), example_entries, store, model=model, desc="budget audit")
+    cells = audit_cells(table, model)[:examples]
+    found = run_cells(cells, example_entries, store, model=model, desc="budget audit")
     found = found.drop(columns="layer_kv_share").drop_duplicates(KEYS)
     keyed = table.drop(columns=[c for c in COLUMNS if c in table], errors="ignore").assign(
         policy_config_key=table.policy_config.map(canonical_config),
         ratio=table.ratio.astype("Float64"), capacity=table.capacity.astype("Int64"))
     merged = keyed.merge(found.rename(columns={"policy_config": "policy_config_key"}), how="left",
                          on=["policy_config_key" if k == "policy_config" else k for k in KEYS], validate="many_to_one")
-    missing = int(merged.kv_entries.isna().sum())
+    audited = merged.spec.isin(list(dict.fromkeys(table.spec))[:examples])  # audit_cells' order
+    missing = int((merged.kv_entries.isna() & audited).sum())
     if missing:
         raise ValueError(f"{missing} rows found no recomputed entries (a policy, budget or mode the cells lack)")
     order = list(table.columns.drop(COLUMNS, errors="ignore"))
