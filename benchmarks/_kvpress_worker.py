@@ -7,7 +7,10 @@ never snapkv_lab.
 request.json: {"model": checkpoint folder, "ids": [token ids], "presses": {name: "kvpress constructor
 expression"}, "attn": "sdpa", "threads": int}. Each expression is evaluated with kvpress's names in scope
 (e.g. "SnapKVPress(compression_ratio=0.75)"), and `seeded(press, seed)`, which fixes a random press's draws; optional
-"values": [names] of (pruning, merging) presses whose kept values are returned too.
+"values": [names] of (pruning, merging) presses whose kept values are returned too. With "more": true, once it has
+taken those presses (and run the ones that run alone, below) the worker reads one more JSON line on stdin, {"presses":
+{...}} and any of the request's other keys ("q_filters", "duo_pattern"): the presses that need what the caller's half
+prepares, so that the caller can start the worker first and run its half meanwhile.
 out.pt (torch.save): {"versions": {...}, "last_logits": (vocab,) float32 of the uncompressed prefill,
     "presses": {name: {"kept": [per layer (kv_heads, kept) long, sorted, -1 padded] or None, "error": str or None,
     and for the names in "values": "values": [per layer (kv_heads, kept, head_dim), in the kept positions' order]}}}.
@@ -304,12 +307,14 @@ def main(request_path: str, out_path: str) -> None:
     n_layers = model.config.num_hidden_layers
 
     results, shared = {}, {}
-    for name, expression in request["presses"].items():
+
+    def admit(name: str, expression: str) -> None:
+        """Run a press that runs alone now; keep the others for the shared prefill."""
         try:
             press = eval(expression, scope)  # noqa: S307 (expressions come from the side-by-side rows)
         except Exception as err:
             results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
-            continue
+            return
         if isinstance(press, kvpress.QFilterPress):
             given_filters(press, request.get("q_filters"))
         if isinstance(press, kvpress.DuoAttentionPress):
@@ -332,6 +337,15 @@ def main(request_path: str, out_path: str) -> None:
                 results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
         else:
             shared[name] = press
+
+    for name, expression in request["presses"].items():
+        admit(name, expression)
+    if request.get("more"):  # the rest, once the caller's half has prepared what they need
+        later = json.loads(sys.stdin.readline())
+        request.update({key: value for key, value in later.items() if key != "presses"})
+        for name, expression in later["presses"].items():
+            admit(name, expression)
+
     start = time.perf_counter()
     values = {name: {} for name in request.get("values", []) if name in shared}
     try:

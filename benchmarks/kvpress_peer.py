@@ -397,29 +397,65 @@ def prompt_values(layer) -> torch.Tensor:
     return layer.values[0]
 
 
-def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], q_filters: Path | None = None,
-                duo_pattern: dict | None = None, values=(), kvzap_weights: dict | None = None) -> dict:
-    """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression} on the model in
-    `checkpoint`; RuntimeError with the worker's last output lines if it fails. q_filters: the query filters our
-    QFilters calibrated, for QFilterPress (which would load the authors' from the Hub); duo_pattern: our
-    DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would load the published gates);
-    values: the labels whose kept values the worker returns too (merging presses); kvzap_weights: {model_type: the
-    safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
+# Presses the worker hands what our prepared policies computed (QFilters' calibrated filters, DuoAttention's head
+# pattern): sent once our half has run; the worker takes every other press first (KvpressRun).
+NEEDS_OUR_HALF = ("QFilterPress(", "DuoAttentionPress(")
+
+
+class KvpressRun:
+    """The worker (see benchmarks/_kvpress_worker.py) on the model in `checkpoint`, started at once on the presses
+    {label: expression} that need nothing from our half, so that it imports kvpress, loads its model and runs the
+    presses that run alone (KVzip's reconstructions, the eager one) while our half runs; `finish` hands it the rest
+    and waits for its output. The worker runs every press as one request would: the split changes when it gets
+    them, not what it computes. values: the labels whose kept values the worker returns too (merging presses);
+    kvzap_weights: {model_type: the safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's)."""
+
+    def __init__(self, venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], values=(),
+                 kvzap_weights: dict | None = None):
+        self.folder = tempfile.TemporaryDirectory()
+        folder = Path(self.folder.name)
+        request, self.result = folder / "request.json", folder / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
-                                       "threads": torch.get_num_threads(),
-                                       "q_filters": None if q_filters is None else str(q_filters),
-                                       "duo_pattern": duo_pattern, "values": list(values),
-                                       "kvzap_weights": kvzap_weights}))
+                                       "threads": torch.get_num_threads(), "values": list(values),
+                                       "kvzap_weights": kvzap_weights, "more": True}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-            raise RuntimeError(f"the kvpress worker failed (exit {done.returncode}):\n{tail}")
-        return {**torch.load(result), "log": done.stderr}
+        # files, not pipes: a worker that fills a pipe while we run our half would stall until we read it
+        self.stdout, self.stderr = open(folder / "stdout", "w+"), open(folder / "stderr", "w+")
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen([str(venv / "bin" / "python"), str(WORKER), str(request), str(self.result)],
+                                        env=env, stdin=subprocess.PIPE, stdout=self.stdout, stderr=self.stderr,
+                                        text=True)
+
+    def finish(self, presses: dict[str, str], q_filters: Path | None = None, duo_pattern: dict | None = None) -> dict:
+        """The worker's output for every press, these included; RuntimeError with its last output lines if it fails.
+        q_filters: the query filters our QFilters calibrated, for QFilterPress (which would load the authors' from
+        the Hub); duo_pattern: our DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would
+        load the published gates). Adds "seconds": the worker's wall time, start to output."""
+        try:
+            self.process.stdin.write(json.dumps({"presses": presses, "duo_pattern": duo_pattern,
+                                                 "q_filters": None if q_filters is None else str(q_filters)}) + "\n")
+            self.process.stdin.close()
+        except BrokenPipeError:  # the worker has already failed: its output says why
+            pass
+        code = self.process.wait()
+        seconds = time.perf_counter() - self.started
+        self.stdout.seek(0)
+        self.stderr.seek(0)
+        out, log = self.stdout.read(), self.stderr.read()
+        if code != 0:
+            tail = "\n".join((out + log).splitlines()[-30:])
+            raise RuntimeError(f"the kvpress worker failed (exit {code}):\n{tail}")
+        return {**torch.load(self.result), "log": log, "seconds": seconds}
+
+    def close(self) -> None:
+        """Stop the worker if it still waits (our half failed) and remove its files."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.stdout.close()
+        self.stderr.close()
+        self.folder.cleanup()
 
 
 class KvpressServer:
@@ -550,7 +586,8 @@ class SideBySide:
     versions: dict
     rows: dict  # label -> Agreement
     kvpress_log: str
-    seconds: dict  # {"ours": ..., "kvpress": ...}: each half's wall time (the worker's includes its model load)
+    seconds: dict  # {"ours", "kvpress"}: each half's wall time (the worker's includes its model load; the two run at
+    # once), "waited": how long the kvpress half ran on after ours
 
 
 def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float = RATIO) -> SideBySide:
@@ -566,19 +603,26 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     capacity = n_kept(len(ids), ratio)
     built = {row.label: our_policy(row, capacity) for row in rows}
     with_values = [row.label for row in rows if row.values]
-    start = time.perf_counter()
-    ours, logits, our_values = run_ours(model, tokenizer, ids, {label: policy for label, (policy, _) in built.items()},
-                                        with_values)
-    middle = time.perf_counter()
-    duo = next((policy for policy, _ in built.values() if type(policy).__name__ == "DuoAttention"), None)
-    pattern = None if duo is None else duo_pattern(duo, len(ids))
-    presses = {row.label: row.press.format(ratio=ratio, head_ratio=pattern and pattern["head_ratio"]) for row in rows}
-    theirs = run_kvpress(venv, bundled_checkpoint(), ids, presses,
-                         q_filters=filters_path(model),  # calibrated by run_ours's QFilters
-                         duo_pattern=pattern, values=with_values,
-                         kvzap_weights={kind: str(find_weights(model, kind)) for kind in ("linear", "mlp")
-                                        if find_weights(model, kind) is not None})
-    seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
+    later = [row for row in rows if any(press in row.press for press in NEEDS_OUR_HALF)]
+    worker = KvpressRun(venv, bundled_checkpoint(), ids,
+                        {row.label: row.press.format(ratio=ratio) for row in rows if row not in later}, with_values,
+                        kvzap_weights={kind: str(find_weights(model, kind)) for kind in ("linear", "mlp")
+                                       if find_weights(model, kind) is not None})
+    try:
+        start = time.perf_counter()
+        ours, logits, our_values = run_ours(model, tokenizer, ids,
+                                            {label: policy for label, (policy, _) in built.items()}, with_values)
+        middle = time.perf_counter()
+        duo = next((policy for policy, _ in built.values() if type(policy).__name__ == "DuoAttention"), None)
+        pattern = None if duo is None else duo_pattern(duo, len(ids))
+        presses = {row.label: row.press.format(ratio=ratio, head_ratio=pattern and pattern["head_ratio"])
+                   for row in rows}
+        theirs = worker.finish({row.label: presses[row.label] for row in later},
+                               q_filters=filters_path(model),  # calibrated by run_ours's QFilters
+                               duo_pattern=pattern)
+    finally:
+        worker.close()
+    seconds = {"ours": middle - start, "kvpress": theirs["seconds"], "waited": time.perf_counter() - middle}
     agreements = {}
     for row in rows:
         policy, pending = built[row.label]
