@@ -293,6 +293,12 @@ ROWS = [
         "(docs/faithfulness.md). Measured 2026 (this prompt): 1.000 in layers 1-29, 0.997 in layer 0, where KV heads "
         "0 and 1 hold two keys of exactly equal norm at the 250th/251st (a repeated token: the same pre-RoPE key, "
         "and RoPE keeps norms), which each side's top-k breaks its own way: a tie, not a difference of method."),
+    Row("KeyRerotation", f"KeyRerotation(policy={SNAP})", f"KeyRerotationPress(press={SNAP_PRESS})",
+        "Same definition: the inner press's top n_kept by its scores, sorted (key_rerotation_press.py:145-149), the "
+        "SnapKV row's positions; then the kept keys re-rotated (:150), which changes no position. The worker reads "
+        "the indices the press re-rotates (read_rerotation), its keys matching no full key any more. kvpress puts "
+        "kept key i at position i and decodes from the cache's length (pipeline.py:237-238), ours at n - k + i and "
+        "decodes from n: the same query-key distances (tests/test_key_rerotation.py)."),
 ]
 
 

@@ -97,7 +97,8 @@ class LivePrefill:
             recent = self.recorder.recent.get(layer)
             kept, slots, seeds = compress_layers(policy, {layer: scores[policy.scorer_label]}, state.cache,
                                                  state.n_layers, pads=state.pads, **chunked,
-                                                 queries=None if recent is None else {layer: recent[0]})
+                                                 queries=None if recent is None else {layer: recent[0]},
+                                                 modules={layer: module})
             state.kept_indices[layer] = kept[layer]
             state.seeds.update(seeds)
             if self.chunk is not None and compresses:
