@@ -50,6 +50,7 @@ KVPRESS: dict[str, str] = {
     "ChunkPress": "PerChunk",  # not the lab's prefill_chunk (docs/faithfulness.md)
     "ComposedPress": "Composed",
     "KeyRerotationPress": "KeyRerotation",  # kept keys at n - k.., kvpress's at 0..k-1: the same distances
+    "CompressionRatioDecodingPress": "DecodingEviction",  # DecodingEviction(target_ratio=1 - its ratio)
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
@@ -61,7 +62,6 @@ KVPRESS_NOT_YET: dict[str, str] = {
     "BlockPress": "block-wise iterative scoring of any press: not written (its kept set depends on the budget while it "
                   "scores, where the lab's recorded scores are shared across budgets; a real block-wise prefill is "
                   "prefill_chunk=block, e.g. KeyDiff's)",
-    "CompressionRatioDecodingPress": "a decoding press held to a ratio of the growing cache: not written",
     "ExpectedAttentionStatsPress": "ExpectedAttention with the query statistics precomputed on the Hub: not written",
     "RestoreKVPress": "LoRA-adapted restore tokens: not written",
 }
