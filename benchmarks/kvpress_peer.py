@@ -299,6 +299,12 @@ ROWS = [
         "the indices the press re-rotates (read_rerotation), its keys matching no full key any more. kvpress puts "
         "kept key i at position i and decodes from the cache's length (pipeline.py:237-238), ours at n - k + i and "
         "decodes from n: the same query-key distances (tests/test_key_rerotation.py)."),
+    Row("Blockwise", "Blockwise(policy=KeyDiff(), block_size=128)",
+        "BlockPress(press=KeyDiffPress(compression_ratio={ratio}), block_size=128)",
+        "Same definition: the first 250 positions held, then per block of 128 from there the held ones and the block "
+        "scored together by KeyDiff (its anchor the mean unit key of those keys, keydiff_press.py:45-46) and the top "
+        "250 held (block_press.py:67-94). KeyDiff reads keys alone: kvpress's gathered hidden states (:79-87), which "
+        "a query-reading press would re-project, play no part."),
 ]
 
 

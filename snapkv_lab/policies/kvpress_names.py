@@ -51,6 +51,7 @@ KVPRESS: dict[str, str] = {
     "ComposedPress": "Composed",
     "KeyRerotationPress": "KeyRerotation",  # kept keys at n - k.., kvpress's at 0..k-1: the same distances
     "CompressionRatioDecodingPress": "DecodingEviction",  # DecodingEviction(target_ratio=1 - its ratio)
+    "BlockPress": "Blockwise",
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
@@ -59,9 +60,6 @@ KVPRESS_NOT_YET: dict[str, str] = {
                 "lab's CAM is the authors' form (zyxxmu/cam), a different method, so the name is not mapped to it",
     "KVComposePress": "composite tokens from extra question passes under eager attention: not written",
     "LUKVPress": "needs LU-KV's published budget curves, on GitHub only: not written",
-    "BlockPress": "block-wise iterative scoring of any press: not written (its kept set depends on the budget while it "
-                  "scores, where the lab's recorded scores are shared across budgets; a real block-wise prefill is "
-                  "prefill_chunk=block, e.g. KeyDiff's)",
     "ExpectedAttentionStatsPress": "ExpectedAttention with the query statistics precomputed on the Hub: not written",
     "RestoreKVPress": "LoRA-adapted restore tokens: not written",
 }
