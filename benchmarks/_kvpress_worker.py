@@ -235,6 +235,19 @@ def seeded(press, seed: int = 0):
     return press
 
 
+def given_statistics(press, path: str | None) -> None:
+    """ExpectedAttentionStatsPress with the query statistics snapkv_lab computed by kvpress's recipe (safetensors:
+    `mean` (layers, heads, d), `cov` (layers, heads, d, d), bfloat16) instead of the Hub's, which its
+    post_init_from_model would load (expected_attention_with_stats.py:72-81); it loads nothing once mu and cov are
+    set, and casts them to the model's dtype as it would (:80-81)."""
+    if path is None:
+        raise ValueError("ExpectedAttentionStatsPress needs the request's query_statistics (the Hub is out of reach)")
+    from safetensors.torch import load_file
+
+    stored = load_file(path)
+    press.mu, press.cov = stored["mean"].float(), stored["cov"].float()
+
+
 def read_rerotation(press) -> None:
     """KeyRerotationPress leaving the sorted kept indices it re-rotates (key_rerotation_press.py:147-150) on the
     module, as `module.rerotated_indices` (batch, kv_heads, kept), for `kept_positions`."""
@@ -336,6 +349,8 @@ def main(request_path: str, out_path: str) -> None:
             given_kvzap(press, request.get("kvzap_weights"))
         if isinstance(press, kvpress.KeyRerotationPress):
             read_rerotation(press)
+        if isinstance(press, kvpress.ExpectedAttentionStatsPress):
+            given_statistics(press, request.get("query_statistics"))
         if isinstance(press, kvpress.ObservedAttentionPress):
             try:
                 results[name] = {"kept": run_eager(model, ids, name, press), "error": None}

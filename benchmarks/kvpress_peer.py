@@ -410,20 +410,22 @@ def prompt_values(layer) -> torch.Tensor:
 
 
 def run_kvpress(venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], q_filters: Path | None = None,
-                duo_pattern: dict | None = None, values=(), kvzap_weights: dict | None = None) -> dict:
+                duo_pattern: dict | None = None, values=(), kvzap_weights: dict | None = None,
+                query_statistics: str | None = None) -> dict:
     """The worker's output (see benchmarks/_kvpress_worker.py) for {label: press expression} on the model in
     `checkpoint`; RuntimeError with the worker's last output lines if it fails. q_filters: the query filters our
     QFilters calibrated, for QFilterPress (which would load the authors' from the Hub); duo_pattern: our
     DuoAttention's head pattern (`duo_pattern`), for DuoAttentionPress (which would load the published gates);
     values: the labels whose kept values the worker returns too (merging presses); kvzap_weights: {model_type: the
-    safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's)."""
+    safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's); query_statistics: the file our
+    ExpectedAttention(statistics="shipped") reads, for ExpectedAttentionStatsPress (which would load the Hub's)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
                                        "threads": torch.get_num_threads(),
                                        "q_filters": None if q_filters is None else str(q_filters),
                                        "duo_pattern": duo_pattern, "values": list(values),
-                                       "kvzap_weights": kvzap_weights}))
+                                       "kvzap_weights": kvzap_weights, "query_statistics": query_statistics}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
         done = subprocess.run([str(venv / "bin" / "python"), str(WORKER), str(request), str(result)], env=env,
@@ -572,6 +574,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     from snapkv_lab.core.models import bundled_checkpoint
     from snapkv_lab.policies.kvzap import find_weights
     from snapkv_lab.policies.query_filters import filters_path
+    from snapkv_lab.policies.query_statistics import find_statistics
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
     ids = prompt_ids(tokenizer, n_tokens)
@@ -589,7 +592,8 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
                          q_filters=filters_path(model),  # calibrated by run_ours's QFilters
                          duo_pattern=pattern, values=with_values,
                          kvzap_weights={kind: str(find_weights(model, kind)) for kind in ("linear", "mlp")
-                                        if find_weights(model, kind) is not None})
+                                        if find_weights(model, kind) is not None},
+                         query_statistics=None if find_statistics(model) is None else str(find_statistics(model)))
     seconds = {"ours": middle - start, "kvpress": time.perf_counter() - middle}
     agreements = {}
     for row in rows:

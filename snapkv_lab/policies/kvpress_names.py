@@ -52,6 +52,7 @@ KVPRESS: dict[str, str] = {
     "KeyRerotationPress": "KeyRerotation",  # kept keys at n - k.., kvpress's at 0..k-1: the same distances
     "CompressionRatioDecodingPress": "DecodingEviction",  # DecodingEviction(target_ratio=1 - its ratio)
     "BlockPress": "Blockwise",
+    "ExpectedAttentionStatsPress": "ExpectedAttention",  # ExpectedAttention(statistics="shipped")
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
@@ -70,7 +71,6 @@ KVPRESS_NOT_YET: dict[str, str] = {
                  "bundled model, and the code that makes one (LU-KV's evaluation/curve_data/generate_curve.sh: "
                  "step1_<model>.py scorer statistics over a dataset, step2_compute_curve.py) is neither in kvpress "
                  "nor reachable here: not written",
-    "ExpectedAttentionStatsPress": "ExpectedAttention with the query statistics precomputed on the Hub: not written",
     "RestoreKVPress": "KVzip plus 8 restore tokens encoded once through a LoRA adapter (arXiv 2608.01247, "
                       "restorekv_press.py:18-100); kvpress ships inference only and loads the trained embeddings and "
                       "adapters from the Hub (higokri/RestoreKV-<model>: Llama-3.1-8B-Instruct, Qwen3-8B; :46-58). "
