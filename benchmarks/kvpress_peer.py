@@ -305,6 +305,13 @@ ROWS = [
         "scored together by KeyDiff (its anchor the mean unit key of those keys, keydiff_press.py:45-46) and the top "
         "250 held (block_press.py:67-94). KeyDiff reads keys alone: kvpress's gathered hidden states (:79-87), which "
         "a query-reading press would re-project, play no part."),
+    Row("ExpectedAttention, precomputed statistics", "ExpectedAttention(statistics='shipped')",
+        "ExpectedAttentionStatsPress(compression_ratio={ratio})",
+        "Same definition: ExpectedAttentionPress's closed form (as the ExpectedAttention row) with the query mean and "
+        "covariance read from precomputed statistics instead of the prompt's (expected_attention_with_stats.py:60-67). "
+        "kvpress would load them from the Hub (:72-81); the worker hands it the lab's file, made by kvpress's recipe "
+        "(policies/query_statistics.py), so both read the same numbers.",
+        expect={"kept_tail": 0}),
 ]
 
 

@@ -3,7 +3,7 @@ ExpectedAttentionStatsPress) by kvpress's recipe, offline, on the lab's own text
 100 pieces of 1000 characters of the Paul Graham essays standing in for booksum, the first 4 tokens of each left out).
 
     python3 scripts/query_statistics.py --model smollm2                 # into the cache folder
-    python3 scripts/query_statistics.py --model gemma-3-270m --ship     # into the package (shipped)
+    python3 scripts/query_statistics.py --model gemma-3-270m --ship --threads 1  # into the package (shipped)
 
 Writes the statistics (safetensors, bfloat16) with a record of the data, the token count and the time in its metadata.
 Run it under `nice -n 10` on a shared machine.
@@ -27,7 +27,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--ship", action="store_true", help="write into the package (policies/weights/...)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads (1 ran far faster than 2 on a loaded 2-core machine)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     texts = qs.sample_texts()
     start = time.perf_counter()

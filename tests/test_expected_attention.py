@@ -463,3 +463,26 @@ def test_precomputed_statistics_follow_kvpress_recipe_and_scoring(tmp_path):
         torch.testing.assert_close(mine[layer].double(), ref, rtol=1e-4, atol=0)
     with pytest.raises(ValueError, match="statistics"):
         C.ExpectedAttention(statistics="nowhere.safetensors")
+
+
+def test_shipped_statistics_are_whole_covariances():
+    """Every shipped statistics file (policies/weights/expected_attention/) holds, for each layer it names, a mean and
+    a covariance per query head that a covariance can be: symmetric, positive semi-definite up to bfloat16 rounding;
+    its record names kvpress's recipe."""
+    import json
+
+    from safetensors import safe_open
+
+    from snapkv_lab.policies import query_statistics
+
+    files = sorted(query_statistics.SHIPPED.glob("*.safetensors"))
+    assert any(path.name.startswith("SmolLM2-135M-Instruct-") for path in files)
+    for path in files:
+        with safe_open(str(path), "pt") as file:
+            record = json.loads(file.metadata()["record"])
+        assert record["n_sink"] == N_SINK and record["texts"].startswith("100 x 1000 characters")
+        for layer, (mean, cov) in query_statistics.load(path).items():
+            assert mean.shape == cov.shape[:2] and cov.shape[-1] == cov.shape[-2] == mean.shape[-1], (path, layer)
+            torch.testing.assert_close(cov, cov.mT)
+            eigenvalues = torch.linalg.eigvalsh(cov)
+            assert bool((eigenvalues >= -1e-2 * eigenvalues.amax(-1, keepdim=True)).all()), (path, layer)

@@ -78,7 +78,7 @@ def collect(model, tokenizer, texts: list[str], n_sink: int = N_SINK) -> dict[in
     for text in texts:
         ids = torch.tensor([tokenizer(text)["input_ids"]], device=model.device)
         with intercept_attention(model, record):
-            model(ids, use_cache=False)
+            model.get_decoder()(input_ids=ids, use_cache=False)  # no output head: only the attention calls are read
     out = {}
     for layer, (count, total, outer) in sorted(sums.items()):
         mean = total / count
