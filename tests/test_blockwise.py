@@ -37,7 +37,7 @@ def test_blockwise_keeps_kvpress_block_loop_at_each_budget(byte_tokenizer):
     ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(0))
     keys = [layer.keys[0] for layer in model(ids, use_cache=True).past_key_values.layers]
     policies = [snapkv_lab.Blockwise(block_size=BLOCK, capacity=c) for c in (40, 64)]
-    assert policies[0].scorer_label != policies[1].scorer_label  # one score table per budget
+    assert policies[0].score_table != policies[1].score_table  # one score table per budget
     alone = snapkv_lab.KeyDiff(capacity=40)  # the block loop is not one selection over the prompt
     shared = SharedPrefill.run(model, byte_tokenizer, ids, [*policies, alone])
     for policy in policies:

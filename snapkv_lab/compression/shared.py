@@ -159,7 +159,7 @@ class SharedPrefill:
             scores = {}
             if compresses or seeded(policy):
                 scores = (self._after_prefill_scores(policy) if policy.scores_after_prefill
-                          else self.recorder.scores[policy.scorer_label])
+                          else self.recorder.scores[policy.score_table])
             cache = fork(self.cache)
             kept = {i: held_positions(layer, n, pads) for i, layer in enumerate(self.cache.layers)}
             queries = {layer: query for layer, (query, _) in self.recorder.recent.items()}

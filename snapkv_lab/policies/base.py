@@ -267,6 +267,12 @@ class Policy:
         return f"{self.name}({settings})" if settings else self.name
 
     @property
+    def score_table(self) -> str:
+        """The key of this policy's scores in a recorder (compression.recorder): its scorer_label, so that policies
+        differing only in budget share one table; a policy whose scores depend on its budget (Blockwise) adds it."""
+        return self.scorer_label
+
+    @property
     def label(self) -> str:
         """Identity for tables: name, every non-default parameter, budget. Two configurations never share one."""
         return self.scorer_label if self.capacity is None else f"{self.scorer_label}@{self.capacity}"

@@ -10,14 +10,14 @@ come from one full forward (the docstring's warning, :21-22): a real block-wise 
 computed over the compressed cache, is `generate(..., prefill_chunk=block)` (KeyDiff's docs).
 
 Ours, `Blockwise(policy=KeyDiff(), block_size=128)`: the same loop, each step scored by the inner policy on an
-AttentionCall cut to the KV head's held keys and the block (compression's `held_call`: every query of the prompt, each
+AttentionCall cut to the KV head's held keys and the block (Composed's `held_call`: every query of the prompt, each
 seeing the held keys up to its own position), kept by the inner policy's own selection at the budget. What is kept
-depends on the budget while scoring, so the budget is part of the scorer: `scorer_label` carries the capacity, and a
-shared prefill records one score table per budget (each the kept set, +inf kept and -inf evicted), never one shared
-across budgets. The prompt is scored in one attention call (a chunked prefill is refused: it is the real block-wise
-prefill). kvpress's press re-reads hidden states gathered per KV head (:79-87), which a query-reading scorer turns into
-queries of mixed positions; ours hands it the prompt's own queries, so only key-reading scorers (KeyDiff, KNorm) are
-compared with kvpress (benchmarks/kvpress_peer.py).
+depends on the budget while scoring, so the budget is part of the scorer: its `score_table` (the recorder's key) carries
+the capacity, and a shared prefill records one score table per budget (each the kept set, +inf kept and -inf evicted),
+never one shared across budgets. The prompt is scored in one attention call (a chunked prefill is refused: it is the
+real block-wise prefill). kvpress's press re-reads hidden states gathered per KV head (:79-87), which a query-reading
+scorer turns into queries of mixed positions; ours hands it the prompt's own queries, so only key-reading scorers
+(KeyDiff, KNorm) are compared with kvpress (benchmarks/kvpress_peer.py).
 """
 
 from __future__ import annotations
@@ -62,14 +62,9 @@ class Blockwise(Wrapper):
         return 0  # every query of the prompt: a block's scorer reads what it needs among them
 
     @property
-    def scorer_label(self) -> str:
+    def score_table(self) -> str:
         """The label, capacity included: the scores are the kept set at that budget."""
-        label = super().scorer_label
-        return label if self.capacity is None else f"{label}@{self.capacity}"
-
-    @property
-    def label(self) -> str:
-        return self.scorer_label
+        return self.label
 
     @property
     def scoring_key(self) -> str:
