@@ -28,6 +28,8 @@ see alone. KVzipPress scores by extra reconstruction passes after its prefill an
 
 How kept positions are read: a press that prunes leaves (batch, kv_heads, kept, head_dim) keys in the cache;
 each kept row is matched with the full keys' rows (post-RoPE keys of distinct positions never coincide).
+KeyRerotationPress re-rotates the keys it keeps, which then match none: the indices it hands its `rerotate_keys`
+are read instead (read_rerotation).
 Head-wise presses (AdaKVPress, CriticalAdaKVPress, KVzipPress) prune nothing and leave
 `module.masked_key_indices` = (batch, head, position) of the masked pairs: their kept positions are the rest.
 
@@ -117,6 +119,10 @@ def kept_positions(module, full: torch.Tensor, keys: torch.Tensor, may_keep_all:
     the press may leave a layer whole by its own decision (SimLayerKVPress's busy layers, DMSPress where no score falls
     below its threshold): then every position; otherwise a layer left whole is an error."""
     kv_heads, n = full.shape[1], full.shape[2]
+    rerotated = getattr(module, "rerotated_indices", None)
+    if rerotated is not None:
+        module.rerotated_indices = None
+        return rerotated[0].cpu()
     masked = getattr(module, "masked_key_indices", None)
     if masked is not None:
         return masked_to_positions(masked, kv_heads, n)
@@ -166,7 +172,7 @@ def run_shared_prefill(model, ids: torch.Tensor, presses: dict,
     def restore(module, args, kwargs, output):
         layer = kwargs["past_key_values"].layers[module.layer_idx]
         layer.keys, layer.values = full[module.layer_idx]
-        module.masked_key_indices = None
+        module.masked_key_indices = module.rerotated_indices = None
 
     def record(name):
         whole = type(presses[name]).__name__ in KEEP_ALL_PRESSES
@@ -230,6 +236,31 @@ def seeded(press, seed: int = 0):
 
     press.score = seeded_score
     return press
+
+
+def given_statistics(press, path: str | None) -> None:
+    """ExpectedAttentionStatsPress with the query statistics snapkv_lab computed by kvpress's recipe (safetensors:
+    `mean` (layers, heads, d), `cov` (layers, heads, d, d), bfloat16) instead of the Hub's, which its
+    post_init_from_model would load (expected_attention_with_stats.py:72-81); it loads nothing once mu and cov are
+    set, and casts them to the model's dtype as it would (:80-81)."""
+    if path is None:
+        raise ValueError("ExpectedAttentionStatsPress needs the request's query_statistics (the Hub is out of reach)")
+    from safetensors.torch import load_file
+
+    stored = load_file(path)
+    press.mu, press.cov = stored["mean"].float(), stored["cov"].float()
+
+
+def read_rerotation(press) -> None:
+    """KeyRerotationPress leaving the sorted kept indices it re-rotates (key_rerotation_press.py:147-150) on the
+    module, as `module.rerotated_indices` (batch, kv_heads, kept), for `kept_positions`."""
+    rerotate = press.rerotate_keys
+
+    def recording(module, indices, keys):
+        module.rerotated_indices = indices
+        return rerotate(module, indices, keys)
+
+    press.rerotate_keys = recording
 
 
 def given_kvzap(press, weights: dict | None) -> None:
@@ -321,6 +352,10 @@ def main(request_path: str, out_path: str) -> None:
             given_pattern(press, request.get("duo_pattern"))
         if isinstance(press, kvpress.KVzapPress):
             given_kvzap(press, request.get("kvzap_weights"))
+        if isinstance(press, kvpress.KeyRerotationPress):
+            read_rerotation(press)
+        if isinstance(press, kvpress.ExpectedAttentionStatsPress):
+            given_statistics(press, request.get("query_statistics"))
         if isinstance(press, kvpress.ObservedAttentionPress):
             try:
                 results[name] = {"kept": run_eager(model, ids, name, press), "error": None}

@@ -293,6 +293,25 @@ ROWS = [
         "(docs/faithfulness.md). Measured 2026 (this prompt): 1.000 in layers 1-29, 0.997 in layer 0, where KV heads "
         "0 and 1 hold two keys of exactly equal norm at the 250th/251st (a repeated token: the same pre-RoPE key, "
         "and RoPE keeps norms), which each side's top-k breaks its own way: a tie, not a difference of method."),
+    Row("KeyRerotation", f"KeyRerotation(policy={SNAP})", f"KeyRerotationPress(press={SNAP_PRESS})",
+        "Same definition: the inner press's top n_kept by its scores, sorted (key_rerotation_press.py:145-149), the "
+        "SnapKV row's positions; then the kept keys re-rotated (:150), which changes no position. The worker reads "
+        "the indices the press re-rotates (read_rerotation), its keys matching no full key any more. kvpress puts "
+        "kept key i at position i and decodes from the cache's length (pipeline.py:237-238), ours at n - k + i and "
+        "decodes from n: the same query-key distances (tests/test_key_rerotation.py)."),
+    Row("Blockwise", "Blockwise(policy=KeyDiff(), block_size=128)",
+        "BlockPress(press=KeyDiffPress(compression_ratio={ratio}), block_size=128)",
+        "Same definition: the first 250 positions held, then per block of 128 from there the held ones and the block "
+        "scored together by KeyDiff (its anchor the mean unit key of those keys, keydiff_press.py:45-46) and the top "
+        "250 held (block_press.py:67-94). KeyDiff reads keys alone: kvpress's gathered hidden states (:79-87), which "
+        "a query-reading press would re-project, play no part."),
+    Row("ExpectedAttention, precomputed statistics", "ExpectedAttention(statistics='shipped')",
+        "ExpectedAttentionStatsPress(compression_ratio={ratio})",
+        "Same definition: ExpectedAttentionPress's closed form (as the ExpectedAttention row) with the query mean and "
+        "covariance read from precomputed statistics instead of the prompt's (expected_attention_with_stats.py:60-67). "
+        "kvpress would load them from the Hub (:72-81); the worker hands it the lab's file, made by kvpress's recipe "
+        "(policies/query_statistics.py), so both read the same numbers.",
+        expect={"kept_tail": 0}),
 ]
 
 
@@ -408,16 +427,19 @@ class KvpressRun:
     presses that run alone (KVzip's reconstructions, the eager one) while our half runs; `finish` hands it the rest
     and waits for its output. The worker runs every press as one request would: the split changes when it gets
     them, not what it computes. values: the labels whose kept values the worker returns too (merging presses);
-    kvzap_weights: {model_type: the safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's)."""
+    kvzap_weights: {model_type: the safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's);
+    query_statistics: the file our ExpectedAttention(statistics="shipped") reads, for ExpectedAttentionStatsPress
+    (which would load the Hub's)."""
 
     def __init__(self, venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], values=(),
-                 kvzap_weights: dict | None = None):
+                 kvzap_weights: dict | None = None, query_statistics: str | None = None):
         self.folder = tempfile.TemporaryDirectory()
         folder = Path(self.folder.name)
         request, self.result = folder / "request.json", folder / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
                                        "threads": torch.get_num_threads(), "values": list(values),
-                                       "kvzap_weights": kvzap_weights, "more": True}))
+                                       "kvzap_weights": kvzap_weights, "query_statistics": query_statistics,
+                                       "more": True}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
         # files, not pipes: a worker that fills a pipe while we run our half would stall until we read it
@@ -597,6 +619,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     from snapkv_lab.core.models import bundled_checkpoint
     from snapkv_lab.policies.kvzap import find_weights
     from snapkv_lab.policies.query_filters import filters_path
+    from snapkv_lab.policies.query_statistics import find_statistics
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
     ids = prompt_ids(tokenizer, n_tokens)
@@ -607,7 +630,8 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     worker = KvpressRun(venv, bundled_checkpoint(), ids,
                         {row.label: row.press.format(ratio=ratio) for row in rows if row not in later}, with_values,
                         kvzap_weights={kind: str(find_weights(model, kind)) for kind in ("linear", "mlp")
-                                       if find_weights(model, kind) is not None})
+                                       if find_weights(model, kind) is not None},
+                        query_statistics=None if find_statistics(model) is None else str(find_statistics(model)))
     try:
         start = time.perf_counter()
         ours, logits, our_values = run_ours(model, tokenizer, ids,

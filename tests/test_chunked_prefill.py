@@ -19,9 +19,11 @@ NAMES = sorted(snapkv_lab.POLICIES)
 # head-wise budgets (ragged layers), budgets shared across layers (CAKE, GlobalAllocation), a mean over the queries that
 # saw each position (ObservedAttention: a compacted cache's slots no longer tell their positions), a prefill's every key
 # position and query (LeverageScore, NonCausalAttn, Compactor), a trained scorer over the whole prompt's layer inputs
-# (KVzap, FastKVzip), packed storage (ThinK, KIVI), each chunk scored alone by its own queries (PerChunk).
+# (KVzap, FastKVzip), packed storage (ThinK, KIVI), each chunk scored alone by its own queries (PerChunk), blocks
+# simulated over one prefill call (Blockwise: the real block-wise prefill is this chunked one).
 REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation", "ObservedAttention",
-           "KVgrad", "LeverageScore", "NonCausalAttn", "Compactor", "KVzap", "FastKVzip", "ThinK", "KIVI", "PerChunk"}
+           "KVgrad", "LeverageScore", "NonCausalAttn", "Compactor", "KVzap", "FastKVzip", "ThinK", "KIVI", "PerChunk",
+           "Blockwise"}
 
 
 def prompt(seed=0, n=N):

@@ -150,3 +150,49 @@ def test_h2o_matches_reference_smollm(smollm):
     window = budget - budget // 2  # H2O's recent half (FMInference/H2O: heavy_ratio = recent_ratio)
     reference = [top_with_tail(s[..., : n - window], budget - window, n) for s in scores]
     assert_same_selection(run.kept_indices, reference, [s[..., : n - window] for s in scores], window)
+
+
+def test_decoding_eviction_held_to_a_share_of_the_tokens_seen(byte_tokenizer):
+    """target_ratio (kvpress's CompressionRatioDecodingPress, kvpress 0.5.5 presses/compression_ratio_decoding_press.py
+    :41-48, with DecodingPress's schedule, decoding_press.py:136-170): every `interval` decode calls the cache is cut to
+    floor(seen * ratio) positions, seen = the current token's position + 1, so it grows with the answer. Written plainly
+    with KNorm inside (each eviction keeps the keys of lowest norm among those held, no kept tail), on a one-layer,
+    one-KV-head model whose evicted positions a (1, 1, 1, n) mask hides."""
+    model = make_tiny_llama(initializer_range=0.3, num_hidden_layers=1, num_key_value_heads=1)
+    prompt, ratio, interval = ids(5), 0.5, 4
+    eager = eager_twin(model)
+    with torch.no_grad():
+        out = eager(prompt, use_cache=True)
+    cache, token, tokens = out.past_key_values, out.logits[0, -1].argmax(), []
+
+    def lowest_norms(held, k):
+        norms = cache.layers[0].keys[0, 0].norm(dim=-1)
+        return sorted(sorted(held, key=lambda p: float(norms[p]))[:k])
+
+    held, steps = lowest_norms(list(range(N)), int(N * ratio)), 0
+    for step in range(NEW):
+        tokens.append(int(token))
+        if step == NEW - 1:
+            break
+        position = N + step
+        held.append(position)
+        mask = torch.full((1, 1, 1, position + 1), float("-inf"))
+        mask[..., held] = 0
+        with torch.no_grad():
+            out = eager(token.view(1, 1), past_key_values=cache, attention_mask=mask,
+                        position_ids=torch.tensor([[position]]), use_cache=True)
+        steps += 1
+        target = int((position + 1) * (1 - ratio))  # kvpress: max(1, int(seen * (1 - target_compression_ratio)))
+        if steps >= interval and len(held) > target:
+            held, steps = lowest_norms(held, target), 0
+            evicted_to = list(held)  # kept_indices: the positions held after the run's last eviction
+        token = out.logits[0, -1].argmax()
+    policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.KNorm(), capacity=ratio, interval=interval,
+                                         target_ratio=ratio)
+    assert policy.label == "DecodingEviction(policy=KNorm, interval=4, target_ratio=0.5)@0.5"
+    run = snapkv_lab.generate(model, byte_tokenizer, prompt, policy=policy, max_new_tokens=NEW)
+    assert run.token_ids[0].tolist() == tokens
+    assert run.kept_indices[0][0, 0].tolist() == evicted_to
+    assert len(evicted_to) > int(N * ratio)  # the cache grew with the answer, as a fixed target would not
+    with pytest.raises(ValueError, match="not both"):
+        snapkv_lab.DecodingEviction(policy=snapkv_lab.KNorm(), capacity=0.5, target=20, target_ratio=0.5)

@@ -103,15 +103,19 @@ def prerope_queries(attn, hidden: torch.Tensor) -> torch.Tensor:
     return q.double()
 
 
-def reference_scores(q, keys, values, R, s) -> torch.Tensor:
+def reference_scores(q, keys, values, R, s, statistics=None) -> torch.Tensor:
     """kvpress's closed form (expected_attention_press.py) from pre-RoPE queries q (batch, heads, rows, d), post-RoPE
     keys and values (batch, kv_heads, n, d), the mean rotation R (d, d), the scaling s: the queries' mean and biased
-    covariance (:73-80); mu' = R mu, Sigma' = R Sigma R^T (:121-123); logits mu'.k s + k^T Sigma' k s^2 / 2 over the
-    keys after the N_SINK sinks (:138, :149-151); softmax (:152); mean over each KV head's query heads (:155-156);
-    times ||v|| (:159-160); the sinks +inf (:163: max + 1 there). Returns (batch, kv_heads, n) float64."""
+    covariance (:73-80), or the precomputed `statistics` (mean (heads, d), cov (heads, d, d)) as
+    ExpectedAttentionStatsPress reads them (expected_attention_with_stats.py:60-67); mu' = R mu, Sigma' = R Sigma R^T
+    (:121-123); logits mu'.k s + k^T Sigma' k s^2 / 2 over the keys after the N_SINK sinks (:138, :149-151); softmax
+    (:152); mean over each KV head's query heads (:155-156); times ||v|| (:159-160); the sinks +inf (:163: max + 1
+    there). Returns (batch, kv_heads, n) float64."""
     batch, heads, rows, _ = q.shape
     mu = q.mean(dim=2, keepdim=True)
     cov = (q - mu).transpose(2, 3) @ (q - mu) / rows  # (batch, heads, d, d)
+    if statistics is not None:
+        mu, cov = statistics[0].double()[None, :, None], statistics[1].double()[None]
     mu, cov = mu @ R.T, R @ cov @ R.T
     keys, values = keys.double(), values.double()
     n, kv = keys.shape[2], keys.shape[1]
@@ -417,3 +421,68 @@ def test_decoding_eviction_takes_the_voters_at_their_token_positions():
                       model.config.rope_parameters["rope_theta"], 16)
         ref = reference_scores(q, call.key[None], call.value[None], R, 0.25)[0]
         torch.testing.assert_close(scores.view(2, 2, -1).mean(1).double(), ref, rtol=1e-4, atol=0)
+
+
+def test_precomputed_statistics_follow_kvpress_recipe_and_scoring(tmp_path):
+    """ExpectedAttention(statistics=...) is ExpectedAttentionStatsPress: the statistics by kvpress's recipe
+    (expected_attention_with_stats.py:185-237: pre-RoPE queries of every text, its first N_SINK tokens left out, the
+    mean and the covariance with N - 1 over all of them), then the press's closed form with them in place of the
+    prompt's own (reference_scores), from the stored file read back here."""
+    from safetensors.torch import load_file
+
+    from snapkv_lab.policies import query_statistics
+
+    model = make_tiny_llama(initializer_range=0.3)
+    texts = ["".join(chr(97 + (7 * i + 3 * j) % 26) for j in range(40 + 9 * i)) for i in range(3)]
+    statistics = query_statistics.collect(model, ByteTokenizer(), texts)
+    queries = {layer: [] for layer in range(model.config.num_hidden_layers)}
+    for text in texts:
+        hidden, _ = attention_inputs(model, torch.tensor([list(text.encode())]))
+        for layer in queries:
+            queries[layer].append(prerope_queries(model.model.layers[layer].self_attn, hidden[layer][:, N_SINK:])[0])
+    for layer, rows in queries.items():
+        q = torch.cat(rows, dim=1)  # (heads, N, d)
+        mu = q.mean(1, keepdim=True)
+        torch.testing.assert_close(statistics[layer][0], mu[:, 0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(statistics[layer][1], (q - mu).transpose(1, 2) @ (q - mu) / (q.shape[1] - 1),
+                                   rtol=1e-5, atol=1e-6)
+    path = tmp_path / "statistics.safetensors"
+    query_statistics.save(path, statistics, {"texts": "test"})
+    stored = load_file(str(path))
+    ids = prompt()
+    policy = C.ExpectedAttention(capacity=CAPACITY, statistics=str(path))
+    assert policy.label == f"ExpectedAttention(statistics={str(path)!r})@{CAPACITY}"
+    mine = recorded_scores(model, ids, policy)
+    hidden, cache = attention_inputs(model, ids)
+    d = model.model.layers[0].self_attn.head_dim
+    R = mean_rope(range(N, N + N_FUTURE), d, model.config.rope_parameters["rope_theta"], d)
+    for layer in queries:
+        ref = reference_scores(prerope_queries(model.model.layers[layer].self_attn, hidden[layer]),
+                               cache.layers[layer].keys, cache.layers[layer].values, R, 1 / math.sqrt(d),
+                               statistics=(stored["mean"][layer], stored["cov"][layer]))
+        torch.testing.assert_close(mine[layer].double(), ref, rtol=1e-4, atol=0)
+    with pytest.raises(ValueError, match="statistics"):
+        C.ExpectedAttention(statistics="nowhere.safetensors")
+
+
+def test_shipped_statistics_are_whole_covariances():
+    """Every shipped statistics file (policies/weights/expected_attention/) holds, for each layer it names, a mean and
+    a covariance per query head that a covariance can be: symmetric, positive semi-definite up to bfloat16 rounding;
+    its record names kvpress's recipe."""
+    import json
+
+    from safetensors import safe_open
+
+    from snapkv_lab.policies import query_statistics
+
+    files = sorted(query_statistics.SHIPPED.glob("*.safetensors"))
+    assert any(path.name.startswith("SmolLM2-135M-Instruct-") for path in files)
+    for path in files:
+        with safe_open(str(path), "pt") as file:
+            record = json.loads(file.metadata()["record"])
+        assert record["n_sink"] == N_SINK and record["texts"].startswith("100 x 1000 characters")
+        for layer, (mean, cov) in query_statistics.load(path).items():
+            assert mean.shape == cov.shape[:2] and cov.shape[-1] == cov.shape[-2] == mean.shape[-1], (path, layer)
+            torch.testing.assert_close(cov, cov.mT)
+            eigenvalues = torch.linalg.eigvalsh(cov)
+            assert bool((eigenvalues >= -1e-2 * eigenvalues.amax(-1, keepdim=True)).all()), (path, layer)

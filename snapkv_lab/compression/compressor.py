@@ -95,9 +95,10 @@ class LivePrefill:
                                           None if self.chunk is None else torch.arange(seen, seen + rows))
             chunked = {} if self.chunk is None else dict(positions={layer: held}, seen=seen + rows)
             recent = self.recorder.recent.get(layer)
-            kept, slots, seeds = compress_layers(policy, {layer: scores[policy.scorer_label]}, state.cache,
+            kept, slots, seeds = compress_layers(policy, {layer: scores[policy.score_table]}, state.cache,
                                                  state.n_layers, pads=state.pads, **chunked,
-                                                 queries=None if recent is None else {layer: recent[0]})
+                                                 queries=None if recent is None else {layer: recent[0]},
+                                                 modules={layer: module})
             state.kept_indices[layer] = kept[layer]
             state.seeds.update(seeds)
             if self.chunk is not None and compresses:

@@ -1,5 +1,5 @@
 """The one way a policy's scores become a compressed cache: score (recorder), keep, merge (a merging policy's
-values), build, per layer.
+values) and rekey (a policy's rewritten keys: KeyRerotation), build, per layer.
 
     calls = attention_calls(module, query, key, value, slots, settings, n_layers, lead=pads)   # one per batch row
     scores = {layer: (batch, rows, slots)}                       # recorder.ScoreRecorder, from those calls
@@ -97,20 +97,34 @@ def merged_values(policy: Policy, keys: torch.Tensor, values: torch.Tensor, kept
     `policy.merge` over the row's own slots (after its `lead` leading pads; kept: per row (rows, k) positions among
     them), before `build_layer` gathers the kept positions: `values` itself where the policy merges nothing, else a
     new tensor (the cache it came from, a shared prefill's among them, is left as it was)."""
-    merged_layer = values
+    return _rows_rewritten(values, kept, lead, lambda b, drop, row: policy.merge(keys[b, :, drop:], values[b, :, drop:],
+                                                                                 row))
+
+
+def rekeyed(policy: Policy, keys: torch.Tensor, kept: list[torch.Tensor], lead: list[int], module) -> torch.Tensor:
+    """`merged_values` for keys: each batch row's kept keys rewritten by `policy.rekey` (module: the layer's attention
+    module, its RoPE), `keys` itself where the policy rewrites none."""
+    return _rows_rewritten(keys, kept, lead, lambda b, drop, row: policy.rekey(keys[b, :, drop:], row, module))
+
+
+def _rows_rewritten(layer: torch.Tensor, kept: list[torch.Tensor], lead: list[int], rewrite) -> torch.Tensor:
+    """`layer` (batch, kv_heads, slots, head_dim) with row b's own slots (after its lead[b] pads) replaced by
+    rewrite(b, lead[b], kept[b]) where that gives a tensor (None: the row as it was); a new tensor if any row is."""
+    rewritten = layer
     for b, (row, drop) in enumerate(zip(kept, lead, strict=True)):
-        merged = policy.merge(keys[b, :, drop:], values[b, :, drop:], row)
-        if merged is None:
+        new = rewrite(b, drop, row)
+        if new is None:
             continue
-        if merged_layer is values:
-            merged_layer = values.clone()
-        merged_layer[b, :, drop:] = merged
-    return merged_layer
+        if rewritten is layer:
+            rewritten = layer.clone()
+        rewritten[b, :, drop:] = new
+    return rewritten
 
 
 def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: DynamicCache, n_layers: int, *,
                     pads: torch.Tensor | None = None, positions: dict[int, torch.Tensor] | None = None,
-                    seen: int | None = None, queries: dict[int, torch.Tensor] | None = None) -> tuple[dict, dict, dict]:
+                    seen: int | None = None, queries: dict[int, torch.Tensor] | None = None,
+                    modules: dict | None = None) -> tuple[dict, dict, dict]:
     """Keep and build: each layer of `scores` ({layer: (batch, rows, slots)}, a padded batch's rows left-padded with
     zeros) in `cache` is replaced by one holding what `policy` keeps of it, each batch row by its own scores and budget.
 
@@ -121,7 +135,8 @@ def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: Dyna
     policy that evicts while decoding by accumulated scores (H2O); empty otherwise). Every row within its budget: the
     layers are left as they are (their held positions reported). A policy whose `storage` prunes key channels or
     quantizes (ThinK, KIVI) has every layer of `scores` stored so afterwards (packed.pack_layers; queries: {layer:
-    (batch, heads, w, head_dim)} the prompt's last queries, which ThinK's channel scores read)."""
+    (batch, heads, w, head_dim)} the prompt's last queries, which ThinK's channel scores read). modules: {layer: its
+    attention module}, for a policy that rewrites the keys it keeps (`Policy.rekey`: KeyRerotation reads the RoPE)."""
     layers = sorted(scores)
     if not layers:
         return {}, {}, {}
@@ -142,7 +157,8 @@ def compress_layers(policy: Policy, scores: dict[int, torch.Tensor], cache: Dyna
                 raise NotImplementedError(f"{policy.label}: head-wise budgets under a chunked prefill are not "
                                           "supported (a ragged cache layer cannot take the next chunk)")
             values = merged_values(policy, full.keys, full.values, rows[layer], lead)
-            cache.layers[layer], kept[layer] = build_layer(full.keys, values, own, held,
+            keys = rekeyed(policy, full.keys, rows[layer], lead, None if modules is None else modules.get(layer))
+            cache.layers[layer], kept[layer] = build_layer(keys, values, own, held,
                                                            n_slots if seen is None else seen, pads)
             cache.layers[layer].window = rolling_window(policy, rows[layer], lengths, full.keys.device)
             slots[layer] = stack_rows(own, left=True)

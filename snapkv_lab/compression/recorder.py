@@ -2,7 +2,7 @@
 
     recorder = ScoreRecorder(policies, n_layers)            # a hook callback, or called by the live compressor
     with intercept_attention(model, recorder): model(ids, past_key_values=full_cache)
-    kept, slots, seeds = engine.compress_layers(policy, recorder.scores[policy.scorer_label], compressed, n_layers)
+    kept, slots, seeds = engine.compress_layers(policy, recorder.scores[policy.score_table], compressed, n_layers)
 
 The shared prefill records every policy's scores over a full prefill (shared.SharedPrefill); the live compressor
 records its one policy's at each layer's call and compresses that layer at once (compressor.compress). The prefill's
@@ -29,8 +29,8 @@ class ScoreRecorder:
     TOVA's last query) is handed a chunk shorter than its voters with the last queries of the chunks before it in
     front (a window may span the end of the context and the question, as in one prefill of both); every other policy
     sees each chunk's own queries, and what it carries from chunk to chunk (AttentionCall.carry), so its scores
-    never depend on which other policies are recorded beside it. scores[policy.scorer_label][layer]: (batch, heads or
-    kv_heads, n_keys). Policies sharing a scorer_label (differing only in budget) share one entry. Sliding-window
+    never depend on which other policies are recorded beside it. scores[policy.score_table][layer]: (batch, heads or
+    kv_heads, n_keys). Policies sharing a score_table (differing only in budget) share one entry. Sliding-window
     layers are not scored: they are never compressed (see state.CompressionState).
 
     A padded batch (pads read off the first call's mask): each row is scored on its own tokens (its pads cut off,
@@ -40,7 +40,7 @@ class ScoreRecorder:
 
     def __init__(self, policies, n_layers: int):
         policies = list(policies)
-        self.policies = {p.scorer_label: p for p in policies if not p.scores_after_prefill}
+        self.policies = {p.score_table: p for p in policies if not p.scores_after_prefill}
         self.n_layers = n_layers
         # The most any policy votes with; a policy scoring after the prefill reads its voters from `recent`
         # (LookaheadQCache's draft window), so it counts here although it is not scored at the calls.

@@ -10,7 +10,8 @@ from that head:
     output[h, q]    = softmax(scores[h, q]) @ V
 
 A policy that merges instead of evicting (`Policy.merge`: Merging) changes one more thing, the values: V is then the
-full cache's with each head's kept prompt values replaced by the merged ones that `merge` gives for the kept set.
+full cache's with each head's kept prompt values replaced by the merged ones that `merge` gives for the kept set; one
+that rewrites the keys it keeps (`Policy.rekey`: KeyRerotation's re-rotated keys), likewise the keys.
 
 `masked_decode` computes exactly that, one eager attention call per layer with a per-head mask, on a full cache
 that never shrinks. It is as slow as the full cache (slower: eager attention), and as plain as the equations; the
@@ -28,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..core.hooks import intercept_attention, model_eager_function, returned_cache, with_cache
+from ..core.hooks import attention_modules, intercept_attention, model_eager_function, returned_cache, with_cache
 from ..policies.base import NO_POSITION
 from ..policies.decoding import EvictsWhileDecoding
 from .kept import kept_mask
@@ -74,7 +75,7 @@ def masked_decode(model, ids: torch.Tensor, kept, max_new_tokens: int) -> torch.
         out = model(ids, use_cache=True)
         cache, tokens = returned_cache(out), []
         if policy is not None:
-            merge_values(cache, policy, ~hidden)
+            rewrite_kept(cache, policy, ~hidden, attention_modules(model))
         token = out.logits[:, -1].argmax(-1)
         for step in range(max_new_tokens):
             tokens.append(token)
@@ -84,13 +85,16 @@ def masked_decode(model, ids: torch.Tensor, kept, max_new_tokens: int) -> torch.
     return torch.stack(tokens, 1)
 
 
-def merge_values(cache, policy, seen: torch.Tensor) -> None:
-    """Replace, in place, the prompt values of a full batch-1 `cache` by those `policy.merge` makes of each layer's
-    kept set, seen (layers, kv_heads, n) bool: True where a head kept a position; nothing for a policy that evicts."""
-    for layer, held in zip(cache.layers, seen, strict=True):
+def rewrite_kept(cache, policy, seen: torch.Tensor, modules: dict) -> None:
+    """Replace, in place, the prompt values and keys of a full batch-1 `cache` by those `policy.merge` and
+    `policy.rekey` make of each layer's kept set, seen (layers, kv_heads, n) bool: True where a head kept a position
+    (modules: {layer: attention module}); nothing for a policy that rewrites neither."""
+    for index, (layer, held) in enumerate(zip(cache.layers, seen, strict=True)):
         kept = pad_sequence([row.nonzero().flatten() for row in held], batch_first=True, padding_value=NO_POSITION)
         n = held.shape[-1]
         merged = policy.merge(layer.keys[0, :, :n], layer.values[0, :, :n], kept)
-        if merged is None:
-            return
-        layer.values[0, :, :n] = merged
+        rekeyed = policy.rekey(layer.keys[0, :, :n], kept, modules.get(index))
+        if merged is not None:
+            layer.values[0, :, :n] = merged
+        if rekeyed is not None:
+            layer.keys[0, :, :n] = rekeyed

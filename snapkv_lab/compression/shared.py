@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..core.attention import AttentionSettings
-from ..core.hooks import capture_final_hidden, capture_layer_inputs, intercept_attention, with_cache
+from ..core.hooks import attention_modules, capture_final_hidden, capture_layer_inputs, intercept_attention, with_cache
 from ..core.inputs import eos_ids, padded_positions
 from ..core.timing import SectionTimer, stopwatch
 from ..policies.base import Policy, Prompt
@@ -159,11 +159,12 @@ class SharedPrefill:
             scores = {}
             if compresses or seeded(policy):
                 scores = (self._after_prefill_scores(policy) if policy.scores_after_prefill
-                          else self.recorder.scores[policy.scorer_label])
+                          else self.recorder.scores[policy.score_table])
             cache = fork(self.cache)
             kept = {i: held_positions(layer, n, pads) for i, layer in enumerate(self.cache.layers)}
             queries = {layer: query for layer, (query, _) in self.recorder.recent.items()}
-            compressed, _, seeds = compress_layers(policy, scores, cache, n_layers, pads=pads, queries=queries)
+            compressed, _, seeds = compress_layers(policy, scores, cache, n_layers, pads=pads, queries=queries,
+                                                   modules=attention_modules(self.model))
             kept.update(compressed)
         sliding = sorted(self.recorder.sliding_layers) if compresses and scores else []
         return CompressionState(policy, cache, kept_indices=kept, sliding_layers=sliding, seeds=seeds, pads=pads,
@@ -190,7 +191,7 @@ def draft(model, tokenizer, cache, final_hidden: torch.Tensor, policy: Policy, s
     n, n_layers = final_hidden.shape[1], model.config.num_hidden_layers
     compressed = fork(cache)
     kept = {i: held_positions(layer, n) for i, layer in enumerate(cache.layers)}
-    kept.update(compress_layers(policy, scores, compressed, n_layers)[0])
+    kept.update(compress_layers(policy, scores, compressed, n_layers, modules=attention_modules(model))[0])
     state = CompressionState(policy, compressed, kept_indices=kept)
     drafted = {layer: [] for layer in scores}
 

@@ -91,6 +91,15 @@ class LayerRope:
         norm = cos * cos + sin * sin  # attention_scaling^2 (1 but for YaRN-style scaled RoPE)
         return self._rotate(x, cos / norm, -sin / norm)
 
+    def rerotate(self, x: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """(heads, rows, head_dim) post-RoPE vectors at token positions `old` (rows,) -> the same vectors as RoPE
+        rotates them at positions `new` (rows,): back by the old position (`unrotate`), forward by the new one, in
+        float32, x's dtype returned."""
+        if self.rotary is None:
+            return x
+        cos, sin = self.cos_sin(new, x.device)
+        return self._rotate(self.unrotate(x.float(), old), cos, sin).to(x.dtype)
+
     def mean_rotation(self, positions: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
         """(head_dim, head_dim) mean over token `positions` of the matrices R_t by which RoPE maps a pre-RoPE vector v
         to the post-RoPE R_t v; identity on the unrotated dims."""

@@ -45,6 +45,8 @@ _MODULES = {
     "ThinK": "think", "KIVI": "kivi",
     # kvpress's wrappers around any press (issue 54): a budget per layer.
     "PerLayer": "per_layer", "PerChunk": "per_chunk", "Composed": "composed",
+    "KeyRerotation": "key_rerotation",  # kept keys re-rotated to contiguous positions (issue 54)
+    "Blockwise": "blockwise",  # kvpress's BlockPress: block-wise selection simulated over one prefill (issue 54)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

@@ -14,6 +14,8 @@ may override, `budget` a LayerBudget (the prompt's length, the KV heads, the lay
     policy.keep_layers({layer: scores}, budget) -> {layer: kept}: every layer at once (budgets shared across layers)
     policy.merge(key, value, kept)      -> (kv_heads, n, head_dim) values with the evicted folded into the kept ones
                                            (merging policies); None (the default): eviction, values unchanged
+    policy.rekey(key, kept, module)     -> (kv_heads, n, head_dim) keys with the kept ones rewritten (KeyRerotation:
+                                           re-rotated to contiguous positions); None (the default): keys unchanged
 
 `AttentionCall` holds what the attention call had (queries, keys, values, the module, the layer's own softmax
 settings): a scorer reads what it needs and ignores the rest. A policy that needs more than one attention call
@@ -265,6 +267,12 @@ class Policy:
         return f"{self.name}({settings})" if settings else self.name
 
     @property
+    def score_table(self) -> str:
+        """The key of this policy's scores in a recorder (compression.recorder): its scorer_label, so that policies
+        differing only in budget share one table; a policy whose scores depend on its budget (Blockwise) adds it."""
+        return self.scorer_label
+
+    @property
     def label(self) -> str:
         """Identity for tables: name, every non-default parameter, budget. Two configurations never share one."""
         return self.scorer_label if self.capacity is None else f"{self.scorer_label}@{self.capacity}"
@@ -377,6 +385,14 @@ class Policy:
         (kv_heads, k) the positions `keep` chose, NO_POSITION after a head's last. The engine then stores the kept
         positions alone, from these values (compression.engine.merged_values), so a merged cache holds no more
         bytes than an evicted one."""
+        return None
+
+    def rekey(self, key: torch.Tensor, kept: torch.Tensor, module) -> torch.Tensor | None:
+        """(kv_heads, n, head_dim) `key` with the kept positions' keys rewritten, for a policy that changes the keys it
+        keeps (KeyRerotation: re-rotated to contiguous positions); None, the default, leaves every key as it is. The
+        keys' counterpart of `merge`, with its arguments (key: one batch row's layer, its own slots; kept: (kv_heads,
+        k), NO_POSITION after a head's last) and the layer's attention `module` (its RoPE); the engine stores the kept
+        positions from these keys (compression.engine.rewritten)."""
         return None
 
     def _reduce_to(self, scores: torch.Tensor, kv_heads: int) -> int | None:

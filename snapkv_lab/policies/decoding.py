@@ -18,13 +18,14 @@ the end of the run, `cache_lengths` still the lengths right after prefill.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..core.checks import check_int
 from ..core.selection import votes_per_kv_head
-from .base import AttentionCall, LayerBudget, Policy
+from .base import ADDED_LATER, AttentionCall, LayerBudget, Policy
 from .snapkv import SnapKV
 from .wrapper import Wrapper
 
@@ -44,6 +45,11 @@ class EvictsWhileDecoding:
             return None
         return self.capacity if isinstance(self.capacity, int) else int(self.capacity * n_prompt)
 
+    def eviction_ratio(self) -> float | None:
+        """The share of the tokens seen so far that each eviction keeps, where the target grows with them; None: the
+        fixed `eviction_target`."""
+        return None
+
     def check_interval(self) -> None:
         if self.interval is None:
             return
@@ -60,7 +66,8 @@ class EvictsWhileDecoding:
         if self.interval is None or target is None:
             return None
         scorer = dataclasses.replace(self.eviction_scorer(), capacity=target)
-        return EvictionTracker(scorer, self.interval, layer, n_layers, scores=list(seeds) if seeds is not None else [])
+        return EvictionTracker(scorer, self.interval, layer, n_layers, scores=list(seeds) if seeds is not None else [],
+                               ratio=self.eviction_ratio())
 
 
 def seeded(policy: Policy) -> bool:
@@ -88,6 +95,9 @@ class DecodingEviction(EvictsWhileDecoding, Wrapper):
     policy: Policy = field(default_factory=SnapKV)
     interval: int = 32
     target: int | None = None  # positions per KV head after each eviction; None: the capacity (a ratio: of the prompt)
+    # The share of the tokens seen so far (prompt and generated) each eviction keeps, floor(seen * target_ratio), as
+    # kvpress's CompressionRatioDecodingPress (1 - its target_compression_ratio); None: the fixed target above.
+    target_ratio: float | None = field(default=None, metadata={ADDED_LATER: True})
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,12 +113,22 @@ class DecodingEviction(EvictsWhileDecoding, Wrapper):
         tail = self.tail(self.target) if self.target is not None else None
         if self.target is not None and self.target <= tail:
             raise ValueError(f"target ({self.target}) must exceed the kept tail ({tail})")
+        if self.target_ratio is not None:
+            if self.target is not None:
+                raise ValueError("give target (a fixed size) or target_ratio (a share of the tokens seen), not both")
+            if not 0 < self.target_ratio < 1:
+                raise ValueError(f"target_ratio must lie in (0, 1), got {self.target_ratio!r}")
 
     def eviction_scorer(self) -> Policy:
         return self.policy
 
     def eviction_target(self, n_prompt: int) -> int | None:
+        if self.target_ratio is not None:
+            return max(1, math.floor(n_prompt * self.target_ratio))
         return self.target if self.target is not None else super().eviction_target(n_prompt)
+
+    def eviction_ratio(self) -> float | None:
+        return self.target_ratio
 
 
 @dataclass
@@ -125,6 +145,7 @@ class EvictionTracker:
     recent: list = field(default_factory=list)  # per batch row: (heads, rows, head_dim) queries since the last eviction
     recent_positions: torch.Tensor | None = None  # (rows,) their token positions
     merged: torch.Tensor | None = None  # (kv_heads, slots, head_dim) values the last eviction gathers from (CAM)
+    ratio: float | None = None  # each eviction keeps floor(seen * ratio) (EvictsWhileDecoding.eviction_ratio)
 
     def step(self, calls: list[AttentionCall]) -> torch.Tensor | None:
         """See one decode call (one AttentionCall per batch row, keys = every cached slot, the new tokens last);
@@ -146,11 +167,14 @@ class EvictionTracker:
             positions = positions if self.recent_positions is None else torch.cat([self.recent_positions, positions])
             self.recent_positions = positions[-self.interval:]
         n_slots = calls[0].n_keys
-        if self.steps < self.interval or n_slots <= self.policy.capacity:
+        if self.steps < self.interval:
+            return None
+        policies = [self.policy if self.ratio is None else self._at_ratio(call) for call in calls]
+        if any(n_slots <= policy.capacity for policy in policies):
             return None
         self.steps = 0
         kept = []
-        for b, call in enumerate(calls):
+        for b, (call, policy) in enumerate(zip(calls, policies, strict=True)):
             if self.policy.accumulates:
                 scores = self.scores[b]
             else:
@@ -159,10 +183,17 @@ class EvictionTracker:
                 scores = self.policy.score(dataclasses.replace(
                     call, query=voters, slots=torch.arange(n_slots - rows, n_slots), positions=self.recent_positions,
                     carry={}))
-            budget = LayerBudget(n_slots, call.key.shape[0], self.layer, self.n_layers, self.policy.budget(n_slots))
-            kept.append(self.policy.keep(scores, budget))
+            budget = LayerBudget(n_slots, call.key.shape[0], self.layer, self.n_layers, policy.budget(n_slots))
+            kept.append(policy.keep(scores, budget))
         if self.policy.accumulates:
             self.scores = [s.gather(-1, k) for s, k in zip(self.scores, kept, strict=True)]
         else:
             self.recent, self.recent_positions = [], None
         return torch.stack(kept)
+
+    def _at_ratio(self, call: AttentionCall) -> Policy:
+        """The scorer at this eviction's target: floor(seen * ratio) positions per KV head, seen the tokens of the
+        row so far, its last call's token included (kvpress: max(position_ids) + 1,
+        compression_ratio_decoding_press.py:41-48)."""
+        seen = int(call.positions[-1]) + 1
+        return dataclasses.replace(self.policy, capacity=max(1, math.floor(seen * self.ratio)))

@@ -47,13 +47,15 @@ this differs from kvpress, by choice:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ..core.checks import check_int
 from ..core.rope import LayerRope
-from .base import AttentionCall, Policy, budget_past_sinks
+from . import query_statistics
+from .base import ADDED_LATER, AttentionCall, Policy, budget_past_sinks
 
 
 @dataclass
@@ -66,11 +68,32 @@ class ExpectedAttention(Policy):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
+    # Where mu and Sigma come from. None: the prompt's own queries (the paper; ExpectedAttentionPress). "shipped":
+    # precomputed for the model by kvpress's recipe (ExpectedAttentionStatsPress; policies.query_statistics: shipped
+    # for the bundled models, else computed into the cache folder by scripts/query_statistics.py); a path: that file.
+    statistics: str | None = field(default=None, metadata={ADDED_LATER: True})
 
     def __post_init__(self):
         super().__post_init__()
         check_int("n_sink", self.n_sink)
         check_int("n_future_positions", self.n_future_positions, 1)
+        if self.statistics not in (None, "shipped") and not Path(self.statistics).is_file():
+            raise ValueError(f"statistics must be None, 'shipped' or a statistics file, got {self.statistics!r}")
+
+    def _statistics_path(self, model) -> Path:
+        if self.statistics != "shipped":
+            return Path(self.statistics)
+        path = query_statistics.find_statistics(model)
+        if path is None:
+            name = Path(str(getattr(model.config, "name_or_path", "") or "MODEL")).name
+            raise ValueError(f"{self.label}: no query statistics for the model {name!r} (kvpress's are on the Hugging "
+                             f"Face Hub, for other models): compute them with `"
+                             f"{query_statistics.COMMAND.format(model=name)}`, or pass statistics=PATH")
+        return path
+
+    def prepare(self, model, tokenizer) -> None:
+        if self.statistics is not None:
+            query_statistics.load_for(model, self._statistics_path(model), self.statistics)
 
     def budget(self, n_tokens: int) -> int | None:
         return budget_past_sinks(self, n_tokens)
@@ -79,25 +102,36 @@ class ExpectedAttention(Policy):
         heads, _, d = call.query.shape
         kv_heads, n_keys = call.key.shape[:2]
         rope = LayerRope.of(call.module, d)
-        count, total, outer = self._statistics(call, rope)
+        mu, cov = self._query_statistics(call, rope)  # (heads, d), (heads, d, d) float64
         if n_keys <= self.n_sink:  # every key a sink (a prompt's first chunk): all kept
             return call.query.new_full((heads, n_keys), math.inf, dtype=torch.float32)
-        if count == 0:
-            raise ValueError(f"ExpectedAttention needs a query at a token position >= n_sink = {self.n_sink}")
-        mu = total / count  # (heads, d)
         future = torch.arange(self.n_future_positions, device=call.query.device) + int(call.positions[-1]) + 1
         rotation = rope.mean_rotation(future).to(mu.device)  # (d, d)
         keys = call.key[:, self.n_sink:].float()  # (kv_heads, n_keys - n_sink, d): the sinks stay out of the softmax
         groups = (mu @ rotation.T).float().view(kv_heads, heads // kv_heads, d)  # R mu per query head
         logits = torch.einsum("vnd,vgd->vgn", keys, groups) * call.attention.scaling
         if self.use_covariance:
-            cov = outer / count - mu[:, :, None] * mu[:, None, :]  # (heads, d, d), biased as kvpress's
             cov = (rotation @ cov @ rotation.T).float().view(kv_heads, heads // kv_heads, d, d)
             logits += torch.einsum("vnd,vgde,vne->vgn", keys, cov, keys) * (call.attention.scaling ** 2 / 2)
         scores = torch.softmax(logits, dim=-1)  # (kv_heads, groups, n_keys - n_sink)
         if self.use_vnorm:
             scores = (scores + self.epsilon) * call.value[:, None, self.n_sink:].float().norm(dim=-1)
         return torch.nn.functional.pad(scores.reshape(heads, -1), (self.n_sink, 0), value=math.inf)
+
+    def _query_statistics(self, call: AttentionCall, rope: LayerRope) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu (heads, d), Sigma (heads, d, d)) float64 of the pre-RoPE queries: the precomputed ones (`statistics`;
+        Sigma with N - 1, as kvpress stores it) or this prompt's so far (Sigma biased, / count, as kvpress's)."""
+        if self.statistics is not None:
+            stored = query_statistics.stored(call.module, self.statistics)
+            if stored is None:
+                raise RuntimeError(f"{self.label}: the model was not prepared (policy.prepare(model, tokenizer)), so "
+                                   f"layer {call.layer}'s query statistics are not loaded")
+            return stored
+        count, total, outer = self._statistics(call, rope)
+        if count == 0 and call.n_keys > self.n_sink:
+            raise ValueError(f"ExpectedAttention needs a query at a token position >= n_sink = {self.n_sink}")
+        mu = total / max(count, 1)
+        return mu, outer / max(count, 1) - mu[:, :, None] * mu[:, None, :]
 
     def _statistics(self, call: AttentionCall, rope: LayerRope) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The running (count, sum (heads, d), sum of outer products (heads, d, d)) float64 of the pre-RoPE queries

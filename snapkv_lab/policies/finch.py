@@ -31,9 +31,9 @@ class Finch(SnapKV):
         keys, weighs as much as an early one; False is SnapKV without pooling over the question.
     score: (heads, n_keys) = mean over window queries i of i * a_ij.
 
-    Not done: kvpress re-rotates the kept keys to consecutive positions (`rerotate_keys`, finch_press.py:113-116), which
-    changes generation after compression, not what is kept; its `chunk_length` variant (a top-k per chunk of the
-    prompt) is not written.
+    kvpress re-rotates the kept keys to consecutive positions by default (`rerotate_keys`, finch_press.py:113-116),
+    which changes generation after compression, not what is kept: that is `KeyRerotation(policy=Finch(...))`. Not
+    done: its `chunk_length` variant (a top-k per chunk of the prompt).
     """
 
     pooling: str | None = None

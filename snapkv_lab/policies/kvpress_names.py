@@ -49,21 +49,34 @@ KVPRESS: dict[str, str] = {
     "PerLayerCompressionPress": "PerLayer",
     "ChunkPress": "PerChunk",  # not the lab's prefill_chunk (docs/faithfulness.md)
     "ComposedPress": "Composed",
+    "KeyRerotationPress": "KeyRerotation",  # kept keys at n - k.., kvpress's at 0..k-1: the same distances
+    "CompressionRatioDecodingPress": "DecodingEviction",  # DecodingEviction(target_ratio=1 - its ratio)
+    "BlockPress": "Blockwise",
+    "ExpectedAttentionStatsPress": "ExpectedAttention",  # ExpectedAttention(statistics="shipped")
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
 KVPRESS_NOT_YET: dict[str, str] = {
     "CAMPress": "kvpress's own form (every 512 steps, one kept set for all heads, the k best evicted merged); the "
                 "lab's CAM is the authors' form (zyxxmu/cam), a different method, so the name is not mapped to it",
-    "KVComposePress": "composite tokens from extra question passes under eager attention: not written",
-    "LUKVPress": "needs LU-KV's published budget curves, on GitHub only: not written",
-    "BlockPress": "block-wise iterative scoring of any press: not written (its kept set depends on the budget while it "
-                  "scores, where the lab's recorded scores are shared across budgets; a real block-wise prefill is "
-                  "prefill_chunk=block, e.g. KeyDiff's)",
-    "KeyRerotationPress": "kept keys re-rotated to contiguous positions: not written (the engine rewrites kept values "
-                          "only, Policy.merge; re-rotated keys need the same for keys)",
-    "CompressionRatioDecodingPress": "a decoding press held to a ratio of the growing cache: not written",
-    "ExpectedAttentionStatsPress": "ExpectedAttention with the query statistics precomputed on the Hub: not written",
-    "RestoreKVPress": "LoRA-adapted restore tokens: not written",
+    "KVComposePress": "not written, though nothing it needs is missing offline (kvcompose_press.py:103-441, arXiv "
+                      "2509.05165): the context fed again over its own cache under eager attention (:392-420; the "
+                      "lab's KVzip `feed`), each position's attention from those tokens maxed over them, meaned over "
+                      "each GQA group, plus the mean over KV heads (:222-246), then one budget over all layers from "
+                      "the heads' sorted scores, layer 0 forced largest, and per layer one count shared by its KV "
+                      "heads (:248-292; a `keep_layers` as KVzip's global selection): an hour's work left undone",
+    "LUKVPress": "LU-KV (arXiv 2602.08585) takes a per-model, per-scorer budget curve, (99 ratios, layers, KV heads), "
+                 "that kvpress downloads at run time from baidu-baige/LU-KV on GitHub (lukv_press.py:19-35); the one "
+                 "published is for Llama-3.1-8B-Instruct with ExpectedAttentionPress(epsilon=2e-2), none for a "
+                 "bundled model, and the code that makes one (LU-KV's evaluation/curve_data/generate_curve.sh: "
+                 "step1_<model>.py scorer statistics over a dataset, step2_compute_curve.py) is neither in kvpress "
+                 "nor reachable here: not written",
+    "RestoreKVPress": "KVzip plus 8 restore tokens encoded once through a LoRA adapter (arXiv 2608.01247, "
+                      "restorekv_press.py:18-100); kvpress ships inference only and loads the trained embeddings and "
+                      "adapters from the Hub (higokri/RestoreKV-<model>: Llama-3.1-8B-Instruct, Qwen3-8B; :46-58). "
+                      "Training them for a bundled model is self-distillation from the full-cache teacher through "
+                      "KVzip's eviction, each step a KVzip reconstruction (454 s for one 4096-token prompt on SmolLM2 "
+                      "here) plus forward and backward passes over the context: hours of this CPU, not minutes; "
+                      "not written",
 }
 

@@ -90,6 +90,9 @@ class Wrapper(Policy):
     def merge(self, key, value, kept):
         return self.policy.merge(key, value, kept)  # a merging inner policy merges what the wrapper keeps
 
+    def rekey(self, key, kept, module):
+        return self.policy.rekey(key, kept, module)  # as merge: an inner policy's keys for what the wrapper keeps
+
     def _inner_settings(self, like: Policy | None = None) -> str:
         """The inner policy as written: its name and its settings that differ from `like`'s (the default wrapper's
         inner policy where it is of the same class, else that class's defaults), the settings the wrapper sets for it
