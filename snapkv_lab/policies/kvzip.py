@@ -175,10 +175,12 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 class KVzip(Policy):
     """KVzip as its paper and official code run it (see module doc). Cost, paid in selection_seconds: one forward
     per chunk, each feed attending to the whole prompt (chunks x m x (n + m) attention entries: 2.9x a 4k
-    prefill's n^2 / 2, 2.5x an 8k one's), then the scores, a softmax over [sinks, chunk, feed] per chunk; while a
-    chunk runs the cache also holds its feed (a fork, then dropped). Measured on SmolLM2 fp32, 2 CPU cores
-    (2026-11-24, benchmarks/bench_policies.py on a quiet machine): 3.1x / 4.1x / 3.5x the prefill at 2k / 4k / 8k
-    tokens, the forwards alone 1.9-2.8x (measured beside other jobs). The paper
+    prefill's n^2 / 2, 2.5x an 8k one's), then the scores: for float32 layers on a CPU from the forward's own
+    attention parts (`reconstruction_by_parts`: one product over the chunk's keys), else a softmax over [sinks,
+    chunk, feed] per chunk (`reconstruction_scores`); while a chunk runs the cache also holds its feed (a fork, then
+    dropped). Measured on SmolLM2 fp32, 2 CPU cores (2026-11-24, benchmarks/bench_policies.py on a quiet machine,
+    before the parts): 3.1x / 4.1x / 3.5x the prefill at 2k / 4k / 8k tokens, the forwards alone 1.9-2.8x
+    (measured beside other jobs); with the parts, docs/performance.md ("KVzip's reconstruction by parts"). The paper
     reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly attention.
 
     chunk_size: context tokens reconstructed per forward (official 2000, wrapper.py:200; kvpress 2048).
