@@ -173,12 +173,14 @@ class SharedPrefill:
 
 def feed(model, cache, ids: torch.Tensor, positions: torch.Tensor, on_call) -> None:
     """Prompt.feed: run ids (1, m) at `positions` through the decoder over a fork of `cache` (no output head: only the
-    attention calls are read), on_call(module, query, key, value, settings) seeing every attention call."""
-    def record(module, query, key, value, attention_mask, **kwargs):
-        on_call(module, query, key, value, AttentionSettings.of_call(module, kwargs))
+    attention calls are read), on_call(module, query, key, value, settings) seeing every attention call; a tensor it
+    returns is the call's output (batch, m, heads, head_dim), in place of the backend's."""
+    def attend(function, module, query, key, value, attention_mask, **kwargs):
+        output = on_call(module, query, key, value, AttentionSettings.of_call(module, kwargs))
+        return function(module, query, key, value, attention_mask, **kwargs) if output is None else (output, None)
 
     decoder = model.get_decoder()
-    with torch.inference_mode(), intercept_attention(model, record):
+    with torch.inference_mode(), intercept_attention(model, None, attend=attend):
         decoder(input_ids=ids, **with_cache(decoder, fork(cache)), position_ids=positions, use_cache=True)
 
 

@@ -120,7 +120,8 @@ class Prompt:
         `voters` post-RoPE queries of every full-attention layer ("last_queries").
     feed(ids, positions, on_call): run `ids` (1, m) at `positions` (1, m) over a fork of `cache` (the cache itself
         unchanged), `on_call(module, query, key, value, settings)` seeing every attention call ("feed": KVzip's
-        reconstruction).
+        reconstruction); where on_call returns a tensor (1, m, heads, head_dim), that is the call's attention output
+        (computed with its scores), else the backend computes it.
     draft(policy, scores, tokens) -> {layer: (heads, k, head_dim)}: compress `cache` by `policy` from its
         {layer: (1, rows, n)} scores, decode up to `tokens` greedy tokens over it from the prefill's own next token
         (stopping at an end of answer), and hand back the post-RoPE queries of the k tokens fed ("draft": Lookahead

@@ -47,6 +47,7 @@ from einops import rearrange
 
 from ..core.attention import BLOCK_ELEMENTS, AttentionSettings
 from ..core.checks import check_int
+from ..core.feed_attention import attention_by_parts, by_parts_supported
 from ..core.framing import chat_frame
 from ..core.tokens import encode
 from .base import ADDED_LATER, LayerBudget, Policy, Prompt
@@ -138,6 +139,33 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, ch
     return best
 
 
+def reconstruction_by_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: int, chunk: slice,
+                            settings: AttentionSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output (m, heads, head_dim): the feed's attention, as the backend's up to rounding; scores (kv_heads, chunk
+    length) float32: `reconstruction_scores`'s) from the fused kernel's parts (core.feed_attention), where
+    `by_parts_supported`. The restricted softmax's normaliser is the log-sum-exp over [sinks, chunk] and the feed's
+    own keys, both parts of the attention the forward computes anyway; a probability is then exp(l - lse), and its
+    largest over the queries is exp of the largest l - lse: one product over the chunk's keys (the feed's columns,
+    half the former product, and the softmax drop out), its rows augmented by -lse, in blocks of at most
+    BLOCK_ELEMENTS.
+
+    query: (heads, m, head_dim) the feed's; key, value: (kv_heads, n + m, head_dim) the cache, then the feed."""
+    kv_heads, dim, n = key.shape[0], key.shape[-1], key.shape[1] - query.shape[1]
+    subset = torch.zeros(n, dtype=torch.bool, device=key.device)
+    subset[:sinks] = subset[chunk] = True
+    output, lse_subset, lse_own = attention_by_parts(query, key, value, subset, settings.scaling)
+    normaliser = torch.logaddexp(lse_subset, lse_own)  # (heads, m)
+    rows = torch.cat([(query * settings.scaling).reshape(kv_heads, -1, dim),  # (kv, group * m, d + 1): q, -lse
+                      -normaliser.reshape(kv_heads, -1, 1)], dim=-1)
+    columns = key[:, chunk]
+    columns = torch.cat([columns, torch.ones_like(columns[..., :1])], dim=-1).mT  # (kv, d + 1, chunk): k, 1
+    best = torch.full((kv_heads, columns.shape[-1]), -torch.inf, device=key.device)
+    step = max(1, BLOCK_ELEMENTS // (kv_heads * columns.shape[-1]))
+    for start in range(0, rows.shape[1], step):
+        best = torch.maximum(best, (rows[:, start:start + step] @ columns).amax(1))
+    return output, best.exp_()
+
+
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """Gemma 2's logit soft-capping, in place (attention.py's convention)."""
     return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
@@ -147,10 +175,12 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 class KVzip(Policy):
     """KVzip as its paper and official code run it (see module doc). Cost, paid in selection_seconds: one forward
     per chunk, each feed attending to the whole prompt (chunks x m x (n + m) attention entries: 2.9x a 4k
-    prefill's n^2 / 2, 2.5x an 8k one's), then the scores, a softmax over [sinks, chunk, feed] per chunk; while a
-    chunk runs the cache also holds its feed (a fork, then dropped). Measured on SmolLM2 fp32, 2 CPU cores
-    (2026-11-24, benchmarks/bench_policies.py on a quiet machine): 3.1x / 4.1x / 3.5x the prefill at 2k / 4k / 8k
-    tokens, the forwards alone 1.9-2.8x (measured beside other jobs). The paper
+    prefill's n^2 / 2, 2.5x an 8k one's), then the scores: for float32 layers on a CPU from the forward's own
+    attention parts (`reconstruction_by_parts`: one product over the chunk's keys), else a softmax over [sinks,
+    chunk, feed] per chunk (`reconstruction_scores`); while a chunk runs the cache also holds its feed (a fork, then
+    dropped). Measured on SmolLM2 fp32, 2 CPU cores (2026-11-24, benchmarks/bench_policies.py on a quiet machine,
+    before the parts): 3.1x / 4.1x / 3.5x the prefill at 2k / 4k / 8k tokens, the forwards alone 1.9-2.8x
+    (measured beside other jobs); with the parts, docs/performance.md ("KVzip's reconstruction by parts"). The paper
     reports about 2x on GPUs with 8B models, whose prefill is mostly MLP; SmolLM2's on a CPU is mostly attention.
 
     chunk_size: context tokens reconstructed per forward (official 2000, wrapper.py:200; kvpress 2048).
@@ -214,9 +244,15 @@ class KVzip(Policy):
             chunk = slice(layout.start + start, layout.start + end)
 
             def record(module, query, key, value, settings):
-                if settings.sliding_window is None:
-                    scores[module.layer_idx][0, :, chunk] = reconstruction_scores(query[0], key[0], layout.sinks,
-                                                                                   chunk, settings)
+                if settings.sliding_window is not None:
+                    return None  # never compressed: the backend attends
+                if by_parts_supported(query, settings):
+                    output, scores[module.layer_idx][0, :, chunk] = reconstruction_by_parts(
+                        query[0], key[0], value[0], layout.sinks, chunk, settings)
+                    return output[None]
+                scores[module.layer_idx][0, :, chunk] = reconstruction_scores(query[0], key[0], layout.sinks, chunk,
+                                                                               settings)
+                return None
 
             prompt.feed(feed, torch.arange(n, n + feed.shape[1], device=ids.device)[None], record)
         for layer_scores in scores.values():
