@@ -20,9 +20,11 @@ from .attention import AttentionSettings
 
 def by_parts_supported(query: torch.Tensor, settings: AttentionSettings) -> bool:
     """Whether `attention_by_parts` computes this call as the layer does: float32 on a CPU (the fused kernel's
-    log-sum-exp), no logit soft-cap and no sliding window (the kernel applies neither)."""
+    log-sum-exp, a private op: a torch without it takes the layer's own path), no logit soft-cap and no sliding
+    window (the kernel applies neither)."""
     return (query.device.type == "cpu" and query.dtype == torch.float32 and settings.softcap is None
-            and settings.sliding_window is None)
+            and settings.sliding_window is None
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
 def attention_by_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, subset: torch.Tensor,
