@@ -146,15 +146,21 @@ def test_a_multi_turn_run_in_the_family(run):
     assert full.full_cache == pytest.approx(75)  # the full cache's model-feed turn 3
     family.write_results(run, n_boot=0)
     assert len(family.read_family_results(run)) == len(results)
+    # the docs' family tables print the run with no length; the RULER run's KVzip, 12 of 12 kept, holds past Holm
+    # over 23 rows (p 2 / 2^12 x 23 = 0.011), nothing of 8 examples can (2 / 2^8 x 23 = 0.18)
+    from snapkv_lab.app.docs_tables import _family_holds, _family_runs
+
+    assert f"| tiny | - | {turns.TABLE} | 1 | 8 | 6 | 22 | primary | 0 / 0 |" in _family_runs(run)
+    assert "| tiny | 4096 | aware | 0.5 | KVzip | 12 | +100 | 0.00049 | **0.011** |" in _family_holds(run)
     _table().assign(example=lambda t: t.example.replace("7", "9")).to_csv(run / turns.TABLE, index=False)
     with pytest.raises(ValueError, match="declared again"):
         family.check_family(read, run)
 
 
 def _ruler(folder) -> None:
-    """A one-comparison RULER run beside it: KVzip keeps what SnapKV loses on 8 examples."""
+    """A one-comparison RULER run beside it: KVzip keeps what SnapKV loses on 12 examples."""
     rows = [dict(task="a", example=f"4096-0-{i}", policy=p, ratio=r, mode=m, score=s)
-            for i in range(8) for p, r, m, s in (("FullCache", 0.0, "full", 1.0), ("SnapKV", 0.5, "query-aware", 0.0),
+            for i in range(12) for p, r, m, s in (("FullCache", 0.0, "full", 1.0), ("SnapKV", 0.5, "query-aware", 0.0),
                                                  ("KVzip", 0.5, "query-aware", 1.0))]
     pd.DataFrame(rows).assign(model="tiny", dataset="ruler", length=4096, capacity=np.nan, question=0).to_csv(
         folder / "eval_ruler.csv", index=False)
