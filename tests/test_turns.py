@@ -43,9 +43,13 @@ def _table() -> pd.DataFrame:
             for policy, ratio, mode, compress in runs:
                 for turn in (1, 2, 3):
                     share = 1.0 if policy == "FullCache" else (0.5 if compress != "every-turn" or turn == 1 else 0.4)
+                    score = _score(policy, mode, feed, compress, turn, example)
+                    value = f"{1_000_000 + 10 * example + turn}"  # the turn's needle; a lost turn answers turn 1's
                     rows.append(dict(model="tiny", dataset="scbench", task="scbench_qa_eng", example=str(example),
+                                     references=json.dumps([value]),
+                                     prediction=value if score else f"It is {1_000_000 + 10 * example + 1}.",
                                      question=turn - 1, policy=policy, ratio=ratio, capacity=np.nan, mode=mode,
-                                     score=_score(policy, mode, feed, compress, turn, example), length=np.nan,
+                                     score=score, length=np.nan,
                                      kv_entries=1000 * share, kv_share=share, feed=feed, compress=compress, turn=turn,
                                      recompressed=compress == "every-turn" and turn > 1, over_budget=False))
     return pd.DataFrame(rows)
@@ -100,6 +104,9 @@ def test_the_contrasts_by_hand():
     # the model feed less the gold feed, KVzip once at turn 3: example 7 lost
     feed = out.loc[("all", "feed", "KVzip", "query-agnostic", "feed=model compress=once turn=3")]
     assert (feed.difference, feed.nonzero, feed.p) == (pytest.approx(-12.5), 1, 1.0)
+    kinds = turns.answer_kinds(_table()).set_index(["policy", "mode", "feed", "compress", "turn"])
+    lost = kinds.loc[("SnapKV", "query-aware", "gold", "once", 3)]  # 6 of 8 answer turn 1's needle
+    assert (lost.right, lost.other_needle, lost.no_number) == (25, 75, 0)
     scores = turns.turn_scores(_table()).set_index(["policy", "mode", "feed", "compress", "turn"])
     assert scores.loc[("FullCache", "full", "model", "none", 3)].score == pytest.approx(75)
     assert scores.loc[("SnapKV", "query-aware", "gold", "every-turn", 3)].kv_share == pytest.approx(0.4)
@@ -189,6 +196,7 @@ def test_the_figure_and_the_docs_block_come_from_the_table(run, tmp_path):
     assert block.reads == (turns.TABLE,) and block.page == "multi-turn.md"
     text = docs_tables.rendered("multi-turn", run)
     assert "8 examples of 3 turns" in text and "on 6 of them" in text
+    assert "| model | full cache | 100 / 0 / 0 | 100 / 0 / 0 | 75 / 25 / 0 |" in text
     assert "| SnapKV | aware | gold | once | 100 [100, 100] | 100 [100, 100] | 25 [-14, 64] |" in text
     # turn 3 less turn 1, then every-turn less once at turn 3: fewer entries held than appending
     assert "| SnapKV | aware | gold | once | 500 (0.50) vs 500 (0.50) | -75 [-114, -36], p 0.031 (6 of 8) |" in text

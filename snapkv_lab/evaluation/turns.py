@@ -24,6 +24,7 @@ The figure set `multi-turn` is registered here: score by turn per policy, one pa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,24 @@ def turn_scores(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def answer_kinds(table: pd.DataFrame) -> pd.DataFrame:
+    """What the answers hold, per policy, mode, feed, compress option and turn (shares of its examples, 0-100):
+    `right` (scored right), `other_needle` (not right, but holding another turn's reference: the suite's needles
+    are asked one per turn, so a later turn can answer an earlier or later question's value) and `no_number` (no
+    run of 7 digits, the suite's values: a first answer that talks past SCBench's 40 tokens)."""
+    references = table.groupby(["task", "example", "turn"]).references.first().map(json.loads)
+    rows = []
+    keys = ["policy", "mode", "feed", "compress", "turn"]
+    for key, part in table.groupby(keys, sort=False):
+        other = [not score and any(value in prediction for t, values in references.loc[(task, example)].items()
+                                   if t != turn for value in values)
+                 for task, example, turn, score, prediction in zip(part.task, part.example, part.turn, part.score,
+                                                                   part.prediction)]
+        rows.append(dict(zip(keys, key), n=len(part), right=100 * part.score.mean(), other_needle=100 * np.mean(other),
+                         no_number=100 * (~part.prediction.str.contains(r"\d{7}")).mean()))
+    return pd.DataFrame(rows)
+
+
 def _spearman_p(first: np.ndarray, last: np.ndarray) -> tuple[float, float]:
     """Spearman's rho of two (policies,) score vectors and its two-sided p over every pairing (exact: n! of them)."""
     from scipy.stats import permutation_test, spearmanr
@@ -231,6 +250,15 @@ def report(table: pd.DataFrame) -> str:
         held = f"{first.kv_entries:,.0f} ({first.kv_share:.2f}) -> {end.kv_entries:,.0f} ({end.kv_share:.2f})"
         lines.append(f"| {key[0]} | {key[1].removeprefix('query-')} | {key[2]} | {key[3]} | " + " | ".join(cells)
                      + f" | {held} |")
+    kinds = answer_kinds(table).assign(run=lambda k: np.where(k.policy == "FullCache", "full cache", "compressed"))
+    lines += ["", "What the answers hold (share of answers, percent; compressed: the mean over every compressed run "
+                  "of the feed): right; another turn's needle value instead; no 7-digit number at all:", "",
+              "| feed | cache | " + " | ".join(f"turn {t}: right / other needle / none" for t in range(1, last + 1))
+              + " |", "|---|---|" + "---|" * last]
+    for (feed, run), part in kinds.groupby(["feed", "run"], sort=False):
+        means = part.groupby("turn")[["right", "other_needle", "no_number"]].mean()
+        lines.append(f"| {feed} | {run} | " + " | ".join(f"{r.right:.0f} / {r.other_needle:.0f} / {r.no_number:.0f}"
+                                                          for r in means.itertuples()) + " |")
     titles = {"turn": f"turn {last} less turn 1", "compress": f"every-turn less once, at turn {last}",
               "feed": f"model feed less gold feed, at turn {last}"}
     for kind in KINDS:
