@@ -67,6 +67,14 @@ def _nolima(data_dir: Path, model: str = "") -> str:
     return report(*read_runs(data_dir / model))
 
 
+def _multi_turn(data_dir: Path) -> str:
+    """SCBench's multi-turn run: score by turn, the three contrasts, turn 1 against the last (evaluation.turns)."""
+    from ..evaluation import read_results
+    from ..evaluation.turns import TABLE, report
+
+    return report(read_results(data_dir / TABLE))
+
+
 def _interval_cell(score: float, low: float, high: float) -> str:
     return f"{score:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
 
@@ -193,21 +201,38 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
     return "\n".join(lines)
 
 
+def _length(length) -> str:
+    """A run's prompt length as the family's tables print it: "-" for a multi-turn run of fixed texts (none)."""
+    import pandas as pd
+
+    return "-" if pd.isna(length) else str(length)
+
+
 def _family_runs(data_dir: Path) -> str:
     """The family of comparisons per run: its model, length, tasks, examples and the examples the full cache
     answers, its comparisons and their evidence, and how many hold past Holm over the family on the answered examples
     and on the task mean; above it, the counts and the fewest agreeing examples that can pass."""
-    from ..evaluation.family import ALPHA, FAMILY, PRIMARY, SAME, parse_examples, read_family, read_family_results
+    from ..evaluation.family import (
+        ALPHA,
+        FAMILY,
+        PRIMARY,
+        SAME,
+        SETTINGS,
+        parse_examples,
+        read_family,
+        read_family_results,
+    )
 
     results = read_family_results(data_dir)
     examples = read_family(data_dir / FAMILY).drop_duplicates("table").set_index("table").examples
-    answered, means = (results[results.analysis == a].set_index(["table", "policy", "ratio", "mode"])
+    answered, means = (results[results.analysis == a].set_index(["table", "policy", "ratio", "mode", *SETTINGS])
                        for a in ("answered", "task mean"))
     primary = answered.evidence == PRIMARY
     both = (answered.separated.eq(True) & means.separated.eq(True)).sum()
     m = int(primary.sum())
     fewest = next(n for n in range(1, 64) if 2 / 2 ** n <= ALPHA / m)
-    lines = [f"{len(answered)} comparisons (every policy against SnapKV at every ratio and mode) in "
+    lines = [f"{len(answered)} comparisons (every policy against SnapKV at every ratio and mode; in a multi-turn run, "
+             f"each policy against itself at another turn, feed or compress option) in "
              f"{answered.index.get_level_values('table').nunique()} runs: {m} primary, {len(answered) - m} on examples "
              f"counted in another run. Past Holm's adjustment over the {m} (p_holm < {ALPHA:g}): "
              f"{int(answered.separated.eq(True).sum())} on the examples the full cache answers, "
@@ -227,7 +252,7 @@ def _family_runs(data_dir: Path) -> str:
             other = evidence.removeprefix(SAME)
             shared = len(parse_examples(examples[table]) & parse_examples(examples[other]))
             evidence, held = f"{evidence} ({shared} of its {int(run.examples.max())})", "-"
-        lines.append(f"| {rows.model.iloc[0]} | {rows.length.iloc[0]} | {table} | {int(run.tasks.max())} | "
+        lines.append(f"| {rows.model.iloc[0]} | {_length(rows.length.iloc[0])} | {table} | {int(run.tasks.max())} | "
                      f"{int(run.examples.max())} | {int(rows.examples.max())} | {len(rows)} | {evidence} | {held} |")
     return "\n".join(lines)
 
@@ -235,11 +260,11 @@ def _family_runs(data_dir: Path) -> str:
 def _family_holds(data_dir: Path) -> str:
     """Every primary comparison of the family that holds past Holm on the answered examples or on the task mean:
     per model, length, mode, ratio and policy, each analysis's examples, difference, p and p_holm."""
-    from ..evaluation.family import PRIMARY, read_family_results
+    from ..evaluation.family import PRIMARY, SETTINGS, read_family_results
 
     results = read_family_results(data_dir)
     results = results[results.evidence == PRIMARY]
-    key = ["model", "length", "table", "mode", "ratio", "policy"]
+    key = ["model", "length", "table", "mode", "ratio", "policy", *SETTINGS]
     answered, means = (results[results.analysis == a].set_index(key) for a in ("answered", "task mean"))
     held = answered[answered.separated.eq(True) | means.separated.eq(True)].index
     lines = ["Each comparison that holds in either reading, policy less SnapKV in points (positive: the policy keeps "
@@ -257,8 +282,9 @@ def _family_holds(data_dir: Path) -> str:
                                                          ascending=[True, True, True, True, False], kind="stable")
     for row in order.itertuples(index=False):
         index = tuple(getattr(row, c) for c in key)
-        lines.append(f"| {row.model} | {row.length} | {row.mode.removeprefix('query-')} | {row.ratio:g} | "
-                     f"{row.policy} | {shown(answered.loc[index])} | {shown(means.loc[index])} |")
+        policy = row.policy + (f" ({row.setting} vs {row.baseline_setting})" if row.setting else "")
+        lines.append(f"| {row.model} | {_length(row.length)} | {row.mode.removeprefix('query-')} | {row.ratio:g} | "
+                     f"{policy} | {shown(answered.loc[index])} | {shown(means.loc[index])} |")
     return "\n".join(lines)
 
 
@@ -405,6 +431,8 @@ def _methods(data_dir: Path) -> str:
 
 # The family of comparisons (evaluation.family.FAMILY and RESULTS): every difference block reads its p from there.
 FAMILY_FILES = ("comparison_family.csv", "comparison_family_results.csv")
+# evaluation.turns.TABLE (a copy, as NOLIMA_TABLES)
+MULTI_TURN_TABLE = "eval_scbench_multiturn.csv"
 # evaluation.literal_gap.TABLES (a copy: importing it here would import the evaluation package for every page)
 NOLIMA_TABLES = {"nonliteral": "eval_nolima_4k_nonliteral.csv", "literal": "eval_nolima_4k_literal.csv"}
 
@@ -450,6 +478,7 @@ BLOCKS = {
     "nolima": Block("non-literal.md", tuple(NOLIMA_TABLES.values()), _nolima),
     "nolima-gemma": Block("non-literal.md", tuple(f"gemma-3-270m/{t}" for t in NOLIMA_TABLES.values()),
                           functools.partial(_nolima, model="gemma-3-270m")),
+    "multi-turn": Block("multi-turn.md", (MULTI_TURN_TABLE,), _multi_turn),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),

@@ -26,6 +26,8 @@ FIGURE_MODULES = {
                                                    "needle prompts (finding (e); its recompute is long)"),
     "scorer-allocation": ("snapkv_lab.app.scorer_allocation_plots", "every scorer under every allocation at matched KV "
                                                               "entries (snapkv-lab scorer-allocation)"),
+    "multi-turn": ("snapkv_lab.evaluation.turns", "SCBench's multi-turn mode on the generated suite: score by turn per "
+                                                  "policy, feed x compress option"),
     "non-literal": ("snapkv_lab.evaluation.literal_gap", "nolima's generated needles: each policy's loss to the full "
                                                          "cache, literal vs non-literal question"),
 }

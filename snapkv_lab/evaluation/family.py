@@ -28,6 +28,11 @@ family_results reads every row three ways (`analysis`):
 
 Rows whose evidence is not primary are computed the same way and shown, with no `p_holm`: their examples are
 counted where the comparison is primary.
+
+A multi-turn run (evaluation.multiturn: a table with a `turn` column, SCBench's texts, no length) compares a policy
+with itself in two settings, `setting` against `baseline_setting` ("feed=gold compress=once turn=3", one feed,
+compress option and turn each: evaluation.turns), paired by example; its comparisons are turns.turn_comparisons',
+its length empty. Both columns are empty on every other row (a family file written before them reads as such).
 """
 
 from __future__ import annotations
@@ -40,11 +45,15 @@ import numpy as np
 import pandas as pd
 
 from .summary import N_RESAMPLES, _budget, answered_examples, example_scores, holm, paired_difference
+from .turns import BASE, is_multi_turn, parse_setting, sides, turn_comparisons
 
 FAMILY = "comparison_family.csv"
 RESULTS = "comparison_family_results.csv"
-COLUMNS = ["model", "dataset", "length", "table", "policy", "baseline", "ratio", "mode", "evidence", "examples"]
-COMPARISON = ["model", "dataset", "length", "policy", "baseline", "ratio", "mode"]  # what one hypothesis is
+COLUMNS = ["model", "dataset", "length", "table", "policy", "baseline", "ratio", "mode", "evidence", "examples",
+           "setting", "baseline_setting"]
+SETTINGS = ["setting", "baseline_setting"]  # a multi-turn comparison's two sides; empty elsewhere
+COMPARISON = ["model", "dataset", "length", "policy", "baseline", "ratio", "mode", *SETTINGS]  # one hypothesis
+NAMED = ["table", "policy", "baseline", "ratio", "mode", *SETTINGS]  # one row of the family
 PRIMARY = "primary"
 SAME = "same examples as "
 ANALYSES = ("answered", "task mean", "task")
@@ -87,13 +96,20 @@ def parse_examples(text: str) -> set[tuple[str, str]]:
     return pairs
 
 
+def _typed(frame: pd.DataFrame) -> pd.DataFrame:
+    """Family or results columns as the code compares them: length an integer (NA for a multi-turn run of fixed
+    texts), ratio a float, the settings text ("" where a row has none, or a file predates them)."""
+    frame = frame.assign(**{c: frame[c].fillna("").astype(str) if c in frame else "" for c in SETTINGS})
+    return frame.astype({"length": "Int64", "ratio": float})
+
+
 def read_family(path) -> pd.DataFrame:
-    """The family file, its columns checked and typed (length an integer, ratio a float)."""
-    family = pd.read_csv(path, dtype={"examples": str, "evidence": str})
-    missing = [c for c in COLUMNS if c not in family.columns]
+    """The family file, its columns checked and typed (_typed)."""
+    family = pd.read_csv(path, dtype={"examples": str, "evidence": str, "setting": str, "baseline_setting": str})
+    missing = [c for c in COLUMNS if c not in family.columns and c not in SETTINGS]
     if missing:
         raise ValueError(f"{path} lacks the family's columns {missing}: it has {list(family.columns)}")
-    return family[COLUMNS].astype({"length": int, "ratio": float})
+    return _typed(family)[COLUMNS]
 
 
 def comparisons(table: pd.DataFrame, baseline: str = "SnapKV") -> pd.DataFrame:
@@ -118,14 +134,17 @@ def rows_for(data_dir, table: str, baseline: str = "SnapKV", evidence: str = PRI
     if "length" not in results.columns:
         raise ValueError(f"{table} has no length column: the family holds runs of generated sets (RULER), one length "
                          f"each")
+    multi_turn = is_multi_turn(results)
     design = {c: results[c].dropna().unique() for c in ("model", "dataset", "length")}
     for column, values in design.items():
-        if len(values) != 1:
+        if len(values) != 1 and not (column == "length" and multi_turn and len(values) == 0):
             raise ValueError(f"{table} holds {len(values)} values of {column} ({list(values)}): a family row is one "
                              f"model, dataset and length; split the table")
-    return comparisons(results, baseline).assign(
-        model=design["model"][0], dataset=design["dataset"][0], length=int(design["length"][0]), table=table,
-        baseline=baseline, evidence=evidence, examples=format_examples(results))[COLUMNS]
+    held = (turn_comparisons(results).drop(columns="kind") if multi_turn
+            else comparisons(results, baseline).assign(baseline=baseline, setting="", baseline_setting=""))
+    length = int(design["length"][0]) if len(design["length"]) else pd.NA
+    return _typed(held.assign(model=design["model"][0], dataset=design["dataset"][0], length=length, table=table,
+                              evidence=evidence, examples=format_examples(results)))[COLUMNS]
 
 
 def _refuse(condition: bool, message: str) -> None:
@@ -138,10 +157,12 @@ def _check_run(rows: pd.DataFrame, data_dir, table: str, baseline: str) -> None:
     dataset, length, examples, or its comparisons against `baseline`."""
     wanted = rows_for(data_dir, table, baseline)
     for column in ("model", "dataset", "length", "examples"):
-        _refuse(set(rows[column]) != {wanted[column].iloc[0]},
+        said = {"" if pd.isna(value) else str(value) for value in rows[column]}  # a multi-turn run's length: NA
+        held = wanted[column].iloc[0]
+        _refuse(said != {"" if pd.isna(held) else str(held)},
                 f"{table} holds {column} {wanted[column].iloc[0]!r} where its family rows say {set(rows[column])}: "
                 f"a run that changed is declared again (evaluation.family.rows_for)")
-    key = ["policy", "ratio", "mode"]
+    key = ["policy", "ratio", "mode", *SETTINGS]
     have, held = set(map(tuple, rows[key].values)), set(map(tuple, wanted[key].values))
     _refuse(have != held, f"{table}'s comparisons against {baseline} and its family rows differ: in the table only "
                           f"{sorted(held - have)}, in the family only {sorted(have - held)}")
@@ -152,15 +173,19 @@ def check_family(family: pd.DataFrame, data_dir) -> None:
     twice; a table whose comparisons, model, dataset, length or examples are not those of its rows (rows_for); an
     evidence that is neither "primary" nor "same examples as TABLE"; two primary rows of one comparison whose runs
     share an example; a non-primary row whose TABLE is not that comparison's primary or shares no example with it."""
-    named = family.duplicated(["table", "policy", "baseline", "ratio", "mode"], keep=False)
+    named = family.duplicated(NAMED, keep=False)
     _refuse(named.any(), f"the family names these comparisons twice:\n{family[named]}")
-    for (table, baseline), rows in family.groupby(["table", "baseline"], sort=False):
-        _check_run(rows, data_dir, table, baseline)
+    for table, rows in family.groupby("table", sort=False):
+        if rows.setting.eq("").all():  # a multi-turn run's baselines are its policies, each against itself
+            for baseline, part in rows.groupby("baseline", sort=False):
+                _check_run(part, data_dir, table, baseline)
+        else:
+            _check_run(rows, data_dir, table, "SnapKV")
     bad = ~(family.evidence.eq(PRIMARY) | family.evidence.str.startswith(SAME))
     _refuse(bad.any(), f"evidence is {PRIMARY!r} or '{SAME}TABLE', not {sorted(set(family.evidence[bad]))}")
     examples = {table: parse_examples(text) for table, text in zip(family.table, family.examples)}
     primary = family[family.evidence == PRIMARY]
-    for comparison, rows in primary.groupby(COMPARISON, sort=False):
+    for comparison, rows in primary.groupby(COMPARISON, sort=False, dropna=False):
         tables = list(rows.table)
         for i, first in enumerate(tables):
             for second in tables[i + 1:]:
@@ -202,10 +227,38 @@ def _table_results(data_dir: Path, table: str, baseline: str, n_boot: int, seed:
     nothing = comparisons(results, baseline).merge(out.loc[out.analysis == "answered", key], how="left", indicator=True)
     nothing = nothing[nothing._merge == "left_only"].drop(columns="_merge")
     empty = nothing.assign(analysis="answered", examples=0, nonzero=0, tasks=0, p=1.0, p_method="no examples")
-    return pd.concat([out, empty], ignore_index=True).assign(table=table)
+    return pd.concat([out, empty], ignore_index=True).assign(table=table, setting="", baseline_setting="")
 
 
-RESULT_COLUMNS = ["model", "dataset", "length", "table", "policy", "baseline", "ratio", "mode", "evidence",
+def _turn_results(data_dir: Path, table: str, n_boot: int, seed: int, n_resamples: int) -> pd.DataFrame:
+    """Every comparison of a multi-turn run (turns.turn_comparisons): its two settings paired by example, read on the
+    examples the full cache answers (every turn under every feed) and on all of them ("task mean": the run has one
+    task), with the full cache's score at the policy side's feed and turn on the same examples."""
+    from .run import read_results
+
+    results = read_results(data_dir / table)
+    examples = answered_examples(results)
+    answered = results.merge(examples, on=list(examples.columns))
+    options = dict(baseline=BASE, n_boot=n_boot, seed=seed, n_perm=n_resamples, average="examples")
+    parts = []
+    for comparison in turn_comparisons(results).itertuples(index=False):
+        said = dict(policy=comparison.policy, baseline=comparison.baseline, setting=comparison.setting,
+                    baseline_setting=comparison.baseline_setting)
+        turn = parse_setting(comparison.setting)
+        full = results[(results["mode"] == "full") & (results.feed == turn["feed"]) & (results.turn == turn["turn"])]
+        for analysis, rows in (("answered", answered), ("task mean", results)):
+            paired = paired_difference(sides(rows, comparison), **options) if len(rows) else pd.DataFrame()
+            if paired.empty:
+                parts.append(pd.DataFrame([dict(said, ratio=comparison.ratio, mode=comparison.mode, examples=0,
+                                                 nonzero=0, tasks=0, p=1.0, p_method="no examples",
+                                                 analysis=analysis)]))
+                continue
+            score = 100.0 if analysis == "answered" else 100 * full.score.mean()
+            parts.append(paired.assign(analysis=analysis, full_cache=score, **said))
+    return pd.concat(parts, ignore_index=True).assign(table=table)
+
+
+RESULT_COLUMNS = ["model", "dataset", "length", "table", "policy", "baseline", "ratio", "mode", *SETTINGS, "evidence",
                   "analysis", "task", "tasks", "examples", "nonzero", "full_cache", "difference", "low", "high",
                   "p", "p_method", "p_holm", "separated"]
 
@@ -221,20 +274,25 @@ def family_results(data_dir="data", family=None, n_boot: int = 2000, seed: int =
     data_dir = Path(data_dir)
     family = read_family(data_dir / FAMILY) if family is None else family
     check_family(family, data_dir)
-    per_table = pd.concat([_table_results(data_dir, table, baseline, n_boot, seed, n_resamples)
-                           for (table, baseline), _ in family.groupby(["table", "baseline"], sort=False)],
-                          ignore_index=True)
-    out = family.drop(columns="examples").merge(per_table.drop(columns=["dataset", "length"]),
-                                                on=["table", "policy", "baseline", "ratio", "mode"], how="left")
+    parts = []
+    for table, rows in family.groupby("table", sort=False):
+        if rows.setting.ne("").any():
+            parts.append(_turn_results(data_dir, table, n_boot, seed, n_resamples))
+        else:
+            parts += [_table_results(data_dir, table, baseline, n_boot, seed, n_resamples)
+                      for baseline in rows.baseline.unique()]
+    per_table = pd.concat(parts, ignore_index=True)
+    out = family.drop(columns="examples").merge(per_table.drop(columns=["dataset", "length"]), on=NAMED, how="left")
     out = out.assign(p_holm=np.nan)
     for analysis in ("answered", "task mean"):
         rows = (out.analysis == analysis) & (out.evidence == PRIMARY)
         out.loc[rows, "p_holm"] = holm(out.loc[rows, "p"].to_numpy(dtype=float))
     out["separated"] = out.p_holm.lt(ALPHA).where(out.p_holm.notna())
     order = {name: i for i, name in enumerate(ANALYSES)}
-    out = out.assign(_row=out.groupby(["table", "policy", "baseline", "ratio", "mode"], sort=False).ngroup(),
+    out = out.assign(_row=out.groupby(NAMED, sort=False).ngroup(),
                      _analysis=out.analysis.map(order))
-    return out.sort_values(["_row", "_analysis"], kind="stable")[RESULT_COLUMNS].reset_index(drop=True)
+    # a family of one-task runs alone has no per-task rows: its task column is empty
+    return out.sort_values(["_row", "_analysis"], kind="stable").reindex(columns=RESULT_COLUMNS).reset_index(drop=True)
 
 
 def write_results(data_dir="data", **options) -> Path:
@@ -248,8 +306,9 @@ def write_results(data_dir="data", **options) -> Path:
 
 def read_family_results(data_dir="data") -> pd.DataFrame:
     """The committed family results (write_results), typed as family_results returns them."""
-    results = pd.read_csv(Path(data_dir) / RESULTS, dtype={"task": str, "p_method": str, "evidence": str})
-    return results.astype({"length": int, "ratio": float})
+    results = pd.read_csv(Path(data_dir) / RESULTS, dtype={"task": str, "p_method": str, "evidence": str,
+                                                           "setting": str, "baseline_setting": str})
+    return _typed(results)
 
 
 class Adjustment(NamedTuple):
@@ -279,7 +338,7 @@ def run_adjustment(path, baseline: str = "SnapKV") -> Adjustment:
                                  f"{path.name}: no adjusted p")
     table = path.relative_to(folder).as_posix()
     family = read_family(folder / FAMILY)
-    rows = family[(family.table == table) & (family.baseline == baseline)]
+    rows = family[(family.table == table) & (family.baseline == baseline) & (family.setting == "")]
     if rows.empty:
         return Adjustment(empty, f"not in the family of comparisons ({folder.name}/{FAMILY}): no adjusted p")
     try:

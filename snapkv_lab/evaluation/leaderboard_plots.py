@@ -28,6 +28,7 @@ from ..views.palette import HEATMAP_COLOURS, LINE_COLOURS, line_style
 from .family import ALPHA, Adjustment, run_adjustment
 from .run import read_results
 from .summary import _budget, gap_to_full, leaderboard, lengths, paired_difference, task_scores
+from .turns import is_multi_turn
 
 SCORE_LABEL = "score (0-100)"
 
@@ -62,6 +63,8 @@ def draw(data_dir: Path, figures_dir: Path, names=None, peers: pd.DataFrame | No
              else [Path(data_dir) / f"eval_{n}.csv" for n in names])
     for path in paths:
         table = read_results(path)
+        if is_multi_turn(table):  # turns, feeds and compress options: the multi-turn set draws it (evaluation.turns)
+            continue
         held = lengths(table)
         parts = ([(path.stem, table)] if len(held) < 2
                  else [(f"{path.stem}_{n}", table[table.length == n]) for n in held])
