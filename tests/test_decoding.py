@@ -17,6 +17,16 @@ def ids(seed=0, n=N, batch=1):
     return torch.randint(2, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+def masked_step(eager, cache, token: torch.Tensor, position: int, held: list[int], **options):
+    """One decode step of the eager twin at `position`, every cached position outside `held` hidden by a
+    (1, 1, 1, position + 1) mask (one layer, one KV head: the references evict by masking)."""
+    mask = torch.full((1, 1, 1, position + 1), float("-inf"))
+    mask[..., held] = 0
+    with torch.no_grad():
+        return eager(token.view(1, 1), past_key_values=cache, attention_mask=mask,
+                     position_ids=torch.tensor([[position]]), use_cache=True, **options)
+
+
 def h2o_reference(model, prompt: torch.Tensor, capacity: int) -> tuple[list[int], list[int]]:
     """H2O as its official code evicts (FMInference/H2O @ac75c2a, h2o_hf/utils_real_drop/modify_llama.py,
     H2OKVCache_LayerWise): hh_size = recent_size = capacity / 2 (the scripts' heavy_ratio = recent_ratio); every
@@ -45,11 +55,7 @@ def h2o_reference(model, prompt: torch.Tensor, capacity: int) -> tuple[list[int]
             break
         position = n + step
         held.append(position)
-        mask = torch.full((1, 1, 1, position + 1), float("-inf"))
-        mask[..., held] = 0
-        with torch.no_grad():
-            out = eager(token.view(1, 1), past_key_values=cache, attention_mask=mask,
-                        position_ids=torch.tensor([[position]]), output_attentions=True, use_cache=True)
+        out = masked_step(eager, cache, token, position, held, output_attentions=True)
         probs = out.attentions[0][0, :, 0].mean(0)  # (position + 1,)
         for p in held:
             score[p] = score.get(p, 0.0) + float(probs[p])
@@ -176,11 +182,7 @@ def test_decoding_eviction_held_to_a_share_of_the_tokens_seen(byte_tokenizer):
             break
         position = N + step
         held.append(position)
-        mask = torch.full((1, 1, 1, position + 1), float("-inf"))
-        mask[..., held] = 0
-        with torch.no_grad():
-            out = eager(token.view(1, 1), past_key_values=cache, attention_mask=mask,
-                        position_ids=torch.tensor([[position]]), use_cache=True)
+        out = masked_step(eager, cache, token, position, held)
         steps += 1
         target = int((position + 1) * (1 - ratio))  # kvpress: max(1, int(seen * (1 - target_compression_ratio)))
         if steps >= interval and len(held) > target:

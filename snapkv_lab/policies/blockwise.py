@@ -31,7 +31,7 @@ from ..core.checks import check_int
 from .base import AttentionCall, LayerBudget, Policy
 from .composed import held_call, stage_kept
 from .keydiff import KeyDiff
-from .wrapper import Wrapper, own_allocation
+from .wrapper import Wrapper, refuse_own_allocation
 
 
 @dataclass
@@ -48,10 +48,7 @@ class Blockwise(Wrapper):
         if self.policy.needs or self.policy.accumulates:
             raise TypeError(f"Blockwise scores each block from the prefill's attention call, and {self.policy.name} "
                             "scores after the prefill or adds its scores up over calls: it cannot be wrapped")
-        owner = own_allocation(self.policy)
-        if owner is not None:
-            raise TypeError(f"Blockwise holds one budget per KV head, and {owner} sets budgets of its own: wrap the "
-                            "scorer (Blockwise(KeyDiff))")
+        refuse_own_allocation(self, "holds one budget per KV head", "Blockwise(KeyDiff)")
         if self.per_query_head:
             raise ValueError("Blockwise selects per KV head: per_query_head=True is not supported")
 

@@ -24,7 +24,7 @@ import torch
 
 from .base import LayerBudget
 from .duoattention import DuoAttention
-from .wrapper import Wrapper, own_allocation
+from .wrapper import Wrapper, refuse_own_allocation
 
 
 @dataclass
@@ -40,10 +40,7 @@ class DuoAllocation(Wrapper):
         super().__post_init__()
         if self.per_query_head:
             raise ValueError("DuoAllocation splits KV heads: per_query_head=True is not supported")
-        owner = own_allocation(self.policy)
-        if owner is not None:
-            raise TypeError(f"DuoAllocation gives each head the whole prompt or s positions, and {owner} sets budgets "
-                            f"of its own, which it would override: wrap the scorer itself (DuoAllocation(SnapKV))")
+        refuse_own_allocation(self, "gives each head the whole prompt or s positions", "DuoAllocation(SnapKV)")
         # the split itself: DuoAttention's, at this budget (it checks sink_size and recent_size)
         self._split = DuoAttention(capacity=self.capacity, sink_size=self.sink_size, recent_size=self.recent_size)
 

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from .base import LayerBudget, Policy, top_positions
-from .wrapper import Wrapper, own_allocation
+from .wrapper import Wrapper, refuse_own_allocation
 
 
 def keep_globally(policy: Policy, scores: dict[int, torch.Tensor], budget: LayerBudget) -> dict[int, torch.Tensor]:
@@ -51,11 +51,8 @@ class GlobalAllocation(Wrapper):
         super().__post_init__()
         if self.per_query_head:
             raise ValueError("GlobalAllocation allocates among KV heads: per_query_head=True is not supported")
-        owner = own_allocation(self.policy)
-        if owner is not None:
-            raise TypeError(f"GlobalAllocation chooses every layer's and head's count from the scores, and {owner} "
-                            f"sets budgets of its own, which it would override: wrap the scorer itself "
-                            f"(GlobalAllocation(SnapKV))")
+        refuse_own_allocation(self, "chooses every layer's and head's count from the scores",
+                              "GlobalAllocation(SnapKV)")
 
     def keep_layers(self, scores: dict[int, torch.Tensor], budget: LayerBudget) -> dict[int, torch.Tensor]:
         return keep_globally(self, scores, budget)

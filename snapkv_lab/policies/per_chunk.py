@@ -29,7 +29,7 @@ import torch
 
 from ..core.checks import check_int
 from .base import AttentionCall, LayerBudget
-from .wrapper import Wrapper, own_allocation
+from .wrapper import Wrapper, refuse_own_allocation
 
 
 @dataclass
@@ -45,10 +45,7 @@ class PerChunk(Wrapper):
         if self.policy.needs:
             raise TypeError(f"PerChunk scores each chunk from its own attention call, and {self.policy.name} scores "
                             "after the prefill (its `needs`): it cannot be wrapped")
-        owner = own_allocation(self.policy)
-        if owner is not None:
-            raise TypeError(f"PerChunk gives each chunk its share of a uniform budget, and {owner} sets budgets of its "
-                            "own: wrap the scorer (PerChunk(SnapKV))")
+        refuse_own_allocation(self, "gives each chunk its share of a uniform budget", "PerChunk(SnapKV)")
         if self.chunk_size < self.policy.voters:
             raise ValueError(f"chunk_size ({self.chunk_size}) must hold {self.policy.name}'s {self.policy.voters} "
                              "voting queries: each chunk is scored by its own")

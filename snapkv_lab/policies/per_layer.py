@@ -22,7 +22,7 @@ import torch
 
 from ..core.checks import check_int
 from .base import LayerBudget
-from .wrapper import Wrapper, own_allocation
+from .wrapper import Wrapper, refuse_own_allocation
 
 
 @dataclass
@@ -36,10 +36,7 @@ class PerLayer(Wrapper):
         if self.layer_capacities is not None:  # a list (from JSON) reads as the tuple it stands for
             self.layer_capacities = tuple(self.layer_capacities)
         super().__post_init__()
-        owner = own_allocation(self.policy)
-        if owner is not None:
-            raise TypeError(f"PerLayer sets each layer's budget, and {owner} sets budgets of its own, which it would "
-                            "override: wrap the scorer (PerLayer(SnapKV, layer_capacities=...))")
+        refuse_own_allocation(self, "sets each layer's budget", "PerLayer(SnapKV, layer_capacities=...)")
         for layer, capacity in enumerate(self.layer_capacities or ()):
             if isinstance(capacity, float):
                 if not 0 < capacity < 1:

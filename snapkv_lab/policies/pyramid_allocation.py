@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..core.checks import check_int
 from .base import LayerBudget
 from .pyramidkv import SCHEDULES, pyramid_layer_budget
-from .wrapper import Wrapper, own_allocation
+from .wrapper import Wrapper, refuse_own_allocation
 
 
 @dataclass
@@ -38,12 +38,9 @@ class PyramidAllocation(Wrapper):
         check_int("beta", self.beta, 1)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        owner = own_allocation(self.policy)
-        if owner is not None:
-            raise TypeError(f"PyramidAllocation shares the uniform budget between layers, and {owner} sets budgets of "
-                            f"its own, which it would override: wrap the scorer (PyramidAllocation(SnapKV)); a "
-                            f"per-head allocation within each pyramid layer is written outside, "
-                            f"AdaKV(PyramidAllocation(...))")
+        refuse_own_allocation(self, "shares the uniform budget between layers", "PyramidAllocation(SnapKV); a "
+                              "per-head allocation within each pyramid layer is written outside, "
+                              "AdaKV(PyramidAllocation(...))")
 
     def layer_budget(self, budget: LayerBudget) -> int:
         return pyramid_layer_budget(budget, self.policy.tail(budget.capacity), self.beta, self.schedule)

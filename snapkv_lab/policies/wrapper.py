@@ -129,3 +129,12 @@ def own_allocation(policy: Policy) -> str | None:
         if not isinstance(policy, Wrapper):
             return None
         policy = policy.policy
+
+
+def refuse_own_allocation(wrapper: Wrapper, does: str, example: str) -> None:
+    """TypeError where the policy `wrapper` wraps sets budgets of its own (own_allocation), which `wrapper`, whose
+    budgeting `does` says in words, would silently override; `example`: a wrapping that works."""
+    owner = own_allocation(wrapper.policy)
+    if owner is not None:
+        raise TypeError(f"{type(wrapper).__name__} {does}, and {owner} sets budgets of its own, which it would "
+                        f"override: wrap the scorer ({example})")
