@@ -52,7 +52,7 @@ def cell_scores(table: pd.DataFrame) -> pd.DataFrame:
         low, high = wilson(found, n)
         rows.append(dict(mode=mode, ratio=ratio, scorer=scorer, allocation=allocation, n=n, found=found,
                          score=100 * found / n, low=100 * low, high=100 * high, kv_share=part.kv_share.mean(),
-                         over_budget=bool(part.over_budget.astype(bool).any())))
+                         over_budget=bool(part.over_budget.eq(True).any())))
     return pd.DataFrame(rows)
 
 

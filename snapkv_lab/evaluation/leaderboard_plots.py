@@ -148,7 +148,7 @@ def leaderboard_figure(table: pd.DataFrame, stem: Path, peers: pd.DataFrame | No
             offset = (i - (len(policies) - 1) / 2) * (0.004 if budget == "ratio" else 0)
             ax.errorbar(line[budget] + offset, line.score, yerr=[line.score - line.low, line.high - line.score],
                         ms=4, lw=1.2, capsize=2, label=policy, **line_style(i))
-            over = line[line.over_budget.astype(bool)] if "over_budget" in line else line.iloc[:0]
+            over = line[line.over_budget.eq(True)] if "over_budget" in line else line.iloc[:0]
             if not over.empty:
                 ax.scatter(over[budget] + offset, over.score, s=70, facecolors="none", edgecolors="red", lw=1.2,
                            zorder=4, label=None if flagged else OVER_BUDGET)
