@@ -23,6 +23,9 @@ def main() -> None:
     parser.add_argument("--data-dir", default="data", help="where the cells are stored (cells/entries/)")
     parser.add_argument("--examples", type=int, default=None,
                         help="audit the first N examples only (the others' columns left empty; a rerun resumes)")
+    parser.add_argument("--entries-only", type=Path, default=None, metavar="CSV",
+                        help="write the audited rows (each table's name, its key columns and the entry columns) to CSV "
+                             "and leave the tables as they are: an audit in parts read before the tables are filled")
     args = parser.parse_args()
     tables = [pd.read_csv(path) for path in args.tables]
     joined = pd.concat([t.assign(_table=i) for i, t in enumerate(tables)], ignore_index=True)
@@ -30,6 +33,15 @@ def main() -> None:
     if len(models) != 1:
         raise SystemExit(f"one model per run, found {list(models)}")
     audited = audit_entries(joined, model=models[0], data_dir=args.data_dir, examples=args.examples)
+    if args.entries_only is not None:
+        keys = ["model", "dataset", "task", "example", "policy", "ratio", "capacity", "mode", "question"]
+        done = audited[audited.kv_entries.notna()]
+        done = done.assign(table=[args.tables[i].name for i in done._table])
+        done[["table", *keys, *COLUMNS]].to_csv(args.entries_only, index=False)
+        print(f"{args.entries_only}: {len(done)} rows of {done.spec.nunique()} examples; kv_share by policy and ratio "
+              "(min, max):")
+        print(done.groupby(["policy", "ratio"]).kv_share.agg(["min", "max"]).round(3).unstack().to_string())
+        return
     for i, (path, table) in enumerate(zip(args.tables, tables, strict=True)):
         own = audited[audited._table == i].drop(columns="_table")
         columns = [c for c in own.columns if c in table.columns or c in COLUMNS]
