@@ -393,7 +393,7 @@ class Policy:
         keeps (KeyRerotation: re-rotated to contiguous positions); None, the default, leaves every key as it is. The
         keys' counterpart of `merge`, with its arguments (key: one batch row's layer, its own slots; kept: (kv_heads,
         k), NO_POSITION after a head's last) and the layer's attention `module` (its RoPE); the engine stores the kept
-        positions from these keys (compression.engine.rewritten)."""
+        positions from these keys (compression.engine.rekeyed)."""
         return None
 
     def _reduce_to(self, scores: torch.Tensor, kv_heads: int) -> int | None:

@@ -56,6 +56,7 @@ from ..core.checks import check_int
 from ..core.rope import LayerRope
 from . import query_statistics
 from .base import ADDED_LATER, AttentionCall, Policy, budget_past_sinks
+from .trained_weights import model_label, weights_path
 
 
 @dataclass
@@ -81,15 +82,14 @@ class ExpectedAttention(Policy):
             raise ValueError(f"statistics must be None, 'shipped' or a statistics file, got {self.statistics!r}")
 
     def _statistics_path(self, model) -> Path:
-        if self.statistics != "shipped":
-            return Path(self.statistics)
-        path = query_statistics.find_statistics(model)
-        if path is None:
-            name = Path(str(getattr(model.config, "name_or_path", "") or "MODEL")).name
-            raise ValueError(f"{self.label}: no query statistics for the model {name!r} (kvpress's are on the Hugging "
-                             f"Face Hub, for other models): compute them with `"
-                             f"{query_statistics.COMMAND.format(model=name)}`, or pass statistics=PATH")
-        return path
+        def refusal() -> str:
+            name = model_label(model)
+            return (f"{self.label}: no query statistics for the model {name!r} (kvpress's are on the Hugging Face Hub, "
+                    f"for other models): compute them with `{query_statistics.COMMAND.format(model=name)}`, or pass "
+                    "statistics=PATH")
+
+        return weights_path(None if self.statistics == "shipped" else self.statistics,
+                            lambda: query_statistics.find_statistics(model), refusal)
 
     def prepare(self, model, tokenizer) -> None:
         if self.statistics is not None:

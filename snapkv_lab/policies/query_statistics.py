@@ -27,10 +27,11 @@ import torch
 
 from ..core.attention import AttentionSettings
 from ..core.hooks import attention_modules, intercept_attention
-from ..core.models import cache_dir, measured_cache_path
+from ..core.models import measured_cache_path
 from ..core.rope import LayerRope
+from .trained_weights import PACKAGED, find_file
 
-SHIPPED = Path(__file__).parent / "weights" / "expected_attention"
+SHIPPED = PACKAGED / "expected_attention"
 SAMPLES, SAMPLE_CHARS, N_SINK = 100, 1000, 4  # kvpress's main() defaults (expected_attention_with_stats.py:243-246)
 COMMAND = "python3 scripts/query_statistics.py --model {model}"
 # attention module -> {statistics file: (mean (heads, d), cov (heads, d, d)) float64}: loaded by `load_for`
@@ -45,8 +46,7 @@ def statistics_name(model) -> str:
 
 def find_statistics(model) -> Path | None:
     """`model`'s statistics: shipped in the package first, then computed into the cache folder."""
-    name = statistics_name(model)
-    return next((path for path in (SHIPPED / name, cache_dir() / "expected_attention" / name) if path.exists()), None)
+    return find_file("expected_attention", statistics_name(model))
 
 
 def sample_texts(samples: int = SAMPLES, chars: int = SAMPLE_CHARS) -> list[str]:
