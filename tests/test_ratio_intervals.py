@@ -117,3 +117,14 @@ def test_degenerate_groups():
         intervals.tost(np.array([0.0]), np.array([0.1]), np.array([4]), 0.0)
     with pytest.raises(ValueError, match="method"):
         summarise(same, by=("draw",), ci=0.95, method="bca")
+
+
+def test_mean_t_interval_by_hand():
+    """1, 2, 3: mean 2, sd 1, se 1 / sqrt(3), t_{2, 0.975} = 4.302653 (tables): 2 +- 2.484138; under 2 units no
+    interval, and no mean with none."""
+    mean, low, high = intervals.mean_t_interval(np.array([1.0, 2.0, 3.0]))
+    assert mean == 2.0
+    assert (low, high) == (pytest.approx(2 - 2.484138, abs=1e-6), pytest.approx(2 + 2.484138, abs=1e-6))
+    one = intervals.mean_t_interval(np.array([5.0]))
+    assert one[0] == 5.0 and np.isnan(one[1:]).all()
+    assert np.isnan(intervals.mean_t_interval(np.array([]))).all()

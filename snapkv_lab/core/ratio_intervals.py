@@ -61,6 +61,17 @@ def t_interval(estimate: np.ndarray, se: np.ndarray, n: np.ndarray, ci: float) -
     return estimate - half, estimate + half
 
 
+def mean_t_interval(values: np.ndarray, ci: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high) of one group of per-unit `values` (units,): its mean and t interval, NaN where fewer than
+    2 units (the mean NaN with none)."""
+    values = np.asarray(values, float)
+    n = len(values)
+    mean = values.mean() if n else np.nan
+    se = values.std(ddof=1) / np.sqrt(n) if n > 1 else np.nan
+    low, high = t_interval(np.array([mean]), np.array([se]), np.array([n]), ci)
+    return float(mean), float(low[0]), float(high[0])
+
+
 def _t_statistic(shift: np.ndarray, se: np.ndarray) -> np.ndarray:
     """shift / se, with 0 / 0 = 0 (identical units, no shift) and x / 0 = +-inf."""
     with np.errstate(divide="ignore", invalid="ignore"):

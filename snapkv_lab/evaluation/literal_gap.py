@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.figure_files import FigureSet, register, write_png
-from ..core.ratio_intervals import t_interval
+from ..core.ratio_intervals import mean_t_interval
 from .summary import example_scores, sign_flip_test
 
 TABLES = {"nonliteral": "eval_nolima_4k_nonliteral.csv", "literal": "eval_nolima_4k_literal.csv"}
@@ -71,8 +71,7 @@ def literal_gap(nonliteral: pd.DataFrame, literal: pd.DataFrame) -> pd.DataFrame
         for (policy, ratio, mode), group in part.groupby(["policy", "ratio", "mode"], sort=False):
             gap = group.gap.to_numpy(dtype=float)
             n = len(gap)
-            se = gap.std(ddof=1) / np.sqrt(n) if n > 1 else np.nan
-            low, high = t_interval(np.array(gap.mean()), np.array(se), np.array(n), 0.95)
+            _, low, high = mean_t_interval(gap)
             p, method = sign_flip_test(gap, np.full(n, 1 / n))
             rows.append(dict(subset=subset, policy=policy, ratio=ratio, mode=mode, n=n,
                              full_nonliteral=group.full_nl.mean(), full_literal=group.full_l.mean(),

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.figure_files import FigureSet, register, write_png
-from ..core.ratio_intervals import t_interval
+from ..core.ratio_intervals import mean_t_interval
 from .summary import answered_examples, example_scores, sign_flip_test
 
 TABLE = "eval_scbench_multiturn.csv"
@@ -122,14 +122,6 @@ def _paired_scores(table: pd.DataFrame, comparison) -> pd.DataFrame:
     return wide.rename(columns={SIDE: "side", BASE: "base"}).dropna().reset_index()
 
 
-def _mean_interval(values: np.ndarray) -> tuple[float, float, float]:
-    """Mean and t 95% interval over units (NaN interval under 2 units)."""
-    n = len(values)
-    se = values.std(ddof=1) / np.sqrt(n) if n > 1 else np.nan
-    low, high = t_interval(np.array(values.mean()), np.array(se), np.array(n), 0.95)
-    return float(values.mean()), float(low), float(high)
-
-
 def contrasts(table: pd.DataFrame) -> pd.DataFrame:
     """Per subset ("answered", "all") and comparison (turn_comparisons): n examples, the two sides' mean scores,
     difference (side less baseline, points) with its t 95% interval, the exact sign-flip p, the nonzero differences,
@@ -152,7 +144,7 @@ def contrasts(table: pd.DataFrame) -> pd.DataFrame:
                 rows.append(dict(base, p=1.0, p_method="no examples", nonzero=0))
                 continue
             difference = (part.side - part.base).to_numpy(dtype=float)
-            mean, low, high = _mean_interval(difference)
+            mean, low, high = mean_t_interval(difference)
             p, method = sign_flip_test(difference, np.full(n, 1 / n))
             rows.append(dict(base, score=part.side.mean(), baseline_score=part.base.mean(), difference=mean,
                              low=low, high=high, p=p, p_method=method, nonzero=int(np.count_nonzero(difference))))
@@ -167,7 +159,7 @@ def turn_scores(table: pd.DataFrame) -> pd.DataFrame:
     keys = ["policy", "ratio", "mode", "feed", "compress", "turn"]
     for key, part in table.groupby(keys, sort=False):
         per_example = part.groupby(["task", "example"]).score.mean().to_numpy(dtype=float) * 100
-        mean, low, high = _mean_interval(per_example)
+        mean, low, high = mean_t_interval(per_example)
         rows.append(dict(zip(keys, key), n=len(per_example), score=mean, low=low, high=high,
                          kv_entries=part.kv_entries.mean(), kv_share=part.kv_share.mean()))
     return pd.DataFrame(rows)

@@ -24,7 +24,7 @@ from ..compression.greedy import eos_cut
 from ..core.framing import resolve_framing
 from ..core.inputs import eos_ids
 from ..core.progress import progress_bar
-from ..core.ratio_intervals import t_interval
+from ..core.ratio_intervals import mean_t_interval
 from ..policies import H2O, RKV, TOVA, DecodingEviction, FullCache
 
 LIST_HEAD = "Here is a list of {n} codes, one per line:\n\n"
@@ -147,11 +147,8 @@ def long_generation_summary(table: pd.DataFrame, ci: float = 0.95) -> pd.DataFra
 
 def _mean_interval(values: np.ndarray, name: str, ci: float) -> dict:
     """{name: mean, name_low, name_high}: the t interval of the mean (NaN under 2 values)."""
-    n = np.array([len(values)])
-    se = np.array([values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else np.nan])
-    mean = np.array([values.mean() if len(values) else np.nan])
-    low, high = t_interval(mean, se, n, ci)
-    return {name: float(mean[0]), f"{name}_low": float(low[0]), f"{name}_high": float(high[0])}
+    mean, low, high = mean_t_interval(values, ci)
+    return {name: mean, f"{name}_low": low, f"{name}_high": high}
 
 
 def long_generation_markdown(table: pd.DataFrame) -> str:
