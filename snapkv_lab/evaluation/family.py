@@ -176,10 +176,10 @@ def check_family(family: pd.DataFrame, data_dir) -> None:
     named = family.duplicated(NAMED, keep=False)
     _refuse(named.any(), f"the family names these comparisons twice:\n{family[named]}")
     for table, rows in family.groupby("table", sort=False):
-        if rows.setting.eq("").all():  # a multi-turn run's baselines are its policies, each against itself
+        if rows.setting.eq("").all():  # a run's policies against its baseline(s)
             for baseline, part in rows.groupby("baseline", sort=False):
                 _check_run(part, data_dir, table, baseline)
-        else:
+        else:  # a multi-turn run: each policy against itself, every comparison read from the table (rows_for)
             _check_run(rows, data_dir, table, "SnapKV")
     bad = ~(family.evidence.eq(PRIMARY) | family.evidence.str.startswith(SAME))
     _refuse(bad.any(), f"evidence is {PRIMARY!r} or '{SAME}TABLE', not {sorted(set(family.evidence[bad]))}")
