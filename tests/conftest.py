@@ -25,6 +25,7 @@ else:
 KERNEL_FILES = ("test_notebook", "test_browser")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Each test file is one xdist group (its module-scoped fixtures, such as the kvpress worker, built once); the
     kernel files are one group between them."""
