@@ -3,12 +3,36 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-torch.set_num_threads(2)
+# The suite runs in two pytest-xdist workers (pyproject's addopts), one per core. Each worker, and what it starts (a
+# notebook kernel, the kvpress worker, Ray), computes on one thread: on this 2-core machine a torch process with two
+# threads beside another busy process runs 5-20x slower (its OpenMP regions wait for a preempted thread;
+# docs/performance.md). Run alone (-n 0), a test process has both cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", SNAPKV_LAB_THREADS="1")
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
+
+
+# Files whose tests start Jupyter kernels (the notebooks share one kernel per process; the browser tests start
+# JupyterLab) run in one worker, one after the other, as they did before the suite ran in parallel.
+KERNEL_FILES = ("test_notebook", "test_browser")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Each test file is one xdist group (its module-scoped fixtures, such as the kvpress worker, built once); the
+    kernel files are one group between them."""
+    for item in items:
+        name = item.path.stem
+        group = "kernels" if name.startswith(KERNEL_FILES) else name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 class ByteTokenizer:
