@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from snapkv_lab.tasks.turn_needles import turn_needle_rows
+from snapkv_lab.tasks.turn_needles import ORDERS, turn_needle_rows
 
 
 def main() -> None:
@@ -21,8 +21,11 @@ def main() -> None:
     parser.add_argument("--needles", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--haystack", default="essays", help="essays, pydoc or code (snapkv_lab.tasks.corpus)")
+    parser.add_argument("--order", default="balanced", choices=ORDERS,
+                        help="the turns' order of the needles' depth bands (snapkv_lab.tasks.turn_needles)")
     args = parser.parse_args()
-    rows = turn_needle_rows(args.rows, words=args.words, needles=args.needles, seed=args.seed, source=args.haystack)
+    rows = turn_needle_rows(args.rows, words=args.words, needles=args.needles, seed=args.seed, source=args.haystack,
+                            order=args.order)
     args.folder.expanduser().mkdir(parents=True, exist_ok=True)
     with (args.folder.expanduser() / "scbench_qa_eng.jsonl").open("w", encoding="utf-8") as out:
         out.writelines(json.dumps(row) + "\n" for row in rows)

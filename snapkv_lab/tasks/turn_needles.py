@@ -8,8 +8,16 @@ it from a folder (`--source`) and scores it with SCBench's metric for that task 
 the upper-cased answer). The haystack is `words` words of running text from corpus.SOURCES (Paul Graham's essays by
 default: read at run time, never committed, which is why the suite is written to a folder, not shipped); the needles
 are RULER's sentence (" One of the special magic numbers for {key} is: {value}. ") with adjective-noun keys and
-7-digit values, one per depth band (needle i of k in the band [i/k, (i+1)/k) of the text, at a sentence end), and the
-turns ask for them in a seeded order that is not the text's order. Seeded: the same arguments give the same rows.
+7-digit values, one per depth band (needle i of k in the band [i/k, (i+1)/k) of the text, at a sentence end).
+
+The order the turns ask for them (`order`):
+- "balanced" (the default): a Latin square over each k consecutive rows, so that in every k rows each band is asked at
+  each turn once; its direction alternates between blocks of k rows (for k = 3 every 6 rows hold all 6 orders), so
+  that which band follows which is balanced too. A turn's score then averages over depths, where a seeded order let
+  depth and turn go together (docs/multi-turn.md: the full cache finds the first band's needle 2 times in 16);
+- "shuffled": a seeded permutation per row (the suite's only order until 2026-11-29, which the committed SmolLM2 run
+  used).
+Either way a row's haystack, needles and places are the same. Seeded: the same arguments give the same rows.
 """
 
 from __future__ import annotations
@@ -35,11 +43,24 @@ def _haystack(rng: random.Random, source: str, words: int) -> list[str]:
     return pieces[start:start + words]
 
 
+ORDERS = ("balanced", "shuffled")
+
+
+def balanced_order(index: int, needles: int) -> list[int]:
+    """The bands row `index` asks, turn by turn: row j of each block of `needles` rows starts at band j and steps by
+    +1 (even blocks) or -1 (odd blocks), modulo `needles`."""
+    start, step = index % needles, 1 if (index // needles) % 2 == 0 else -1
+    return [(start + step * turn) % needles for turn in range(needles)]
+
+
 def turn_needle_rows(n_rows: int, *, words: int = 1500, needles: int = 3, seed: int = 0,
-                     source: str = "essays") -> list[dict]:
-    """n_rows SCBench rows (module doc), each `words` words of `source` with `needles` needles, one turn each."""
+                     source: str = "essays", order: str = "balanced") -> list[dict]:
+    """n_rows SCBench rows (module doc), each `words` words of `source` with `needles` needles, one turn each, asked
+    in `order` ("balanced" or "shuffled")."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {sorted(SOURCES)}, got {source!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {list(ORDERS)}, got {order!r}")
     if n_rows < 1 or needles < 1 or words < 10 * needles:
         raise ValueError(f"need n_rows >= 1, needles >= 1 and words >= 10 per needle; got {n_rows}, {needles}, {words}")
     rows = []
@@ -62,8 +83,10 @@ def turn_needle_rows(n_rows: int, *, words: int = 1500, needles: int = 3, seed: 
         text = pieces[:]
         for band in reversed(range(needles)):  # from the end, so earlier cuts keep their places
             text.insert(cuts[band], NEEDLE.format(kind="number", key=keys[band], value=values[band]).strip() + " ")
-        order = list(range(needles))
-        rng.shuffle(order)
+        asked = list(range(needles))
+        rng.shuffle(asked)  # drawn under both orders, the last draw of a row: nothing else of the row depends on it
+        if order == "balanced":
+            asked = balanced_order(index, needles)
         rows.append(dict(id=index, context="".join(text).strip(), multi_turns=[
-            dict(input=QUESTION.format(kind="number", key=keys[i]), answer=values[i]) for i in order]))
+            dict(input=QUESTION.format(kind="number", key=keys[i]), answer=values[i]) for i in asked]))
     return rows
