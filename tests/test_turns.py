@@ -128,7 +128,10 @@ def test_spearmans_p_is_every_ordering_counted():
 
 def test_a_multi_turn_run_in_the_family(run):
     _ruler(run)
-    rows = family.rows_for(run, turns.TABLE)
+    rows = family.rows_for(run, turns.TABLE, baseline=None)  # each policy against itself: no baseline policy
+    for table, baseline in ((turns.TABLE, "SnapKV"), ("eval_ruler.csv", None)):
+        with pytest.raises(ValueError, match="a multi-turn run: its baseline is"):
+            family.rows_for(run, table, baseline=baseline)
     assert len(rows) == 22 and rows.length.isna().all() and rows.setting.ne("").all()
     assert rows.examples.iloc[0] == "scbench_qa_eng:" + " ".join(map(str, range(N)))
     both = pd.concat([family.rows_for(run, "eval_ruler.csv"), rows], ignore_index=True)

@@ -125,9 +125,11 @@ def comparisons(table: pd.DataFrame, baseline: str = "SnapKV") -> pd.DataFrame:
     return runs[runs.policy != baseline].merge(at, on=["ratio", "mode"]).reset_index(drop=True)
 
 
-def rows_for(data_dir, table: str, baseline: str = "SnapKV", evidence: str = PRIMARY) -> pd.DataFrame:
+def rows_for(data_dir, table: str, baseline: str | None = "SnapKV", evidence: str = PRIMARY) -> pd.DataFrame:
     """The family rows of one committed run (`table`, relative to data_dir): every comparison it holds against
-    `baseline`, with its model, dataset, length and example set: how a run's rows are written into the family."""
+    `baseline`, with its model, dataset, length and example set: how a run's rows are written into the family. A
+    multi-turn run's comparisons are each policy against itself at another turn or setting (turn_comparisons), so
+    its `baseline` must be None; any other run's must be a policy."""
     from .run import read_results
 
     results = read_results(Path(data_dir) / table)
@@ -135,6 +137,9 @@ def rows_for(data_dir, table: str, baseline: str = "SnapKV", evidence: str = PRI
         raise ValueError(f"{table} has no length column: the family holds runs of generated sets (RULER), one length "
                          f"each")
     multi_turn = is_multi_turn(results)
+    if multi_turn != (baseline is None):
+        raise ValueError(f"{table} is {'' if multi_turn else 'not '}a multi-turn run: its baseline is "
+                         f"{'None (each policy against itself)' if multi_turn else 'a policy'}, not {baseline!r}")
     design = {c: results[c].dropna().unique() for c in ("model", "dataset", "length")}
     for column, values in design.items():
         if len(values) != 1 and not (column == "length" and multi_turn and len(values) == 0):
@@ -152,9 +157,10 @@ def _refuse(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_run(rows: pd.DataFrame, data_dir, table: str, baseline: str) -> None:
+def _check_run(rows: pd.DataFrame, data_dir, table: str, baseline: str | None) -> None:
     """Refuses (ValueError) family rows of one run that do not say what its table holds now (rows_for): its model,
-    dataset, length, examples, or its comparisons against `baseline`."""
+    dataset, length, examples, or its comparisons against `baseline` (None: a multi-turn run's, each policy against
+    itself)."""
     wanted = rows_for(data_dir, table, baseline)
     for column in ("model", "dataset", "length", "examples"):
         said = {"" if pd.isna(value) else str(value) for value in rows[column]}  # a multi-turn run's length: NA
@@ -164,7 +170,8 @@ def _check_run(rows: pd.DataFrame, data_dir, table: str, baseline: str) -> None:
                 f"a run that changed is declared again (evaluation.family.rows_for)")
     key = ["policy", "ratio", "mode", *SETTINGS]
     have, held = set(map(tuple, rows[key].values)), set(map(tuple, wanted[key].values))
-    _refuse(have != held, f"{table}'s comparisons against {baseline} and its family rows differ: in the table only "
+    _refuse(have != held, f"{table}'s comparisons against {baseline or 'themselves'} and its family rows differ: "
+                          f"in the table only "
                           f"{sorted(held - have)}, in the family only {sorted(have - held)}")
 
 
@@ -180,7 +187,7 @@ def check_family(family: pd.DataFrame, data_dir) -> None:
             for baseline, part in rows.groupby("baseline", sort=False):
                 _check_run(part, data_dir, table, baseline)
         else:  # a multi-turn run: each policy against itself, every comparison read from the table (rows_for)
-            _check_run(rows, data_dir, table, "SnapKV")
+            _check_run(rows, data_dir, table, None)
     bad = ~(family.evidence.eq(PRIMARY) | family.evidence.str.startswith(SAME))
     _refuse(bad.any(), f"evidence is {PRIMARY!r} or '{SAME}TABLE', not {sorted(set(family.evidence[bad]))}")
     examples = {table: parse_examples(text) for table, text in zip(family.table, family.examples)}
