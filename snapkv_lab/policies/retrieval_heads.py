@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from ..core.capture import capture
-from ..core.models import measured_cache_path
+from ..core.models import measured_cache_path, write_whole
 from ..core.progress import progress_bar
 from ..tasks.needles import needle_context
 
@@ -72,8 +72,7 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
     pooled["retrieval_score"] = (pooled.retrieval_hits / pooled.copy_steps).where(pooled.copy_steps > 0)
     pooled = pooled[COLUMNS]
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pooled.to_csv(path, index=False)
+        write_whole(path, lambda tmp: pooled.to_csv(tmp, index=False))
     return pooled
 
 
