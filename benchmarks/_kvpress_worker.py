@@ -31,8 +31,8 @@ How kept positions are read: a press that prunes leaves (batch, kv_heads, kept, 
 each kept row is matched with the full keys' rows (post-RoPE keys of distinct positions never coincide).
 KeyRerotationPress re-rotates the keys it keeps, which then match none: the indices it hands its `rerotate_keys`
 are read instead (read_rerotation).
-Head-wise presses (AdaKVPress, CriticalAdaKVPress, KVzipPress) prune nothing and leave
-`module.masked_key_indices` = (batch, head, position) of the masked pairs: their kept positions are the rest.
+Head-wise presses (AdaKVPress, CriticalAdaKVPress, KVzipPress, KVComposePress(structured=False)) prune nothing and
+leave `module.masked_key_indices` = (batch, head, position) of the masked pairs: their kept positions are the rest.
 
 Timing mode (benchmarks/kvpress_side_by_side.py --timing), a long-lived worker:
 
