@@ -24,14 +24,15 @@ do the work. All presses but KVzip share one prefill: each press's hook is regis
 every attention layer, and forward hooks run in registration order; ours put the full keys and values back into
 the cache before each press's hook (which prunes them in place) and read what it kept after it. The prefill's
 own attention never reads a layer's cache after that layer's hooks, so each press sees exactly what it would
-see alone. KVzipPress scores by extra reconstruction passes after its prefill and runs alone.
+see alone. KVzipPress scores by extra reconstruction passes after its prefill and runs alone; so does KVComposePress
+(the prompt fed again), which prunes the cache as its context closes (run_kvcompose).
 
 How kept positions are read: a press that prunes leaves (batch, kv_heads, kept, head_dim) keys in the cache;
 each kept row is matched with the full keys' rows (post-RoPE keys of distinct positions never coincide).
 KeyRerotationPress re-rotates the keys it keeps, which then match none: the indices it hands its `rerotate_keys`
 are read instead (read_rerotation).
-Head-wise presses (AdaKVPress, CriticalAdaKVPress, KVzipPress) prune nothing and leave
-`module.masked_key_indices` = (batch, head, position) of the masked pairs: their kept positions are the rest.
+Head-wise presses (AdaKVPress, CriticalAdaKVPress, KVzipPress, KVComposePress(structured=False)) prune nothing and
+leave `module.masked_key_indices` = (batch, head, position) of the masked pairs: their kept positions are the rest.
 
 Timing mode (benchmarks/kvpress_side_by_side.py --timing), a long-lived worker:
 
@@ -303,6 +304,22 @@ def run_kvzip(model, ids: torch.Tensor, press) -> dict:
     return kept
 
 
+def run_kvcompose(model, ids: torch.Tensor, press) -> dict:
+    """{layer: kept} of a KVComposePress, alone: it patches the model's forward for its prefill and its second pass
+    of the prompt, and compresses the cache as its context closes (kvcompose_press.py:423-441). Structured, the
+    cache's kept keys are read back against its first n keys, copied before it closes; unstructured, its masks."""
+    from transformers import DynamicCache
+
+    clear_masks(model)
+    cache, n = DynamicCache(config=model.config), ids.shape[1]
+    with torch.no_grad():
+        with press(model):
+            model(ids, past_key_values=cache)
+            full = [layer.keys[:, :, :n].clone() for layer in cache.layers]
+    return {module.layer_idx: kept_positions(module, keys, layer.keys)
+            for module, layer, keys in zip(attention_modules(model), cache.layers, full, strict=True)}
+
+
 def with_window(press, window: int):
     """A FinchPress whose window is the last `window` tokens of the ids, where the pipeline would find a delimiter
     before the question (finch_press.py:139-153): the hook never fires on an id of -1, so the window stays as set, and
@@ -362,10 +379,11 @@ def main(request_path: str, out_path: str) -> None:
             except Exception as err:  # one failing press must not hide the others
                 traceback.print_exc()
                 results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
-        elif isinstance(press, kvpress.KVzipPress):
+        elif isinstance(press, (kvpress.KVzipPress, kvpress.KVComposePress)):
+            run = run_kvzip if isinstance(press, kvpress.KVzipPress) else run_kvcompose
             try:
                 start = time.perf_counter()
-                results[name] = {"kept": run_kvzip(model, ids, press), "error": None}
+                results[name] = {"kept": run(model, ids, press), "error": None}
                 print(f"kvpress worker: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
             except Exception as err:  # one failing press must not hide the others
                 traceback.print_exc()

@@ -312,6 +312,18 @@ ROWS = [
         "kvpress would load them from the Hub (:72-81); the worker hands it the lab's file, made by kvpress's recipe "
         "(policies/query_statistics.py), so both read the same numbers.",
         expect={"kept_tail": 0}),
+    Row("KVCompose", "KVCompose()", "KVComposePress(compression_ratio={ratio})",
+        "Same definition and defaults (kvpress's is the authors' code): the prompt fed again over its cache at the "
+        "positions after it (kvcompose_press.py:392-420), each query head's largest attention from those tokens, "
+        "meaned per GQA group, plus the mean over KV heads (:198-246); the KV heads' sorted scores meaned into "
+        "composite scores, layer 0's the largest of every layer's, one top count of int(30 x 1000 x 0.25) = 7500 = "
+        "our 250 x 30 over them, each layer at least 1 (:248-292), each KV head its layer's count of its best "
+        "(:294-320); no window. The press runs alone (run_kvcompose): it patches the model's forward."),
+    Row("KVCompose unstructured", "KVCompose(structured=False)",
+        "KVComposePress(compression_ratio={ratio}, structured=False)",
+        "As the KVCompose row, the variant that gives each KV head its own count: one top count of "
+        "int(30 x 3 x 1000 x 0.25) = 22500 = our 250 x 90 over every head's scores (kvcompose_press.py:277-282), no "
+        "layer-0 rule; kvpress masks the rest (:344-364), ours stores ragged layers."),
 ]
 
 

@@ -42,6 +42,7 @@ _EXPORTS = {  # public name -> its module
     "ThinK": "policies", "KIVI": "policies",
     "PerLayer": "policies", "PerChunk": "policies", "Composed": "policies",
     "KeyRerotation": "policies", "Blockwise": "policies",
+    "KVCompose": "policies",
     "compress": "compression", "generate": "compression", "compare": "compression.compare",
     "span_effects": "compression.span_effects", "causal_coverage": "views.causal",
     "attention_coverage": "views.coverage", "explore": "views.explorer",

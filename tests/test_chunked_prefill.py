@@ -23,7 +23,7 @@ NAMES = sorted(snapkv_lab.POLICIES)
 # simulated over one prefill call (Blockwise: the real block-wise prefill is this chunked one).
 REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation", "ObservedAttention",
            "KVgrad", "LeverageScore", "NonCausalAttn", "Compactor", "KVzap", "FastKVzip", "ThinK", "KIVI", "PerChunk",
-           "Blockwise"}
+           "Blockwise", "KVCompose"}
 
 
 def prompt(seed=0, n=N):

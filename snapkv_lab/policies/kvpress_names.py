@@ -53,18 +53,13 @@ KVPRESS: dict[str, str] = {
     "CompressionRatioDecodingPress": "DecodingEviction",  # DecodingEviction(target_ratio=1 - its ratio)
     "BlockPress": "Blockwise",
     "ExpectedAttentionStatsPress": "ExpectedAttention",  # ExpectedAttention(statistics="shipped")
+    "KVComposePress": "KVCompose",
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
 KVPRESS_NOT_YET: dict[str, str] = {
     "CAMPress": "kvpress's own form (every 512 steps, one kept set for all heads, the k best evicted merged); the "
                 "lab's CAM is the authors' form (zyxxmu/cam), a different method, so the name is not mapped to it",
-    "KVComposePress": "not written, though nothing it needs is missing offline (kvcompose_press.py:103-441, arXiv "
-                      "2509.05165): the context fed again over its own cache under eager attention (:392-420; the "
-                      "lab's KVzip `feed`), each position's attention from those tokens maxed over them, meaned over "
-                      "each GQA group, plus the mean over KV heads (:222-246), then one budget over all layers from "
-                      "the heads' sorted scores, layer 0 forced largest, and per layer one count shared by its KV "
-                      "heads (:248-292; a `keep_layers` as KVzip's global selection): an hour's work left undone",
     "LUKVPress": "LU-KV (arXiv 2602.08585) takes a per-model, per-scorer budget curve, (99 ratios, layers, KV heads), "
                  "that kvpress downloads at run time from baidu-baige/LU-KV on GitHub (lukv_press.py:19-35); the one "
                  "published is for Llama-3.1-8B-Instruct with ExpectedAttentionPress(epsilon=2e-2), none for a "

@@ -114,9 +114,11 @@ def reconstruction_feeds(tokenizer, context: torch.Tensor, suffix: list[int], ch
 
 
 def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, chunk: slice,
-                          settings: AttentionSettings) -> torch.Tensor:
+                          settings: AttentionSettings, per_query_head: bool = False) -> torch.Tensor:
     """(kv_heads, chunk length) float32: the largest attention any feed query pays each position of `chunk`, over
     the queries and each KV head's query heads, the softmax restricted to [sinks, chunk, feed] (score.py:44-63).
+    per_query_head: the largest over the queries alone, (heads, chunk length), query head h reading KV head
+    h // (heads // kv_heads) (KVCompose reduces each group itself).
 
     query: (heads, m, head_dim) the feed's; key: (kv_heads, n + m, head_dim) the cache, then the feed. Computed
     by blocks of feed rows of at most BLOCK_ELEMENTS probabilities, each in four whole-block operations: on a
@@ -127,7 +129,7 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, ch
     keys = torch.cat([key[:, :sinks], key[:, chunk], key[:, -m:]], dim=1).float().mT  # (kv, d, keys)
     width = keys.shape[-1] - m  # sinks and chunk: every feed query sees them; the feed's own keys causally
     later = torch.ones(m, m, dtype=torch.bool, device=query.device).triu(1)  # (m, m): a feed key after the query
-    best = torch.zeros(kv_heads, width - sinks, device=query.device)
+    best = torch.zeros(kv_heads, heads // kv_heads if per_query_head else 1, width - sinks, device=query.device)
     rows = max(1, BLOCK_ELEMENTS // (heads * keys.shape[-1]))
     for start in range(0, m, rows):
         stop = min(start + rows, m)
@@ -135,19 +137,21 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, sinks: int, ch
         logits = (block.flatten(1, 2) @ keys[..., :width + stop]).unflatten(1, block.shape[1:3])  # (kv, rows, g, seen)
         logits = _capped(logits, settings.softcap)
         logits[..., width:].masked_fill_(later[start:stop, None, :stop], -math.inf)  # only the feed's keys are causal
-        best = torch.maximum(best, torch.softmax(logits, dim=-1)[..., sinks:width].amax(dim=(1, 2)))
-    return best
+        probs = torch.softmax(logits, dim=-1)[..., sinks:width]  # (kv, rows, g, chunk)
+        best = torch.maximum(best, probs.amax(1) if per_query_head else probs.amax(dim=(1, 2))[:, None])
+    return best.flatten(0, 1)
 
 
 def reconstruction_by_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: int, chunk: slice,
-                            settings: AttentionSettings) -> tuple[torch.Tensor, torch.Tensor]:
+                            settings: AttentionSettings,
+                            per_query_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(output (m, heads, head_dim): the feed's attention, as the backend's up to rounding; scores (kv_heads, chunk
-    length) float32: `reconstruction_scores`'s) from the fused kernel's parts (core.feed_attention), where
-    `by_parts_supported`. The restricted softmax's normaliser is the log-sum-exp over [sinks, chunk] and the feed's
-    own keys, both parts of the attention the forward computes anyway; a probability is then exp(l - lse), and its
-    largest over the queries is exp of the largest l - lse: one product over the chunk's keys (the feed's columns,
-    half the former product, and the softmax drop out), its rows augmented by -lse, in blocks of at most
-    BLOCK_ELEMENTS.
+    length) float32, or (heads, chunk length) if per_query_head: `reconstruction_scores`'s) from the fused kernel's
+    parts (core.feed_attention), where `by_parts_supported`. The restricted softmax's normaliser is the log-sum-exp
+    over [sinks, chunk] and the feed's own keys, both parts of the attention the forward computes anyway; a
+    probability is then exp(l - lse), and its largest over the queries is exp of the largest l - lse: one product
+    over the chunk's keys (the feed's columns, half the former product, and the softmax drop out), its rows augmented
+    by -lse, in blocks of at most BLOCK_ELEMENTS.
 
     query: (heads, m, head_dim) the feed's; key, value: (kv_heads, n + m, head_dim) the cache, then the feed."""
     kv_heads, dim, n = key.shape[0], key.shape[-1], key.shape[1] - query.shape[1]
@@ -157,13 +161,16 @@ def reconstruction_by_parts(query: torch.Tensor, key: torch.Tensor, value: torch
     normaliser = torch.logaddexp(lse_subset, lse_own)  # (heads, m)
     rows = torch.cat([(query * settings.scaling).reshape(kv_heads, -1, dim),  # (kv, group * m, d + 1): q, -lse
                       -normaliser.reshape(kv_heads, -1, 1)], dim=-1)
+    runs = query.shape[0] // kv_heads if per_query_head else 1  # row runs maxed apart: each query head's m rows
+    rows = rows.unflatten(1, (runs, -1))  # (kv, runs, rows per run, d + 1)
     columns = key[:, chunk]
     columns = torch.cat([columns, torch.ones_like(columns[..., :1])], dim=-1).mT  # (kv, d + 1, chunk): k, 1
-    best = torch.full((kv_heads, columns.shape[-1]), -torch.inf, device=key.device)
-    step = max(1, BLOCK_ELEMENTS // (kv_heads * columns.shape[-1]))
-    for start in range(0, rows.shape[1], step):
-        best = torch.maximum(best, (rows[:, start:start + step] @ columns).amax(1))
-    return output, best.exp_()
+    best = torch.full((kv_heads, runs, columns.shape[-1]), -torch.inf, device=key.device)
+    step = max(1, BLOCK_ELEMENTS // (kv_heads * runs * columns.shape[-1]))
+    for start in range(0, rows.shape[2], step):
+        block = rows[:, :, start:start + step]  # (kv, runs, rows, d + 1); one run: a view, multiplied without a copy
+        best = torch.maximum(best, (block.flatten(1, 2) @ columns).unflatten(1, block.shape[1:3]).amax(2))
+    return output, best.flatten(0, 1).exp_()
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
