@@ -23,11 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.attention import attention_column_sums
 from ..core.checks import check_int
 from ..core.selection import votes_per_kv_head
-from .base import ADDED_LATER, AttentionCall, LayerBudget, Policy
+from .base import ADDED_LATER, AttentionCall, LayerBudget, Policy, top_positions
+from .decoding_merge import merge_into_next_kept
 from .snapkv import SnapKV
-from .wrapper import Wrapper
+from .wrapper import Wrapper, refuse_own_allocation
+
+MERGE_BUDGET = 32  # kvpress's CAMPress merge_budget (cam_press.py:65)
 
 
 class EvictsWhileDecoding:
@@ -90,7 +94,8 @@ class DecodingEviction(EvictsWhileDecoding, Wrapper):
     positions per KV head by `policy`'s scores over the cache: kvpress's DecodingPress after the same scorer at
     prefill, as its PrefillDecodingPress pairs them (DecodingPress alone leaves the prompt whole, which under a
     compression ratio would be the full cache until the first eviction). Until `interval` tokens are generated it
-    answers as `policy`."""
+    answers as `policy`. merging="cam" is kvpress's CAMPress (policies.decoding_merge): one kept set for every KV head,
+    the best-scored evicted values merged into the kept ones after them instead of dropped."""
 
     policy: Policy = field(default_factory=SnapKV)
     interval: int = 32
@@ -98,6 +103,11 @@ class DecodingEviction(EvictsWhileDecoding, Wrapper):
     # The share of the tokens seen so far (prompt and generated) each eviction keeps, floor(seen * target_ratio), as
     # kvpress's CompressionRatioDecodingPress (1 - its target_compression_ratio); None: the fixed target above.
     target_ratio: float | None = field(default=None, metadata={ADDED_LATER: True})
+    # "cam": kvpress's CAMPress (policies.decoding_merge): one kept set for all KV heads, and the best-scored evicted
+    # values merged into the `merge_budget` kept positions after them, by the attention summed over decode calls;
+    # None: evicted values are dropped (DecodingPress). Not named `merge`, which is Policy's prefill merge hook.
+    merging: str | None = field(default=None, metadata={ADDED_LATER: True})
+    merge_budget: int = field(default=MERGE_BUDGET, metadata={ADDED_LATER: True})
 
     def __post_init__(self):
         super().__post_init__()
@@ -118,6 +128,14 @@ class DecodingEviction(EvictsWhileDecoding, Wrapper):
                 raise ValueError("give target (a fixed size) or target_ratio (a share of the tokens seen), not both")
             if not 0 < self.target_ratio < 1:
                 raise ValueError(f"target_ratio must lie in (0, 1), got {self.target_ratio!r}")
+        if self.merging not in (None, "cam"):
+            raise ValueError(f"merging must be None (evict) or 'cam' (kvpress's CAMPress), got {self.merging!r}")
+        check_int("merge_budget", self.merge_budget, 1)
+        if self.merging is None and self.merge_budget != MERGE_BUDGET:
+            raise ValueError("merge_budget sizes the windows of merging='cam': set merging='cam' too")
+        if self.merging is not None:
+            refuse_own_allocation(self, "with merging='cam' keeps one set for every KV head",
+                                  "DecodingEviction(policy=KNorm(), merging='cam')")
 
     def eviction_scorer(self) -> Policy:
         return self.policy
@@ -129,6 +147,12 @@ class DecodingEviction(EvictsWhileDecoding, Wrapper):
 
     def eviction_ratio(self) -> float | None:
         return self.target_ratio
+
+    def tracker(self, layer: int, n_layers: int, n_prompt: int, seeds: torch.Tensor | None) -> EvictionTracker | None:
+        evicting = super().tracker(layer, n_layers, n_prompt, seeds)
+        if evicting is None or self.merging is None:
+            return evicting
+        return CamPressTracker(**vars(evicting), merge_budget=self.merge_budget)
 
 
 @dataclass
@@ -184,12 +208,16 @@ class EvictionTracker:
                     call, query=voters, slots=torch.arange(n_slots - rows, n_slots), positions=self.recent_positions,
                     carry={}))
             budget = LayerBudget(n_slots, call.key.shape[0], self.layer, self.n_layers, policy.budget(n_slots))
-            kept.append(policy.keep(scores, budget))
+            kept.append(self.keep(policy, scores, budget))
         if self.policy.accumulates:
             self.scores = [s.gather(-1, k) for s, k in zip(self.scores, kept, strict=True)]
         else:
             self.recent, self.recent_positions = [], None
         return torch.stack(kept)
+
+    def keep(self, policy: Policy, scores: torch.Tensor, budget: LayerBudget) -> torch.Tensor:
+        """One row's kept slots at an eviction, (kv_heads, target): the policy's own choice."""
+        return policy.keep(scores, budget)
 
     def _at_ratio(self, call: AttentionCall) -> Policy:
         """The scorer at this eviction's target: floor(seen * ratio) positions per KV head, seen the tokens of the
@@ -197,3 +225,39 @@ class EvictionTracker:
         compression_ratio_decoding_press.py:41-48)."""
         seen = int(call.positions[-1]) + 1
         return dataclasses.replace(self.policy, capacity=max(1, math.floor(seen * self.ratio)))
+
+
+@dataclass
+class CamPressTracker(EvictionTracker):
+    """A layer's decode-time state under DecodingEviction(merging="cam"), kvpress's CAMPress
+    (policies.decoding_merge): EvictionTracker's, with one kept set for every KV head, and each KV head's attention
+    summed over the decode calls (`attention`), from which each eviction merges the best-scored evicted values into
+    the kept ones (`merged`)."""
+
+    merge_budget: int = MERGE_BUDGET
+    attention: list = field(default_factory=list)  # per batch row: (kv_heads, slots) in the values' dtype
+    ranking: torch.Tensor | None = None  # (prefix,) the score shared by the KV heads at the last `keep`
+
+    def step(self, calls: list[AttentionCall]) -> torch.Tensor | None:
+        for b, call in enumerate(calls):  # the call's last query only, whatever its length (cam_press.py:259-265)
+            probabilities = attention_column_sums(call.query[:, -1:], call.key, call.attention.scaling,
+                                                  call.slots[-1:], **call.attention.options())
+            new = votes_per_kv_head(probabilities, call.key.shape[0]).to(call.value.dtype)
+            old = self.attention[b] if b < len(self.attention) else new[:, :0]
+            self.attention[b:b + 1] = [torch.nn.functional.pad(old, (0, new.shape[-1] - old.shape[-1])) + new]
+        since = self.steps + calls[0].query.shape[1]  # the steps since the last eviction, this call's included
+        kept = super().step(calls)
+        if kept is None:
+            return None
+        (call,) = calls  # one batch row: the engine runs a tracker per row
+        self.merged = merge_into_next_kept(call.value, self.attention[0], self.ranking, kept[0, 0], since,
+                                           self.merge_budget)
+        self.attention = [a.gather(-1, k) for a, k in zip(self.attention, kept, strict=True)]
+        return kept
+
+    def keep(self, policy: Policy, scores: torch.Tensor, budget: LayerBudget) -> torch.Tensor:
+        """The top slots by the policy's ranking averaged over the KV heads (cam_press.py:142, :154-155), then its kept
+        tail, the same for every KV head."""
+        self.ranking = policy.ranked(scores, budget).mean(0)
+        picked = top_positions(self.ranking[None], policy.head_budgets(scores, budget)[:1], budget.tokens)
+        return picked.expand(budget.kv_heads, -1)
