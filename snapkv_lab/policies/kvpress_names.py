@@ -54,12 +54,13 @@ KVPRESS: dict[str, str] = {
     "BlockPress": "Blockwise",
     "ExpectedAttentionStatsPress": "ExpectedAttention",  # ExpectedAttention(statistics="shipped")
     "KVComposePress": "KVCompose",
+    # kvpress's own CaM form: DecodingEviction(policy=scorer, capacity=None, interval=512, target=2048,
+    # merging="cam"); the authors' CaM (zyxxmu/cam) is the lab's `CAM`, another method (policies.decoding_merge)
+    "CAMPress": "DecodingEviction",
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
 KVPRESS_NOT_YET: dict[str, str] = {
-    "CAMPress": "kvpress's own form (every 512 steps, one kept set for all heads, the k best evicted merged); the "
-                "lab's CAM is the authors' form (zyxxmu/cam), a different method, so the name is not mapped to it",
     "LUKVPress": "LU-KV (arXiv 2602.08585) takes a per-model, per-scorer budget curve, (99 ratios, layers, KV heads), "
                  "that kvpress downloads at run time from baidu-baige/LU-KV on GitHub (lukv_press.py:19-35); the one "
                  "published is for Llama-3.1-8B-Instruct with ExpectedAttentionPress(epsilon=2e-2), none for a "
