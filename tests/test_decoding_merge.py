@@ -6,6 +6,9 @@ side compares: no peer row)."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,6 +122,37 @@ def test_cam_press_matches_kvpress_code(gqa_model):
     torch.testing.assert_close(values[:, :TARGET], ref_values[:, ref_held], rtol=1e-5, atol=1e-6)
     _, plain = run_lab(gqa_model, prompt, dataclasses.replace(policy, merging=None, merge_budget=32))
     assert plain.kept_indices[0][0][0].tolist() != plain.kept_indices[0][0][1].tolist()  # DecodingPress: per head
+
+
+@pytest.mark.peer
+@pytest.mark.slow
+def test_cam_press_equals_kvpress_itself(tmp_path):
+    """kvpress 0.5.5's CAMPress run by kvpress in its venv (benchmarks/_kvpress_cam_worker.py) on the same weights,
+    prompt and seed, two layers (the second reads what the first merged): the same greedy tokens, and the same cache
+    at the end (3 evictions per layer). Measured 2026-11-29: keys and values equal to 2e-6 (0 in layer 0)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kvpress_peer as peer
+
+    venv = peer.default_venv()
+    if problem := peer.venv_problem(venv):
+        pytest.skip(problem)
+    model = make_tiny_llama(initializer_range=0.3)
+    model.save_pretrained(tmp_path / "model")
+    prompt = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(5))
+    request = {"model": str(tmp_path / "model"), "ids": prompt, "new": NEW, "seed": SEED,
+               "press": {"compression_interval": INTERVAL, "target_size": TARGET, "merge_budget": BUDGET}}
+    torch.save(request, tmp_path / "request.pt")
+    worker = Path(__file__).resolve().parents[1] / "benchmarks" / "_kvpress_cam_worker.py"
+    subprocess.run([str(venv / "bin" / "python"), str(worker), str(tmp_path / "request.pt"), str(tmp_path / "out.pt")],
+                   check=True, capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    theirs = torch.load(tmp_path / "out.pt")
+    policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.KNorm(), capacity=None, target=TARGET, interval=INTERVAL,
+                                         merging="cam", merge_budget=BUDGET)
+    tokens, state = run_lab(model, prompt, policy)
+    assert tokens == theirs["tokens"].tolist()
+    for layer, ours in enumerate(state.cache.layers):
+        torch.testing.assert_close(ours.keys, theirs["keys"][layer], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.values, theirs["values"][layer], rtol=1e-5, atol=1e-5)
 
 
 def test_cam_press_refusals():

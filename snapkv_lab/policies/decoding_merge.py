@@ -21,8 +21,10 @@ Here: kvpress's CAMPress(base_press=P, compression_interval=I, target_size=T, me
 would). As under DecodingEviction, the scorer votes with the queries since the last eviction (kvpress: the last
 `hidden_states_buffer_size` hidden states, 256) and the steps count tokens (kvpress: calls; the same while decoding
 token by token). The attention is the model's own (its scaling, softcap and window; kvpress's plain softmax of
-q k / sqrt(head_dim), :333-348, is the same on Llama and Qwen). The evicted are the slots not kept (kvpress takes
-the two top-k's separately, :144, :154, which can overlap only between equal scores). The kept tail of the scorer
+q k / sqrt(head_dim), :333-348, is the same on Llama and Qwen). The evicted are the slots not kept: kvpress takes
+the bottom n - T and the top T separately (:144, :154), so between equal scores at the cut a slot can be kept and
+merged into others while another leaves unmerged, which happens under KnormPress in layer 0, whose key norms depend
+on the token alone (docs/faithfulness.md, measured beside kvpress itself). The kept tail of the scorer
 (SnapKV's window) is kept as kvpress's scorers keep it, at the top score.
 
 How it differs from the authors' CaM (Zhang et al., ICML 2024, openreview LCTmppB165; zyxxmu/cam, the lab's `CAM`):
