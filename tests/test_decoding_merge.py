@@ -6,6 +6,7 @@ side compares: no peer row)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -144,7 +145,7 @@ def test_cam_press_equals_kvpress_itself(tmp_path):
     torch.save(request, tmp_path / "request.pt")
     worker = Path(__file__).resolve().parents[1] / "benchmarks" / "_kvpress_cam_worker.py"
     subprocess.run([str(venv / "bin" / "python"), str(worker), str(tmp_path / "request.pt"), str(tmp_path / "out.pt")],
-                   check=True, capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     theirs = torch.load(tmp_path / "out.pt")
     policy = snapkv_lab.DecodingEviction(policy=snapkv_lab.KNorm(), capacity=None, target=TARGET, interval=INTERVAL,
                                          merging="cam", merge_budget=BUDGET)
