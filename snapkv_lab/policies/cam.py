@@ -22,8 +22,8 @@ several tokens (an appended question) merges the one token next to leave, by its
 
 GQA: the official code is MHA; here the attention is the mean over each KV head's query heads, one draw per KV head.
 
-kvpress 0.5.5's CAMPress (kvpress/presses/cam_press.py) is another method under this name: see
-docs/faithfulness.md; it is not this policy's default.
+kvpress 0.5.5's CAMPress (kvpress/presses/cam_press.py) is another method under this name, not a setting of this
+policy: `DecodingEviction(merging="cam")` (policies.decoding_merge; docs/faithfulness.md).
 """
 
 from __future__ import annotations
