@@ -7,10 +7,9 @@ The essays are read at run time and never committed: the folder lives outside th
 """
 
 import argparse
-import json
 from pathlib import Path
 
-from snapkv_lab.tasks.turn_needles import ORDERS, turn_needle_rows
+from snapkv_lab.tasks.turn_needles import ORDERS, turn_needle_rows, write_suite
 
 
 def main() -> None:
@@ -26,9 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = turn_needle_rows(args.rows, words=args.words, needles=args.needles, seed=args.seed, source=args.haystack,
                             order=args.order)
-    args.folder.expanduser().mkdir(parents=True, exist_ok=True)
-    with (args.folder.expanduser() / "scbench_qa_eng.jsonl").open("w", encoding="utf-8") as out:
-        out.writelines(json.dumps(row) + "\n" for row in rows)
+    write_suite(args.folder, rows)
 
 
 if __name__ == "__main__":

@@ -205,3 +205,43 @@ def test_the_figure_and_the_docs_block_come_from_the_table(run, tmp_path):
     assert "| SnapKV | aware | gold | once | 500 (0.50) vs 500 (0.50) | -75 [-114, -36], p 0.031 (6 of 8) |" in text
     assert "| SnapKV | aware | gold | 400 (0.40) vs 500 (0.50) | +25 [-14, +64], p 0.5 (2 of 8) |" in text
     assert json.dumps(turns.RUN["policies"])  # the reported run is plain data
+
+
+def test_the_balanced_runs_depth_scores_read_the_band_each_turn_asked(tmp_path):
+    """The full cache of a toy balanced run finds only the middle band's needle: depth_scores must put every hit in
+    band 1, whichever turn asked it. The band each turn asked is read here from where its answer stands in the
+    generated haystack, not from balanced_order."""
+    from snapkv_lab.tasks.turn_needles import turn_needle_rows
+
+    rows = turn_needle_rows(6, words=300, source="pydoc")
+    table = []
+    for row in rows:
+        places = [row["context"].index(t["answer"]) for t in row["multi_turns"]]
+        for turn, place in enumerate(places, start=1):
+            band = sorted(places).index(place)
+            for feed in ("gold", "model"):
+                table.append(dict(model="tiny", dataset="scbench", task="scbench_qa_eng", example=str(row["id"]),
+                                  policy="FullCache", ratio=0.0, mode="full", feed=feed, compress="none", turn=turn,
+                                  score=float(band == 1)))
+    scores = turns.depth_scores(pd.DataFrame(table)).set_index(["feed", "turn", "band"])
+    assert len(scores) == 2 * 3 * 3 and (scores.n == 2).all()  # 6 rows: each band at each turn twice
+    assert (scores.xs(1, level="band").score == 100).all() and (scores.drop(1, level="band").score == 0).all()
+    text = turns.depth_report(pd.DataFrame(table))
+    assert "| gold | 1 | 100 [100, 100] (n 2) | 100 [100, 100] (n 2) | 100 [100, 100] (n 2) |" in text
+
+
+def test_recompute_writes_each_runs_suite_where_missing(tmp_path, monkeypatch):
+    from snapkv_lab.evaluation import run as eval_run
+
+    calls = []
+    monkeypatch.setattr(turns, "SUITES", str(tmp_path / "suites"))
+    monkeypatch.setattr(eval_run, "evaluate", lambda model, **options: calls.append(options))
+    monkeypatch.setattr("snapkv_lab.tasks.turn_needles.turn_needle_rows",
+                        lambda n, **suite: [dict(id=0, order=suite["order"], words=suite["words"], rows=n)])
+    turns.recompute(dict(data_dir=str(tmp_path)))
+    assert [c["name"] for c in calls] == ["scbench_multiturn", "scbench_multiturn_balanced"]
+    assert [c["limit"] for c in calls] == [8, 6]
+    for call, order in zip(calls, ("shuffled", "balanced")):
+        written = json.loads((tmp_path / "suites" / call["source"].rsplit("/", 1)[1] / "scbench_qa_eng.jsonl")
+                             .read_text())
+        assert written == dict(id=0, order=order, words=500, rows=turns.SUITE_ROWS)

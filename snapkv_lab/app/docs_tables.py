@@ -67,12 +67,15 @@ def _nolima(data_dir: Path, model: str = "") -> str:
     return report(*read_runs(data_dir / model))
 
 
-def _multi_turn(data_dir: Path) -> str:
-    """SCBench's multi-turn run: score by turn, the three contrasts, turn 1 against the last (evaluation.turns)."""
+def _multi_turn(data_dir: Path, table: str = "", depths: bool = False) -> str:
+    """A multi-turn run (default the seeded-order one, evaluation.turns.TABLE): score by turn, the three contrasts,
+    turn 1 against the last; with `depths`, the full cache's score by the depth band each turn asked (a run of the
+    balanced suite: evaluation.turns.depth_report)."""
     from ..evaluation import read_results
-    from ..evaluation.turns import TABLE, report
+    from ..evaluation.turns import TABLE, depth_report, report
 
-    return report(read_results(data_dir / TABLE))
+    results = read_results(data_dir / (table or TABLE))
+    return report(results) + ("\n\n" + depth_report(results) if depths else "")
 
 
 def _interval_cell(score: float, low: float, high: float) -> str:

@@ -35,12 +35,18 @@ from ..core.ratio_intervals import mean_t_interval
 from .summary import answered_examples, example_scores, sign_flip_test
 
 TABLE = "eval_scbench_multiturn.csv"
+BALANCED_TABLE = "eval_scbench_multiturn_balanced.csv"  # the same haystacks, the needles asked in the balanced order
 KINDS = ("turn", "compress", "feed")
 SUBSETS = ("answered", "all")
-# The run docs/multi-turn.md reports: what --recompute reruns (the suite's folder: scripts/scbench_turns.py).
-SUITE = "~/.cache/snapkv_lab/scbench_turns/essays-600"
-RUN = dict(datasets=["scbench"], tasks=["scbench_qa_eng"], multi_turn=True, ratios=[0.5], limit=8,
-           policies=["SnapKV", "StreamingLLM", "H2O", "KVzip", "AdaKV(SnapKV)"], name="scbench_multiturn")
+SUITES = "~/.cache/snapkv_lab/scbench_turns"  # the generated suites' folders (the essays are never committed)
+# The runs docs/multi-turn.md reports, by table: the suite each reads (tasks.turn_needles; its folder under SUITES,
+# written by `recompute` where missing, as scripts/scbench_turns.py writes it) and its eval options.
+RUN = dict(datasets=["scbench"], tasks=["scbench_qa_eng"], multi_turn=True, ratios=[0.5],
+           policies=["SnapKV", "StreamingLLM", "H2O", "KVzip", "AdaKV(SnapKV)"])
+RUNS = {TABLE: dict(folder="essays-500", suite=dict(words=500, order="shuffled"), limit=8, name="scbench_multiturn"),
+        BALANCED_TABLE: dict(folder="essays-500-balanced", suite=dict(words=500, order="balanced"), limit=6,
+                             name="scbench_multiturn_balanced")}
+SUITE_ROWS = 12
 
 
 def setting(feed: str, compress: str, turn: int) -> str:
@@ -236,8 +242,7 @@ def report(table: pd.DataFrame) -> str:
              + " | KV entries (share), turn 1 -> last |", "|---|---|---|---|" + "---:|" * last + "---|"]
     for key, part in scores.groupby(["policy", "mode", "feed", "compress"], sort=False):
         part = part.set_index("turn")
-        cells = [f"{r.score:.0f}" + ("" if np.isnan(r.low) else f" [{r.low:.0f}, {r.high:.0f}]")
-                 for r in part.reindex(range(1, last + 1)).itertuples()]
+        cells = [_interval(r) for r in part.reindex(range(1, last + 1)).itertuples()]
         first, end = part.loc[1], part.loc[last]
         held = f"{first.kv_entries:,.0f} ({first.kv_share:.2f}) -> {end.kv_entries:,.0f} ({end.kv_share:.2f})"
         lines.append(f"| {key[0]} | {key[1].removeprefix('query-')} | {key[2]} | {key[3]} | " + " | ".join(cells)
@@ -285,31 +290,79 @@ def report(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def depth_scores(table: pd.DataFrame) -> pd.DataFrame:
+    """The full cache's score by turn and by the depth band the turn asked, per feed, on a run of the balanced suite
+    (tasks.turn_needles.balanced_order: example i asks band balanced_order(i, T)[t - 1] at turn t; band 0 nearest the
+    start): n examples, the mean score (0-100) and its t 95% interval over them."""
+    from ..tasks.turn_needles import balanced_order
+
+    full = table[table.policy == "FullCache"]
+    last = last_turn(table)
+    band = [balanced_order(int(e), last)[int(t) - 1] for e, t in zip(full.example, full.turn)]
+    rows = []
+    for (feed, turn, depth), part in full.assign(band=band).groupby(["feed", "turn", "band"]):
+        mean, low, high = mean_t_interval(part.groupby(["task", "example"]).score.mean().to_numpy(float) * 100)
+        rows.append(dict(feed=feed, turn=int(turn), band=int(depth), n=part.example.nunique(), score=mean, low=low,
+                         high=high))
+    return pd.DataFrame(rows)
+
+
+def depth_report(table: pd.DataFrame) -> str:
+    """Markdown: depth_scores as one table per feed, turns across, bands down."""
+    scores = depth_scores(table)
+    last = last_turn(table)
+    lines = ["The full cache's score by the depth band each turn asked (band 0 nearest the start of the haystack; "
+             "mean over the examples that asked it [t 95%], n):", "",
+             "| feed | band | " + " | ".join(f"turn {t}" for t in range(1, last + 1)) + " |",
+             "|---|---:|" + "---|" * last]
+    for (feed, band), part in scores.groupby(["feed", "band"]):
+        part = part.set_index("turn").reindex(range(1, last + 1))
+        cells = ["-" if np.isnan(r.n) else f"{_interval(r)} (n {r.n:.0f})" for r in part.itertuples()]
+        lines.append(f"| {feed} | {band} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _interval(r) -> str:
+    return f"{r.score:.0f}" + ("" if np.isnan(r.low) else f" [{r.low:.0f}, {r.high:.0f}]")
+
+
 def recompute(options: dict) -> None:
-    """Rerun the run the docs report (RUN, on the suite in SUITE: scripts/scbench_turns.py writes it), resuming from
-    its cells, into options' data_dir."""
+    """Rerun the runs the docs report (RUNS), each on its generated suite (written first where its folder lacks it),
+    resuming from their cells, into options' data_dir."""
+    from ..tasks.turn_needles import turn_needle_rows, write_suite
     from .run import evaluate
 
-    evaluate(options.get("model"), source=str(Path(SUITE).expanduser()), data_dir=options.get("data_dir", "data"),
-             **RUN)
+    for run in RUNS.values():
+        folder = Path(SUITES).expanduser() / run["folder"]
+        if not (folder / "scbench_qa_eng.jsonl").is_file():
+            write_suite(folder, turn_needle_rows(SUITE_ROWS, **run["suite"]))
+        evaluate(options.get("model"), source=str(folder), data_dir=options.get("data_dir", "data"),
+                 limit=run["limit"], name=run["name"], **RUN)
 
 
 def draw(data_dir, figures_dir) -> list[Path]:
-    """multiturn_turns.png: score by turn (mean over examples), one line per policy and mode (query-aware solid,
-    query-agnostic dashed; the full cache dotted black), one panel per feed x compress option. Each line is shifted
-    a little along the turn axis, so that lines of equal scores stay visible side by side."""
+    """multiturn_turns.png (the seeded-order run) and multiturn_turns_balanced.png (the balanced one), each where its
+    table is: score by turn (mean over examples), one line per policy and mode (query-aware solid, query-agnostic
+    dashed; the full cache dotted black), one panel per feed x compress option. Each line is shifted a little along
+    the turn axis, so that lines of equal scores stay visible side by side."""
+    from .run import read_results
+
+    drawn = []
+    for name, out in ((TABLE, "multiturn_turns.png"), (BALANCED_TABLE, "multiturn_turns_balanced.png")):
+        if (Path(data_dir) / name).is_file():
+            drawn.append(_draw(read_results(Path(data_dir) / name), Path(figures_dir) / out,
+                               "balanced order" if name == BALANCED_TABLE else "seeded order"))
+    return drawn
+
+
+def _draw(table: pd.DataFrame, out: Path, order: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from ..views.palette import line_style
-    from .run import read_results
 
-    path = Path(data_dir) / TABLE
-    if not path.is_file():
-        return []
-    table = read_results(path)
     scores = turn_scores(table)
     feeds = [f for f in ("gold", "model") if f in set(scores.feed)]
     options = [c for c in ("once", "every-turn") if c in set(scores.compress)]
@@ -345,12 +398,11 @@ def draw(data_dir, figures_dir) -> list[Path]:
             handles.setdefault(label, handle)
     figure.legend(list(handles.values()), list(handles), loc="outside right center", fontsize=7, frameon=False)
     ratio = table.loc[table["mode"] != "full", "ratio"].astype(float).iloc[0]
-    figure.suptitle(f"SCBench multi-turn, generated suite: score by turn, n = {n} examples, ratio {ratio:g} "
-                    f"({table.model.iloc[0]})", fontsize=10)
-    out = Path(figures_dir) / "multiturn_turns.png"
+    figure.suptitle(f"SCBench multi-turn, generated suite ({order}): score by turn, n = {n} examples, ratio "
+                    f"{ratio:g} ({table.model.iloc[0]})", fontsize=10)
     write_png(figure, out)
     plt.close(figure)
-    return [out]
+    return out
 
 
 register(FigureSet(name="multi-turn", recompute=recompute, draw=draw, recompute_by_default=False))

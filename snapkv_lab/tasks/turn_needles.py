@@ -22,8 +22,10 @@ Either way a row's haystack, needles and places are the same. Seeded: the same a
 
 from __future__ import annotations
 
+import json
 import random
 import re
+from pathlib import Path
 
 from .corpus import SOURCES
 from .haystacks import word_key
@@ -90,3 +92,14 @@ def turn_needle_rows(n_rows: int, *, words: int = 1500, needles: int = 3, seed: 
         rows.append(dict(id=index, context="".join(text).strip(), multi_turns=[
             dict(input=QUESTION.format(kind="number", key=keys[i]), answer=values[i]) for i in asked]))
     return rows
+
+
+def write_suite(folder, rows: list[dict]) -> Path:
+    """`rows` (turn_needle_rows') as a SCBench --source folder: <folder>/scbench_qa_eng.jsonl, one JSON row a line.
+    Returns the file."""
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "scbench_qa_eng.jsonl"
+    with path.open("w", encoding="utf-8") as out:
+        out.writelines(json.dumps(row) + "\n" for row in rows)
+    return path
