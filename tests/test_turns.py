@@ -197,6 +197,7 @@ def test_the_figure_and_the_docs_block_come_from_the_table(run, tmp_path):
     assert turns.draw(run, tmp_path) == [tmp_path / "multiturn_turns.png"]
     block = docs_tables.BLOCKS["multi-turn"]
     assert block.reads == (turns.TABLE,) and block.page == "multi-turn.md"
+    assert docs_tables.BLOCKS["multi-turn-balanced"].reads == (turns.BALANCED_TABLE,)
     text = docs_tables.rendered("multi-turn", run)
     assert "8 examples of 3 turns" in text and "on 6 of them" in text
     assert "| model | full cache | 100 / 0 / 0 | 100 / 0 / 0 | 75 / 25 / 0 |" in text

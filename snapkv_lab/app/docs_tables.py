@@ -434,8 +434,9 @@ def _methods(data_dir: Path) -> str:
 
 # The family of comparisons (evaluation.family.FAMILY and RESULTS): every difference block reads its p from there.
 FAMILY_FILES = ("comparison_family.csv", "comparison_family_results.csv")
-# evaluation.turns.TABLE (a copy, as NOLIMA_TABLES)
+# evaluation.turns.TABLE and BALANCED_TABLE (copies, as NOLIMA_TABLES)
 MULTI_TURN_TABLE = "eval_scbench_multiturn.csv"
+MULTI_TURN_BALANCED_TABLE = "eval_scbench_multiturn_balanced.csv"
 # evaluation.literal_gap.TABLES (a copy: importing it here would import the evaluation package for every page)
 NOLIMA_TABLES = {"nonliteral": "eval_nolima_4k_nonliteral.csv", "literal": "eval_nolima_4k_literal.csv"}
 
@@ -482,6 +483,8 @@ BLOCKS = {
     "nolima-gemma": Block("non-literal.md", tuple(f"gemma-3-270m/{t}" for t in NOLIMA_TABLES.values()),
                           functools.partial(_nolima, model="gemma-3-270m")),
     "multi-turn": Block("multi-turn.md", (MULTI_TURN_TABLE,), _multi_turn),
+    "multi-turn-balanced": Block("multi-turn.md", (MULTI_TURN_BALANCED_TABLE,),
+                                 functools.partial(_multi_turn, table=MULTI_TURN_BALANCED_TABLE, depths=True)),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),
