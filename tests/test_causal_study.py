@@ -151,3 +151,27 @@ def test_a_sliding_model_is_scored_on_its_compressed_layers(tmp_path):
     row = table.iloc[0]
     assert row.context_entries == mask.numel() and row.kept_entries == int(mask.sum())
     assert row.coverage == pytest.approx(causal_coverage(effects, mask)["coverage"])
+
+
+def test_no_policy_chooses_in_a_sliding_layer():
+    """The premise of scoring the compressed layers only: on the tiny Gemma 3 layout, every policy the study builds
+    there (those needing head scores of a longer context or shipped weights are skipped) leaves each sliding layer
+    holding its last window - 1 positions, the full cache's, after a shared prefill."""
+    from families import FULL, GEMMA_SCALE, GQA, SLIDING, SLIDING_WINDOW, make
+    from transformers import Gemma3TextConfig
+
+    from snapkv_lab.compression import SharedPrefill
+    from snapkv_lab.compression.kept import kept_mask
+
+    model = make(Gemma3TextConfig, sliding_window=SLIDING_WINDOW, layer_types=[SLIDING, FULL, SLIDING],
+                 max_position_embeddings=1024, **GEMMA_SCALE, **GQA)
+    policies, _ = causal_study.study_policies(model, ByteTokenizer(), ["all"])
+    assert len(policies) >= 40
+    ids = torch.randint(2, 250, (1, 200), generator=torch.Generator().manual_seed(0))
+    shared = SharedPrefill.run(model, ByteTokenizer(), ids, policies)
+    window = torch.zeros(2, 200, dtype=torch.bool)
+    window[:, 200 - (SLIDING_WINDOW - 1):] = True
+    for policy in policies:
+        held = kept_mask(shared.state(policy), 200)
+        assert torch.equal(held[0], window) and torch.equal(held[2], window), policy.label
+        assert held[1].float().mean() < 1 or policy.label.startswith(("SimLayerKV", "DMS")), policy.label
