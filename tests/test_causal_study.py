@@ -4,6 +4,8 @@ statistics against scipy's t interval and a hand-made table whose verdicts are k
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -113,3 +115,63 @@ def test_markdown_and_figure_set(studied, tmp_path):
     assert "| StreamingLLM@0.5 |" in text and "mean per-prompt rho" in text
     files = FIGURE_SETS["causal"].draw(tmp_path, tmp_path)
     assert sorted(path.name for path in files) == ["causal_coverage.html", "causal_coverage.png"]
+
+
+def test_a_sliding_model_is_scored_on_its_compressed_layers(tmp_path):
+    """On Gemma 3's layout (a sliding layer holds its last window - 1 positions under every policy and the full cache
+    alike) the study evicts spans from, and reads kept masks and attention over, the full-attention layer only: its
+    effects are span_effects with layers=[1] (not those of every layer), StreamingLLM's row is causal_coverage of its
+    kept set in that layer, and the run's record names the layer."""
+    from families import FULL, GEMMA_SCALE, GQA, SLIDING, SLIDING_WINDOW, make
+    from transformers import Gemma3TextConfig
+
+    from snapkv_lab.compression.span_effects import span_effects
+    from snapkv_lab.tasks.needles import needle_context
+
+    model = make(Gemma3TextConfig, sliding_window=SLIDING_WINDOW, layer_types=[SLIDING, FULL, SLIDING],
+                 max_position_embeddings=1024, **GEMMA_SCALE, **GQA)
+    assert causal_study.scored_layers(model) == [1] and causal_study.scored_layers(make_tiny_llama()) is None
+    table = causal_study.study(model, ByteTokenizer(), tmp_path, prompts=1, length=400, policies=["StreamingLLM"],
+                               modes=("query-agnostic",), max_new_tokens=3, progress=False)
+    assert json.loads((tmp_path / causal_study.RUN).read_text())["scored_layers"] == [1]
+    context = needle_context(ByteTokenizer(), 400, 0.25, sample=0)
+    ids, question = torch.tensor([context.context_ids]), context.queries[0].question_ids
+    n = ids.shape[1]
+    run = dict(block=64, max_new_tokens=3, progress=False)
+    effects = pd.read_csv(tmp_path / causal_study.EFFECTS)
+    scored = span_effects(model, ByteTokenizer(), ids, question, layers=[1], **run)
+    every = span_effects(model, ByteTokenizer(), ids, question, **run)
+    assert effects.kl.to_numpy() == pytest.approx(scored.kl.to_numpy(), abs=1e-6)
+    # the last block lies in the sliding layers' window: evicting it there too would change the answer's logits
+    assert every.kl.iloc[-1] != pytest.approx(scored.kl.iloc[-1], abs=1e-6)
+    policy = causal_study.study_policies(model, ByteTokenizer(), ["StreamingLLM"])[0][0]
+    mask = torch.zeros(1, 2, n, dtype=torch.bool)  # the full layer's two KV heads: sinks and the recent positions
+    mask[..., :policy.sinks] = True
+    mask[..., n - (policy.budget(n) - policy.sinks):] = True
+    row = table.iloc[0]
+    assert row.context_entries == mask.numel() and row.kept_entries == int(mask.sum())
+    assert row.coverage == pytest.approx(causal_coverage(effects, mask)["coverage"])
+
+
+def test_no_policy_chooses_in_a_sliding_layer():
+    """The premise of scoring the compressed layers only: on the tiny Gemma 3 layout, every policy the study builds
+    there (those needing head scores of a longer context or shipped weights are skipped) leaves each sliding layer
+    holding its last window - 1 positions, the full cache's, after a shared prefill."""
+    from families import FULL, GEMMA_SCALE, GQA, SLIDING, SLIDING_WINDOW, make
+    from transformers import Gemma3TextConfig
+
+    from snapkv_lab.compression import SharedPrefill
+    from snapkv_lab.compression.kept import kept_mask
+
+    model = make(Gemma3TextConfig, sliding_window=SLIDING_WINDOW, layer_types=[SLIDING, FULL, SLIDING],
+                 max_position_embeddings=1024, **GEMMA_SCALE, **GQA)
+    policies, _ = causal_study.study_policies(model, ByteTokenizer(), ["all"])
+    assert len(policies) >= 40
+    ids = torch.randint(2, 250, (1, 200), generator=torch.Generator().manual_seed(0))
+    shared = SharedPrefill.run(model, ByteTokenizer(), ids, policies)
+    window = torch.zeros(2, 200, dtype=torch.bool)
+    window[:, 200 - (SLIDING_WINDOW - 1):] = True
+    for policy in policies:
+        held = kept_mask(shared.state(policy), 200)
+        assert torch.equal(held[0], window) and torch.equal(held[2], window), policy.label
+        assert held[1].float().mean() < 1 or policy.label.startswith(("SimLayerKV", "DMS")), policy.label

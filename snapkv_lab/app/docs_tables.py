@@ -42,12 +42,13 @@ def _findings_side_by_side(data_dir: Path) -> str:
     return side_by_side({"SmolLM2-135M": report(data_dir), "Gemma 3 270M": report(data_dir / "gemma-3-270m")})
 
 
-def _causal_coverage(data_dir: Path) -> str:
-    """Finding (e): attention coverage against causal coverage over every policy studied (findings.causal_finding)."""
+def _causal_coverage(data_dir: Path, model: str = "") -> str:
+    """Finding (e): attention coverage against causal coverage over every policy studied (findings.causal_finding),
+    on the model whose folder is data_dir/model."""
     from ..findings.causal_finding import markdown
     from ..views.causal_study import TABLE, read_table
 
-    return markdown(read_table(data_dir / TABLE))
+    return markdown(read_table(data_dir / model / TABLE))
 
 
 def _scorer_allocation(data_dir: Path) -> str:
@@ -445,6 +446,8 @@ BLOCKS = {
     "findings-side-by-side": Block("findings.md", ("findings_a.csv", "gemma-3-270m/findings_a.csv"),
                                    _findings_side_by_side),
     "causal-coverage": Block("findings.md", ("causal_coverage.csv",), _causal_coverage),
+    "causal-coverage-gemma": Block("causal.md", ("gemma-3-270m/causal_coverage.csv",),
+                                   functools.partial(_causal_coverage, model="gemma-3-270m")),
     "leaderboard": Block("benchmarks.md", ("eval_ruler.csv",), _leaderboard),
     "difference": Block("benchmarks.md", ("eval_ruler.csv", *FAMILY_FILES), _differences),
     "leaderboard-answered": Block("benchmarks.md", ("eval_ruler_4k_answered.csv",),

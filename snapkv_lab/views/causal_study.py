@@ -19,6 +19,14 @@ Per prompt (a needle in Paul Graham's essays, tasks.needles.needle_context) and 
 One row per (prompt, mode, policy) in the tidy table TABLE, the span effects of each (prompt, mode) in EFFECTS; a
 prompt's rows are written as soon as it is done, and a rerun skips the (prompt, mode, policy) rows stored (a policy
 added later runs alone on the prompts already done).
+
+A model with sliding-window layers (Gemma 3: 15 of 18, window 512) is scored on its compressed layers only
+(`scored_layers`): a sliding layer's cache holds the last sliding_window - 1 positions under every policy and under
+the full cache alike (compressors leave it whole), so its entries are no policy's choice, and a context span before
+them is not there to evict. There the spans are evicted from the compressed layers alone, and the kept masks and the
+attention side are read over those layers; a span inside the window stays in the sliding layers, as it does under
+every policy. Scored over every layer instead, an early span's kept share would be capped at the compressed layers'
+share (3/18 on Gemma) even under the full cache, and the causal oracle would fill entries no cache holds.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from ..compression.generation import MODES, answer
 from ..compression.kept import kept_mask
 from ..compression.span_effects import EvictionProbe, default_spans, probe_spans
 from ..core.capture import capture
-from ..core.models import load_model
+from ..core.models import load_model, sliding_layers
 from ..core.models import model_name as name_of
 from ..core.progress import progress_bar
 from ..policies import expand_policies, parse_policy
@@ -81,6 +89,18 @@ def study_policies(model, tokenizer, names=("all",), ratio: float = RATIO) -> tu
     return policies, skipped
 
 
+def scored_layers(model) -> list[int] | None:
+    """The layers the study scores (module doc): those a policy compresses, or None (every layer) where no layer
+    slides."""
+    sliding = set(sliding_layers(model))
+    if not sliding:
+        return None
+    scored = [i for i in range(model.config.get_text_config().num_hidden_layers) if i not in sliding]
+    if not scored:
+        raise ValueError("every layer of the model slides: no layer a policy compresses is left to score")
+    return scored
+
+
 def _needle_effect(effects: pd.DataFrame, span: tuple[int, int]) -> float:
     """The share of the total KL in the blocks that overlap the needle."""
     overlaps = (effects.start < span[1]) & (effects.end > span[0])
@@ -92,7 +112,9 @@ def _needle_effect(effects: pd.DataFrame, span: tuple[int, int]) -> float:
 def prompt_cells(model, tokenizer, prompt: int, policies, *, length: int, depth: float, block: int = 64,
                  modes=MODES, ratio: float = RATIO, max_new_tokens: int = 12, model_name: str = "") -> tuple:
     """(rows, effects) of one needle prompt (sample `prompt`) in each of `modes` (module doc): rows one per (mode,
-    policy), the full cache's first; effects the span_effects table of each mode, with prompt and mode columns."""
+    policy), the full cache's first; effects the span_effects table of each mode, with prompt and mode columns.
+    Every side reads the scored_layers only (module doc)."""
+    layers = scored_layers(model)
     context = needle_context(tokenizer, length, depth, sample=prompt)
     query = context.queries[0]
     ids, question = torch.tensor([context.context_ids]), torch.tensor([query.question_ids])
@@ -106,20 +128,22 @@ def prompt_cells(model, tokenizer, prompt: int, policies, *, length: int, depth:
     answer_ids = next(iter(probes.values())).answer
     full_answer = tokenizer.decode(answer_ids[0], skip_special_tokens=True)
     prompt_ids = torch.cat([ids, question], 1)
-    trace = capture(model, tokenizer, prompt_ids, continuation=answer_ids[0], progress=False)
+    trace = capture(model, tokenizer, prompt_ids, continuation=answer_ids[0], layers=layers, progress=False)
     attention = GenerationAttention(trace, context=n)
     base = dict(model=model_name, prompt=prompt, length=length, depth=depth, needle_start=query.span[0],
                 needle_end=query.span[1], ratio=ratio, full_answer=full_answer,
                 full_correct=found(query.answer, full_answer))
     rows, tables = [], []
     for mode, probe in probes.items():
-        effects = probe_spans(probe, default_spans(n, block), progress=False)
+        effects = probe_spans(probe, default_spans(n, block), layers=layers, progress=False)
         tables.append(effects.assign(prompt=prompt, mode=mode))
         shared = SharedPrefill.run(model, tokenizer, ids if mode == "query-agnostic" else prompt_ids, policies)
         for policy in policies:
             state = shared.state(policy)
             # the context's positions held; query-agnostic, the question is appended whole after compression
             held = kept_mask(state, prompt_ids.shape[1], whole_from=n if mode == "query-agnostic" else None)
+            if layers is not None:  # the compressed layers only (module doc)
+                held = held[layers]
             run = answer(model, tokenizer, state, shared.logits if mode == "query-aware" else None, shared.ids,
                          [None], [question if mode == "query-agnostic" else None], prefill_seconds=0.0,
                          max_new_tokens=max_new_tokens, mode=mode)[0]
@@ -167,7 +191,8 @@ def study(model, tokenizer, data_dir="data", *, model_name: str = "", prompts: i
     record = dict(command=f"python -m snapkv_lab.views.causal_study --model {model_name} --prompts {prompts} "
                           f"--length {length} --block {block} --ratio {ratio} --policies {' '.join(policies)}",
                   date=date.today().isoformat(), model=model_name, prompts=prompts, length=length,
-                  depths=list(depths), block=block, ratio=ratio, modes=list(modes), policies=[p.label for p in built],
+                  depths=list(depths), block=block, ratio=ratio, modes=list(modes),
+                  scored_layers=scored_layers(model), policies=[p.label for p in built],
                   skipped=skipped, load_average=[round(os.getloadavg()[0], 1)], cpu_count=os.cpu_count())
     started = time.perf_counter()
     for prompt in progress_bar(range(prompts), desc="causal coverage", total=prompts, disable=not progress):
