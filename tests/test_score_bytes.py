@@ -16,7 +16,7 @@ from snapkv_lab.policies import FullCache, KVzip, StreamingLLM
 from snapkv_lab.pressure import score_bytes, wilson
 from snapkv_lab.pressure.grid import build_context
 from snapkv_lab.pressure.score_bytes import PLAN, axis, needle_rows, read_table, short_label, study
-from snapkv_lab.pressure.score_bytes_plots import draw, summary
+from snapkv_lab.pressure.score_bytes_plots import draw, markdown, summary
 from tests.conftest import make_tiny_llama
 from tests.test_storage import F32, _expected_bytes, _held_bytes
 
@@ -111,7 +111,8 @@ def _made_up_table() -> pd.DataFrame:
                 found = needle < {"FullCache": 5, "KVzip@0.25": 4, "StreamingLLM@0.25": 1}.get(policy.label, 3)
                 rows.append(dict(model="tiny", length=4000, depth=needle / 4, sample=0, mode=mode, label=policy.label,
                                  short=short_label(policy), axis=axis(policy), correct=found, exact=found,
-                                 kv_bytes=round(share * 1000), full_bytes=1000, bytes_share=share))
+                                 kv_bytes=round(share * 1000), full_bytes=1000, bytes_share=share,
+                                 kv_share=1.0 if axis(policy) == "quantization" else share))
     return pd.DataFrame(rows)
 
 
@@ -132,3 +133,7 @@ def test_summary_and_figure_from_a_table(tmp_path):
     assert "KVzip 0.25" in (tmp_path / "score_bytes.html").read_text()
     assert len(pd.read_csv(tmp_path / "score_bytes_summary.csv")) == 8
     assert draw(tmp_path / "empty", tmp_path) == []
+    text = markdown(table)
+    assert text.index("**query-aware**") < text.index("**query-agnostic**")
+    assert "| KVzip 0.25 | eviction | 0.250 [0.250, 0.250] | 0.0 | 0.250 | 4/5 [0.38, 0.96] |" in text
+    assert "| KIVI-4 | quantization | 0.160 [0.140, 0.180] | 0.0 | 1.000 | 3/5 [0.23, 0.88] |" in text

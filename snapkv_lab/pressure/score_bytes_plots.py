@@ -21,8 +21,9 @@ MODE_ORDER = ("query-aware", "query-agnostic")
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
     """Per mode (the full cache's rows, mode "full", shown in each) and policy: needles asked and found (the suite's
-    grade, `correct`), the share found with its Wilson 95% interval, and the mean, least and most bytes_share and the
-    mean kv_bytes over the needles. Ordered by mode, then by bytes held."""
+    grade, `correct`), the share found with its Wilson 95% interval, the mean, least and most bytes_share, and the
+    mean kv_bytes and kv_share (the share of KV entries, positions, held) over the needles. Ordered by mode, then by
+    bytes held."""
     full = table[table["mode"] == "full"]
     modes = [m for m in MODE_ORDER if m in set(table["mode"])]
     rows = pd.concat([table[table["mode"] != "full"], *(full.assign(mode=m) for m in modes)], ignore_index=True)
@@ -32,12 +33,29 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     counts["share_found"] = counts.found / counts.asked
     sizes = rows.groupby(by, sort=False).agg(bytes_share=("bytes_share", "mean"),
                                              bytes_share_min=("bytes_share", "min"),
-                                             bytes_share_max=("bytes_share", "max"), kv_bytes=("kv_bytes", "mean"))
+                                             bytes_share_max=("bytes_share", "max"), kv_bytes=("kv_bytes", "mean"),
+                                             kv_share=("kv_share", "mean"))
     out = counts.merge(sizes.reset_index(), on=by)
     out["mode"] = pd.Categorical(out["mode"], modes, ordered=True)
     columns = [*by, "asked", "found", "share_found", "low", "high", "bytes_share", "bytes_share_min",
-               "bytes_share_max", "kv_bytes"]
+               "bytes_share_max", "kv_bytes", "kv_share"]
     return out.sort_values(["mode", "bytes_share"], ascending=[True, False])[columns].reset_index(drop=True)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """The summary as the docs show it: per mode, each policy's axis, bytes held (share of the full cache's, mean
+    [least, most] over the needles; MiB), KV entries' share (positions) and needles found [Wilson 95%], by bytes."""
+    points = summary(table)
+    lines = []
+    for mode in points["mode"].cat.categories:
+        lines += [f"**{mode}**", "", "| policy | axis | bytes held: share [least, most] | MiB | positions held | "
+                  "needles found [Wilson 95%] |", "|---|---|---|---:|---:|---|"]
+        for r in points[points["mode"] == mode].itertuples():
+            lines.append(f"| {r.short} | {r.axis} | {r.bytes_share:.3f} [{r.bytes_share_min:.3f}, "
+                         f"{r.bytes_share_max:.3f}] | {r.kv_bytes / 2**20:.1f} | {r.kv_share:.3f} | "
+                         f"{r.found}/{r.asked} [{r.low:.2f}, {r.high:.2f}] |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def score_bytes_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
