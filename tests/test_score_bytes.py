@@ -82,6 +82,8 @@ def test_reported_bytes_are_the_bytes_each_cache_holds(byte_tokenizer):
 def test_study_resumes_and_refuses(byte_tokenizer, tmp_path, monkeypatch):
     model = make_tiny_llama()
     kwargs = dict(samples=1, length=LENGTH, modes=("query-aware",), max_new_tokens=2, progress=False)
+    trial = study(model, byte_tokenizer, tmp_path, policies=[SnapKV(capacity=0.5)], needles=1, **kwargs)
+    assert len(trial) == 2 and trial.depth.tolist() == [0.0, 0.0]
     first = study(model, byte_tokenizer, tmp_path, policies=[SnapKV(capacity=0.5)], **kwargs)
     assert len(first) == 5 * 2 and sorted(first.depth.unique()) == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert (tmp_path / score_bytes.RUN).is_file()
@@ -91,6 +93,7 @@ def test_study_resumes_and_refuses(byte_tokenizer, tmp_path, monkeypatch):
                         lambda *args, **kw: calls.append([p.label for p in args[3]]) or real(*args, **kw))
     again = study(model, byte_tokenizer, tmp_path, policies=[SnapKV(capacity=0.5)], **kwargs)
     assert calls == [] and again.equals(first)
+    assert read_table(tmp_path / score_bytes.TABLE).equals(first)
     more = study(model, byte_tokenizer, tmp_path, policies=[SnapKV(capacity=0.5), KIVI(residual_length=32)], **kwargs)
     assert calls == [["KIVI(residual_length=32)"]] * 5  # only the missing policy runs, on each needle
     assert len(more) == 5 * 3 and not more.duplicated(["depth", "sample", "mode", "label"]).any()

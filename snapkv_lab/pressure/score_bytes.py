@@ -148,10 +148,11 @@ def read_table(path) -> pd.DataFrame:
 
 
 def study(model, tokenizer, data_dir="data", *, samples: int = SAMPLES, length: int = ABLATION_LENGTH,
-          policies=PLAN, modes=MODES, max_new_tokens: int = ANSWER_TOKENS, command: str = "",
-          progress: bool = True) -> pd.DataFrame:
+          needles: int | None = None, policies=PLAN, modes=MODES, max_new_tokens: int = ANSWER_TOKENS,
+          command: str = "", progress: bool = True) -> pd.DataFrame:
     """Run (or resume) the study into data_dir/TABLE, needle by needle (module doc: the dev needles, `samples` per
-    depth; `length` tokens, the committed tables' 4000 unless a test asks fewer), and its record RUN. Returns the
+    depth, in the grid's order: every depth of sample 0, then of sample 1, ...; `length` tokens, the committed tables'
+    4000 unless a test asks fewer; `needles`: only the first ones, a trial run), and its record RUN. Returns the
     whole table."""
     labels = [p.label for p in policies]
     if len(set(labels)) < len(labels) or any(isinstance(p, FullCache) for p in policies):
@@ -169,7 +170,7 @@ def study(model, tokenizer, data_dir="data", *, samples: int = SAMPLES, length: 
                   modes=list(modes), max_new_tokens=max_new_tokens, policies=labels, cpu_count=os.cpu_count(),
                   torch_threads=torch.get_num_threads(), load_average=[round(os.getloadavg()[0], 1)])
     started = time.perf_counter()
-    specs = [dict(spec, n_tokens=length) for spec in dev_needle_specs(dict(samples=samples))]
+    specs = [dict(spec, n_tokens=length) for spec in dev_needle_specs(dict(samples=samples))][:needles]
     for spec in progress_bar(specs, desc="score against bytes", total=len(specs), disable=not progress):
         needle = (spec["depth"], spec["sample"])
         missing = [p for p in policies if any((*needle, mode, p.label) not in done for mode in modes)]
@@ -193,6 +194,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None, help="a bundled model (default SmolLM2-135M-Instruct)")
     parser.add_argument("--data-dir", default=None, help="default data/ (data/<model>/ for another model)")
     parser.add_argument("--samples", type=int, default=SAMPLES, help="haystacks per depth (5 depths)")
+    parser.add_argument("--needles", type=int, default=None, help="only the first N needles (a trial run)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
     args = parser.parse_args(argv)
@@ -203,7 +205,8 @@ def main(argv=None) -> None:
     data_dir = args.data_dir or model_folders("data", "figures", args.model)[0]
     model, tokenizer = load_model(args.model)
     command = shlex.join(["python", "-m", "snapkv_lab.pressure.score_bytes", *(sys.argv[1:] if argv is None else argv)])
-    study(model, tokenizer, data_dir, samples=args.samples, modes=tuple(args.modes), command=command)
+    study(model, tokenizer, data_dir, samples=args.samples, needles=args.needles, modes=tuple(args.modes),
+          command=command)
     print(f"{model_name(args.model)}: {Path(data_dir) / TABLE}", file=sys.stderr)
 
 
