@@ -112,7 +112,8 @@ def _made_up_table() -> pd.DataFrame:
             for mode in ("full",) if isinstance(policy, FullCache) else ("query-aware", "query-agnostic"):
                 share = {"full": 1.0, "eviction": 0.25, "quantization": 0.14 + 0.01 * needle}[axis(policy)]
                 found = needle < {"FullCache": 5, "KVzip@0.25": 4, "StreamingLLM@0.25": 1}.get(policy.label, 3)
-                rows.append(dict(model="tiny", length=4000, depth=needle / 4, sample=0, mode=mode, label=policy.label,
+                rows.append(dict(model="tiny", length=4000, depth=needle / 4, sample=0, mode=mode,
+                                 policy=policy.scorer_label, label=policy.label,
                                  short=short_label(policy), axis=axis(policy), correct=found, exact=found,
                                  kv_bytes=round(share * 1000), full_bytes=1000, bytes_share=share,
                                  kv_share=1.0 if axis(policy) == "quantization" else share))

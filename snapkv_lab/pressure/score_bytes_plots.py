@@ -20,14 +20,15 @@ MODE_ORDER = ("query-aware", "query-agnostic")
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
-    """Per mode (the full cache's rows, mode "full", shown in each) and policy: needles asked and found (the suite's
+    """Per mode (the full cache's rows, mode "full", shown in each) and policy (label; `policy`, its scorer label
+    without the capacity, names a curve over budgets): needles asked and found (the suite's
     grade, `correct`), the share found with its Wilson 95% interval, the mean, least and most bytes_share, and the
     mean kv_bytes and kv_share (the share of KV entries, positions, held) over the needles. Ordered by mode, then by
     bytes held."""
     full = table[table["mode"] == "full"]
     modes = [m for m in MODE_ORDER if m in set(table["mode"])]
     rows = pd.concat([table[table["mode"] != "full"], *(full.assign(mode=m) for m in modes)], ignore_index=True)
-    by = ["mode", "label", "short", "axis"]
+    by = ["mode", "label", "short", "axis", "policy"]
     counts = accuracy_intervals(rows, by=by).rename(columns=dict(correct="found", correct_low="low",
                                                                  correct_high="high"))
     counts["share_found"] = counts.found / counts.asked
@@ -58,6 +59,19 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines).rstrip()
 
 
+def _label_lifts(points: pd.DataFrame, decade_per_char: float = 0.009) -> list[int]:
+    """Per point, how many lines below its marker its label goes: the lowest line that no earlier label overlapping
+    it in x (a label runs right of its point, about `decade_per_char` of a decade of the log axis per character) and
+    near it in y (within 0.05) takes, so that labels of neighbouring points do not overprint."""
+    x, y = np.log10(points.bytes_share.to_numpy()), points.share_found.to_numpy()
+    ends = x + decade_per_char * points.short.str.len().to_numpy()
+    lifts: list[int] = []
+    for i in range(len(x)):
+        taken = {lifts[j] for j in range(i) if abs(y[j] - y[i]) < 0.05 and x[j] < ends[i] and x[i] < ends[j]}
+        lifts.append(min(set(range(len(taken) + 1)) - taken))
+    return lifts
+
+
 def score_bytes_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     """One panel per mode: each policy a point at (its mean share of the full cache's bytes, log scale; its share of
     needles found) with the Wilson 95% interval, coloured by axis and labelled; PNG and an interactive HTML."""
@@ -67,9 +81,9 @@ def score_bytes_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     points = summary(table)
     modes = list(points["mode"].cat.categories)
     needles = table.groupby(["depth", "sample"]).ngroups
-    title = (f"{table.model.iloc[0]}: needles found against KV bytes held, {needles} needles of "
+    title = (f"{table.model.iloc[0]}: needles found against KV bytes held, {needles} needle{'s' * (needles > 1)} of "
              f"{int(table.length.iloc[0])} tokens (Wilson 95%)")
-    figure = Figure(figsize=(7 * len(modes), 6), layout="constrained")
+    figure = Figure(figsize=(8 * len(modes), 7), layout="constrained")
     panels = np.atleast_1d(figure.subplots(1, len(modes), sharey=True))
     interactive = make_subplots(rows=1, cols=len(modes), subplot_titles=modes, shared_yaxes=True)
     for col, (panel, mode) in enumerate(zip(panels, modes, strict=True), start=1):
@@ -82,9 +96,10 @@ def score_bytes_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
             panel.errorbar(group.bytes_share, group.share_found, yerr=errors, fmt="*" if name == "full" else "o",
                            color=COLOURS[name], label=name, markersize=9 if name == "full" else 6, capsize=2,
                            alpha=0.85)
-            for row in group.itertuples():
-                panel.annotate(row.short, (row.bytes_share, row.share_found), fontsize=6.5, xytext=(4, 3),
-                               textcoords="offset points", color=COLOURS[name])
+            for _, curve in group.groupby("policy"):  # one policy over budgets: a thin line
+                if len(curve) > 1:
+                    ordered = curve.sort_values("bytes_share")
+                    panel.plot(ordered.bytes_share, ordered.share_found, color=COLOURS[name], lw=0.8, alpha=0.5)
             interactive.add_scatter(
                 x=group.bytes_share, y=group.share_found, mode="markers", name=name, legendgroup=name,
                 showlegend=col == 1, marker=dict(color=COLOURS[name], size=10, symbol="star" if name == "full" else 0),
@@ -93,14 +108,19 @@ def score_bytes_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
                 hovertemplate="%{text}<br>%{customdata[0]}<br>bytes %{x:.3f} of the full cache's "
                               "(%{customdata[3]:.2f} MiB)<br>found %{customdata[1]} of %{customdata[2]}<extra></extra>",
                 row=1, col=col)
+        for row, lift in zip(part.itertuples(), _label_lifts(part), strict=True):
+            panel.annotate(row.short, (row.bytes_share, row.share_found), fontsize=6.5, xytext=(4, 3 - 8 * lift),
+                           textcoords="offset points", color=COLOURS[row.axis])
         panel.set_xscale("log")
+        panel.set_xlim(right=1.6)  # room for the full cache's label
         panel.set_title(mode, fontsize=10)
         panel.set_xlabel("KV bytes held, share of the full cache's (mean over needles; log scale)")
-        panel.set_ylim(-0.05, 1.05)
+        panel.set_ylim(-0.15, 1.05)  # room for the labels of points at 0
         panel.grid(alpha=0.3)
         interactive.update_xaxes(type="log", title_text="KV bytes held, share of the full cache's", row=1, col=col)
     panels[0].set_ylabel("share of needles found (Wilson 95%)")
-    panels[0].legend(title="axis", fontsize=8, loc="lower right")
+    handles, names = panels[0].get_legend_handles_labels()
+    figure.legend(handles, names, title="axis", fontsize=8, loc="outside right center")
     figure.suptitle(title, fontsize=10)
     interactive.update_yaxes(title_text="share of needles found", range=[-0.05, 1.05], row=1, col=1)
     interactive.update_layout(title=title, height=600, width=650 * len(modes), legend_title_text="axis")
