@@ -4,6 +4,7 @@ the axes; resuming skips the needles done; the figure drawn from a table. Tiny r
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -86,7 +87,8 @@ def test_study_resumes_and_refuses(byte_tokenizer, tmp_path, monkeypatch):
     assert len(trial) == 2 and trial.depth.tolist() == [0.0, 0.0]
     first = study(model, byte_tokenizer, tmp_path, policies=[SnapKV(capacity=0.5)], **kwargs)
     assert len(first) == 5 * 2 and sorted(first.depth.unique()) == [0.0, 0.25, 0.5, 0.75, 1.0]
-    assert (tmp_path / score_bytes.RUN).is_file()
+    runs = json.loads((tmp_path / score_bytes.RUN).read_text())
+    assert [run["needles_done"] for run in runs] == [1, 5] and runs[1]["length"] == LENGTH  # each run's record
     calls = []
     real = score_bytes.needle_rows
     monkeypatch.setattr(score_bytes, "needle_rows",

@@ -16,8 +16,9 @@ before any question token or answer joins it:
                 them), full (the full cache): `axis`
 
 The table (TABLE, one row per needle x policy x mode) is written as each needle finishes; a rerun skips the needles
-whose every (policy, mode) row is there and runs only the missing policies of the others. RUN records the command,
-date, machine load and time. The figure set `score-bytes` (score_bytes_plots) draws it.
+whose every (policy, mode) row is there and runs only the missing policies of the others. RUN lists the runs that
+wrote the table, each with its command, date, machine load after each needle and time. The figure set
+`score-bytes` (score_bytes_plots) draws it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ PLAN: tuple[Policy, ...] = (
     kivi(4, capacity=0.5), kivi(4, capacity=0.25), kivi(2, capacity=0.25),
     kivi(4, policy=ThinK(), capacity=0.25),
 )
+
+# Added after PLAN's results were read (docs/score_bytes.md says so): the best scorer there, KVzip, under KIVI-4, the
+# best quantization there; run by --follow-up, on the same needles.
+FOLLOW_UP: tuple[Policy, ...] = (kivi(4, policy=KVzip(), capacity=0.25), kivi(4, policy=KVzip(), capacity=0.125))
 
 
 def _chain(policy: Policy):
@@ -152,8 +157,8 @@ def study(model, tokenizer, data_dir="data", *, samples: int = SAMPLES, length: 
           command: str = "", progress: bool = True) -> pd.DataFrame:
     """Run (or resume) the study into data_dir/TABLE, needle by needle (module doc: the dev needles, `samples` per
     depth, in the grid's order: every depth of sample 0, then of sample 1, ...; `length` tokens, the committed tables'
-    4000 unless a test asks fewer; `needles`: only the first ones, a trial run), and its record RUN. Returns the
-    whole table."""
+    4000 unless a test asks fewer; `needles`: only the first ones, a trial run), and its record, added to RUN's.
+    Returns the whole table."""
     labels = [p.label for p in policies]
     if len(set(labels)) < len(labels) or any(isinstance(p, FullCache) for p in policies):
         raise ValueError(f"policies must be distinct compressing policies (the full cache runs with each needle): "
@@ -165,6 +170,7 @@ def study(model, tokenizer, data_dir="data", *, samples: int = SAMPLES, length: 
     path = data_dir / TABLE
     table = read_table(path) if path.is_file() else pd.DataFrame()
     done = set() if table.empty else set(zip(table.depth, table["sample"], table["mode"], table.label, strict=True))
+    earlier = json.loads((data_dir / RUN).read_text()) if (data_dir / RUN).is_file() else []
     record = dict(command=command, date=date.today().isoformat(), model=model.config.name_or_path, samples=samples,
                   length=length,
                   modes=list(modes), max_new_tokens=max_new_tokens, policies=labels, cpu_count=os.cpu_count(),
@@ -185,7 +191,7 @@ def study(model, tokenizer, data_dir="data", *, samples: int = SAMPLES, length: 
         record.update(needles_done=int(table.groupby(["depth", "sample"]).ngroups),
                       seconds_this_run=round(time.perf_counter() - started))
         record["load_average"].append(round(os.getloadavg()[0], 1))
-        (data_dir / RUN).write_text(json.dumps(record, indent=1) + "\n")
+        (data_dir / RUN).write_text(json.dumps([*earlier, record], indent=1) + "\n")
     return read_table(path)  # as a resumed run reads it
 
 
@@ -195,6 +201,7 @@ def main(argv=None) -> None:
     parser.add_argument("--data-dir", default=None, help="default data/ (data/<model>/ for another model)")
     parser.add_argument("--samples", type=int, default=SAMPLES, help="haystacks per depth (5 depths)")
     parser.add_argument("--needles", type=int, default=None, help="only the first N needles (a trial run)")
+    parser.add_argument("--follow-up", action="store_true", help="PLAN and FOLLOW_UP (chosen after PLAN's results)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
     args = parser.parse_args(argv)
@@ -206,7 +213,7 @@ def main(argv=None) -> None:
     model, tokenizer = load_model(args.model)
     command = shlex.join(["python", "-m", "snapkv_lab.pressure.score_bytes", *(sys.argv[1:] if argv is None else argv)])
     study(model, tokenizer, data_dir, samples=args.samples, needles=args.needles, modes=tuple(args.modes),
-          command=command)
+          policies=PLAN + FOLLOW_UP if args.follow_up else PLAN, command=command)
     print(f"{model_name(args.model)}: {Path(data_dir) / TABLE}", file=sys.stderr)
 
 
