@@ -103,6 +103,8 @@ def test_study_resumes_and_refuses(byte_tokenizer, tmp_path, monkeypatch):
     for bad in ([FullCache()], [SnapKV(capacity=0.5)] * 2, [SnapKV(capacity=None)]):
         with pytest.raises(ValueError):
             study(model, byte_tokenizer, tmp_path, policies=bad, **kwargs)
+    with pytest.raises(ValueError, match="a data folder of its own"):  # not mixed into a table of another length
+        study(model, byte_tokenizer, tmp_path, policies=[SnapKV(capacity=0.5)], **{**kwargs, "length": 450})
 
 
 def _made_up_table() -> pd.DataFrame:

@@ -171,8 +171,12 @@ def study(model, tokenizer, data_dir="data", *, samples: int = SAMPLES, length: 
     table = read_table(path) if path.is_file() else pd.DataFrame()
     done = set() if table.empty else set(zip(table.depth, table["sample"], table["mode"], table.label, strict=True))
     earlier = json.loads((data_dir / RUN).read_text()) if (data_dir / RUN).is_file() else []
-    record = dict(command=command, date=date.today().isoformat(), model=model.config.name_or_path, samples=samples,
-                  length=length,
+    name = model.config.name_or_path
+    models = set(table.model.fillna("")) if not table.empty else set()  # a model without a name reads back empty
+    if not table.empty and (set(table.length) != {length} or models != {name}):
+        raise ValueError(f"{path} holds needles of {sorted(set(table.length))} tokens on {sorted(models)}, "
+                         f"not {length} on {name}: give this run a data folder of its own")
+    record = dict(command=command, date=date.today().isoformat(), model=name, samples=samples, length=length,
                   modes=list(modes), max_new_tokens=max_new_tokens, policies=labels, cpu_count=os.cpu_count(),
                   torch_threads=torch.get_num_threads(), load_average=[round(os.getloadavg()[0], 1)])
     started = time.perf_counter()
