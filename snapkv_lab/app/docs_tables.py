@@ -433,6 +433,14 @@ def _methods(data_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _score_bytes(data_dir: Path) -> str:
+    """Score against bytes per mode and policy: bytes held, positions held, needles found (score_bytes_plots)."""
+    from ..pressure.score_bytes import TABLE, read_table
+    from ..pressure.score_bytes_plots import markdown
+
+    return markdown(read_table(data_dir / TABLE))
+
+
 # The family of comparisons (evaluation.family.FAMILY and RESULTS): every difference block reads its p from there.
 FAMILY_FILES = ("comparison_family.csv", "comparison_family_results.csv")
 # evaluation.turns.TABLE and BALANCED_TABLE (copies, as NOLIMA_TABLES)
@@ -490,6 +498,7 @@ BLOCKS = {
                                  functools.partial(_multi_turn, table=MULTI_TURN_BALANCED_TABLE, depths=True)),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
+    "score-bytes": Block("score_bytes.md", ("score_bytes.csv",), _score_bytes),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),

@@ -30,6 +30,8 @@ FIGURE_MODULES = {
                                                   "policy, feed x compress option"),
     "non-literal": ("snapkv_lab.evaluation.literal_gap", "nolima's generated needles: each policy's loss to the full "
                                                          "cache, literal vs non-literal question"),
+    "score-bytes": ("snapkv_lab.pressure.score_bytes_plots", "needles found against the KV bytes held: "
+                                                            "eviction, merging, key channels, quantization, combined"),
 }
 
 

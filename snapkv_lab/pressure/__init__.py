@@ -9,6 +9,9 @@
                 is a cell of a resumable grid (snapkv_lab.sweep), run by `snapkv-lab needle`
     tables.py   the suites' tables summarised: accuracy by policy, budget and length; RULER grades per task
     figures.py  their figures; with grid.recompute, the `pressure` figure set registered here
+    score_bytes.py  score against bytes: eviction, merging, key channels (ThinK), quantization (KIVI) and their
+                compositions on the dev needles, by the KV bytes each cache holds (`python -m
+                snapkv_lab.pressure.score_bytes`; figure set `score-bytes` in score_bytes_plots.py, imported on its own)
     long_generation.py  copy a numbered list from the prompt: what eviction while decoding loses in a long output
                 (imported on its own, and run as `python -m snapkv_lab.pressure.long_generation`)
 

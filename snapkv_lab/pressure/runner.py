@@ -43,6 +43,7 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
                   describe=None) -> pd.DataFrame:
     """Answer every query of every context with the full cache and each policy x capacity x mode.
 
+    capacities: each policy runs at each of them; None runs each policy at its own.
     Returns a tidy table: one row per (context, query, policy, capacity, mode), with the answer text,
     correctness as RULER grades it (`correct`: the expected value appears in the answer) and strictly
     (`exact`: it appears as a whole token, not inside a longer number), the fraction of the fact's and of the value's
@@ -58,7 +59,8 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
         longest = max(len(q.question_ids) for q in context.queries)
         check_context_length(model, len(context.context_ids) + longest + max_new_tokens,
                              what=f"retrieval context {context.meta} with its question and {max_new_tokens} new tokens")
-    policies = [dataclasses.replace(p, capacity=c) for p in policies for c in capacities]
+    if capacities is not None:  # None: each policy at its own capacity (a study of one list of configurations)
+        policies = [dataclasses.replace(p, capacity=c) for p in policies for c in capacities]
     rows = []
     steps = sum(len(c.queries) for c in contexts) * (1 + len(policies) * len(modes))
     bar = progress_bar(total=steps, desc="retrieval", disable=not progress)
