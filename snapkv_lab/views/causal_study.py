@@ -51,6 +51,7 @@ from ..core.models import load_model, sliding_layers
 from ..core.models import model_name as name_of
 from ..core.progress import progress_bar
 from ..policies import expand_policies, parse_policy
+from ..tasks.corpus import redact_essays
 from ..tasks.needles import found, needle_context
 from .causal import causal_coverage
 from .coverage import GenerationAttention, attention_coverage, coverage_summary
@@ -131,7 +132,7 @@ def prompt_cells(model, tokenizer, prompt: int, policies, *, length: int, depth:
     trace = capture(model, tokenizer, prompt_ids, continuation=answer_ids[0], layers=layers, progress=False)
     attention = GenerationAttention(trace, context=n)
     base = dict(model=model_name, prompt=prompt, length=length, depth=depth, needle_start=query.span[0],
-                needle_end=query.span[1], ratio=ratio, full_answer=full_answer,
+                needle_end=query.span[1], ratio=ratio, full_answer=redact_essays(full_answer),
                 full_correct=found(query.answer, full_answer))
     rows, tables = [], []
     for mode, probe in probes.items():
@@ -147,7 +148,7 @@ def prompt_cells(model, tokenizer, prompt: int, policies, *, length: int, depth:
             run = answer(model, tokenizer, state, shared.logits if mode == "query-aware" else None, shared.ids,
                          [None], [question if mode == "query-agnostic" else None], prefill_seconds=0.0,
                          max_new_tokens=max_new_tokens, mode=mode)[0]
-            rows.append(dict(base, mode=mode, policy=policy.label, answer=run.text,
+            rows.append(dict(base, mode=mode, policy=policy.label, answer=redact_essays(run.text),
                              correct=found(query.answer, run.text), **_scores(effects, held, attention, n, query.span)))
     return rows, pd.concat(tables, ignore_index=True)
 
