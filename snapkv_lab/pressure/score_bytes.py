@@ -71,7 +71,9 @@ PLAN: tuple[Policy, ...] = (
 )
 
 # Added after PLAN's results were read (docs/score_bytes.md says so): the best scorer there, KVzip, under KIVI-4, the
-# best quantization there; run by --follow-up, on the same needles.
+# best quantization there; run by --follow-up, on the same needles. Under a wrapper KVzip's scores are kept with the
+# wrapper's uniform budget per layer and KV head (policies.kvzip: "A wrapper's own allocation replaces this one"; a
+# packed cache holds no head-wise layer), not KVzip's global allocation: these rows are KVzip-uniform under KIVI-4.
 FOLLOW_UP: tuple[Policy, ...] = (kivi(4, policy=KVzip(), capacity=0.25), kivi(4, policy=KVzip(), capacity=0.125))
 
 
