@@ -128,3 +128,11 @@ def test_mean_t_interval_by_hand():
     one = intervals.mean_t_interval(np.array([5.0]))
     assert one[0] == 5.0 and np.isnan(one[1:]).all()
     assert np.isnan(intervals.mean_t_interval(np.array([]))).all()
+
+
+def test_interval_text_prints_whole_numbers_and_drops_a_nan_interval():
+    from snapkv_lab.core.ratio_intervals import interval_text
+
+    assert interval_text(75.0, 35.6, 114.4) == "75 [36, 114]"
+    assert interval_text(-33.3, -88.2, 21.5) == "-33 [-88, 22]"
+    assert interval_text(50.0, float("nan"), float("nan")) == "50"

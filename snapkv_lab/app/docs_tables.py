@@ -14,10 +14,11 @@ and `BLOCKS[NAME]` says which page holds it and how it is written from a data fo
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..core.ratio_intervals import interval_text
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,6 @@ def _multi_turn(data_dir: Path, table: str = "", depths: bool = False) -> str:
     return report(results) + ("\n\n" + depth_report(results) if depths else "")
 
 
-def _interval_cell(score: float, low: float, high: float) -> str:
-    return f"{score:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
-
-
 def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
     """A committed RULER run (<model>/eval_<name>.csv: the 4k leaderboard, the 8k run, Gemma's): its size, the score
     per policy, mode and ratio (a run of all 13 tasks: RULER's average over them, and over the 11 synthetic ones
@@ -110,7 +107,7 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
              "|---|" + "---|" * len(columns)]
 
     def cell(row, policy, mode, ratio) -> str:
-        text = _interval_cell(row.score, row.low, row.high)
+        text = interval_text(row.score, row.low, row.high)
         return text if synthetic is None else f"{text} / {synthetic[(policy, mode, ratio)]:.0f}"
 
     base = full.iloc[0]
@@ -138,7 +135,7 @@ def _full_cache_per_task(table) -> str:
              "|---|" + ("---:|" if by_length else "") + "---|---|"]
     for _, row in scores.iterrows():
         lines.append(f"| {row.task} | " + (f"{row.length} | " if by_length else "")
-                     + f"{_interval_cell(row.score, row.low, row.high)} | {row.examples} |")
+                     + f"{interval_text(row.score, row.low, row.high)} | {row.examples} |")
     return "\n".join(lines)
 
 
@@ -199,7 +196,7 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
                 cells.append("-")
                 continue
             row = rows.loc[(policy, mode, step)]
-            cell = f"{_interval_cell(row.difference, row.low, row.high)}, p {_p_cell(row)}"
+            cell = f"{interval_text(row.difference, row.low, row.high)}, p {_p_cell(row)}"
             cells.append(f"**{cell}**" if row.p_holm < 0.05 else cell)  # NaN (not primary): never bold
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

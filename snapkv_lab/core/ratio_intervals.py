@@ -72,6 +72,12 @@ def mean_t_interval(values: np.ndarray, ci: float = 0.95) -> tuple[float, float,
     return float(mean), float(low[0]), float(high[0])
 
 
+def interval_text(estimate: float, low: float, high: float) -> str:
+    """An estimate and its interval as the docs' tables print them, whole numbers: "75 [36, 114]", the estimate alone
+    where the interval is NaN (fewer than 2 units)."""
+    return f"{estimate:.0f}" + ("" if np.isnan(low) else f" [{low:.0f}, {high:.0f}]")
+
+
 def _t_statistic(shift: np.ndarray, se: np.ndarray) -> np.ndarray:
     """shift / se, with 0 / 0 = 0 (identical units, no shift) and x / 0 = +-inf."""
     with np.errstate(divide="ignore", invalid="ignore"):

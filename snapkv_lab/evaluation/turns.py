@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.figure_files import FigureSet, register, write_png
-from ..core.ratio_intervals import mean_t_interval
+from ..core.ratio_intervals import interval_text, mean_t_interval
 from .summary import answered_examples, example_scores, sign_flip_test
 
 TABLE = "eval_scbench_multiturn.csv"
@@ -242,7 +242,7 @@ def report(table: pd.DataFrame) -> str:
              + " | KV entries (share), turn 1 -> last |", "|---|---|---|---|" + "---:|" * last + "---|"]
     for key, part in scores.groupby(["policy", "mode", "feed", "compress"], sort=False):
         part = part.set_index("turn")
-        cells = [_interval(r) for r in part.reindex(range(1, last + 1)).itertuples()]
+        cells = [interval_text(r.score, r.low, r.high) for r in part.reindex(range(1, last + 1)).itertuples()]
         first, end = part.loc[1], part.loc[last]
         held = f"{first.kv_entries:,.0f} ({first.kv_share:.2f}) -> {end.kv_entries:,.0f} ({end.kv_share:.2f})"
         lines.append(f"| {key[0]} | {key[1].removeprefix('query-')} | {key[2]} | {key[3]} | " + " | ".join(cells)
@@ -317,13 +317,10 @@ def depth_report(table: pd.DataFrame) -> str:
              "|---|---:|" + "---|" * last]
     for (feed, band), part in scores.groupby(["feed", "band"]):
         part = part.set_index("turn").reindex(range(1, last + 1))
-        cells = ["-" if np.isnan(r.n) else f"{_interval(r)} (n {r.n:.0f})" for r in part.itertuples()]
+        cells = ["-" if np.isnan(r.n) else f"{interval_text(r.score, r.low, r.high)} (n {r.n:.0f})"
+                 for r in part.itertuples()]
         lines.append(f"| {feed} | {band} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _interval(r) -> str:
-    return f"{r.score:.0f}" + ("" if np.isnan(r.low) else f" [{r.low:.0f}, {r.high:.0f}]")
 
 
 def recompute(options: dict) -> None:
