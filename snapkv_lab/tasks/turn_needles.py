@@ -85,10 +85,11 @@ def turn_needle_rows(n_rows: int, *, words: int = 1500, needles: int = 3, seed: 
         text = pieces[:]
         for band in reversed(range(needles)):  # from the end, so earlier cuts keep their places
             text.insert(cuts[band], NEEDLE.format(kind="number", key=keys[band], value=values[band]).strip() + " ")
-        asked = list(range(needles))
-        rng.shuffle(asked)  # drawn under both orders, the last draw of a row: nothing else of the row depends on it
         if order == "balanced":
             asked = balanced_order(index, needles)
+        else:  # the row's last draw, so the haystack, needles and places above are the same under both orders
+            asked = list(range(needles))
+            rng.shuffle(asked)
         rows.append(dict(id=index, context="".join(text).strip(), multi_turns=[
             dict(input=QUESTION.format(kind="number", key=keys[i]), answer=values[i]) for i in asked]))
     return rows
