@@ -149,7 +149,8 @@ ROWS = [
         "our reconstruction_feeds): every chunk after the first quotes the previous one's last 8 tokens.",
         expect={"sinks": 4, "chunk_size": 300, "kept_tail": 0, "repeat_prompts": "kvpress"}),
     Row("KVzip layerwise",
-        "AdaKV(policy=KVzip(sinks=4, chunk_size=2048, repeat_prompts='kvpress'), alpha_safeguard=0.0)",
+        "AdaKV(policy=KVzip(sinks=4, chunk_size=2048, repeat_prompts='kvpress', allocation='uniform'), "
+        "alpha_safeguard=0.0)",
         "KVzipPress(compression_ratio={ratio}, layerwise=True)",
         "As the row above, but layerwise=True evicts the lowest kv_heads * n * ratio scores of each layer over its "
         "heads (kvzip_press.py:380-405): AdaKV's top-k over the heads, with no safeguard (KVzip has none, :372).",

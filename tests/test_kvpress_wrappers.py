@@ -99,7 +99,7 @@ def test_per_chunk_joins_a_last_chunk_too_short_to_vote_and_refuses_what_it_cann
     assert C.PerChunk(policy=C.SnapKV(window_size=WINDOW), chunk_size=44).bounds(96) == [(0, 44), (44, 88), (88, 96)]
     assert C.PerChunk(policy=C.KNorm(), chunk_size=45).bounds(96) == [(0, 45), (45, 90), (90, 96)]
     with pytest.raises(TypeError, match="scores after the prefill"):
-        C.PerChunk(policy=C.KVzip())
+        C.PerChunk(policy=C.KVzip(allocation="uniform"))
     with pytest.raises(ValueError, match="must hold SnapKV's 32 voting queries"):
         C.PerChunk(chunk_size=16)
     model, ids = tiny_ids

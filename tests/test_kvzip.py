@@ -260,22 +260,49 @@ def test_uniform_allocation_keeps_the_budget_per_head():
 
 
 def test_adakv_over_kvzip_is_head_adaptive_per_layer():
-    """AdaKV(policy=KVzip()): each layer keeps budget x KV heads positions, shared among its heads by KVzip's scores;
-    with alpha_safeguard=0, one top count per layer (kvpress KVzipPress(layerwise=True), kvzip_press.py:380-382)."""
+    """AdaKV(policy=KVzip(allocation="uniform")): each layer keeps budget x KV heads positions, shared among its heads
+    by KVzip's scores; with alpha_safeguard=0, one top count per layer (kvpress KVzipPress(layerwise=True),
+    kvzip_press.py:380-382)."""
     model, tokenizer = make_tiny_llama(initializer_range=0.3, num_hidden_layers=3), ByteTokenizer()
     ids, budget = random_ids(9, n=96), 30
     reference = reference_scores(model, tokenizer, ids, sinks=4, start=4, protected=4,
                                  suffix=text_ids(tokenizer, "\n\nAnswer: "), chunk_size=2000)
+    uniform = snapkv_lab.KVzip(allocation="uniform")
     run = snapkv_lab.generate(model, tokenizer, ids, max_new_tokens=2,
-                              policy=snapkv_lab.AdaKV(policy=snapkv_lab.KVzip(), capacity=budget, alpha_safeguard=0.0))
+                              policy=snapkv_lab.AdaKV(policy=uniform, capacity=budget, alpha_safeguard=0.0))
     kept = kept_sets(run.kept_indices)
     layers = [[(layer, head) for head in range(2)] for layer in range(3)]
     assert_top_count(kept, reference, layers, budget * 6)
     assert all(sum(len(kept[l][h]) for l, h in pool) == 2 * budget for pool in layers)
     assert any(len(kept[l][0]) != len(kept[l][1]) for l in range(3))  # head-adaptive
     safeguarded = snapkv_lab.generate(model, tokenizer, ids, max_new_tokens=2,
-                                      policy=snapkv_lab.AdaKV(policy=snapkv_lab.KVzip(), capacity=budget))
+                                      policy=snapkv_lab.AdaKV(policy=uniform, capacity=budget))
     assert all(len(s) >= int(0.2 * budget) for row in kept_sets(safeguarded.kept_indices) for s in row)
+
+
+def test_a_wrapper_carries_the_global_selection_whole_or_refuses_it():
+    """KVzip's one selection across layers: the wrappers that keep what their inner policy keeps (Merging,
+    KeyRerotation) keep exactly KVzip's positions, head counts that differ included; the storage wrappers (a packed
+    layer holds one count per layer) and every wrapper that ranks or budgets by itself refuse it, where they once
+    gave it a uniform budget under an unchanged label; over KVzip(allocation="uniform") KIVI keeps KVzip-uniform's."""
+    model, tokenizer = make_tiny_llama(initializer_range=0.3, num_hidden_layers=3), ByteTokenizer()
+    ids, budget = random_ids(10, n=96), 30
+
+    def kept(policy):
+        return kept_sets(snapkv_lab.generate(model, tokenizer, ids, policy=policy, max_new_tokens=1).kept_indices)
+
+    alone = kept(snapkv_lab.KVzip(capacity=budget))
+    assert len({len(s) for row in alone for s in row}) > 1  # global: rows keep different counts
+    for wrapper in (snapkv_lab.Merging, snapkv_lab.KeyRerotation):
+        assert kept(wrapper(policy=snapkv_lab.KVzip(), capacity=budget)) == alone, wrapper.__name__
+    for wrapper in (snapkv_lab.KIVI, snapkv_lab.ThinK):
+        with pytest.raises(TypeError, match="selects across layers"):
+            wrapper(policy=snapkv_lab.KVzip(), capacity=budget)
+    for wrapper in (snapkv_lab.AdaKV, snapkv_lab.ChunkKV, snapkv_lab.CriticalKV, snapkv_lab.PyramidAllocation):
+        with pytest.raises(TypeError, match="would silently replace"):
+            wrapper(policy=snapkv_lab.KVzip(), capacity=budget)
+    uniform = snapkv_lab.KVzip(allocation="uniform", capacity=budget)
+    assert kept(snapkv_lab.KIVI(policy=uniform, key_bits=4, value_bits=4, capacity=budget)) == kept(uniform)
 
 
 def test_parameters_are_checked_and_labelled():

@@ -195,7 +195,8 @@ INNER = [name for name in NAMES if name not in ("FullCache", "DecodingEviction")
 def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, byte_tokenizer):
     """AdaKV, ChunkKV and CriticalKV wrap any registered scorer, those that score after the prefill (KVzip, Surprisal)
     and wrappers (CriticalKV(AdaKV(...)), kvpress's CriticalAdaKV) included: the composition runs, holds its budget
-    and gives the same kept positions live, from one shared prefill (compare) and under generate."""
+    and gives the same kept positions live, from one shared prefill (compare) and under generate. A selection across
+    layers (KVzip's global allocation, KVCompose) is refused; KVzip's and FastKVzip's uniform allocation is wrapped."""
     if wrapper == inner == "CriticalKV":
         with pytest.raises(TypeError, match="cannot wrap another CriticalKV"):
             snapkv_lab.CriticalKV(policy=snapkv_lab.CriticalKV())
@@ -207,7 +208,14 @@ def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, by
         with pytest.raises(TypeError, match="cannot be wrapped"):
             snapkv_lab.POLICIES[wrapper](policy=build(inner))
         return
-    policy = snapkv_lab.POLICIES[wrapper](policy=build(inner), capacity=0.25)
+    scorer = build(inner)
+    if scorer.selects_across_layers:  # one selection over every layer (KVzip's global): refused, not replaced
+        with pytest.raises(TypeError, match="would silently replace"):
+            snapkv_lab.POLICIES[wrapper](policy=scorer)
+        if not hasattr(scorer, "allocation"):
+            return
+        scorer = build(inner, allocation="uniform")
+    policy = snapkv_lab.POLICIES[wrapper](policy=scorer, capacity=0.25)
     if wrapper == "AdaKV" and policy.storage is not None and policy.storage.packs:  # ragged layers: refused (packed.py)
         with pytest.raises(NotImplementedError, match="head-wise budgets"):
             snapkv_lab.generate(model, byte_tokenizer, prompt(seed=3), policy=policy, max_new_tokens=NEW)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv_lab import KIVI, SnapKV, ThinK, compress
+from snapkv_lab import KIVI, ChunkKV, SnapKV, ThinK, compress, generate
 from snapkv_lab.compression.layers import cache_bytes
 from snapkv_lab.compression.packed import PackedLayer, pack, quantize, unpack
 from snapkv_lab.compression.shared import SharedPrefill
 from snapkv_lab.core.hooks import intercept_attention
-from tests.conftest import make_tiny_llama
+from tests.conftest import ByteTokenizer, make_tiny_llama
 
 N = 300  # prompt tokens
 F32 = 4
@@ -202,3 +202,17 @@ def test_storage_refusals():
         KIVI(residual_length=48)
     with pytest.raises(ValueError, match="quantizes already"):
         KIVI(policy=KIVI())
+
+
+def test_storage_keeps_what_the_inner_policy_keeps():
+    """KIVI and ThinK keep the inner policy's positions by its own rule: ChunkKV's whole chunks, where they once
+    ranked ChunkKV's scores position by position (Policy.keep) under ChunkKV's label."""
+    model, ids = make_tiny_llama(), _prompt()
+
+    def kept(policy):
+        run = generate(model, ByteTokenizer(), ids, policy=policy, max_new_tokens=1)
+        return [k.tolist() for k in run.kept_indices]
+
+    chunks = kept(ChunkKV(capacity=120))
+    for wrapper in (KIVI(policy=ChunkKV(), capacity=120), ThinK(policy=ChunkKV(), capacity=120)):
+        assert kept(wrapper) == chunks, wrapper.label

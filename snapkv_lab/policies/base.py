@@ -245,6 +245,13 @@ class Policy:
         return self.scores_after_prefill or self.layers_share_budget
 
     @property
+    def selects_across_layers(self) -> bool:
+        """Whether `keep_layers` makes one selection over every layer's and KV head's scores (KVzip's and FastKVzip's
+        allocation="global", KVCompose, CAKE, GlobalAllocation), so that layers and heads keep different counts, rather
+        than each layer by `keep`."""
+        return self.layers_share_budget
+
+    @property
     def voters(self) -> int:
         """How many of the last queries `score` votes with (SnapKV: its observation window; TOVA: the last one), or
         `prompt_scores` reads after the prefill (LookaheadQCache's draft window); 0 when it reads none of them, or all

@@ -164,6 +164,10 @@ class FastKVzip(Policy):
             raise ValueError(f"FastKVzip weights {self.weights!r}: no such file")
 
     @property
+    def selects_across_layers(self) -> bool:
+        return self.allocation == "global"
+
+    @property
     def scoring_key(self) -> str:
         """The allocation acts after scoring: variants differing only in it share one pass."""
         return Policy.scoring_key.fget(dataclasses.replace(self, allocation="global"))

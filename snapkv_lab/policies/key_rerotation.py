@@ -23,6 +23,7 @@ never compressed, keep their positions, which stay consistent with the next toke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -38,6 +39,7 @@ class KeyRerotation(Wrapper):
     """`policy` (SnapKV by default) chooses what is kept; the kept keys are re-rotated to contiguous positions ending
     at the last prompt token (see module doc). What is kept is the inner policy's own."""
 
+    keeps_inner_selection: ClassVar[bool] = True
     policy: Policy = field(default_factory=SnapKV)
 
     def __post_init__(self):

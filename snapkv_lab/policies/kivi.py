@@ -18,6 +18,7 @@ the whole cache with its backend's layout and cannot hold an evicted cache's pos
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .storage import Storage
 from .wrapper import Wrapper
@@ -28,6 +29,7 @@ class KIVI(Wrapper):
     """KIVI quantization of the positions `policy` keeps (SnapKV by default; capacity=None keeps all). key_bits,
     value_bits: 2, 4 or 8, or None for full precision; group_size; residual_length (see module doc)."""
 
+    keeps_inner_selection: ClassVar[bool] = True
     capacity: int | float | None = None
     key_bits: int | None = 2
     value_bits: int | None = 2

@@ -94,6 +94,10 @@ class KVCompose(Policy):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
+    def selects_across_layers(self) -> bool:
+        return True  # one top count of composite tokens over every layer (keep_layers)
+
+    @property
     def scoring_key(self) -> str:
         """The allocation acts after scoring: variants differing only in it share one pass."""
         return Policy.scoring_key.fget(dataclasses.replace(self, kept_tail=0, structured=True,

@@ -199,8 +199,9 @@ class KVzip(Policy):
         (kvpress/presses/kvzip_press.py:193, :307, :342, :376).
     allocation: "global" (official `pair`, kvpress layerwise=False): one selection of budget x layers x KV heads
         positions over all of them; "uniform" (official `pair-uniform`): each layer and KV head keeps the budget.
-        Head-adaptive budgets within each layer: AdaKV(policy=KVzip()), close to kvpress's layerwise=True with
-        alpha_safeguard=0. A wrapper's own allocation replaces this one.
+        Head-adaptive budgets within each layer: AdaKV(policy=KVzip(allocation="uniform")), close to kvpress's
+        layerwise=True with alpha_safeguard=0. A wrapper that budgets or ranks by itself refuses the global selection
+        (it would replace it); those that keep what KVzip keeps (Merging, KeyRerotation) carry it (policies.wrapper).
     kept_tail: 0: nothing after the context is kept by right (official: the question comes after scoring).
     repeat_prompts: "official": the later chunks' instruction ends "starting with " before the quoted tokens
         (model/wrapper.py:214); "kvpress": without that space (kvpress/presses/kvzip_press.py:266). Prompts of one
@@ -224,6 +225,10 @@ class KVzip(Policy):
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
         if self.repeat_prompts not in REPEAT_NEXT_BY:
             raise ValueError(f"repeat_prompts must be one of {tuple(REPEAT_NEXT_BY)}, got {self.repeat_prompts!r}")
+
+    @property
+    def selects_across_layers(self) -> bool:
+        return self.allocation == "global"
 
     @property
     def scoring_key(self) -> str:

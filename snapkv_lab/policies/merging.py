@@ -18,6 +18,7 @@ kept positions alone, the merged values among them (compression.engine.merged_va
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -35,6 +36,7 @@ class Merging(Wrapper):
     similar key (see module doc). similarity_threshold: in [0, 1], the least cosine that merges (kvpress's default
     0.0); merge_fraction: in (0, 1], the share of passing evicted positions, most similar first, that merge (1.0)."""
 
+    keeps_inner_selection: ClassVar[bool] = True
     policy: Policy = field(default_factory=SnapKV)
     similarity_threshold: float = 0.0
     merge_fraction: float = 1.0

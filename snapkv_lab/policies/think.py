@@ -19,6 +19,7 @@ channels (compression.packed.PackedLayer); `recent_size=0` prunes every position
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..core.checks import check_int
 from .storage import Storage
@@ -32,6 +33,7 @@ class ThinK(Wrapper):
     the last prompt queries that score channels (official 32); recent_size: the last kept positions whose keys keep
     every channel (official 32)."""
 
+    keeps_inner_selection: ClassVar[bool] = True
     capacity: int | float | None = None
     key_channel_ratio: float = 0.4
     window_size: int = 32

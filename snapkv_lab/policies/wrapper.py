@@ -11,12 +11,19 @@ CriticalKV(policy=AdaKV(policy=SnapKV())) is kvpress's CriticalAdaKV.
 The allocation wrappers (PyramidAllocation, GlobalAllocation, DuoAllocation; AdaKV and HeadKV too) move one budget
 between layers or heads; those that start from the uniform allocation refuse an inner policy with budgets of its own
 (`own_allocation`), which they would silently override.
+
+The wrappers that keep what their inner policy keeps (`keeps_inner_selection`: KIVI, ThinK, Merging, KeyRerotation)
+call its own `keep` and `keep_layers`, so its rule is carried whole (ChunkKV's whole chunks; KVzip's, FastKVzip's and
+KVCompose's one selection across layers). Every other wrapper ranks and budgets each layer by itself: it ranks by the
+inner policy's `ranked` (ChunkKV's is its chunk order) and refuses an inner policy that selects across layers
+(`Policy.selects_across_layers`), which it would silently replace (KVzip(allocation="uniform") is the one it can wrap).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -36,6 +43,11 @@ class Wrapper(Policy):
     policy: Policy = field(default_factory=SnapKV)
     kept_tail: int | None = None  # None: the inner policy's own
 
+    # True: this wrapper keeps exactly the positions its inner policy keeps, by the inner policy's own `keep` and
+    # `keep_layers` (a selection across layers included), and changes how they are stored (KIVI, ThinK) or what their
+    # keys and values hold (Merging, KeyRerotation).
+    keeps_inner_selection: ClassVar[bool] = False
+
     def __post_init__(self):
         if not isinstance(self.policy, Policy) or isinstance(self.policy, FullCache):
             raise TypeError(f"{self.name} wraps a scoring policy (SnapKV, H2O, KVzip, AdaKV(...), ...), got "
@@ -50,6 +62,10 @@ class Wrapper(Policy):
         if self.pooling is not None or self.kernel_size != 1 or self.gqa != "mean":
             raise ValueError(f"{self.name} ranks positions by its inner policy's pooling and GQA reduction: set them "
                              f"on the inner policy ({self.policy.name}(pooling=..., gqa=...)), not on {self.name}")
+        if self.policy.selects_across_layers and not self.keeps_inner_selection:
+            raise TypeError(f"{self.name} ranks and budgets each layer by itself, and {self.policy.name} selects "
+                            "across layers, which it would silently replace: wrap a per-layer policy "
+                            "(KVzip(allocation='uniform'), not KVzip())")
         self.policy = dataclasses.replace(self.policy, **self.shared())
         super().__post_init__()
 
@@ -65,6 +81,18 @@ class Wrapper(Policy):
     voters = _inner("voters")
     scoring_key = _inner("scoring_key")
     storage = _inner("storage")
+
+    @property
+    def selects_across_layers(self) -> bool:
+        return self.policy.selects_across_layers if self.keeps_inner_selection else self.layers_share_budget
+
+    def keep(self, scores: torch.Tensor, budget: LayerBudget) -> torch.Tensor:
+        return self.policy.keep(scores, budget) if self.keeps_inner_selection else super().keep(scores, budget)
+
+    def keep_layers(self, scores: dict[int, torch.Tensor], budget: LayerBudget) -> dict[int, torch.Tensor]:
+        if self.keeps_inner_selection:
+            return self.policy.keep_layers(scores, budget)
+        return super().keep_layers(scores, budget)
 
     def score(self, call: AttentionCall):
         return self.policy.score(call)

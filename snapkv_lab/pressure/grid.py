@@ -56,7 +56,7 @@ WINDOW_ABLATION = (16, 32, 64, 128)  # SnapKV observation windows at a 25% budge
 RULER_LENGTH = 4000
 RULER_POLICIES = (SnapKV(), AdaKV(), PyramidKV(), TOVA(), StreamingLLM())
 RULER_CAPACITY = 1024  # 25% of the RULER contexts
-QUESTION_FREE_POLICIES = (KVzip(), AdaKV(policy=KVzip()), KVzip(pooling="max", kernel_size=3),
+QUESTION_FREE_POLICIES = (KVzip(), AdaKV(policy=KVzip(allocation="uniform")), KVzip(pooling="max", kernel_size=3),
                           KVzip(pooling="max", kernel_size=31), SnapKVFactKernel())
 HAYSTACK_POLICIES = (SnapKV(), SnapKVFactKernel(), Surprisal())
 # The methods the field compares next (head and layer budgets, attention-free scorers, decoding-time eviction, drafted

@@ -71,10 +71,15 @@ PLAN: tuple[Policy, ...] = (
 )
 
 # Added after PLAN's results were read (docs/score_bytes.md says so): the best scorer there, KVzip, under KIVI-4, the
-# best quantization there; run by --follow-up, on the same needles. Under a wrapper KVzip's scores are kept with the
-# wrapper's uniform budget per layer and KV head (policies.kvzip: "A wrapper's own allocation replaces this one"; a
-# packed cache holds no head-wise layer), not KVzip's global allocation: these rows are KVzip-uniform under KIVI-4.
-FOLLOW_UP: tuple[Policy, ...] = (kivi(4, policy=KVzip(), capacity=0.25), kivi(4, policy=KVzip(), capacity=0.125))
+# best quantization there; run by --follow-up, on the same needles. KVzip with its uniform allocation (each layer and KV
+# head the budget): a packed layer holds one count per layer, so KIVI refuses KVzip's global selection (storage.Storage.
+# wrapped). These rows were computed before that refusal, labelled KIVI(policy=KVzip), by the same uniform selection.
+# The last two, added after those rows were read (2026-11-29): KVzip-uniform alone, which splits what the composition
+# loses between the allocation and the quantization.
+FOLLOW_UP: tuple[Policy, ...] = (kivi(4, policy=KVzip(allocation="uniform"), capacity=0.25),
+                                 kivi(4, policy=KVzip(allocation="uniform"), capacity=0.125),
+                                 KVzip(allocation="uniform", capacity=0.25),
+                                 KVzip(allocation="uniform", capacity=0.125))
 
 
 def _chain(policy: Policy):
