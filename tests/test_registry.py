@@ -209,6 +209,10 @@ def test_wrappers_compose_with_every_registered_policy(wrapper, inner, model, by
             snapkv_lab.POLICIES[wrapper](policy=build(inner))
         return
     scorer = build(inner)
+    if not scorer.keeps_by_ranking:  # a keep its ranking does not carry (EntropyGatedChunkKV's gate): refused
+        with pytest.raises(TypeError, match="silently dropped"):
+            snapkv_lab.POLICIES[wrapper](policy=scorer)
+        return
     if scorer.selects_across_layers:  # one selection over every layer (KVzip's global): refused, not replaced
         with pytest.raises(TypeError, match="would silently replace"):
             snapkv_lab.POLICIES[wrapper](policy=scorer)

@@ -252,6 +252,13 @@ class Policy:
         return self.layers_share_budget
 
     @property
+    def keeps_by_ranking(self) -> bool:
+        """Whether `keep` keeps each row's top positions by `ranked` (Policy.keep), so that a wrapper ranking by this
+        policy's `ranked` keeps by its rule; False where `keep` follows a rule that `ranked` does not carry
+        (EntropyGatedChunkKV's entropy gate). ChunkKV's `ranked` is its chunk order."""
+        return type(self).keep is Policy.keep
+
+    @property
     def voters(self) -> int:
         """How many of the last queries `score` votes with (SnapKV: its observation window; TOVA: the last one), or
         `prompt_scores` reads after the prefill (LookaheadQCache's draft window); 0 when it reads none of them, or all

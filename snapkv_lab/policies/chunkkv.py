@@ -38,6 +38,10 @@ class ChunkKV(Wrapper):
         super().__post_init__()
         check_int("chunk_size", self.chunk_size, 1)
 
+    @property
+    def keeps_by_ranking(self) -> bool:
+        return True  # `ranked` is the chunk order: a wrapper ranking by it takes chunks best first
+
     def _chunk_order(self, ranked: torch.Tensor) -> torch.Tensor:
         """(rows, length) scores -> (rows, length) long, distinct per row: the order in which positions are taken,
         best chunk first (the mean of its scores; +inf ones first), positions inside a chunk in order."""

@@ -16,7 +16,8 @@ The wrappers that keep what their inner policy keeps (`keeps_inner_selection`: K
 call its own `keep` and `keep_layers`, so its rule is carried whole (ChunkKV's whole chunks; KVzip's, FastKVzip's and
 KVCompose's one selection across layers). Every other wrapper ranks and budgets each layer by itself: it ranks by the
 inner policy's `ranked` (ChunkKV's is its chunk order) and refuses an inner policy that selects across layers
-(`Policy.selects_across_layers`), which it would silently replace (KVzip(allocation="uniform") is the one it can wrap).
+(`Policy.selects_across_layers`), which it would silently replace (KVzip(allocation="uniform") is the one it can wrap),
+or whose `keep` follows a rule its `ranked` does not carry (`Policy.keeps_by_ranking`: EntropyGatedChunkKV's gate).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class Wrapper(Policy):
             raise TypeError(f"{self.name} ranks and budgets each layer by itself, and {self.policy.name} selects "
                             "across layers, which it would silently replace: wrap a per-layer policy "
                             "(KVzip(allocation='uniform'), not KVzip())")
+        if not (self.policy.keeps_by_ranking or self.keeps_inner_selection):
+            raise TypeError(f"{self.name} ranks by {self.policy.name}'s ranking, which does not carry the rule its "
+                            f"keep follows, so that rule would be silently dropped: put {self.policy.name} outermost")
         self.policy = dataclasses.replace(self.policy, **self.shared())
         super().__post_init__()
 
@@ -85,6 +89,10 @@ class Wrapper(Policy):
     @property
     def selects_across_layers(self) -> bool:
         return self.policy.selects_across_layers if self.keeps_inner_selection else self.layers_share_budget
+
+    @property
+    def keeps_by_ranking(self) -> bool:
+        return self.policy.keeps_by_ranking if self.keeps_inner_selection else type(self).keep is Wrapper.keep
 
     def keep(self, scores: torch.Tensor, budget: LayerBudget) -> torch.Tensor:
         return self.policy.keep(scores, budget) if self.keeps_inner_selection else super().keep(scores, budget)
