@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("--data-dir", default="data", help="where the cells are stored (cells/entries/)")
     parser.add_argument("--examples", type=int, default=None,
                         help="audit the first N examples only (the others' columns left empty; a rerun resumes)")
+    parser.add_argument("--first", type=int, default=0,
+                        help="leave the first K examples out as well (parts run side by side: --first K --examples N)")
     parser.add_argument("--entries-only", type=Path, default=None, metavar="CSV",
                         help="write the audited rows (each table's name, its key columns and the entry columns) to CSV "
                              "and leave the tables as they are: an audit in parts read before the tables are filled")
@@ -32,7 +34,8 @@ def main() -> None:
     models = joined.model.unique()
     if len(models) != 1:
         raise SystemExit(f"one model per run, found {list(models)}")
-    audited = audit_entries(joined, model=models[0], data_dir=args.data_dir, examples=args.examples)
+    audited = audit_entries(joined, model=models[0], data_dir=args.data_dir, examples=args.examples,
+                             first=args.first)
     if args.entries_only is not None:
         keys = ["model", "dataset", "task", "example", "policy", "ratio", "capacity", "mode", "question"]
         done = audited[audited.kv_entries.notna()]

@@ -635,6 +635,10 @@ def test_a_budget_audit_recomputes_the_entries_a_run_recorded(toy, tiny_as_defau
     pd.testing.assert_frame_equal(part.loc[first, COLUMNS].reset_index(drop=True),
                                   table.loc[first, COLUMNS].reset_index(drop=True), check_dtype=False)
     assert (~first).any() and part.loc[~first, COLUMNS].isna().all().all()
+    rest = audit_entries(older, model=None, data_dir=tmp_path / "part", first=1)  # the other part, side by side
+    pd.testing.assert_frame_equal(rest.loc[~first, COLUMNS].reset_index(drop=True),
+                                  table.loc[~first, COLUMNS].reset_index(drop=True), check_dtype=False)
+    assert rest.loc[first, COLUMNS].isna().all().all()
 
     changed = older.assign(context_tokens=older.context_tokens + 1)
     with pytest.raises(ValueError, match="cannot be recomputed"):

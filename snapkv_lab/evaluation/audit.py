@@ -80,15 +80,16 @@ def example_entries(model, tokenizer, config: dict) -> pd.DataFrame:
 
 
 def audit_entries(table: pd.DataFrame, *, model: str | None = None, data_dir="data",
-                  examples: int | None = None) -> pd.DataFrame:
+                  examples: int | None = None, first: int = 0) -> pd.DataFrame:
     """`table` (an `evaluate` table) with COLUMNS filled from recomputed compressions (module doc), placed after
     kept_tokens; cells stored in <data_dir>/cells/entries/. model: the table's model (None: the bundled default).
     examples: audit only the table's first `examples` examples (in its order), leaving the others' COLUMNS empty (an
-    audit in parts: a rerun with a larger number resumes); None audits every one."""
+    audit in parts: a rerun with a larger number resumes); None audits every one. first: leave the first `first`
+    examples out too (parts computed side by side, or on another machine, each its own range)."""
     from ..sweep import ResultStore, run_cells
 
     store = ResultStore(Path(data_dir) / "cells" / CELL_KIND)
-    cells = audit_cells(table, model)[:examples]
+    cells = audit_cells(table, model)[first:examples]
     found = run_cells(cells, example_entries, store, model=model, desc="budget audit")
     found = found.drop(columns="layer_kv_share").drop_duplicates(KEYS)
     keyed = table.drop(columns=[c for c in COLUMNS if c in table], errors="ignore").assign(
@@ -96,7 +97,7 @@ def audit_entries(table: pd.DataFrame, *, model: str | None = None, data_dir="da
         ratio=table.ratio.astype("Float64"), capacity=table.capacity.astype("Int64"))
     merged = keyed.merge(found.rename(columns={"policy_config": "policy_config_key"}), how="left",
                          on=["policy_config_key" if k == "policy_config" else k for k in KEYS], validate="many_to_one")
-    audited = merged.spec.isin(list(dict.fromkeys(table.spec))[:examples])  # audit_cells' order
+    audited = merged.spec.isin(list(dict.fromkeys(table.spec))[first:examples])  # audit_cells' order
     missing = int((merged.kv_entries.isna() & audited).sum())
     if missing:
         raise ValueError(f"{missing} rows found no recomputed entries (a policy, budget or mode the cells lack)")
