@@ -117,7 +117,7 @@ def refuse_after_prefill(policy: Policy, consequence: str) -> None:
     if policy.scores_after_prefill:
         reason = ("scores after the prefill, from the whole prompt's cache or final hidden states (a reconstruction "
                   "forward or the output head over every position)")
-    elif policy.layers_share_budget:
+    elif policy.selects_across_layers:
         reason = "compresses after the prefill: each layer's budget depends on every layer's scores"
     else:
         return
@@ -253,7 +253,7 @@ def compress_again(model, state: CompressionState, ids: torch.Tensor, start: int
 
 def again_refusal(policy: Policy) -> str | None:
     """Why `compress_again` refuses `policy` (what a chunked prefill refuses too), None when it takes it."""
-    if policy.scores_after_prefill or policy.layers_share_budget:
+    if policy.scores_after_prefill or policy.selects_across_layers:
         return "it scores after the whole prefill or shares one budget across layers (KVzip, CAKE)"
     if type(policy).head_budgets is not Policy.head_budgets:
         return "its budgets are head-wise (AdaKV): a ragged layer cannot take the next feed"

@@ -240,9 +240,9 @@ class Policy:
 
     @property
     def compresses_after_prefill(self) -> bool:
-        """Whether the cache can only be compressed after the whole prefill (scores from the whole prompt, or budgets
-        shared across layers): such a policy runs in `generate` and `compare`, never inside `model.generate`."""
-        return self.scores_after_prefill or self.layers_share_budget
+        """Whether the cache can only be compressed after the whole prefill (scores from the whole prompt, or one
+        selection across layers): such a policy runs in `generate` and `compare`, never inside `model.generate`."""
+        return self.scores_after_prefill or self.selects_across_layers
 
     @property
     def selects_across_layers(self) -> bool:
