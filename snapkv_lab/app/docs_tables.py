@@ -438,6 +438,25 @@ def _score_bytes(data_dir: Path) -> str:
     return markdown(read_table(data_dir / TABLE))
 
 
+def _budget_audit(data_dir: Path) -> str:
+    """The budget audit of SmolLM2's 4k tables (scripts/audit_entries.py --entries-only): per policy, the share of the
+    KV entries held against its budget's (evaluation.audit.held_against_budget)."""
+    import pandas as pd
+
+    from ..evaluation.audit import held_against_budget
+
+    entries = pd.read_csv(data_dir / BUDGET_AUDIT)
+    held = held_against_budget(entries)
+    lines = [f"{entries.task.str.cat(entries.example.astype(str)).nunique()} examples, {len(entries)} rows (the full "
+             "cache's among them).", "",
+             "| policy | examples | rows | held - budget, least | held - budget, most | rows over budget |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r.policy} | {r.examples} | {r.rows} | {r.least:+.4f} | {r.most:+.4f} | {r.over_budget} |"
+              for r in held.itertuples()]
+    return "\n".join(lines)
+
+
+BUDGET_AUDIT = "budget_audit_smollm2_4k.csv"
 # The family of comparisons (evaluation.family.FAMILY and RESULTS): every difference block reads its p from there.
 FAMILY_FILES = ("comparison_family.csv", "comparison_family_results.csv")
 # evaluation.turns.TABLE and BALANCED_TABLE (copies, as NOLIMA_TABLES)
@@ -495,6 +514,7 @@ BLOCKS = {
                                  functools.partial(_multi_turn, table=MULTI_TURN_BALANCED_TABLE, depths=True)),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
+    "budget-audit": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_audit),
     "score-bytes": Block("score_bytes.md", ("score_bytes.csv",), _score_bytes),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
