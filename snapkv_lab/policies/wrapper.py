@@ -154,8 +154,8 @@ class Wrapper(Policy):
 def own_allocation(policy: Policy) -> str | None:
     """The name of the policy, `policy` or one it wraps, that sets budgets of its own per layer or per head (PyramidKV,
     AdaKV, HeadKV, DuoAttention, an allocation wrapper, CAKE), or None where every layer and head keeps the uniform
-    budget. KVzip's global selection is not counted: it lives in `keep_layers`, which a wrapper's replaces (its
-    docs)."""
+    budget. A selection across layers (KVzip's global one) is not counted here: `Wrapper` refuses it already, unless
+    the wrapper keeps it whole (module doc)."""
     while True:
         base = Wrapper if isinstance(policy, Wrapper) else Policy
         cls = type(policy)
