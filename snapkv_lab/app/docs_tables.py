@@ -443,11 +443,11 @@ def _budget_audit(data_dir: Path) -> str:
     KV entries held against its budget's (evaluation.audit.held_against_budget)."""
     import pandas as pd
 
-    from ..evaluation.audit import held_against_budget
+    from ..evaluation.audit import example_keys, held_against_budget
 
     entries = pd.read_csv(data_dir / BUDGET_AUDIT)
     held = held_against_budget(entries)
-    lines = [f"{entries.task.str.cat(entries.example.astype(str)).nunique()} examples, {len(entries)} rows (the full "
+    lines = [f"{example_keys(entries).nunique()} examples, {len(entries)} rows (the full "
              "cache's among them).", "",
              "| policy | examples | rows | held - budget, least | held - budget, most | rows over budget |",
              "|---|---:|---:|---:|---:|---:|"]

@@ -106,13 +106,18 @@ def audit_entries(table: pd.DataFrame, *, model: str | None = None, data_dir="da
     return merged[order[:at] + COLUMNS + order[at:]]
 
 
+def example_keys(entries: pd.DataFrame) -> pd.Series:
+    """Each audited row's example: its `spec` (an `audit_entries` table), else task/example (an --entries-only CSV,
+    whose examples stand in several tables)."""
+    return entries.spec if "spec" in entries else entries.task + "/" + entries.example.astype(str)
+
+
 def held_against_budget(entries: pd.DataFrame) -> pd.DataFrame:
-    """Per policy of audited rows (`audit_entries`' COLUMNS beside `policy`, `spec` or `table` + `task` + `example`):
-    the examples and rows audited, the share of the full cache's KV entries held less the budget's share
+    """Per policy of audited rows (`audit_entries`' COLUMNS beside `policy` and the columns `example_keys` reads): the
+    examples and rows audited, the share of the full cache's KV entries held less the budget's share
     (kv_share - budget_share) at its least and most, and the rows over budget. The full cache is left out."""
     rows = entries[entries.policy != "FullCache"]
-    example = rows.spec if "spec" in rows else rows.task + "/" + rows.example.astype(str)
-    rows = rows.assign(example_key=example, gap=rows.kv_share - rows.budget_share)
+    rows = rows.assign(example_key=example_keys(rows), gap=rows.kv_share - rows.budget_share)
     return rows.groupby("policy").agg(
         examples=("example_key", "nunique"), rows=("gap", "size"), least=("gap", "min"), most=("gap", "max"),
         over_budget=("over_budget", "sum")).reset_index()

@@ -12,7 +12,7 @@ import torch
 from ..core.hooks import attention_modules
 from ..core.selection import votes_per_kv_head
 from .base import AttentionCall, LayerBudget, Prompt, prefix_share
-from .wrapper import Wrapper
+from .wrapper import Wrapper, policy_chain
 
 
 def output_norms(module, value: torch.Tensor, heads: int) -> torch.Tensor:
@@ -57,11 +57,8 @@ class CriticalKV(Wrapper):
         super().__post_init__()
         if not 0 <= self.first_stage_ratio <= 1:
             raise ValueError(f"first_stage_ratio must lie in [0, 1], got {self.first_stage_ratio}")
-        inner = self.policy
-        while isinstance(inner, Wrapper):
-            if isinstance(inner, CriticalKV):
-                raise TypeError("CriticalKV weighs the values once: it cannot wrap another CriticalKV")
-            inner = inner.policy
+        if any(isinstance(inner, CriticalKV) for inner in policy_chain(self.policy)):
+            raise TypeError("CriticalKV weighs the values once: it cannot wrap another CriticalKV")
 
     @property
     def scoring_key(self) -> str:

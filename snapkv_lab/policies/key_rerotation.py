@@ -31,7 +31,7 @@ from ..core.rope import LayerRope
 from .base import NO_POSITION, Policy
 from .decoding import EvictsWhileDecoding
 from .snapkv import SnapKV
-from .wrapper import Wrapper
+from .wrapper import Wrapper, policy_chain
 
 
 @dataclass
@@ -46,10 +46,8 @@ class KeyRerotation(Wrapper):
         super().__post_init__()
         if self.per_query_head:
             raise ValueError("KeyRerotation re-rotates the keys of KV heads: per_query_head=True is not supported")
-        inner = self.policy
-        while isinstance(inner, Wrapper) and not isinstance(inner, EvictsWhileDecoding):
-            inner = inner.policy
-        if isinstance(inner, EvictsWhileDecoding) and inner.interval is not None:
+        inner = next((p for p in policy_chain(self.policy) if isinstance(p, EvictsWhileDecoding)), None)
+        if inner is not None and inner.interval is not None:
             raise ValueError(f"{inner.name} evicts while decoding (interval={inner.interval}), after which the kept "
                              f"keys are no longer contiguous: wrap {inner.name}(interval=None)")
 

@@ -25,7 +25,7 @@ import torch
 from .base import NO_POSITION, Policy
 from .decoding import EvictsWhileDecoding
 from .snapkv import SnapKV
-from .wrapper import Wrapper
+from .wrapper import Wrapper, policy_chain
 
 EPS = 1e-6  # merging_press.py's _EPS: the clamp of key norms, and the value-norm denominator's guard
 
@@ -49,16 +49,12 @@ class Merging(Wrapper):
             raise ValueError(f"merge_fraction must lie in (0, 1], got {self.merge_fraction!r}")
         if self.per_query_head:
             raise ValueError("Merging rewrites the values of KV heads: per_query_head=True is not supported")
-        inner = self.policy
-        while True:
+        for inner in policy_chain(self.policy):
             if isinstance(inner, Merging):
                 raise ValueError("Merging wraps a policy that merges already: its values would be merged twice")
             if isinstance(inner, EvictsWhileDecoding) and inner.interval is not None:
                 raise ValueError(f"{inner.name} evicts while decoding (interval={inner.interval}), which Merging does "
                                  f"not merge: wrap {inner.name}(interval=None)")
-            if not isinstance(inner, Wrapper):
-                break
-            inner = inner.policy
 
     def merge(self, key: torch.Tensor, value: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """key, value (kv_heads, n, head_dim), kept (kv_heads, k) positions (NO_POSITION padding) -> (kv_heads, n,

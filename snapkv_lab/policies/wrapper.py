@@ -23,6 +23,7 @@ or whose `keep` follows a rule its `ranked` does not carry (`Policy.keeps_by_ran
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -88,7 +89,7 @@ class Wrapper(Policy):
 
     @property
     def selects_across_layers(self) -> bool:
-        return self.policy.selects_across_layers if self.keeps_inner_selection else self.layers_share_budget
+        return self.policy.selects_across_layers if self.keeps_inner_selection else super().selects_across_layers
 
     @property
     def keeps_by_ranking(self) -> bool:
@@ -151,20 +152,26 @@ class Wrapper(Policy):
         return self._settings_against(type(self)())
 
 
+def policy_chain(policy: Policy) -> Iterator[Policy]:
+    """`policy` and every policy it wraps, outermost first."""
+    yield policy
+    while isinstance(policy, Wrapper):
+        policy = policy.policy
+        yield policy
+
+
 def own_allocation(policy: Policy) -> str | None:
     """The name of the policy, `policy` or one it wraps, that sets budgets of its own per layer or per head (PyramidKV,
     AdaKV, HeadKV, DuoAttention, an allocation wrapper, CAKE), or None where every layer and head keeps the uniform
     budget. A selection across layers (KVzip's global one) is not counted here: `Wrapper` refuses it already, unless
     the wrapper keeps it whole (module doc)."""
-    while True:
-        base = Wrapper if isinstance(policy, Wrapper) else Policy
-        cls = type(policy)
+    for inner in policy_chain(policy):
+        base = Wrapper if isinstance(inner, Wrapper) else Policy
+        cls = type(inner)
         if cls.layer_budget is not base.layer_budget or cls.head_budgets is not base.head_budgets or \
-                policy.layers_share_budget:
-            return policy.name
-        if not isinstance(policy, Wrapper):
-            return None
-        policy = policy.policy
+                inner.layers_share_budget:
+            return inner.name
+    return None
 
 
 def refuse_own_allocation(wrapper: Wrapper, does: str, example: str) -> None:

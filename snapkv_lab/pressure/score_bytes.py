@@ -41,6 +41,7 @@ from ..core.progress import progress_bar
 from ..policies import KIVI, KVzip, Merging, SnapKV, StreamingLLM, ThinK
 from ..policies.base import FullCache, Policy
 from ..policies.storage import Storage
+from ..policies.wrapper import policy_chain
 from .ablations import ABLATION_LENGTH, ANSWER_TOKENS
 from .grid import build_context, dev_needle_specs
 from .runner import MODES, run_retrieval
@@ -82,20 +83,14 @@ FOLLOW_UP: tuple[Policy, ...] = (kivi(4, policy=KVzip(allocation="uniform"), cap
                                  KVzip(allocation="uniform", capacity=0.125))
 
 
-def _chain(policy: Policy):
-    """The policy and every policy it wraps, outermost first."""
-    while policy is not None:
-        yield policy
-        policy = getattr(policy, "policy", None)
-
-
 def axis(policy: Policy) -> str:
     """Which axes of compression a policy uses (module doc): one name, "combined" for several, "full" for none."""
     if isinstance(policy, FullCache):
         return "full"
     storage = policy.storage or Storage()
+    positional = "merging" if any(isinstance(p, Merging) for p in policy_chain(policy)) else "eviction"
     used = [name for name, uses in (
-        ("merging" if any(isinstance(p, Merging) for p in _chain(policy)) else "eviction", policy.capacity is not None),
+        (positional, policy.capacity is not None),
         ("channels", storage.prunes_channels), ("quantization", storage.quantizes)) if uses]
     if not used:
         raise ValueError(f"{policy.label} compresses along no axis: give it a capacity, pruned channels or bits")
@@ -106,7 +101,7 @@ def short_label(policy: Policy) -> str:
     """The policy's axes in words, innermost first, for a figure: "SnapKV 0.25 + ThinK 0.4 + KIVI-4" (the table's
     `label` column holds the full label, every setting)."""
     parts = []
-    for inner in reversed(list(_chain(policy))):
+    for inner in reversed(list(policy_chain(policy))):
         if isinstance(inner, ThinK):
             parts.append(f"ThinK {inner.key_channel_ratio:g}")
         elif isinstance(inner, KIVI):
