@@ -5,6 +5,7 @@ kept_tokens; every other column is left as it was.
 
     python scripts/audit_entries.py data/eval_ruler.csv data/eval_ruler_4k_ratios.csv
     python scripts/audit_entries.py data/gemma-3-270m/eval_ruler_4k_ratios.csv --data-dir data/gemma-3-270m
+    python scripts/audit_entries.py data/eval_ruler.csv ... --from-audit data/budget_audit_smollm2_4k.csv  # no compute
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from snapkv_lab.evaluation.audit import COLUMNS, audit_entries
+from snapkv_lab.evaluation.audit import COLUMNS, audit_entries, entries_of, fill_from_entries
 
 
 def main() -> None:
@@ -28,8 +29,21 @@ def main() -> None:
     parser.add_argument("--entries-only", type=Path, default=None, metavar="CSV",
                         help="write the audited rows (each table's name, its key columns and the entry columns) to CSV "
                              "and leave the tables as they are: an audit in parts read before the tables are filled")
+    parser.add_argument("--from-audit", type=Path, default=None, metavar="CSV",
+                        help="fill the tables from an audit already made (--entries-only CSVs concatenated, e.g. "
+                             "data/budget_audit_smollm2_4k.csv) without recomputing; refused unless it has every row")
     args = parser.parse_args()
     tables = [pd.read_csv(path) for path in args.tables]
+    if args.from_audit is not None:
+        entries = pd.read_csv(args.from_audit)
+        for path, table in zip(args.tables, tables, strict=True):
+            try:
+                filled = fill_from_entries(table, entries, path.name)
+            except ValueError as error:
+                raise SystemExit(str(error)) from None
+            filled.to_csv(path, index=False)
+            _report(path, filled)
+        return
     joined = pd.concat([t.assign(_table=i) for i, t in enumerate(tables)], ignore_index=True)
     models = joined.model.unique()
     if len(models) != 1:
@@ -37,22 +51,24 @@ def main() -> None:
     audited = audit_entries(joined, model=models[0], data_dir=args.data_dir, examples=args.examples,
                              first=args.first)
     if args.entries_only is not None:
-        keys = ["model", "dataset", "task", "example", "policy", "ratio", "capacity", "mode", "question"]
-        done = audited[audited.kv_entries.notna()]
-        done = done.assign(table=[args.tables[i].name for i in done._table])
-        done[["table", *keys, *COLUMNS]].to_csv(args.entries_only, index=False)
-        print(f"{args.entries_only}: {len(done)} rows of {done.spec.nunique()} examples; kv_share by policy and ratio "
-              "(min, max):")
+        done = pd.concat([entries_of(audited[audited._table == i], path.name) for i, path in enumerate(args.tables)])
+        done.to_csv(args.entries_only, index=False)
+        print(f"{args.entries_only}: {len(done)} rows of {done[['task', 'example']].drop_duplicates().shape[0]} "
+              "examples; kv_share by policy and ratio (min, max):")
         print(done.groupby(["policy", "ratio"]).kv_share.agg(["min", "max"]).round(3).unstack().to_string())
         return
     for i, (path, table) in enumerate(zip(args.tables, tables, strict=True)):
         own = audited[audited._table == i].drop(columns="_table")
         columns = [c for c in own.columns if c in table.columns or c in COLUMNS]
         own[columns].to_csv(path, index=False)
-        over = own[own.over_budget.eq(True)]
-        print(f"{path}: {own.kv_entries.notna().sum()} of {len(own)} rows audited, {len(over)} over budget; kv_share "
-              "by policy and ratio (min, max):")
-        print(own.groupby(["policy", "ratio"]).kv_share.agg(["min", "max"]).round(3).unstack().to_string())
+        _report(path, own)
+
+
+def _report(path: Path, table: pd.DataFrame) -> None:
+    over = table[table.over_budget.eq(True)]
+    print(f"{path}: {table.kv_entries.notna().sum()} of {len(table)} rows audited, {len(over)} over budget; kv_share "
+          "by policy and ratio (min, max):")
+    print(table.groupby(["policy", "ratio"]).kv_share.agg(["min", "max"]).round(3).unstack().to_string())
 
 
 if __name__ == "__main__":

@@ -616,7 +616,7 @@ def test_a_budget_audit_recomputes_the_entries_a_run_recorded(toy, tiny_as_defau
     """audit_entries, given a table whose entry columns are gone (a table stored before they existed), refills them
     from compressions rebuilt without decoding: the same numbers the run recorded, row for row, for every policy x
     ratio x mode and the full cache; an example that no longer rebuilds to the recorded context is refused."""
-    from snapkv_lab.evaluation.audit import COLUMNS, audit_entries
+    from snapkv_lab.evaluation.audit import COLUMNS, audit_entries, entries_of, fill_from_entries
 
     options = dict(datasets=["toy"], tasks=["twice"], policies=["SnapKV(window_size=8)", "PyramidKV(window_size=8)",
                                                                  "AdaKV(SnapKV(window_size=8))"],
@@ -639,6 +639,15 @@ def test_a_budget_audit_recomputes_the_entries_a_run_recorded(toy, tiny_as_defau
     pd.testing.assert_frame_equal(rest.loc[~first, COLUMNS].reset_index(drop=True),
                                   table.loc[~first, COLUMNS].reset_index(drop=True), check_dtype=False)
     assert rest.loc[first, COLUMNS].isna().all().all()
+    # The parts' entries, as --entries-only writes them and data/budget_audit_*.csv keeps them, fill the older table
+    # without recomputing: every row as the run recorded it; one part alone is refused, not half filled.
+    entries = pd.concat([entries_of(part, "t.csv"), entries_of(rest, "t.csv"), entries_of(rest, "other.csv")])
+    filled = fill_from_entries(older, entries, "t.csv")
+    assert list(filled.columns) == list(table.columns)
+    pd.testing.assert_frame_equal(filled[COLUMNS].reset_index(drop=True), table[COLUMNS].reset_index(drop=True),
+                                  check_dtype=False)
+    with pytest.raises(ValueError, match="not in the audit"):
+        fill_from_entries(older, entries_of(part, "t.csv"), "t.csv")
 
     changed = older.assign(context_tokens=older.context_tokens + 1)
     with pytest.raises(ValueError, match="cannot be recomputed"):

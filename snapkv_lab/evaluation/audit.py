@@ -106,6 +106,35 @@ def audit_entries(table: pd.DataFrame, *, model: str | None = None, data_dir="da
     return merged[order[:at] + COLUMNS + order[at:]]
 
 
+ENTRY_KEYS = ["model", "dataset", "task", "example", "policy", "ratio", "capacity", "mode", "question"]
+
+
+def entries_of(audited: pd.DataFrame, table_name: str) -> pd.DataFrame:
+    """`audit_entries`' audited rows as an --entries-only CSV keeps them: the table's name, ENTRY_KEYS, COLUMNS."""
+    done = audited[audited.kv_entries.notna()]
+    return done.assign(table=table_name)[["table", *ENTRY_KEYS, *COLUMNS]]
+
+
+def fill_from_entries(table: pd.DataFrame, entries: pd.DataFrame, table_name: str) -> pd.DataFrame:
+    """`table` with COLUMNS taken from an audit already made (`entries_of` rows, e.g. data/budget_audit_*.csv) instead
+    of recomputed: each row joined to the audited row of the same table and ENTRY_KEYS. Refused unless every row of
+    `table` finds exactly one: a table is filled whole or not at all, never with some budgets silently left empty."""
+    own = entries[entries.table == table_name].drop(columns="table")
+    if own.duplicated(ENTRY_KEYS).any():
+        raise ValueError(f"{table_name}: the audit holds a row twice ({int(own.duplicated(ENTRY_KEYS).sum())} repeats)")
+    typed = {"ratio": "Float64", "capacity": "Int64", "question": "Int64", "example": "str"}
+    left = table.drop(columns=[c for c in COLUMNS if c in table]).astype(typed)
+    merged = left.merge(own.astype(typed), how="left", on=ENTRY_KEYS, validate="many_to_one", indicator=True)
+    missing = merged[merged._merge != "both"]
+    if len(missing):
+        examples = (missing.task + "/" + missing.example).unique()
+        raise ValueError(f"{table_name}: {len(missing)} of {len(table)} rows are not in the audit (examples "
+                         f"{', '.join(examples[:5])}{' ...' if len(examples) > 5 else ''}): audit them first")
+    order = list(left.columns)
+    at = order.index("kept_tokens") + 1
+    return merged[order[:at] + COLUMNS + order[at:]]
+
+
 def example_keys(entries: pd.DataFrame) -> pd.Series:
     """Each audited row's example: its `spec` (an `audit_entries` table), else task/example (an --entries-only CSV,
     whose examples stand in several tables)."""
