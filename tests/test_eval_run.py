@@ -654,6 +654,35 @@ def test_a_budget_audit_recomputes_the_entries_a_run_recorded(toy, tiny_as_defau
         audit_entries(changed, model=None, data_dir=tmp_path / "changed")
 
 
+def test_budget_records_say_which_tables_record_what_their_rows_held(tmp_path):
+    """Each table of runs is recorded, audited (whole or in part, by a budget_audit_*.csv of its folder) or not;
+    summaries without a cache-size column and stored cells are no tables of runs."""
+    from snapkv_lab.evaluation.audit import budget_records
+
+    def table(name, examples, **columns):
+        rows = pd.DataFrame(dict(model="m", task="t", example=[str(e) for e in examples], policy="SnapKV",
+                                 kept_tokens=10, **columns))
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        rows.to_csv(tmp_path / name, index=False)
+
+    table("recorded.csv", [0, 1], kv_entries=5)
+    table("whole.csv", [0, 1], spec="{}", policy_config="{}")
+    table("part.csv", [0, 1, 2], spec="{}", policy_config="{}")
+    table("none.csv", [0])
+    table("cells/eval/x.csv", [0])
+    pd.DataFrame(dict(policy=["SnapKV"], p=[0.5])).to_csv(tmp_path / "summary.csv", index=False)
+    pd.DataFrame(dict(table=["whole.csv", "whole.csv", "part.csv", "recorded.csv"], model="m", task="t",
+                      example=["0", "1", "2", "0"])).to_csv(tmp_path / "budget_audit_m.csv", index=False)
+    records = budget_records(tmp_path).set_index("table")
+    assert sorted(records.index) == ["none.csv", "part.csv", "recorded.csv", "whole.csv"]
+    assert records.record.to_dict() == {"none.csv": "not recorded", "part.csv": "audited in part",
+                                        "recorded.csv": "recorded", "whole.csv": "audited"}
+    assert records.audited.to_dict() == {"none.csv": 0, "part.csv": 1, "recorded.csv": 1, "whole.csv": 2}
+    assert records.auditable.to_dict() == {"none.csv": False, "part.csv": True, "recorded.csv": False,
+                                           "whole.csv": True}
+    assert records.loc["part.csv", "examples"] == 3 and records.loc["part.csv", "rows"] == 3
+
+
 def test_the_leaderboard_flags_a_policy_that_held_more_than_its_budget(toy, tiny_as_default, tmp_path):
     """A per-query-head SnapKV holds its budget once per query head (twice the KV heads' budget on the tiny model): its
     rows are over_budget and its leaderboard rows say so, the KV-head SnapKV's do not; kv_share rides along."""

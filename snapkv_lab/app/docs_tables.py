@@ -456,6 +456,24 @@ def _budget_audit(data_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _budget_records(data_dir: Path) -> str:
+    """Which committed tables of runs record the KV entries their rows held (evaluation.audit.budget_records)."""
+    from ..evaluation.audit import budget_records
+
+    records = budget_records(data_dir)
+    kinds = records.record.str.replace(r" as .*", "", regex=True).value_counts()
+    lines = [f"{len(records)} tables of runs in data/: " + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ".",
+             "", "| table | rows | examples | KV entries held | examples audited | to fill it |",
+             "|---|---:|---:|---|---:|---|"]
+    for r in records.itertuples():
+        examples = "-" if r.examples is None or r.examples != r.examples else int(r.examples)  # None or NaN: none
+        done = r.record.startswith("recorded") or r.record == "audited"
+        tool = "-" if done else "scripts/audit_entries.py" if r.auditable else "a rerun (no audit tool for its rows)"
+        audited = "-" if examples == "-" or r.record.startswith("recorded") else r.audited
+        lines.append(f"| {r.table} | {r.rows} | {examples} | {r.record} | {audited} | {tool} |")
+    return "\n".join(lines)
+
+
 BUDGET_AUDIT = "budget_audit_smollm2_4k.csv"
 # The family of comparisons (evaluation.family.FAMILY and RESULTS): every difference block reads its p from there.
 FAMILY_FILES = ("comparison_family.csv", "comparison_family_results.csv")
@@ -515,6 +533,7 @@ BLOCKS = {
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
     "budget-audit": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_audit),
+    "budget-records": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_records),
     "score-bytes": Block("score_bytes.md", ("score_bytes.csv",), _score_bytes),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),

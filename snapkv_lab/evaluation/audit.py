@@ -135,6 +135,49 @@ def fill_from_entries(table: pd.DataFrame, entries: pd.DataFrame, table_name: st
     return merged[order[:at] + COLUMNS + order[at:]]
 
 
+# Columns that say how big a run's cache was: a table with one of them holds runs (not a summary or a family).
+_CACHE_COLUMNS = ("kv_entries", "kept_tokens", "cache_length", "kept_entries", "cache_after_prefill")
+# Columns that record the KV entries held, summed over layers and KV heads, under another name than kv_entries.
+_ENTRIES_AS = {"kept_entries": "kept_entries (the context's entries kept, in positions' worth)",
+               "footprint_integral": "footprint_integral and _peak (entries over decoding)"}
+
+
+def budget_records(data_dir="data") -> pd.DataFrame:
+    """Every table of runs under `data_dir` (a CSV with `policy` and a cache-size column; per-model folders included),
+    and how the KV entries its rows held are known. Columns: table (path under data_dir), rows, examples
+    (task/example pairs, None where the table has none), record: "recorded" (the run wrote kv_entries), "recorded as
+    <column>", "audited" (every example in a budget_audit_*.csv of data_dir), "audited in part" (some), or "not
+    recorded"; audited (its examples in an audit); auditable: an eval table (rows with spec and policy_config), which
+    scripts/audit_entries.py rebuilds."""
+    data_dir = Path(data_dir)
+    audits = [pd.read_csv(path) for path in sorted(data_dir.glob("budget_audit_*.csv"))]
+    audit = pd.concat(audits) if audits else pd.DataFrame(columns=["table", "model", "task", "example"])
+    audited_keys = set(zip(audit.table, audit.model, audit.task, audit.example.astype(str)))
+    rows = []
+    for path in sorted(data_dir.glob("**/*.csv")):
+        if path.name.startswith("budget_audit_") or "cells" in path.relative_to(data_dir).parts:
+            continue
+        columns = set(pd.read_csv(path, nrows=0).columns)
+        if "policy" not in columns or not columns & set(_CACHE_COLUMNS):
+            continue
+        table = pd.read_csv(path, usecols=list({"policy", "model", "task", "example", "kv_entries"} & columns))
+        pairs = (set(zip(table.model, table.task, table.example.astype(str)))
+                 if {"model", "task", "example"} <= columns else None)
+        audited = 0 if pairs is None else sum((path.name, *pair) in audited_keys for pair in pairs)
+        if "kv_entries" in table and table.kv_entries.notna().all():
+            record = "recorded"
+        elif other := next((name for name in _ENTRIES_AS if name in columns), None):
+            record = f"recorded as {_ENTRIES_AS[other]}"
+        elif pairs and audited == len(pairs):
+            record = "audited"
+        else:
+            record = "audited in part" if audited else "not recorded"
+        rows.append(dict(table=str(path.relative_to(data_dir)), rows=len(table),
+                         examples=None if pairs is None else len(pairs), record=record, audited=audited,
+                         auditable={"spec", "policy_config"} <= columns))
+    return pd.DataFrame(rows)
+
+
 def example_keys(entries: pd.DataFrame) -> pd.Series:
     """Each audited row's example: its `spec` (an `audit_entries` table), else task/example (an --entries-only CSV,
     whose examples stand in several tables)."""
