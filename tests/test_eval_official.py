@@ -640,3 +640,26 @@ def test_ruler_averages_over_13_and_11_side_by_side(tmp_path):
     assert "| FullCache | 85 [85, 85] / 100 |" in text and "| SnapKV | 42 [42, 42] / 50 | - |" in text
     ruler_table(R.SYNTHETIC_TASKS).to_csv(tmp_path / "eval_eleven.csv", index=False)
     assert "| FullCache | 100 [100, 100] |" in _leaderboard(tmp_path, "eleven")
+    assert "†" not in text  # a table that records no KV entries flags nothing
+
+
+def test_the_docs_leaderboard_flags_a_cell_held_over_budget(tmp_path):
+    """Where the table records (or an audit filled) the KV entries held, a cell whose examples held more than the
+    budget in any example is marked and counted, and the held shares are printed per ratio."""
+    from snapkv_lab.app.docs_tables import _leaderboard
+
+    table = ruler_table(R.SYNTHETIC_TASKS)
+    compressed = table.policy == "SnapKV"
+    first = compressed & (table.task == R.SYNTHETIC_TASKS[0]) & (table.example == "0")
+    table = table.assign(kv_entries=100, kv_share=compressed.map({True: 0.5, False: 1.0}),
+                         budget_share=compressed.map({True: 0.5, False: 1.0}), over_budget=first)
+    table.loc[first, "kv_share"] = 0.6
+    table.to_csv(tmp_path / "eval_flagged.csv", index=False)
+    text = _leaderboard(tmp_path, "flagged")
+    assert "| SnapKV | 50 [50, 50] † |" in text and "| FullCache | 100 [100, 100] |" in text
+    assert "(1 of 1 cells; `over_budget`)" in text
+    share = 0.5 + 0.1 / (2 * len(R.SYNTHETIC_TASKS))  # one of the 22 examples held 0.6
+    assert f"0.5: {share:.3f} to {share:.3f}" in text
+    table.assign(over_budget=False).to_csv(tmp_path / "eval_flagged.csv", index=False)
+    text = _leaderboard(tmp_path, "flagged")
+    assert "| SnapKV | 50 [50, 50] |" in text and "(0 of 1 cells" in text

@@ -108,7 +108,8 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
 
     def cell(row, policy, mode, ratio) -> str:
         text = interval_text(row.score, row.low, row.high)
-        return text if synthetic is None else f"{text} / {synthetic[(policy, mode, ratio)]:.0f}"
+        text = text if synthetic is None else f"{text} / {synthetic[(policy, mode, ratio)]:.0f}"
+        return text + (" †" if bool(getattr(row, "over_budget", False)) else "")
 
     base = full.iloc[0]
     lines.append("| FullCache | " + " | ".join(cell(base, "FullCache", base["mode"], base.ratio) for _ in columns)
@@ -117,6 +118,13 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
         part = part.set_index(["mode", "ratio"])
         lines.append(f"| {policy} | " + " | ".join(
             cell(part.loc[c], policy, *c) if c in part.index else "-" for c in columns) + " |")
+    if "over_budget" in board:  # the run recorded (or an audit filled) the KV entries its rows held
+        over = int(board.over_budget.eq(True).sum())
+        lines += ["", f"† held more KV entries than its budget allows beyond rounding, in some example ({over} of "
+                      f"{len(compressed)} cells; `over_budget`): not a comparison at matched totals. The policies' "
+                      "mean share of the full cache's KV entries held, least to most, per ratio: " + "; ".join(
+                          f"{ratio:g}: {part.kv_share.min():.3f} to {part.kv_share.max():.3f}"
+                          for ratio, part in compressed.groupby("ratio"))]
     return "\n".join(lines + ["", _full_cache_per_task(table)])
 
 
