@@ -662,4 +662,8 @@ def test_the_docs_leaderboard_flags_a_cell_held_over_budget(tmp_path):
     assert f"0.5: {share:.3f} to {share:.3f}" in text
     table.assign(over_budget=False).to_csv(tmp_path / "eval_flagged.csv", index=False)
     text = _leaderboard(tmp_path, "flagged")
-    assert "| SnapKV | 50 [50, 50] |" in text and "(0 of 1 cells" in text
+    assert "| SnapKV | 50 [50, 50] |" in text and "(0 of 1 cells" in text and "under budget" not in text
+    table.assign(over_budget=False, kv_share=compressed.map({True: 0.4, False: 1.0})).to_csv(
+        tmp_path / "eval_flagged.csv", index=False)  # a tenth of the cache short of its budget: named
+    assert "Held under budget by more than 0.01 of the full cache on average: SnapKV (agnostic 0.5)" in _leaderboard(
+        tmp_path, "flagged")
