@@ -669,17 +669,20 @@ def test_budget_records_say_which_tables_record_what_their_rows_held(tmp_path):
     table("whole.csv", [0, 1], spec="{}", policy_config="{}")
     table("part.csv", [0, 1, 2], spec="{}", policy_config="{}")
     table("none.csv", [0])
+    table("filled.csv", [0], kv_entries=5, spec="{}", policy_config="{}")
     table("cells/eval/x.csv", [0])
     pd.DataFrame(dict(policy=["SnapKV"], p=[0.5])).to_csv(tmp_path / "summary.csv", index=False)
-    pd.DataFrame(dict(table=["whole.csv", "whole.csv", "part.csv", "recorded.csv"], model="m", task="t",
-                      example=["0", "1", "2", "0"])).to_csv(tmp_path / "budget_audit_m.csv", index=False)
+    pd.DataFrame(dict(table=["whole.csv", "whole.csv", "part.csv", "recorded.csv", "filled.csv"], model="m", task="t",
+                      example=["0", "1", "2", "0", "0"])).to_csv(tmp_path / "budget_audit_m.csv", index=False)
     records = budget_records(tmp_path).set_index("table")
-    assert sorted(records.index) == ["none.csv", "part.csv", "recorded.csv", "whole.csv"]
-    assert records.record.to_dict() == {"none.csv": "not recorded", "part.csv": "audited in part",
-                                        "recorded.csv": "recorded", "whole.csv": "audited"}
-    assert records.audited.to_dict() == {"none.csv": 0, "part.csv": 1, "recorded.csv": 1, "whole.csv": 2}
-    assert records.auditable.to_dict() == {"none.csv": False, "part.csv": True, "recorded.csv": False,
-                                           "whole.csv": True}
+    assert sorted(records.index) == ["filled.csv", "none.csv", "part.csv", "recorded.csv", "whole.csv"]
+    assert records.record.to_dict() == {"filled.csv": "filled from an audit", "none.csv": "not recorded",
+                                        "part.csv": "audited in part", "recorded.csv": "recorded",
+                                        "whole.csv": "audited"}
+    assert records.audited.to_dict() == {"filled.csv": 1, "none.csv": 0, "part.csv": 1, "recorded.csv": 1,
+                                         "whole.csv": 2}
+    assert records.auditable.to_dict() == {"filled.csv": True, "none.csv": False, "part.csv": True,
+                                           "recorded.csv": False, "whole.csv": True}
     assert records.loc["part.csv", "examples"] == 3 and records.loc["part.csv", "rows"] == 3
 
 

@@ -145,7 +145,8 @@ _ENTRIES_AS = {"kept_entries": "kept_entries (the context's entries kept, in pos
 def budget_records(data_dir="data") -> pd.DataFrame:
     """Every table of runs under `data_dir` (a CSV with `policy` and a cache-size column; per-model folders included),
     and how the KV entries its rows held are known. Columns: table (path under data_dir), rows, examples
-    (task/example pairs, None where the table has none), record: "recorded" (the run wrote kv_entries), "recorded as
+    (task/example pairs, None where the table has none), record: "recorded" (the run wrote kv_entries), "filled from
+    an audit" (kv_entries written from a budget_audit_*.csv of data_dir that holds every example), "recorded as
     <column>", "audited" (every example in a budget_audit_*.csv of data_dir), "audited in part" (some), or "not
     recorded"; audited (its examples in an audit); auditable: an eval table (rows with spec and policy_config), which
     scripts/audit_entries.py rebuilds."""
@@ -164,11 +165,12 @@ def budget_records(data_dir="data") -> pd.DataFrame:
         pairs = (set(zip(table.model, table.task, table.example.astype(str)))
                  if {"model", "task", "example"} <= columns else None)
         audited = 0 if pairs is None else sum((path.name, *pair) in audited_keys for pair in pairs)
+        whole = bool(pairs) and audited == len(pairs)
         if "kv_entries" in table and table.kv_entries.notna().all():
-            record = "recorded"
+            record = "filled from an audit" if whole else "recorded"
         elif other := next((name for name in _ENTRIES_AS if name in columns), None):
             record = f"recorded as {_ENTRIES_AS[other]}"
-        elif pairs and audited == len(pairs):
+        elif whole:
             record = "audited"
         else:
             record = "audited in part" if audited else "not recorded"
