@@ -684,6 +684,7 @@ def test_budget_records_say_which_tables_record_what_their_rows_held(tmp_path):
     assert records.auditable.to_dict() == {"filled.csv": True, "none.csv": False, "part.csv": True,
                                            "recorded.csv": False, "whole.csv": True}
     assert records.loc["part.csv", "examples"] == 3 and records.loc["part.csv", "rows"] == 3
+    assert sorted(records.index[records.known]) == ["filled.csv", "recorded.csv", "whole.csv"]
 
 
 def test_the_leaderboard_flags_a_policy_that_held_more_than_its_budget(toy, tiny_as_default, tmp_path):

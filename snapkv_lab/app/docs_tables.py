@@ -482,8 +482,7 @@ def _budget_records(data_dir: Path) -> str:
              "|---|---:|---:|---|---:|---|"]
     for r in records.itertuples():
         examples = "-" if r.examples is None or r.examples != r.examples else int(r.examples)  # None or NaN: none
-        done = r.record.startswith(("recorded", "filled")) or r.record == "audited"
-        tool = "-" if done else "scripts/audit_entries.py" if r.auditable else "a rerun (no audit tool for its rows)"
+        tool = "-" if r.known else "scripts/audit_entries.py" if r.auditable else "a rerun (no audit tool for its rows)"
         audited = "-" if examples == "-" or r.record.startswith("recorded") else r.audited
         lines.append(f"| {r.table} | {r.rows} | {examples} | {r.record} | {audited} | {tool} |")
     return "\n".join(lines)

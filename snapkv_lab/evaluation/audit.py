@@ -148,8 +148,8 @@ def budget_records(data_dir="data") -> pd.DataFrame:
     (task/example pairs, None where the table has none), record: "recorded" (the run wrote kv_entries), "filled from
     an audit" (kv_entries written from a budget_audit_*.csv of data_dir that holds every example), "recorded as
     <column>", "audited" (every example in a budget_audit_*.csv of data_dir), "audited in part" (some), or "not
-    recorded"; audited (its examples in an audit); auditable: an eval table (rows with spec and policy_config), which
-    scripts/audit_entries.py rebuilds."""
+    recorded"; known: every row's entries are known (neither of the last two); audited (its examples in an audit);
+    auditable: an eval table (rows with spec and policy_config), which scripts/audit_entries.py rebuilds."""
     data_dir = Path(data_dir)
     audits = [pd.read_csv(path) for path in sorted(data_dir.glob("budget_audit_*.csv"))]
     audit = pd.concat(audits) if audits else pd.DataFrame(columns=["table", "model", "task", "example"])
@@ -175,7 +175,8 @@ def budget_records(data_dir="data") -> pd.DataFrame:
         else:
             record = "audited in part" if audited else "not recorded"
         rows.append(dict(table=str(path.relative_to(data_dir)), rows=len(table),
-                         examples=None if pairs is None else len(pairs), record=record, audited=audited,
+                         examples=None if pairs is None else len(pairs), record=record,
+                         known=record not in ("audited in part", "not recorded"), audited=audited,
                          auditable={"spec", "policy_config"} <= columns))
     return pd.DataFrame(rows)
 
