@@ -1,11 +1,14 @@
-"""Fill kv_entries, kv_share, budget_share and over_budget into committed eval tables stored before their rows
-recorded them: each example's compressions are rebuilt and counted without decoding (snapkv_lab.evaluation.audit),
-resumable (cells under <data-dir>/cells/entries/), and the table is rewritten in place with the columns after
-kept_tokens; every other column is left as it was.
+"""Fill kv_entries, kv_share, budget_share and over_budget into committed eval and needle tables stored before their
+rows recorded them: each example's (context's) compressions are rebuilt and counted without decoding
+(snapkv_lab.evaluation.audit; snapkv_lab.pressure.audit for the needle suites' pressure_*.csv, whose rows are checked
+against what their runs recorded), resumable (cells under <data-dir>/cells/), and the table is rewritten in place with
+the columns after kept_tokens (cache_length); every other column is left as it was.
 
     python scripts/audit_entries.py data/eval_ruler.csv data/eval_ruler_4k_ratios.csv
     python scripts/audit_entries.py data/gemma-3-270m/eval_ruler_4k_ratios.csv --data-dir data/gemma-3-270m
     python scripts/audit_entries.py data/eval_ruler.csv ... --from-audit data/budget_audit_smollm2_4k.csv  # no compute
+    python scripts/audit_entries.py data/pressure_*.csv --entries-only data/budget_audit_needles_smollm2.csv
+    python scripts/audit_entries.py data/gemma-3-270m/pressure_*.csv --model gemma-3-270m --data-dir data/gemma-3-270m
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from snapkv_lab.evaluation.audit import COLUMNS, audit_entries, entries_of, fill_from_entries
+from snapkv_lab.pressure.audit import audit_tables, fill_table
 
 
 def main() -> None:
@@ -32,8 +36,19 @@ def main() -> None:
     parser.add_argument("--from-audit", type=Path, default=None, metavar="CSV",
                         help="fill the tables from an audit already made (--entries-only CSVs concatenated, e.g. "
                              "data/budget_audit_smollm2_4k.csv) without recomputing; refused unless it has every row")
+    parser.add_argument("--model", default=None,
+                        help="needle tables: the model they ran (default: their model column, else the bundled "
+                             "SmolLM2)")
     args = parser.parse_args()
     tables = [pd.read_csv(path) for path in args.tables]
+    needle = [path.name.startswith("pressure_") for path in args.tables]
+    if any(needle):
+        if not all(needle):
+            raise SystemExit("audit the needle tables (pressure_*.csv) and the eval tables in separate runs")
+        if args.examples is not None or args.first:
+            raise SystemExit("--examples and --first are the eval tables' parts: a needle audit resumes from its cells")
+        _needle_tables(args, tables)
+        return
     if args.from_audit is not None:
         entries = pd.read_csv(args.from_audit)
         for path, table in zip(args.tables, tables, strict=True):
@@ -64,11 +79,37 @@ def main() -> None:
         _report(path, own)
 
 
+def _needle_tables(args, tables: list[pd.DataFrame]) -> None:
+    named = {path.name: table for path, table in zip(args.tables, tables, strict=True)}
+    if args.from_audit is not None:
+        audited = pd.read_csv(args.from_audit)
+    else:
+        models = {m for table in tables if "model" in table for m in table.model.unique()}
+        if args.model is None and len(models) > 1:
+            raise SystemExit(f"one model per run, found {sorted(models)}")
+        model = args.model or next(iter(models), None)
+        audited = audit_tables(named, model=model, data_dir=args.data_dir).assign(model=model)
+        if args.entries_only is not None:
+            audited.to_csv(args.entries_only, index=False)
+            print(f"{args.entries_only}: {len(audited)} rows, {int((~audited.agrees).sum())} rebuilt otherwise than "
+                  "recorded; kv_share by policy (min, max):")
+            print(audited.groupby("policy").kv_share.agg(["min", "max"]).round(3).to_string())
+            return
+    for path, table in zip(args.tables, tables, strict=True):
+        try:
+            filled = fill_table(table, audited, path.name)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        filled.to_csv(path, index=False)
+        _report(path, filled)
+
+
 def _report(path: Path, table: pd.DataFrame) -> None:
     over = table[table.over_budget.eq(True)]
     print(f"{path}: {table.kv_entries.notna().sum()} of {len(table)} rows audited, {len(over)} over budget; kv_share "
           "by policy and ratio (min, max):")
-    print(table.groupby(["policy", "ratio"]).kv_share.agg(["min", "max"]).round(3).unstack().to_string())
+    budget = "ratio" if "ratio" in table else "capacity"
+    print(table.groupby(["policy", budget], dropna=False).kv_share.agg(["min", "max"]).round(3).unstack().to_string())
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ temporary folder; its answers are noise, but greedy decoding makes them the same
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -141,3 +142,42 @@ def test_the_ray_executor_writes_the_same_table(tiny_chat_model, uninterrupted, 
         shutil.rmtree(session, ignore_errors=True)
     assert f"{N_CELLS} cells, 0 already in" in messages and "(ray)" in messages
     assert_same_table(tmp_path / tiny_chat_model.name / "pressure_needle.csv", uninterrupted)
+
+
+def test_the_needle_budget_audit_recounts_what_the_runs_recorded(tiny_chat_model, uninterrupted, tmp_path):
+    """pressure.audit rebuilds each row's context from its columns and its policy from its label, without decoding:
+    on the grid's own table (whose runs recorded their entries) it agrees row by row and fills the same entries; a
+    row whose recorded run differs from the rebuild is refused, not filled."""
+    from snapkv_lab.compression.entries import ENTRY_COLUMNS
+    from snapkv_lab.pressure.audit import audit_tables, fill_table
+
+    stored = uninterrupted.drop(columns=ENTRY_COLUMNS)  # as the tables made before the columns existed
+    audited = audit_tables({"pressure_needle.csv": stored}, model=str(tiny_chat_model), data_dir=tmp_path)
+    assert len(audited) == len(stored) and audited.agrees.all()
+    filled = fill_table(stored, audited, "pressure_needle.csv")
+    pd.testing.assert_frame_equal(filled, uninterrupted, check_dtype=False)
+    compressed = filled[filled.policy == "SnapKV"]
+    assert (compressed.kv_share < 1).all() and (filled[filled.policy == "FullCache"].kv_share == 1).all()
+    moved = stored.assign(cache_length=stored.cache_length.where(stored.policy != "SnapKV", 65))
+    again = audit_tables({"pressure_needle.csv": moved}, model=str(tiny_chat_model), data_dir=tmp_path)  # from cells
+    assert (~again.agrees).sum() == N_CELLS
+    with pytest.raises(ValueError, match=f"{N_CELLS} of {2 * N_CELLS} rows rebuild otherwise"):
+        fill_table(moved, again, "pressure_needle.csv")
+
+
+def test_needle_rows_name_the_context_their_suite_built():
+    from snapkv_lab.pressure.audit import context_spec, read_label, row_specs
+    from snapkv_lab.pressure.grid import dev_needle_specs, haystack_specs, ruler_specs
+
+    needle = dict(task="needle", haystack="essays", length=4000, depth=0.25, sample=2)
+    assert context_spec(needle) in dev_needle_specs({})  # the essays are the needle builder's default haystack
+    assert context_spec(dict(needle, haystack="logs", sample=0)) in haystack_specs({})
+    ruler = dict(task="multivalue", value_kind="word", length=4000, sample=0)
+    assert context_spec(ruler) in ruler_specs({})
+    lines = pd.DataFrame(dict(task="lines", length=2000, sample=0, key=["a", "b", "c", "a"]))
+    assert json.loads(row_specs(lines)[0]) == dict(builder="lines", n_tokens=2000, n_queries=3, sample=0)
+    with pytest.raises(ValueError, match="no context builder"):
+        context_spec(dict(needle, task="summary"))
+    assert read_label("HeadKV(policy=SnapKV(window_size=32), redistribute=True)").policy.window_size == 32
+    with pytest.raises(ValueError, match="unknown policy"):
+        read_label("SnapKv")

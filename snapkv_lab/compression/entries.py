@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 from .layers import row_entries
 
+# A results table's columns for what a run held (HeldEntries.columns), in this order after its cache-size column.
+ENTRY_COLUMNS = ["kv_entries", "kv_share", "budget_share", "over_budget"]
+
 
 @dataclass(frozen=True)
 class HeldEntries:

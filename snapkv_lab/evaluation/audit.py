@@ -19,13 +19,13 @@ import pandas as pd
 import torch
 
 from ..compression import SharedPrefill
+from ..compression.entries import ENTRY_COLUMNS as COLUMNS
 from ..compression.entries import HeldEntries
 from ..compression.generation import MODES, run_states
 from ..policies import policy_config, policy_from_config, upgrade_config
 from .run import prepared_example
 
 CELL_KIND = "entries"
-COLUMNS = ["kv_entries", "kv_share", "budget_share", "over_budget"]
 KEYS = ["spec", "policy_config", "mode", "question", "ratio", "capacity"]
 
 
