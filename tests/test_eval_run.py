@@ -674,7 +674,19 @@ def test_budget_records_say_which_tables_record_what_their_rows_held(tmp_path):
     pd.DataFrame(dict(policy=["SnapKV"], p=[0.5])).to_csv(tmp_path / "summary.csv", index=False)
     pd.DataFrame(dict(table=["whole.csv", "whole.csv", "part.csv", "recorded.csv", "filled.csv"], model="m", task="t",
                       example=["0", "1", "2", "0", "0"])).to_csv(tmp_path / "budget_audit_m.csv", index=False)
+    # needle tables (no examples: contexts) in a model's folder, filled whole from that folder's needle audit or not
+    needle = dict(task="needle", policy="SnapKV", capacity=64, mode="query-aware", cache_length=64)
+    (tmp_path / "other").mkdir()
+    for name in ("pressure_a.csv", "pressure_b.csv"):
+        pd.DataFrame([dict(needle, kv_entries=5)]).to_csv(tmp_path / "other" / name, index=False)
+    pd.DataFrame([needle]).to_csv(tmp_path / "other" / "pressure_c.csv", index=False)
+    pd.DataFrame(dict(table=["pressure_a.csv"], spec="{}", key="k")).to_csv(
+        tmp_path / "other" / "budget_audit_needles.csv", index=False)
     records = budget_records(tmp_path).set_index("table")
+    needles = records.loc[["other/pressure_a.csv", "other/pressure_b.csv", "other/pressure_c.csv"]]
+    assert needles.record.tolist() == ["filled from an audit", "recorded", "not recorded"]
+    assert needles.auditable.all() and needles.known.tolist() == [True, True, False]
+    records = records.drop(needles.index)
     assert sorted(records.index) == ["filled.csv", "none.csv", "part.csv", "recorded.csv", "whole.csv"]
     assert records.record.to_dict() == {"filled.csv": "filled from an audit", "none.csv": "not recorded",
                                         "part.csv": "audited in part", "recorded.csv": "recorded",

@@ -146,16 +146,25 @@ def budget_records(data_dir="data") -> pd.DataFrame:
     """Every table of runs under `data_dir` (a CSV with `policy` and a cache-size column; per-model folders included),
     and how the KV entries its rows held are known. Columns: table (path under data_dir), rows, examples
     (task/example pairs, None where the table has none), record: "recorded" (the run wrote kv_entries), "filled from
-    an audit" (kv_entries written from a budget_audit_*.csv of data_dir that holds every example), "recorded as
-    <column>", "audited" (every example in a budget_audit_*.csv of data_dir), "audited in part" (some), or "not
-    recorded"; known: every row's entries are known (neither of the last two); audited (its examples in an audit);
-    auditable: an eval table (rows with spec and policy_config), which scripts/audit_entries.py rebuilds."""
+    an audit" (kv_entries written from a budget_audit_*.csv of the table's folder that holds every example, or, for a
+    needle table, its rows), "recorded as <column>", "audited" (every example in a budget_audit_*.csv of its folder),
+    "audited in part" (some), or "not recorded"; known: every row's entries are known (neither of the last two);
+    audited (its examples in an audit); auditable: a table scripts/audit_entries.py rebuilds (an eval table, rows with
+    spec and policy_config, or a needle table, rows with task, capacity, mode and cache_length: pressure.audit)."""
     data_dir = Path(data_dir)
-    audits = [pd.read_csv(path) for path in sorted(data_dir.glob("budget_audit_*.csv"))]
-    audit = pd.concat(audits) if audits else pd.DataFrame(columns=["table", "model", "task", "example"])
-    audited_keys = set(zip(audit.table, audit.model, audit.task, audit.example.astype(str)))
+    audited_examples, audited_tables = set(), set()
+    for path in sorted(data_dir.glob("**/budget_audit_*.csv")):
+        if "cells" in path.relative_to(data_dir).parts:
+            continue
+        audit = pd.read_csv(path)
+        tables = audit.table.map(lambda name, folder=path.parent: str((folder / name).relative_to(data_dir)))
+        if "spec" in audit:  # a needle audit (pressure.audit): whole tables, row by row
+            audited_tables |= set(tables)
+        else:
+            audited_examples |= set(zip(tables, audit.model, audit.task, audit.example.astype(str)))
     rows = []
     for path in sorted(data_dir.glob("**/*.csv")):
+        name = str(path.relative_to(data_dir))
         if path.name.startswith("budget_audit_") or "cells" in path.relative_to(data_dir).parts:
             continue
         columns = set(pd.read_csv(path, nrows=0).columns)
@@ -164,20 +173,20 @@ def budget_records(data_dir="data") -> pd.DataFrame:
         table = pd.read_csv(path, usecols=list({"policy", "model", "task", "example", "kv_entries"} & columns))
         pairs = (set(zip(table.model, table.task, table.example.astype(str)))
                  if {"model", "task", "example"} <= columns else None)
-        audited = 0 if pairs is None else sum((path.name, *pair) in audited_keys for pair in pairs)
-        whole = bool(pairs) and audited == len(pairs)
+        audited = 0 if pairs is None else sum((name, *pair) in audited_examples for pair in pairs)
+        whole = name in audited_tables if pairs is None else bool(pairs) and audited == len(pairs)
         if "kv_entries" in table and table.kv_entries.notna().all():
             record = "filled from an audit" if whole else "recorded"
-        elif other := next((name for name in _ENTRIES_AS if name in columns), None):
+        elif other := next((column for column in _ENTRIES_AS if column in columns), None):
             record = f"recorded as {_ENTRIES_AS[other]}"
         elif whole:
             record = "audited"
         else:
             record = "audited in part" if audited else "not recorded"
-        rows.append(dict(table=str(path.relative_to(data_dir)), rows=len(table),
-                         examples=None if pairs is None else len(pairs), record=record,
+        rows.append(dict(table=name, rows=len(table), examples=None if pairs is None else len(pairs), record=record,
                          known=record not in ("audited in part", "not recorded"), audited=audited,
-                         auditable={"spec", "policy_config"} <= columns))
+                         auditable={"spec", "policy_config"} <= columns
+                         or {"task", "capacity", "mode", "cache_length"} <= columns))
     return pd.DataFrame(rows)
 
 
