@@ -482,7 +482,8 @@ def _budget_records(data_dir: Path) -> str:
              "|---|---:|---:|---|---:|---|"]
     for r in records.itertuples():
         examples = "-" if r.examples is None or r.examples != r.examples else int(r.examples)  # None or NaN: none
-        tool = "-" if r.known else "scripts/audit_entries.py" if r.auditable else "a rerun (no audit tool reads its rows)"
+        tool = ("-" if r.known else "scripts/audit_entries.py" if r.auditable
+                else "a rerun (no audit tool reads its rows)")
         audited = "-" if examples == "-" or r.record.startswith("recorded") else r.audited
         lines.append(f"| {r.table} | {r.rows} | {examples} | {r.record} | {audited} | {tool} |")
     return "\n".join(lines)
