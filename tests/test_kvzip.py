@@ -282,9 +282,10 @@ def test_adakv_over_kvzip_is_head_adaptive_per_layer():
 
 def test_a_wrapper_carries_the_global_selection_whole_or_refuses_it():
     """KVzip's one selection across layers: the wrappers that keep what their inner policy keeps (Merging,
-    KeyRerotation) keep exactly KVzip's positions, head counts that differ included; the storage wrappers (a packed
-    layer holds one count per layer) and every wrapper that ranks or budgets by itself refuse it, where they once
-    gave it a uniform budget under an unchanged label; over KVzip(allocation="uniform") KIVI keeps KVzip-uniform's."""
+    KeyRerotation) and the storage wrappers (KIVI, ThinK: each ragged head stored packed) keep exactly KVzip's
+    positions, head counts that differ included; every wrapper that ranks or budgets by itself refuses it, where they
+    once gave it a uniform budget under an unchanged label; over KVzip(allocation="uniform") KIVI keeps
+    KVzip-uniform's."""
     model, tokenizer = make_tiny_llama(initializer_range=0.3, num_hidden_layers=3), ByteTokenizer()
     ids, budget = random_ids(10, n=96), 30
 
@@ -293,11 +294,8 @@ def test_a_wrapper_carries_the_global_selection_whole_or_refuses_it():
 
     alone = kept(snapkv_lab.KVzip(capacity=budget))
     assert len({len(s) for row in alone for s in row}) > 1  # global: rows keep different counts
-    for wrapper in (snapkv_lab.Merging, snapkv_lab.KeyRerotation):
+    for wrapper in (snapkv_lab.Merging, snapkv_lab.KeyRerotation, snapkv_lab.KIVI, snapkv_lab.ThinK):
         assert kept(wrapper(policy=snapkv_lab.KVzip(), capacity=budget)) == alone, wrapper.__name__
-    for wrapper in (snapkv_lab.KIVI, snapkv_lab.ThinK):
-        with pytest.raises(TypeError, match="selects across layers"):
-            wrapper(policy=snapkv_lab.KVzip(), capacity=budget)
     for wrapper in (snapkv_lab.AdaKV, snapkv_lab.ChunkKV, snapkv_lab.CriticalKV, snapkv_lab.PyramidAllocation):
         with pytest.raises(TypeError, match="would silently replace"):
             wrapper(policy=snapkv_lab.KVzip(), capacity=budget)

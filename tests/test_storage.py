@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv_lab import KIVI, ChunkKV, SnapKV, ThinK, compress, generate
-from snapkv_lab.compression.layers import cache_bytes
-from snapkv_lab.compression.packed import PackedLayer, pack, quantize, unpack
+from snapkv_lab import KIVI, AdaKV, ChunkKV, SnapKV, ThinK, compress, generate
+from snapkv_lab.compression.layers import CompressedLayer, HeadwiseLayer, cache_bytes
+from snapkv_lab.compression.packed import PackedHeadwiseLayer, PackedLayer, pack, quantize, unpack
 from snapkv_lab.compression.shared import SharedPrefill
 from snapkv_lab.core.hooks import intercept_attention
+from snapkv_lab.policies.storage import Storage
 from tests.conftest import ByteTokenizer, make_tiny_llama
 
 N = 300  # prompt tokens
@@ -120,13 +121,16 @@ def _held_bytes(cache) -> int:
     """The bytes of the storages a cache's layers really hold: every KV tensor's whole storage, each once (a view of
     a bigger tensor counts that tensor)."""
     storages = {}
-    for layer in cache.layers:
+    def held(layer):
+        if isinstance(layer, PackedHeadwiseLayer):
+            return [t for head in (*(h for row in layer.heads for h in row), layer.appended) for t in held(head)]
         if isinstance(layer, PackedLayer):
-            tensors = [t for b in (*layer.key_blocks, *layer.value_blocks) for t in b.tensors]
-            tensors += [layer.key_tail, layer.value_tail]
-        else:
-            tensors = [layer.keys, layer.values]
-        for t in tensors:
+            return [t for b in (*layer.key_blocks, *layer.value_blocks) for t in b.tensors] + [layer.key_tail,
+                                                                                              layer.value_tail]
+        return [layer.keys, layer.values]
+
+    for layer in cache.layers:
+        for t in held(layer):
             if t.numel():
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
@@ -179,6 +183,20 @@ def test_reported_bytes_are_held_bytes(case):
     assert cache_bytes(shared.cache) == _held_bytes(shared.cache) == expected
 
 
+def test_one_kv_head_holds_only_its_reported_bytes():
+    """A one-KV-head model (Gemma 3 270M's layout): a slice of its tokens is contiguous already, so a tail taken as a
+    view would keep the whole prompt's keys alive; the stored tails are copies, and the bytes held are those reported
+    and those the layout predicts, prompt and decoding alike."""
+    model, ids = make_tiny_llama(num_key_value_heads=1), _prompt()
+    policy = KIVI(policy=ThinK(key_channel_ratio=0.5), capacity=200, residual_length=32)
+    with torch.inference_mode(), compress(model, policy) as state:
+        model(ids, past_key_values=state.cache)
+        assert cache_bytes(state.cache) == _held_bytes(state.cache) == _expected_bytes(
+            200, 16, ratio=0.5, key_bits=2, value_bits=2, residual=32, heads=1)
+        model.generate(ids, past_key_values=state.cache, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    assert cache_bytes(state.cache) == _held_bytes(state.cache)
+
+
 def test_kivi_quantizes_while_decoding_as_the_official_code():
     """After prefill of n, KIVI's key residual is n mod R and grows until it holds R, then is quantized whole; the
     value residual stays at R, its oldest token quantized each step (llama_kivi.py:140-168)."""
@@ -216,3 +234,66 @@ def test_storage_keeps_what_the_inner_policy_keeps():
     chunks = kept(ChunkKV(capacity=120))
     for wrapper in (KIVI(policy=ChunkKV(), capacity=120), ThinK(policy=ChunkKV(), capacity=120)):
         assert kept(wrapper) == chunks, wrapper.label
+
+
+RAGGED = dict(ThinK=ThinK(policy=AdaKV(), capacity=0.25, key_channel_ratio=0.5),
+              KIVI=KIVI(policy=AdaKV(), capacity=0.25, residual_length=32, group_size=8),
+              both=KIVI(policy=ThinK(policy=AdaKV(), key_channel_ratio=0.25), capacity=0.25, key_bits=4, value_bits=4,
+                        residual_length=32, group_size=8))
+
+
+@pytest.mark.parametrize("case", list(RAGGED))
+def test_head_wise_budgets_store_each_head_packed(case):
+    """Over AdaKV's ragged heads, ThinK and KIVI store each KV head's kept positions by the papers' layout on its own:
+    the positions AdaKV keeps, and bytes that are held bytes and equal the layout's, head by head (_expected_bytes,
+    one head of t_h positions); live and shared prefills agree; decoding appends and quantizes as KIVI does."""
+    policy = RAGGED[case]
+    storage = policy.storage
+    model, ids = make_tiny_llama(), _prompt()
+    with torch.inference_mode(), compress(model, policy) as state:
+        model(ids, past_key_values=state.cache)
+    with torch.inference_mode(), compress(model, AdaKV(capacity=0.25)) as plain:
+        model(ids, past_key_values=plain.cache)
+    assert all(isinstance(layer, PackedHeadwiseLayer) for layer in state.cache.layers)
+    for ours, theirs in zip(state.cache.layers, plain.cache.layers, strict=True):
+        assert torch.equal(ours.kept, theirs.kept)
+        counts = (ours.kept >= 0).sum(-1)[0].tolist()
+        assert len(set(counts)) > 1  # ragged: the case this layer exists for
+        expected = sum(_expected_bytes(t, model.config.head_dim, ratio=storage.key_channel_ratio,
+                                       recent=storage.full_channel_recent, key_bits=storage.key_bits,
+                                       value_bits=storage.value_bits, group=storage.group_size,
+                                       residual=storage.residual_length, layers=1, heads=1) for t in counts)
+        assert ours.nbytes() == expected < theirs.nbytes()
+    assert cache_bytes(state.cache) == _held_bytes(state.cache)
+    shared = SharedPrefill.run(model, None, ids, [policy]).state(policy)
+    assert cache_bytes(shared.cache) == cache_bytes(state.cache)
+    with torch.inference_mode(), compress(model, policy) as state:
+        model.generate(ids, past_key_values=state.cache, max_new_tokens=40, do_sample=False, min_new_tokens=40)
+    layer = state.cache.layers[0]
+    appended, fed = layer.appended, layer.seen - N  # 39 fed: the last new token never is
+    assert appended.keys.shape[-2] == fed == 39 and layer.positions.shape[-1] == layer.kept.shape[-1] + fed
+    if storage.key_bits is not None:  # whole groups of residual_length quantized, the rest in full precision
+        assert appended.key_tail.shape[-2] == fed % 32 and sum(b.slots for b in appended.key_blocks) == fed - fed % 32
+    assert cache_bytes(state.cache) == _held_bytes(state.cache)
+
+
+def test_equal_heads_store_as_a_dense_packed_layer():
+    """Where every head keeps as many positions, the per-head layout stores each head exactly as a PackedLayer stores
+    that head of the dense layer (codes, scales, kept channels, tails; the same bytes)."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(1, 2, 200, 16, generator=generator) for _ in range(2))
+    kept = torch.stack([torch.randperm(200, generator=generator)[:70].sort().values for _ in range(2)])[None]
+    query = torch.randn(1, 4, 32, 16, generator=generator)
+    storage = Storage(key_channel_ratio=0.25, key_bits=2, value_bits=4, group_size=8, residual_length=16)
+    dense = CompressedLayer(keys.gather(2, kept[..., None].expand(-1, -1, -1, 16)),
+                            values.gather(2, kept[..., None].expand(-1, -1, -1, 16)), kept, 200)
+    packed = PackedLayer(dense, storage, storage.kept_channels(query[0], dense.keys[0])[None])
+    ragged = HeadwiseLayer(keys, values, kept)
+    channels = [[storage.kept_channels(query[0, 2 * h:2 * h + 2], head[None])[None] for h, head in
+                 enumerate(ragged.prompt_keys[0])]]
+    stored = PackedHeadwiseLayer(ragged, storage, channels)
+    for h in range(2):
+        torch.testing.assert_close(stored.prompt_keys[0][h], packed.keys[0, h], rtol=0, atol=0)
+        torch.testing.assert_close(stored.prompt_values[0][h], packed.values[0, h], rtol=0, atol=0)
+    assert stored.nbytes() == packed.nbytes()
+    assert not torch.equal(stored.prompt_keys[0][0], ragged.prompt_keys[0][0])  # quantized: not the dense keys

@@ -1,4 +1,5 @@
-"""A cache layer stored as its policy's `Storage` says: pruned key channels (ThinK), quantized keys and values (KIVI).
+"""A cache layer stored as its policy's `Storage` says: pruned key channels (ThinK), quantized keys and values (KIVI);
+a head-wise (ragged) layer's heads each stored so on their own (PackedHeadwiseLayer).
 
 The layer holds, per keys and values, a tuple of stored blocks of consecutive slots and a full-precision tail:
 
@@ -17,10 +18,12 @@ share blocks decode on their own.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..policies.storage import Storage
 from .layers import CompressedLayer, HeadwiseLayer, held_positions
@@ -104,12 +107,19 @@ def unpack(packed: torch.Tensor, bits: int, axis: int) -> torch.Tensor:
     return spread.flatten(axis - 1, axis)
 
 
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy that holds only its own elements: a slice of a one-KV-head layer's tokens is contiguous
+    already, and `.contiguous()` would return it as a view that keeps the whole tensor's storage alive (bytes
+    reported as saved, still held)."""
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _key_block(keys: torch.Tensor, storage: Storage, channels: torch.Tensor | None) -> Block:
     """Keys (b, h, t, d) stored: their kept channels (channels: (b, h, c)), quantized per channel if key_bits."""
     if channels is not None:
         keys = keys.gather(-1, channels[:, :, None].expand(-1, -1, keys.shape[2], -1))
     if storage.key_bits is None:
-        return Block(keys.shape[2], dense=keys.contiguous(), channels=channels)
+        return Block(keys.shape[2], dense=owned(keys), channels=channels)
     return quantize(keys, storage.key_bits, storage.group_size, -2, channels)
 
 
@@ -136,10 +146,10 @@ class PackedLayer(CompressedLayer):
         stored = pruned if channels is not None else quantized  # the rest: the full-precision tail
         self.key_blocks = ((_key_block(keys[:, :, :quantized], storage, channels),) if quantized else ()) + (
             (_key_block(keys[:, :, quantized:stored], dense, channels),) if stored > quantized else ())
-        self.key_tail = keys[:, :, stored:].contiguous()
+        self.key_tail = owned(keys[:, :, stored:])
         held = n if storage.value_bits is None else min(n, storage.residual_length)
         self.value_blocks = (_value_block(values[:, :, :n - held], storage),) if n - held else ()
-        self.value_tail = values[:, :, n - held:].contiguous()
+        self.value_tail = owned(values[:, :, n - held:])
 
     # Dense views for whatever reads a layer's keys and values (attention, cache_lengths, stack_forks): rebuilt.
     @property
@@ -180,11 +190,11 @@ class PackedLayer(CompressedLayer):
         if storage.key_bits is not None and residual and self.key_tail.shape[-2] >= residual:
             whole = self.key_tail.shape[-2] - self.key_tail.shape[-2] % residual
             self.key_blocks = (*self.key_blocks, _key_block(self.key_tail[:, :, :whole], storage, None))
-            self.key_tail = self.key_tail[:, :, whole:].contiguous()
+            self.key_tail = owned(self.key_tail[:, :, whole:])
         if storage.value_bits is not None and self.value_tail.shape[-2] > residual:
             over = self.value_tail.shape[-2] - residual
             self.value_blocks = (*self.value_blocks, _value_block(self.value_tail[:, :, :over], storage))
-            self.value_tail = self.value_tail[:, :, over:].contiguous()
+            self.value_tail = owned(self.value_tail[:, :, over:])
         return keys, values
 
     def evict(self, kept_slots: torch.Tensor) -> None:
@@ -200,6 +210,74 @@ class PackedLayer(CompressedLayer):
         return sum(t.nbytes for t in unique.values())
 
 
+class PackedHeadwiseLayer(HeadwiseLayer):
+    """A HeadwiseLayer (head-wise budgets: AdaKV, HeadKV, DuoAttention, KVzip's global selection) stored as `storage`
+    says: each KV head's kept prompt positions as a PackedLayer of that head alone (its own quantization groups and
+    full-precision tail, its own ThinK channels, chosen from its own kept keys), the tokens appended after the prompt
+    as one PackedLayer over every head. kept_keys, kept_values, keys and values are rebuilt dense at each read, in
+    the HeadwiseLayer's layout, so that its attention (layers.headwise_attention) reads them unchanged.
+
+    heads[b][h]: batch row b's KV head h; channels: heads' kept key channels alike, (1, 1, c) or None.
+
+    KIVI's groups of tokens never span a head's last kept prompt tokens and the first appended ones: a head's prompt
+    keys past its last whole group stay in full precision (fewer than residual_length), where KIVI's own cache, one
+    dense sequence, groups them with the tokens that follow; with heads of equal counts the prompt is stored exactly
+    as a PackedLayer stores it (tests/test_quantized.py)."""
+
+    def __init__(self, layer: HeadwiseLayer, storage: Storage, channels: list[list[torch.Tensor | None]] | None):
+        state = {k: v for k, v in vars(layer).items() if k not in ("keys", "values", "kept_keys", "kept_values")}
+        self.__dict__.update(state)
+        self.storage = storage
+        counts = (self.kept >= 0).sum(-1).tolist()
+        self.heads = [[PackedLayer(_one_head(layer, keys, values, self.kept[b, h, :n], self.seen), storage,
+                                   None if channels is None else channels[b][h])
+                       for h, (keys, values, n) in enumerate(zip(row_keys, row_values, counts[b], strict=True))]
+                      for b, (row_keys, row_values) in enumerate(zip(layer.prompt_keys, layer.prompt_values,
+                                                                      strict=True))]
+        if layer.keys.shape[-2]:
+            raise ValueError("a head-wise layer is stored packed right after its prompt's compression, with no "
+                             f"token appended yet ({layer.keys.shape[-2]} here)")
+        empty = CompressedLayer(layer.keys, layer.values, self.kept[..., :0], self.seen)
+        self.appended = PackedLayer(empty, storage, None)
+
+    @property
+    def kept_keys(self) -> torch.Tensor:
+        return self._slots([[head.keys[0, 0] for head in row] for row in self.heads])
+
+    @property
+    def kept_values(self) -> torch.Tensor:
+        return self._slots([[head.values[0, 0] for head in row] for row in self.heads])
+
+    def _slots(self, rows: list[list[torch.Tensor]]) -> torch.Tensor:
+        """(batch, slots, head_dim): each row's heads one after the other, zero slots after the row's last."""
+        width = self.slot_hidden.shape[-1]
+        joined = [torch.cat(row, 0) for row in rows]
+        return torch.stack([F.pad(row, (0, 0, 0, width - row.shape[0])) for row in joined])
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.appended.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.appended.values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.appended = copy.copy(self.appended)  # forks share the one before: each updates its own copy
+        keys, values = self.appended.update(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        return keys, values
+
+    def nbytes(self) -> int:
+        return sum(head.nbytes() for row in self.heads for head in row) + self.appended.nbytes()
+
+
+def _one_head(layer: HeadwiseLayer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+              seen: int) -> CompressedLayer:
+    """One KV head's kept prompt keys and values (kept, head_dim) as a one-row, one-head CompressedLayer."""
+    return CompressedLayer(keys[None, None], values[None, None], positions[None, None], seen)
+
+
 def pack_layers(storage: Storage, cache, layers: list[int], queries: dict[int, torch.Tensor] | None,
                 pads: torch.Tensor | None = None) -> None:
     """Store each of `layers` of `cache` (after the positional policy's compression, or as the prefill left it) as
@@ -211,17 +289,25 @@ def pack_layers(storage: Storage, cache, layers: list[int], queries: dict[int, t
                                   "the prompts one at a time")
     for layer in layers:
         held = cache.layers[layer]
-        if isinstance(held, HeadwiseLayer):
-            raise NotImplementedError("pruned or quantized storage (ThinK, KIVI) of head-wise budgets (a ragged "
-                                      "layer) is not supported: use an inner policy with one budget per layer")
-        if not isinstance(held, CompressedLayer):  # the prompt fitted: every position, in order
-            n = held.keys.shape[-2]
-            held = CompressedLayer(held.keys, held.values, held_positions(held, n), n)
-        channels = None
+        query = None
         if storage.prunes_channels:
             if queries is None or layer not in queries or queries[layer].shape[2] < storage.channel_window:
                 raise RuntimeError(f"ThinK scores layer {layer}'s key channels with the prompt's last "
                                    f"{storage.channel_window} queries, which the prefill did not keep")
             query = queries[layer][:, :, -storage.channel_window:]
+        if isinstance(held, HeadwiseLayer):
+            channels = None
+            if query is not None:  # each KV head's channels from its query heads and its own kept keys
+                group = query.shape[1] // held.kept.shape[1]
+                channels = [[owned(storage.kept_channels(query[b, h * group:(h + 1) * group], keys[None])[None])
+                             if len(keys) else None for h, keys in enumerate(row)]
+                            for b, row in enumerate(held.prompt_keys)]
+            cache.layers[layer] = PackedHeadwiseLayer(held, storage, channels)
+            continue
+        if not isinstance(held, CompressedLayer):  # the prompt fitted: every position, in order
+            n = held.keys.shape[-2]
+            held = CompressedLayer(held.keys, held.values, held_positions(held, n), n)
+        channels = None
+        if query is not None:
             channels = torch.stack([storage.kept_channels(query[b], held.keys[b]) for b in range(query.shape[0])])
         cache.layers[layer] = PackedLayer(held, storage, channels)

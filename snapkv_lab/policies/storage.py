@@ -78,12 +78,7 @@ class Storage:
     def wrapped(self, wrapper, **settings) -> Storage:
         """This (an inner policy's) storage with the storage wrapper `wrapper`'s `settings` added, refused where it
         already uses the axis they set: a second wrapper of one axis would silently replace the first one's
-        settings, and where the inner policy selects across layers: its layers keep different counts per KV head,
-        which a packed layer cannot hold (compression.packed)."""
-        if wrapper.policy.selects_across_layers:
-            raise TypeError(f"{wrapper.name} stores each layer packed, with one count of kept positions for all its KV "
-                            f"heads, and {wrapper.policy.label} selects across layers (its heads keep different "
-                            "counts): wrap a per-layer policy, e.g. KVzip(allocation='uniform')")
+        settings."""
         for fields, used, uses in ((_QUANTIZATION, self.quantizes, "quantizes"),
                                    (_CHANNELS, self.prunes_channels, "prunes key channels")):
             if used and fields & settings.keys():
