@@ -433,15 +433,28 @@ def _methods(data_dir: Path) -> str:
     found = {(r.policy, r.mode): f"{int(r.correct)}/{int(r.asked)} [{r.correct_low:.2f}, {r.correct_high:.2f}]"
              for r in summary.itertuples()}
     aware = summary[summary["mode"].isin(["query-aware", "full"])].set_index("policy")
+    # the share of the full cache's KV entries held (kv_share, recorded or filled by the budget audit), query-aware
+    held = (table[table["mode"].isin(["query-aware", "full"])].groupby("policy").kv_share.agg(["min", "max"])
+            if "kv_share" in table else None)
+
+    def share(policy):
+        if held is None:
+            return "-"
+        low, high = held.loc[policy]
+        return f"{low:.3f}" if round(low, 3) == round(high, 3) else f"{low:.3f}-{high:.3f}"
+
     lines = ["| method | query-aware: found [95%] | query-agnostic: found [95%] | kept tokens (longest layer) | "
-             "coverage / oracle | needle attention served |", "|---|---|---|---:|---:|---:|"]
+             "KV entries held (share) | coverage / oracle | needle attention served |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for policy in dict.fromkeys(summary.policy):
         row = aware.loc[policy]
         if policy == "FullCache":
-            lines.append(f"| FullCache | {found[(policy, 'full')]} | (the same run) | {row.cache_length:.0f} | 1 | 1 |")
+            lines.append(f"| FullCache | {found[(policy, 'full')]} | (the same run) | {row.cache_length:.0f} | "
+                         f"{share(policy)} | 1 | 1 |")
             continue
         lines.append(f"| {policy} | {found[(policy, 'query-aware')]} | {found.get((policy, 'query-agnostic'), '-')} | "
-                     f"{row.cache_length:.0f} | {row.coverage_of_oracle:.2f} | {row.value_served:.2f} |")
+                     f"{row.cache_length:.0f} | {share(policy)} | {row.coverage_of_oracle:.2f} | "
+                     f"{row.value_served:.2f} |")
     return "\n".join(lines)
 
 
