@@ -50,14 +50,7 @@ def main() -> None:
         _needle_tables(args, tables)
         return
     if args.from_audit is not None:
-        entries = pd.read_csv(args.from_audit)
-        for path, table in zip(args.tables, tables, strict=True):
-            try:
-                filled = fill_from_entries(table, entries, path.name)
-            except ValueError as error:
-                raise SystemExit(str(error)) from None
-            filled.to_csv(path, index=False)
-            _report(path, filled)
+        _write_filled(args, tables, fill_from_entries, pd.read_csv(args.from_audit))
         return
     joined = pd.concat([t.assign(_table=i) for i, t in enumerate(tables)], ignore_index=True)
     models = joined.model.unique()
@@ -95,9 +88,15 @@ def _needle_tables(args, tables: list[pd.DataFrame]) -> None:
                   "recorded; kv_share by policy (min, max):")
             print(audited.groupby("policy").kv_share.agg(["min", "max"]).round(3).to_string())
             return
+    _write_filled(args, tables, fill_table, audited)
+
+
+def _write_filled(args, tables: list[pd.DataFrame], fill, audit: pd.DataFrame) -> None:
+    """Each table rewritten in place as fill(table, audit, its file name) fills it; one the audit cannot fill whole
+    stops the run with fill's reason."""
     for path, table in zip(args.tables, tables, strict=True):
         try:
-            filled = fill_table(table, audited, path.name)
+            filled = fill(table, audit, path.name)
         except ValueError as error:
             raise SystemExit(str(error)) from None
         filled.to_csv(path, index=False)
