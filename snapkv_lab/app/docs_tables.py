@@ -484,6 +484,29 @@ def _budget_audit(data_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _needle_audit(data_dir: Path) -> str:
+    """The needle tables' budget audit (pressure.audit), per model: the tables it filled and, per policy, the share of
+    the KV entries held against its budget's (evaluation.audit.held_against_budget; contexts, not examples)."""
+    import pandas as pd
+
+    from ..evaluation.audit import held_against_budget
+
+    lines = []
+    for name in NEEDLE_AUDITS:
+        entries = pd.read_csv(data_dir / name)
+        held = held_against_budget(entries)
+        folder = Path("data", name).parent
+        lines += [f"**{entries.model.dropna().iloc[0]}** (`data/{name}`): {entries.spec.nunique()} contexts, "
+                  f"{len(entries)} rows of {', '.join(sorted(entries.table.unique()))} in {folder}/; rows whose "
+                  f"rebuild departs from what their run recorded: {int((~entries.agrees).sum())}.", "",
+                  "| policy | contexts | rows | held - budget, least | held - budget, most | rows over budget |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r.policy} | {r.examples} | {r.rows} | {r.least:+.4f} | {r.most:+.4f} | {r.over_budget} |"
+                  for r in held.itertuples()]
+        lines.append("")
+    return "\n".join(lines[:-1])
+
+
 def _budget_records(data_dir: Path) -> str:
     """Which committed tables of runs record the KV entries their rows held (evaluation.audit.budget_records)."""
     from ..evaluation.audit import budget_records
@@ -503,6 +526,7 @@ def _budget_records(data_dir: Path) -> str:
 
 
 BUDGET_AUDIT = "budget_audit_smollm2_4k.csv"
+NEEDLE_AUDITS = ("budget_audit_needles_smollm2.csv", "gemma-3-270m/budget_audit_needles.csv")
 UNDER_BUDGET = 0.01  # a leaderboard cell's mean held share this far below its budget's is named as under budget
 # The family of comparisons (evaluation.family.FAMILY and RESULTS): every difference block reads its p from there.
 FAMILY_FILES = ("comparison_family.csv", "comparison_family_results.csv")
@@ -563,6 +587,7 @@ BLOCKS = {
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
     "budget-audit": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_audit),
     "budget-records": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_records),
+    "needle-audit": Block("benchmarks.md", NEEDLE_AUDITS, _needle_audit),
     "score-bytes": Block("score_bytes.md", ("score_bytes.csv",), _score_bytes),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
