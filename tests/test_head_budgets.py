@@ -18,6 +18,7 @@ from conftest import ByteTokenizer, make_tiny_llama
 from reference import eager_attentions, official_capacities
 
 import snapkv_lab as C
+from snapkv_lab.compression.packed import PackedHeadwiseLayer
 from snapkv_lab.compression.reference import masked_decode
 from snapkv_lab.core.hooks import intercept_attention, model_eager_function, returned_cache, with_cache
 from snapkv_lab.policies import headkv, policy_config, policy_from_config, retrieval_heads, upgrade_config
@@ -327,3 +328,46 @@ def test_redistribute_keeps_the_labelled_budget():
     held = [(k[0] >= 0).sum(-1) - WINDOW for k in run.kept_indices]  # prefix positions per KV head
     assert int(sum(h.sum() for h in held)) == 4 * (CAPACITY - WINDOW)  # 4 KV heads x b, as SnapKV's uniform cache
     assert max(int(h.max()) for h in held) == N - WINDOW  # the strongest head holds its whole prefix
+
+
+def test_think_over_ragged_heads_attends_as_zeroed_channels():
+    """ThinK over DuoAttention's ragged heads (compression.packed.PackedHeadwiseLayer): decoding with the streaming
+    heads' window rolling gives, step by step, the logits of DuoAttention's own cache whose kept keys have each head's
+    pruned channels zeroed (kvpress's ThinK, think_press.py:90-92), read from the channels each head stored. The
+    window rolls under the wrapper too (Wrapper.decode_window: it once froze, as rolling=False, under ThinK's label)."""
+    model = scored(make_tiny_llama(initializer_range=0.3), [[0.0, 0.7, 0.2, 0.1], [0.4, 0.5, 0.0, 0.0]])
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(9))
+    duo = C.DuoAttention(capacity=48, sink_size=4, recent_size=12)
+    think = C.ThinK(policy=duo, capacity=48, key_channel_ratio=0.5, recent_size=0)
+    steps = 16  # recent_size 12: the streaming heads' window slides off the prompt
+    tokens, ours, theirs = [], [], []
+
+    def step(cache, token, at):
+        return model(token, past_key_values=cache, position_ids=torch.tensor([[N + at]])).logits[:, -1]
+
+    with torch.inference_mode(), C.compress(model, think) as packed:
+        token = model(ids, past_key_values=packed.cache).logits[:, -1].argmax(-1, keepdim=True)
+        for at in range(steps):
+            tokens.append(token)
+            ours.append(step(packed.cache, token, at))
+            token = ours[-1].argmax(-1, keepdim=True)
+    with torch.inference_mode(), C.compress(model, duo) as plain:
+        model(ids, past_key_values=plain.cache)
+        ragged = 0
+        for stored, held in zip(packed.cache.layers, plain.cache.layers, strict=True):
+            if isinstance(stored, PackedHeadwiseLayer):  # each head's own channels, its own keys
+                ragged += 1
+                assert torch.equal(stored.kept, held.kept)
+                pairs = [(head.key_blocks[0].channels[0, 0], keys) for head, keys in
+                         zip(stored.heads[0], held.prompt_keys[0], strict=True)]
+            else:  # every head streaming: a dense packed layer
+                pairs = [(stored.key_blocks[0].channels[0, h], held.keys[0, h]) for h in range(held.keys.shape[1])]
+            for channels, keys in pairs:
+                pruned = torch.ones(keys.shape[-1], dtype=torch.bool)
+                pruned[channels] = False
+                assert int(pruned.sum()) == keys.shape[-1] // 2
+                keys[:, pruned] = 0  # a view of the plain layer's kept keys: zeroed in place
+        assert ragged == 1  # layer 1: one head whole, one streaming
+        theirs = [step(plain.cache, token, at) for at, token in enumerate(tokens)]
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

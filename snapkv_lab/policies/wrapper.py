@@ -130,6 +130,11 @@ class Wrapper(Policy):
     def rekey(self, key, kept, module):
         return self.policy.rekey(key, kept, module)  # as merge: an inner policy's keys for what the wrapper keeps
 
+    def decode_window(self, n_tokens: int) -> tuple[int, int] | None:
+        # The inner policy's heads roll on (DuoAttention's streaming heads) where the wrapper keeps its selection
+        # (KIVI, ThinK, Merging, KeyRerotation): once, they froze silently under the inner policy's label.
+        return self.policy.decode_window(n_tokens) if self.keeps_inner_selection else super().decode_window(n_tokens)
+
     def _inner_settings(self, like: Policy | None = None) -> str:
         """The inner policy as written: its name and its settings that differ from `like`'s (the default wrapper's
         inner policy where it is of the same class, else that class's defaults), the settings the wrapper sets for it
