@@ -297,3 +297,31 @@ def test_equal_heads_store_as_a_dense_packed_layer():
         torch.testing.assert_close(stored.prompt_values[0][h], packed.values[0, h], rtol=0, atol=0)
     assert stored.nbytes() == packed.nbytes()
     assert not torch.equal(stored.prompt_keys[0][0], ragged.prompt_keys[0][0])  # quantized: not the dense keys
+
+
+def test_kivi_over_ragged_heads_attends_to_each_heads_quantized_prompt():
+    """The next token's logits over KIVI(AdaKV) equal those over AdaKV's own cache whose kept keys and values are
+    replaced, head by head, by KIVI's quantize-dequantize of the part KIVI quantizes (_kivi_oracle, from the official
+    code: a head's keys but t mod R per channel in groups of G tokens, its values but the last R per token)."""
+    model, ids = make_tiny_llama(), _prompt()
+    residual, group = 32, 8
+    policy = KIVI(policy=AdaKV(), capacity=0.25, key_bits=2, value_bits=2, residual_length=residual, group_size=group)
+    token, position = torch.tensor([[7]]), torch.tensor([[N]])
+    with torch.inference_mode(), compress(model, policy) as state:
+        model(ids, past_key_values=state.cache)
+        ours = model(token, past_key_values=state.cache, position_ids=position).logits
+    with torch.inference_mode(), compress(model, AdaKV(capacity=0.25)) as plain:
+        model(ids, past_key_values=plain.cache)
+        quantized = 0
+        for layer in plain.cache.layers:
+            for keys, values in zip(layer.prompt_keys[0], layer.prompt_values[0], strict=True):  # views: in place
+                t = keys.shape[0]
+                whole, coded = t - t % residual, t - min(t, residual)
+                if whole:
+                    keys[:whole] = _kivi_oracle(keys[None, None, :whole], 2, group, per_channel=True)[0, 0]
+                if coded:
+                    values[:coded] = _kivi_oracle(values[None, None, :coded], 2, group, per_channel=False)[0, 0]
+                quantized += whole + coded
+        assert quantized > 0
+        theirs = model(token, past_key_values=plain.cache, position_ids=position).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
