@@ -1,8 +1,8 @@
 """Fill kv_entries, kv_share, budget_share and over_budget into committed eval and needle tables stored before their
 rows recorded them: each example's (context's) compressions are rebuilt and counted without decoding
-(snapkv_lab.evaluation.audit; snapkv_lab.pressure.audit for the needle suites' pressure_*.csv, whose rows are checked
-against what their runs recorded), resumable (cells under <data-dir>/cells/), and the table is rewritten in place with
-the columns after kept_tokens (cache_length); every other column is left as it was.
+(snapkv_lab.evaluation.audit; snapkv_lab.pressure.needle_audit for the needle suites' pressure_*.csv, whose rows
+are checked against what their runs recorded), resumable (cells under <data-dir>/cells/), and the table is rewritten
+in place with the columns after kept_tokens (cache_length); every other column is left as it was.
 
     python scripts/audit_entries.py data/eval_ruler.csv data/eval_ruler_4k_ratios.csv
     python scripts/audit_entries.py data/gemma-3-270m/eval_ruler_4k_ratios.csv --data-dir data/gemma-3-270m
@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from snapkv_lab.evaluation.audit import COLUMNS, audit_entries, entries_of, fill_from_entries
-from snapkv_lab.pressure.audit import audit_tables, fill_table
+from snapkv_lab.pressure.needle_audit import audit_tables, fill_table
 
 
 def main() -> None:

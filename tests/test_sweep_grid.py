@@ -145,11 +145,11 @@ def test_the_ray_executor_writes_the_same_table(tiny_chat_model, uninterrupted, 
 
 
 def test_the_needle_budget_audit_recounts_what_the_runs_recorded(tiny_chat_model, uninterrupted, tmp_path):
-    """pressure.audit rebuilds each row's context from its columns and its policy from its label, without decoding:
-    on the grid's own table (whose runs recorded their entries) it agrees row by row and fills the same entries; a
-    row whose recorded run differs from the rebuild is refused, not filled."""
+    """pressure.needle_audit rebuilds each row's context from its columns and its policy from its label, without
+    decoding: on the grid's own table (whose runs recorded their entries) it agrees row by row and fills the same
+    entries; a row whose recorded run differs from the rebuild is refused, not filled."""
     from snapkv_lab.compression.entries import ENTRY_COLUMNS
-    from snapkv_lab.pressure.audit import audit_tables, fill_table
+    from snapkv_lab.pressure.needle_audit import audit_tables, fill_table
 
     stored = uninterrupted.drop(columns=ENTRY_COLUMNS)  # as the tables made before the columns existed
     audited = audit_tables({"pressure_needle.csv": stored}, model=str(tiny_chat_model), data_dir=tmp_path)
@@ -166,8 +166,8 @@ def test_the_needle_budget_audit_recounts_what_the_runs_recorded(tiny_chat_model
 
 
 def test_needle_rows_name_the_context_their_suite_built():
-    from snapkv_lab.pressure.audit import context_spec, read_label, row_specs
     from snapkv_lab.pressure.grid import dev_needle_specs, haystack_specs, ruler_specs
+    from snapkv_lab.pressure.needle_audit import context_spec, read_label, row_specs
 
     needle = dict(task="needle", haystack="essays", length=4000, depth=0.25, sample=2)
     assert context_spec(needle) in dev_needle_specs({})  # the essays are the needle builder's default haystack

@@ -485,8 +485,9 @@ def _budget_audit(data_dir: Path) -> str:
 
 
 def _needle_audit(data_dir: Path) -> str:
-    """The needle tables' budget audit (pressure.audit), per model: the tables it filled and, per policy, the share of
-    the KV entries held against its budget's (evaluation.audit.held_against_budget; contexts, not examples)."""
+    """The needle tables' budget audit (pressure.needle_audit), per model: the tables it filled and, per policy, the
+    share of the KV entries held against its budget's (evaluation.audit.held_against_budget; contexts, not
+    examples)."""
     import pandas as pd
 
     from ..evaluation.audit import held_against_budget

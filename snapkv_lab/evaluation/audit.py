@@ -150,7 +150,8 @@ def budget_records(data_dir="data") -> pd.DataFrame:
     needle table, its rows), "recorded as <column>", "audited" (every example in a budget_audit_*.csv of its folder),
     "audited in part" (some), or "not recorded"; known: every row's entries are known (neither of the last two);
     audited (its examples in an audit); auditable: a table scripts/audit_entries.py rebuilds (an eval table, rows with
-    spec and policy_config, or a needle table, rows with task, capacity, mode and cache_length: pressure.audit)."""
+    spec and policy_config, or a needle table, rows with task, capacity, mode and cache_length:
+    pressure.needle_audit)."""
     data_dir = Path(data_dir)
     audited_examples, audited_tables = set(), set()
     for path in sorted(data_dir.glob("**/budget_audit_*.csv")):
@@ -158,7 +159,7 @@ def budget_records(data_dir="data") -> pd.DataFrame:
             continue
         audit = pd.read_csv(path)
         tables = audit.table.map(lambda name, folder=path.parent: str((folder / name).relative_to(data_dir)))
-        if "spec" in audit:  # a needle audit (pressure.audit): whole tables, row by row
+        if "spec" in audit:  # a needle audit (pressure.needle_audit): whole tables, row by row
             audited_tables |= set(tables)
         else:
             audited_examples |= set(zip(tables, audit.model, audit.task, audit.example.astype(str)))
