@@ -222,21 +222,21 @@ class PackedHeadwiseLayer(HeadwiseLayer):
     KIVI's groups of tokens never span a head's last kept prompt tokens and the first appended ones: a head's prompt
     keys past its last whole group stay in full precision (fewer than residual_length), where KIVI's own cache, one
     dense sequence, groups them with the tokens that follow; with heads of equal counts the prompt is stored exactly
-    as a PackedLayer stores it (tests/test_quantized.py)."""
+    as a PackedLayer stores it (tests/test_storage.py)."""
 
     def __init__(self, layer: HeadwiseLayer, storage: Storage, channels: list[list[torch.Tensor | None]] | None):
+        if layer.keys.shape[-2]:
+            raise ValueError("a head-wise layer is stored packed right after its prompt's compression, with no "
+                             f"token appended yet ({layer.keys.shape[-2]} here)")
         state = {k: v for k, v in vars(layer).items() if k not in ("keys", "values", "kept_keys", "kept_values")}
         self.__dict__.update(state)
         self.storage = storage
         counts = (self.kept >= 0).sum(-1).tolist()
-        self.heads = [[PackedLayer(_one_head(layer, keys, values, self.kept[b, h, :n], self.seen), storage,
+        self.heads = [[PackedLayer(_one_head(keys, values, self.kept[b, h, :n], self.seen), storage,
                                    None if channels is None else channels[b][h])
                        for h, (keys, values, n) in enumerate(zip(row_keys, row_values, counts[b], strict=True))]
                       for b, (row_keys, row_values) in enumerate(zip(layer.prompt_keys, layer.prompt_values,
                                                                       strict=True))]
-        if layer.keys.shape[-2]:
-            raise ValueError("a head-wise layer is stored packed right after its prompt's compression, with no "
-                             f"token appended yet ({layer.keys.shape[-2]} here)")
         empty = CompressedLayer(layer.keys, layer.values, self.kept[..., :0], self.seen)
         self.appended = PackedLayer(empty, storage, None)
 
@@ -272,8 +272,7 @@ class PackedHeadwiseLayer(HeadwiseLayer):
         return sum(head.nbytes() for row in self.heads for head in row) + self.appended.nbytes()
 
 
-def _one_head(layer: HeadwiseLayer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-              seen: int) -> CompressedLayer:
+def _one_head(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seen: int) -> CompressedLayer:
     """One KV head's kept prompt keys and values (kept, head_dim) as a one-row, one-head CompressedLayer."""
     return CompressedLayer(keys[None, None], values[None, None], positions[None, None], seen)
 
