@@ -174,8 +174,11 @@ def test_needle_rows_name_the_context_their_suite_built():
     assert context_spec(dict(needle, haystack="logs", sample=0)) in haystack_specs({})
     ruler = dict(task="multivalue", value_kind="word", length=4000, sample=0)
     assert context_spec(ruler) in ruler_specs({})
-    lines = pd.DataFrame(dict(task="lines", length=2000, sample=0, key=["a", "b", "c", "a"]))
-    assert json.loads(row_specs(lines)[0]) == dict(builder="lines", n_tokens=2000, n_queries=3, sample=0)
+    lines = pd.DataFrame(dict(task="lines", length=2000, sample=[0, 0, 0, 0, 1, 1], key=["a", "b", "c", "a", "a", "d"]))
+    specs = [json.loads(spec) for spec in row_specs(pd.concat([lines, pd.DataFrame([needle])], ignore_index=True))]
+    assert specs[0] == dict(builder="lines", n_tokens=2000, n_queries=3, sample=0)  # a, b, c asked of sample 0
+    assert specs[4] == dict(builder="lines", n_tokens=2000, n_queries=2, sample=1)
+    assert specs[6] == context_spec(needle)
     with pytest.raises(ValueError, match="no context builder"):
         context_spec(dict(needle, task="summary"))
     assert read_label("HeadKV(policy=SnapKV(window_size=32), redistribute=True)").policy.window_size == 32

@@ -59,14 +59,13 @@ def context_spec(row, queries: int | None = None) -> dict:
 
 
 def row_specs(table: pd.DataFrame) -> pd.Series:
-    """Each row's context spec as sorted JSON (lines contexts count their questions from the table)."""
-    def spec(row):
-        queries = None
-        if row["task"] == "lines":
-            same = (table.task == "lines") & (table.length == row["length"]) & (table["sample"] == row["sample"])
-            queries = int(table.loc[same, "key"].nunique())
-        return json.dumps(context_spec(row, queries), sort_keys=True)
-    return table.apply(spec, axis=1)
+    """Each row's context spec as sorted JSON (lines contexts count their questions from the table: the keys asked of
+    one length and sample)."""
+    lines = table.task == "lines"
+    queries = pd.Series(None, index=table.index, dtype="Int64")
+    queries[lines] = table[lines].groupby(["length", "sample"])["key"].transform("nunique")
+    return pd.Series([json.dumps(context_spec(row, None if pd.isna(n) else int(n)), sort_keys=True)
+                      for (_, row), n in zip(table.iterrows(), queries)], index=table.index, dtype=object)
 
 
 def read_label(label: str):
@@ -80,10 +79,10 @@ def read_label(label: str):
 
 def audit_cells(tables: dict[str, pd.DataFrame], model: str | None) -> list:
     """One cell per context of `tables` (several tables' rows on one context share it): its spec, every label x
-    capacity run on it, and the modes."""
+    capacity run on it, and the modes. A table with a `spec` column (`row_specs`) is read as it is."""
     from ..sweep import Cell
 
-    rows = pd.concat([t.assign(spec=row_specs(t)) for t in tables.values()], ignore_index=True)
+    rows = pd.concat([t if "spec" in t else t.assign(spec=row_specs(t)) for t in tables.values()], ignore_index=True)
     cells = []
     for spec, own in rows.groupby("spec", sort=False):
         compressed = own[own["mode"] != "full"]
@@ -139,11 +138,12 @@ def audit_tables(tables: dict[str, pd.DataFrame], *, model: str | None = None, d
     from ..sweep import ResultStore, run_cells
 
     store = ResultStore(Path(data_dir) / "cells" / CELL_KIND)
+    tables = {name: table.assign(spec=row_specs(table)) for name, table in tables.items()}
     found = run_cells(audit_cells(tables, model), context_entries, store, model=model, desc="needle budget audit")
     found = found.drop(columns="layer_kv_share").drop_duplicates(KEYS)
     audited = []
     for name, table in tables.items():
-        keyed = table.assign(table=name, spec=row_specs(table), capacity=table.capacity.astype("Int64"))
+        keyed = table.assign(table=name, capacity=table.capacity.astype("Int64"))
         merged = keyed[["table", *KEYS, *CHECKED]].merge(found, how="left", on=KEYS, suffixes=("", "_rebuilt"),
                                                          validate="many_to_one")
         if merged.kv_entries.isna().any():
