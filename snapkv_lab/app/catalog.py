@@ -33,4 +33,4 @@ DATASET_TASKS = {
 LEADERBOARD_DATASETS = ("ruler",)
 # pressure.SUITES, in its order: the names `needle --suites` takes.
 SUITE_NAMES = ("needle", "lines", "windows", "ablations", "fact-kernel", "question-free", "surprisal", "ruler",
-               "haystacks", "surprisal-ruler", "methods")
+               "haystacks", "surprisal-ruler", "methods", "presses")

@@ -14,22 +14,39 @@ import pandas as pd
 from ..core.checks import check_names
 from ..policies import (
     CAKE,
+    CAM,
+    CUR,
+    DMS,
+    KIVI,
     RKV,
     TOVA,
     AdaKV,
+    Cap,
+    Compactor,
     DuoAttention,
+    EntropyGatedChunkKV,
+    Finch,
     HeadKV,
     KeyDiff,
+    KVCompose,
+    KVgrad,
+    KVzap,
     KVzip,
     LagKV,
+    LeverageScore,
     LookaheadQCache,
+    Merging,
+    NonCausalAttn,
+    ObservedAttention,
     PyramidKV,
     QFilters,
+    SimLayerKV,
     SnapKV,
     SnapKVFactKernel,
     SnapKVNoPooling,
     StreamingLLM,
     Surprisal,
+    ThinK,
     expand_policies,
     parse_policy,
     policy_config,
@@ -63,6 +80,13 @@ HAYSTACK_POLICIES = (SnapKV(), SnapKVFactKernel(), Surprisal())
 # voters), their authors' defaults, beside SnapKV; and two named variants: HeadKV holding its labelled budget, LAQ++.
 METHOD_POLICIES = (SnapKV(), HeadKV(), DuoAttention(), CAKE(), RKV(), KeyDiff(), QFilters(), LagKV(), LookaheadQCache(),
                    HeadKV(redistribute=True), LookaheadQCache(window_size=8))
+# kvpress 0.5.5's presses that the lab added for issue 54 (scorers, trained scorers, layer/threshold policies, and the
+# axes beyond eviction: merging, key channels, quantization), each at its authors' defaults, beside SnapKV. The
+# wrappers that only re-apply a scorer (PerLayer, PerChunk, Blockwise, Composed, KeyRerotation) and FastKVzip (its
+# gates are trained per model and none is shipped: `scripts/train_kvzap.py --method fastkvzip`) are left out.
+PRESS_POLICIES = (SnapKV(), LeverageScore(), NonCausalAttn(), Compactor(), CUR(), Cap(), ObservedAttention(), Finch(),
+                  EntropyGatedChunkKV(), KVgrad(), KVCompose(), KVzap(), SimLayerKV(), DMS(), Merging(), ThinK(),
+                  KIVI(), CAM())
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
@@ -165,6 +189,9 @@ SUITES = {
     # The newer methods on the 15 dev needles at 25%, both modes, with the ablations' coverage columns.
     "methods": Suite("pressure_methods.csv", dev_needle_specs, METHOD_POLICIES, (ABLATION_CAPACITY,),
                      describe="coverage", max_new_tokens=ANSWER_TOKENS),
+    # kvpress's other presses on the same 15 dev needles at 25%, both modes (no coverage columns: their cost).
+    "presses": Suite("pressure_presses.csv", dev_needle_specs, PRESS_POLICIES, (ABLATION_CAPACITY,),
+                     max_new_tokens=ANSWER_TOKENS),
 }
 
 
