@@ -190,9 +190,12 @@ SUITES = {
     # The newer methods on the 15 dev needles at 25%, both modes, with the ablations' coverage columns.
     "methods": Suite("pressure_methods.csv", dev_needle_specs, METHOD_POLICIES, (ABLATION_CAPACITY,),
                      describe="coverage", max_new_tokens=ANSWER_TOKENS),
-    # kvpress's other presses on the same 15 dev needles at 25%, both modes (no coverage columns: their cost).
+    # kvpress's other presses on the same 15 dev needles at 25% (no coverage columns: their cost), query-agnostic:
+    # kvpress's own protocol (the context compressed alone, the question after), and the one mode several of them
+    # have, as they score the whole prompt in one call (NonCausalAttn, Compactor), which a question fed after the
+    # context would split.
     "presses": Suite("pressure_presses.csv", dev_needle_specs, PRESS_POLICIES, (ABLATION_CAPACITY,),
-                     max_new_tokens=ANSWER_TOKENS),
+                     ("query-agnostic",), max_new_tokens=ANSWER_TOKENS),
 }
 
 
