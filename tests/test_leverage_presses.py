@@ -143,6 +143,36 @@ def test_scores_of_a_compressed_cache_are_refused(byte_tokenizer):
             C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1, prefill_chunk=40)
 
 
+
+def test_a_shared_prefill_refuses_a_whole_prompt_scorer_only_where_the_prompt_was_split(byte_tokenizer):
+    """Fed a question after its context, a prefill shared with NonCausalAttn (which scores the whole prompt from one
+    call) still serves every other policy, and NonCausalAttn's query-agnostic state (the context alone, one call):
+    only its state over the split prompt is refused. Its query-agnostic state equals a prefill of it alone."""
+    from snapkv_lab.compression import SharedPrefill
+    from snapkv_lab.compression.generation import run_states
+    from snapkv_lab.policies.base import WholePromptOnly
+
+    model = tiny()
+    ids = distinct_ids(120, 3)[:1]
+    context, question = ids[:, :100], ids[:, 100:]
+    non_causal, snapkv = C.NonCausalAttn(capacity=30), C.SnapKV(capacity=30, window_size=8)
+    shared = SharedPrefill.run(model, byte_tokenizer, context, [non_causal, snapkv])
+    aware = shared.extend(question)
+    with pytest.raises(WholePromptOnly, match="must be prefilled in one call.*20 queries over 120 keys"):
+        aware.state(non_causal)
+    without = SharedPrefill.run(model, byte_tokenizer, context, [snapkv]).extend(question).state(snapkv)
+    for layer, kept in without.kept_indices.items():  # the other policy's state as if NonCausalAttn were not there
+        assert kept.shape[-1] == 30 and torch.equal(aware.state(snapkv).kept_indices[layer], kept)
+    alone = SharedPrefill.run(model, byte_tokenizer, context, [non_causal]).state(non_causal)
+    runs = {(policy.name, mode): state for _, policy, mode, _, state in
+            run_states(shared, [question], [non_causal], ["query-agnostic"])}
+    assert set(runs) == {("FullCache", "full"), ("NonCausalAttn", "query-agnostic")}
+    for layer, kept in alone.kept_indices.items():
+        assert kept.shape[-1] == 30 and torch.equal(runs["NonCausalAttn", "query-agnostic"].kept_indices[layer], kept)
+    with pytest.raises(WholePromptOnly):
+        list(run_states(shared, [question], [non_causal], ["query-aware"]))
+
+
 def ref_cur(keys, values, n_sink=4, w=16, start_aligned=True):
     """(batch, kv_heads, n) CurDKV's kv_product scores (kvpress cur_press.py:43-70), one window at a time: each squared
     norm's share of its window of w (from position 0, or ending at the last position), the product normalised over

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..core.attention import AttentionSettings
 from ..core.inputs import left_pads
+from ..policies.base import WholePromptOnly
 from .engine import attention_calls
 
 
@@ -36,9 +37,14 @@ class ScoreRecorder:
     A padded batch (pads read off the first call's mask): each row is scored on its own tokens (its pads cut off,
     as its batch-1 run is), and its scores are stored left-padded with zeros to the batch's slots; the engine
     (engine.kept_rows) cuts them off again.
+
+    defer_refusals (a prefill shared by several policies): a policy that scores the whole prompt from one call and is
+    handed a later chunk (policies.base.WholePromptOnly) is not scored further, and its refusal is kept in
+    `refused[score_table]` for whoever builds its state from these scores; the others go on. Otherwise (the live
+    compressor, one policy) the refusal is raised at once.
     """
 
-    def __init__(self, policies, n_layers: int):
+    def __init__(self, policies, n_layers: int, defer_refusals: bool = False):
         policies = list(policies)
         self.policies = {p.score_table: p for p in policies if not p.scores_after_prefill}
         self.n_layers = n_layers
@@ -58,6 +64,8 @@ class ScoreRecorder:
         self.sliding_layers: set[int] = set()  # of those, the sliding-window ones (never scored)
         self.pads: torch.Tensor | None = None  # (batch,) a padded batch's left pads
         self._prefilled = False  # the first call (the prompt's) has been seen: its mask told the pads
+        self.defer_refusals = defer_refusals
+        self.refused: dict[str, WholePromptOnly] = {}  # score_table -> the refusal that stopped its scoring
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         """The hook: record every policy's scores of a prompt chunk (its slots are its positions: a full cache)."""
@@ -95,9 +103,17 @@ class ScoreRecorder:
                 fed, fed_slots = torch.cat([earlier, fed], 2), torch.cat([earlier_slots, fed_slots])
             self.recent[layer] = (fed[:, :, -keep:].clone(), fed_slots[-keep:].clone())
         for label, policy in self.policies.items():
+            if label in self.refused:
+                continue
             calls = spanning if policy.voters else new_calls
-            scored = [policy.score(dataclasses.replace(call, carry=self.carry.setdefault((label, layer, b), {})))
-                      for b, call in enumerate(calls)]
+            try:
+                scored = [policy.score(dataclasses.replace(call, carry=self.carry.setdefault((label, layer, b), {})))
+                          for b, call in enumerate(calls)]
+            except WholePromptOnly as refusal:
+                if not self.defer_refusals:
+                    raise
+                self.refused[label] = refusal
+                continue
             if scored[0] is None:
                 continue
             if pads is not None:  # each row's own keys: left-padded back to the batch's slots
@@ -121,7 +137,8 @@ class ScoreRecorder:
 
     def copy(self) -> ScoreRecorder:
         """A recorder that goes on from this one's scores (a question chunk after a shared context)."""
-        other = ScoreRecorder(self.policies.values(), self.n_layers)
+        other = ScoreRecorder(self.policies.values(), self.n_layers, self.defer_refusals)
+        other.refused = dict(self.refused)
         other.voters, other.held_queries, other.settings = self.voters, self.held_queries, dict(self.settings)
         other.scores = {label: dict(layers) for label, layers in self.scores.items()}
         other.recent = dict(self.recent)

@@ -73,7 +73,7 @@ class SharedPrefill:
         policies = list(policies)
         for policy in policies:
             policy.prepare(model, tokenizer)
-        recorder = ScoreRecorder(policies, model.config.num_hidden_layers)
+        recorder = ScoreRecorder(policies, model.config.num_hidden_layers, defer_refusals=True)
         empty = None if mask is None else mask[:, :0]
         return cls(model, tokenizer, ids[:, :0], DynamicCache(config=model.config), None, recorder, 0.0,
                    keeps_final_hidden=any(p.reads_final_hidden for p in policies), mask=empty,
@@ -148,6 +148,8 @@ class SharedPrefill:
     def state(self, policy: Policy) -> CompressionState:
         """The compressor's state after prefill under `policy`: a compressed copy of the full cache (a fork where every
         row fits its budget), kept_indices for every layer, the selection time (scoring after the prefill included)."""
+        if policy.score_table in self.recorder.refused:  # fed in chunks it cannot score: its scores stop short
+            raise self.recorder.refused[policy.score_table]
         n, n_layers, pads = self.n_tokens, self.model.config.num_hidden_layers, self.pads
         compresses = any(policy.budget(length) is not None for length in row_lengths(n, self.ids.shape[0], pads))
         compresses = compresses or (policy.storage is not None and policy.storage.packs)  # channels, bits

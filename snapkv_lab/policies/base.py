@@ -91,6 +91,21 @@ class AttentionCall:
         return self.key.shape[1]
 
 
+class WholePromptOnly(NotImplementedError):
+    """A policy that scores the whole prompt from one attention call was handed a call with fewer queries than keys (a
+    prompt chunk after the first, a question fed after its context). A prefill shared by several policies records the
+    refusal for that policy alone and raises it when that policy's state is asked for (compression.recorder), so
+    that the others, and this one's state before the split, still build."""
+
+
+def whole_prompt(call: AttentionCall, name: str) -> None:
+    """Refuse (WholePromptOnly) a call that does not hold a query for every cached key."""
+    if call.query.shape[1] != call.n_keys:
+        raise WholePromptOnly(f"{name} scores the whole prompt from one attention call: it must be prefilled in one "
+                              f"call (as kvpress scores a prefill), and this call has {call.query.shape[1]} queries "
+                              f"over {call.n_keys} keys (a chunked prefill, or a question fed after its context)")
+
+
 @dataclass(frozen=True)
 class LayerBudget:
     """What a policy's selection in one layer is told besides the scores (`Policy.ranked`, `head_budgets`, `keep`).

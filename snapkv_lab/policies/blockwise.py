@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.checks import check_int
-from .base import AttentionCall, LayerBudget, Policy
+from .base import AttentionCall, LayerBudget, Policy, whole_prompt
 from .composed import held_call, stage_kept
 from .keydiff import KeyDiff
 from .wrapper import Wrapper, refuse_own_allocation
@@ -74,10 +74,7 @@ class Blockwise(Wrapper):
         """(kv_heads, n) +inf at the positions each KV head holds after the last block, -inf elsewhere (0 everywhere
         when the budget covers the prompt)."""
         kv_heads, n = call.key.shape[0], call.n_keys
-        if call.query.shape[1] != n:
-            raise NotImplementedError(f"{self.name} scores the whole prompt from one attention call (this call has "
-                                      f"{call.query.shape[1]} queries over {n} keys: a chunked prefill, the real "
-                                      "block-wise prefill, or a question after a context)")
+        whole_prompt(call, self.name)
         capacity = self.budget(n)
         if capacity is None:
             return call.key.new_zeros(kv_heads, n, dtype=torch.float32)

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from ..core.checks import check_int
-from .base import AttentionCall, Policy
+from .base import AttentionCall, Policy, whole_prompt
 from .leverage import gaussian_sketch, leverage_scores, prerope_keys, zscore
-from .non_causal import chunked_attention, value_weighted, whole_prompt
+from .non_causal import chunked_attention, value_weighted
 
 
 @dataclass

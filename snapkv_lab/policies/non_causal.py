@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.checks import check_int
-from .base import AttentionCall, Policy
+from .base import AttentionCall, Policy, whole_prompt
 from .leverage import zscore
 
 PADDED_KEY_LOGIT = -1e-9  # kvpress non_causal_attention_press.py:94: a padded key's logit, not -inf
@@ -53,14 +53,6 @@ class NonCausalAttn(Policy):
     def score(self, call: AttentionCall) -> torch.Tensor:
         whole_prompt(call, self.name)
         return value_weighted(call.value, chunked_attention(call.query, call.key, self.chunk_size, self.mask_padding))
-
-
-def whole_prompt(call: AttentionCall, name: str) -> None:
-    """Refuse a call that does not hold a query for every cached key (a prompt chunk after the first, a decode step)."""
-    if call.query.shape[1] != call.n_keys:
-        raise NotImplementedError(f"{name} scores every key by its own chunk's queries: it needs the whole prompt in "
-                                  f"one call (as kvpress, prefill only), got {call.query.shape[1]} queries over "
-                                  f"{call.n_keys} keys")
 
 
 def chunked_attention(query: torch.Tensor, key: torch.Tensor, chunk_size: int, mask_padding: bool) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.checks import check_int
-from .base import AttentionCall, LayerBudget
+from .base import AttentionCall, LayerBudget, whole_prompt
 from .wrapper import Wrapper, refuse_own_allocation
 
 
@@ -70,10 +70,7 @@ class PerChunk(Wrapper):
         return list(zip(starts, [*starts[1:], n_tokens], strict=True))
 
     def score(self, call: AttentionCall) -> torch.Tensor:
-        if call.query.shape[1] != call.n_keys:
-            raise NotImplementedError(f"PerChunk scores each chunk with its own queries: the prompt must be prefilled "
-                                      f"in one call (this call has {call.query.shape[1]} queries over {call.n_keys} "
-                                      "keys: a chunked prefill or a question after a context)")
+        whole_prompt(call, self.name)
         chunks = [self.policy.score(AttentionCall(
             call.query[:, start:end], call.key[:, start:end], call.value[:, start:end], call.slots[start:end] - start,
             call.attention, call.module, call.layer, call.n_layers, call.positions[start:end]))
