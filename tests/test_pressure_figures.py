@@ -170,6 +170,28 @@ def test_methods_table_counts_intervals_and_means_by_hand():
     assert summary.loc[("B", "query-aware"), "value_served"] == pytest.approx((0 + 0.2 + 0.4) / 3)
 
 
+
+def presses_rows() -> pd.DataFrame:
+    """4 needles, the full cache answers 3 (n3 it misses); SnapKV finds n0 n1, A finds n1 n2 n3, B none (query-agnostic)."""
+    found = {"FullCache": [1, 1, 1, 0], "SnapKV": [1, 1, 0, 0], "A": [0, 1, 1, 1], "B": [0, 0, 0, 0]}
+    share = {"FullCache": 1.0, "SnapKV": 0.256, "A": 0.256, "B": 0.2}
+    return pd.DataFrame([dict(key=f"n{i}", sample=0, depth=0.25 * i, policy=policy,
+                              mode="full" if policy == "FullCache" else "query-agnostic", correct=bool(hit),
+                              kv_share=share[policy] + 0.001 * i * (policy == "B"))
+                         for policy, hits in found.items() for i, hit in enumerate(hits)])
+
+
+def test_paired_table_counts_the_answered_needles_and_the_discordant_pairs_by_hand():
+    from snapkv_lab.pressure.tables import paired_table
+
+    summary = paired_table(presses_rows()).set_index("policy")
+    assert (summary.answered == 3).all() and (summary.asked == 3).all()  # n3, which the full cache misses, is left out
+    assert summary.loc["A", ["correct", "only_policy", "only_baseline"]].tolist() == [2, 1, 1]  # n2 / n0 (not n3)
+    assert summary.loc["B", ["correct", "only_policy", "only_baseline"]].tolist() == [0, 0, 2]
+    assert summary.loc["SnapKV", ["correct", "only_policy", "only_baseline"]].tolist() == [2, 0, 0]
+    assert summary.loc["A", ["correct_low", "correct_high"]].tolist() == pytest.approx(list(wilson(2, 3)))
+    assert summary.loc["B", ["kv_share_min", "kv_share_max"]].tolist() == pytest.approx([0.2, 0.202])
+
 def test_methods_figure_and_docs_block_from_the_table(tmp_path):
     from snapkv_lab.app import docs_tables
 

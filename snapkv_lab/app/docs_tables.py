@@ -412,6 +412,26 @@ def _head_types(data_dir: Path, model: str = "") -> str:
     return "\n".join(lines)
 
 
+
+def _presses(data_dir: Path) -> str:
+    """The presses suite per press (query-agnostic) on the needles the full cache answers: found [95% Wilson], the KV
+    entries held, and the needles it and SnapKV find alone (discordant pairs; descriptive, not in the family)."""
+    import pandas as pd
+
+    from ..pressure.tables import paired_table
+
+    summary = paired_table(pd.read_csv(data_dir / "pressure_presses.csv")).query("mode == 'query-agnostic'")
+    lines = [f"Needles the full cache answers: {int(summary.answered.iloc[0])}.", "",
+             "| press (query-agnostic) | found [95%] | KV entries held (share) | found by it alone / by SnapKV alone |",
+             "|---|---|---:|---:|"]
+    for r in summary.itertuples():
+        held = (f"{r.kv_share_min:.3f}" if round(r.kv_share_min, 3) == round(r.kv_share_max, 3)
+                else f"{r.kv_share_min:.3f}-{r.kv_share_max:.3f}")
+        pairs = "-" if r.policy == "SnapKV" else f"{r.only_policy} / {r.only_baseline}"
+        lines.append(f"| {r.policy} | {r.correct}/{r.asked} [{r.correct_low:.2f}, {r.correct_high:.2f}] | {held} | "
+                     f"{pairs} |")
+    return "\n".join(lines)
+
 def _long_generation(data_dir: Path) -> str:
     """The long-generation run per policy: codes copied, output length, KV footprint, each with its interval."""
     import pandas as pd

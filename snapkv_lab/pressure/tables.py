@@ -46,6 +46,27 @@ def budget_labels(capacity: pd.Series) -> pd.Series:
                      index=capacity.index)
 
 
+
+def paired_table(table: pd.DataFrame, baseline: str = "SnapKV") -> pd.DataFrame:
+    """Per compressed policy and mode of a needle table, on the contexts the full cache answers (RULER's grade): found
+    / asked with its Wilson interval, the KV entries held (kv_share, least and most), and the discordant pairs with
+    `baseline` in the same mode, needle for needle: found by the policy alone (`only_policy`) and by the baseline
+    alone (`only_baseline`). Descriptive: no test, as the comparisons are not in data/comparison_family.csv."""
+    key = ["key", "sample", "depth"]
+    answered = table[(table.policy == "FullCache") & table.correct][key]
+    compressed = table[table.policy != "FullCache"].merge(answered, on=key)
+    found = accuracy_intervals(compressed, by=("policy", "mode"))[["policy", "mode", "asked", "correct", "correct_low",
+                                                                     "correct_high"]]
+    shares = (compressed.groupby(["policy", "mode"], sort=False).kv_share.agg(kv_share_min="min", kv_share_max="max")
+              .reset_index())
+    base = compressed[compressed.policy == baseline][[*key, "mode", "correct"]]
+    pairs = compressed.merge(base, on=[*key, "mode"], suffixes=("", "_baseline"), validate="many_to_one")
+    discordant = (pairs.assign(only_policy=pairs.correct & ~pairs.correct_baseline,
+                               only_baseline=~pairs.correct & pairs.correct_baseline)
+                  .groupby(["policy", "mode"], sort=False)[["only_policy", "only_baseline"]].sum().reset_index())
+    return found.merge(shares, on=["policy", "mode"]).merge(discordant, on=["policy", "mode"]).assign(
+        answered=len(answered))
+
 def methods_table(table: pd.DataFrame) -> pd.DataFrame:
     """The methods suite (data/pressure_methods.csv) per policy and mode, the full cache first: found / asked with its
     Wilson interval (RULER's grade), the mean kept tokens of the longest layer, and two means of the ablations'
