@@ -413,14 +413,14 @@ def _head_types(data_dir: Path, model: str = "") -> str:
 
 
 
-def _presses(data_dir: Path) -> str:
+def _presses(data_dir: Path, table: str = "pressure_presses.csv") -> str:
     """The presses suite per press (query-agnostic) on the needles the full cache answers: found [95% Wilson], the KV
     entries held, and the needles it and SnapKV find alone (discordant pairs; descriptive, not in the family)."""
     import pandas as pd
 
     from ..pressure.tables import paired_table
 
-    summary = paired_table(pd.read_csv(data_dir / "pressure_presses.csv")).query("mode == 'query-agnostic'")
+    summary = paired_table(pd.read_csv(data_dir / table)).query("mode == 'query-agnostic'")
     lines = [f"Needles the full cache answers: {int(summary.answered.iloc[0])}.", "",
              "| press (query-agnostic) | found [95%] | KV entries held (share) | found by it alone / by SnapKV alone |",
              "|---|---|---:|---:|"]
