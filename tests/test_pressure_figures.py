@@ -172,7 +172,7 @@ def test_methods_table_counts_intervals_and_means_by_hand():
 
 
 def presses_rows() -> pd.DataFrame:
-    """4 needles, the full cache answers 3 (n3 it misses); SnapKV finds n0 n1, A finds n1 n2 n3, B none (query-agnostic)."""
+    """4 needles, the full cache answers 3 (n3 it misses); SnapKV finds n0 n1, A n1 n2 n3, B none (query-agnostic)."""
     found = {"FullCache": [1, 1, 1, 0], "SnapKV": [1, 1, 0, 0], "A": [0, 1, 1, 1], "B": [0, 0, 0, 0]}
     share = {"FullCache": 1.0, "SnapKV": 0.256, "A": 0.256, "B": 0.2}
     return pd.DataFrame([dict(key=f"n{i}", sample=0, depth=0.25 * i, policy=policy,
@@ -191,6 +191,20 @@ def test_paired_table_counts_the_answered_needles_and_the_discordant_pairs_by_ha
     assert summary.loc["SnapKV", ["correct", "only_policy", "only_baseline"]].tolist() == [2, 0, 0]
     assert summary.loc["A", ["correct_low", "correct_high"]].tolist() == pytest.approx(list(wilson(2, 3)))
     assert summary.loc["B", ["kv_share_min", "kv_share_max"]].tolist() == pytest.approx([0.2, 0.202])
+
+
+def test_presses_figure_and_docs_block_from_the_table(tmp_path):
+    """The presses suite (no coverage columns) is drawn like the methods suite and read by its own docs block."""
+    from snapkv_lab.app import docs_tables
+
+    presses_rows().assign(cache_length=1024, model="M").to_csv(tmp_path / "pressure_presses.csv", index=False)
+    written = draw(tmp_path, tmp_path)
+    assert {p.name for p in written} == {"pressure_presses.png", "pressure_presses.html"}
+    traces, _ = plotly_data(tmp_path / "pressure_presses.html")
+    assert sorted(round(x, 3) for trace in traces for x in trace["x"]) == [0.0, 0.5, 0.75]  # B, SnapKV, A of all 4
+    block = docs_tables.rendered("presses", tmp_path)
+    assert "answers: 3." in block and "| A | 2/3 [" in block and "| 1 / 1 |" in block
+    assert "| 0.200-0.202 | 0 / 2 |" in block
 
 def test_methods_figure_and_docs_block_from_the_table(tmp_path):
     from snapkv_lab.app import docs_tables

@@ -605,6 +605,7 @@ BLOCKS = {
     "multi-turn-balanced": Block("multi-turn.md", (MULTI_TURN_BALANCED_TABLE,),
                                  functools.partial(_multi_turn, table=MULTI_TURN_BALANCED_TABLE, depths=True)),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
+    "presses": Block("pressure.md", ("pressure_presses.csv",), _presses),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
     "budget-audit": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_audit),
     "budget-records": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_records),

@@ -205,6 +205,10 @@ BUDGET_DEPARTURES = {
     "DuoAttention(rolling=False)": (-0.010, 0.0, "under: cause not traced"),
     "HeadKV(policy=SnapKV(window_size=32))": (-0.55, 0.0, "under: the official slicing leaves unused what a head's "
                                               "share holds beyond its prefix (HeadKV(redistribute=True) matches)"),
+    "SimLayerKV": (-0.38, 0.0, "no budget (its budget_share is the full cache's): its lazy layers keep sinks and "
+                   "recent tokens, the others the whole prompt"),
+    "DMS(threshold=0.001)": (-0.94, 0.0, "no budget (its budget_share is the full cache's): it keeps what clears its "
+                             "threshold"),
 }
 ROUNDING = 0.002  # of the full cache's entries: a position per head in every layer of a 500-token prompt
 

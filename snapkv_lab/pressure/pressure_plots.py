@@ -91,6 +91,9 @@ def draw(data_dir: Path, figures_dir: Path) -> list[Path]:
         written += lines_figure(pd.read_csv(data_dir / "pressure_lines.csv"), figures_dir / "pressure_lines")
     if (data_dir / "pressure_methods.csv").exists():
         written += methods_figure(pd.read_csv(data_dir / "pressure_methods.csv"), figures_dir / "pressure_methods")
+    if (data_dir / "pressure_presses.csv").exists():
+        written += methods_figure(pd.read_csv(data_dir / "pressure_presses.csv"), figures_dir / "pressure_presses",
+                                  what="kvpress's other presses")
     if (data_dir / "long_generation.csv").exists():
         written += long_generation_figure(pd.read_csv(data_dir / "long_generation.csv"),
                                           figures_dir / "long_generation")
@@ -408,9 +411,10 @@ def draw_ablations(data_dir, figures_dir) -> list[Path]:
     return [bars, scatter, write_html(interactive, figures_dir / "pressure_coverage_retrieval.html")]
 
 
-def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
-    """The methods suite: needles found per method with 95% Wilson intervals, one panel per mode, the full cache as a
-    line with its interval as a band (PNG); the same with the coverage columns on hover (HTML)."""
+def methods_figure(table: pd.DataFrame, stem: Path, what: str = "The newer methods") -> list[Path]:
+    """The methods suite (or the presses suite, `what` naming it): needles found per method with 95% Wilson intervals,
+    one panel per mode, the full cache as a line with its interval as a band (PNG); the same with the kept tokens and
+    the coverage columns, where the table has them, on hover (HTML)."""
     import plotly.express as px
     from matplotlib.figure import Figure
 
@@ -419,7 +423,7 @@ def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     runs = summary[summary.policy != "FullCache"]
     modes = [m for m in ("query-aware", "query-agnostic") if m in set(runs["mode"])]
     policies = list(dict.fromkeys(runs.policy))
-    title = (f"The newer methods at {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens: needles found, "
+    title = (f"{what} at {ABLATION_CAPACITY} of {ABLATION_LENGTH} tokens: needles found, "
              f"{model_name(table)}, n = {int(runs.asked.max())} per point\n(95% Wilson intervals; grey line and band: "
              f"the full cache, {int(full.correct)}/{int(full.asked)}, and its interval)")
     fig = Figure(figsize=(11, 0.32 * len(policies) + 2.0), layout="constrained")
@@ -446,6 +450,7 @@ def methods_figure(table: pd.DataFrame, stem: Path) -> list[Path]:
     shown = runs.assign(share=runs.correct / runs.asked)
     dots = px.scatter(shown, x="share", y="policy", facet_col="mode", error_x=shown.correct_high - shown.share,
                       error_x_minus=shown.share - shown.correct_low,
-                      hover_data=["correct", "asked", "cache_length", "coverage_of_oracle", "value_served"],
+                      hover_data=[c for c in ("correct", "asked", "cache_length", "coverage_of_oracle", "value_served")
+                                  if c in shown],
                       category_orders={"policy": policies}, title=title, labels={"share": FOUND_LABEL})
     return [png, write_html(dots, stem.with_suffix(".html"))]

@@ -71,12 +71,13 @@ def methods_table(table: pd.DataFrame) -> pd.DataFrame:
     """The methods suite (data/pressure_methods.csv) per policy and mode, the full cache first: found / asked with its
     Wilson interval (RULER's grade), the mean kept tokens of the longest layer, and two means of the ablations'
     coverage columns over the compressed runs: coverage / oracle (sinks excluded) and the share of the answer's
-    needle-value attention the kept positions serve."""
-    table = table.assign(coverage_of_oracle=table.coverage / table.oracle,
-                         value_served=table.value_attention_kept / table.value_attention)
+    needle-value attention the kept positions serve (where the table has them: not the presses suite's)."""
+    if "coverage" in table:  # a suite run without the coverage describer (the presses) has the counts alone
+        table = table.assign(coverage_of_oracle=table.coverage / table.oracle,
+                             value_served=table.value_attention_kept / table.value_attention)
     order = ["FullCache", *dict.fromkeys(table.policy[table.policy != "FullCache"])]
     table = table.assign(policy=pd.Categorical(table.policy, categories=order, ordered=True))
     found = accuracy_intervals(table.sort_values(["policy", "mode"]), by=("policy", "mode"))
-    means = (table.groupby(["policy", "mode"], observed=True)[["cache_length", "coverage_of_oracle", "value_served"]]
-             .mean())
+    means = table.groupby(["policy", "mode"], observed=True)[
+        [c for c in ("cache_length", "coverage_of_oracle", "value_served") if c in table]].mean()
     return found.merge(means.reset_index(), on=["policy", "mode"]).astype({"policy": str})
