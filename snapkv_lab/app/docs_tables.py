@@ -606,6 +606,8 @@ BLOCKS = {
                                  functools.partial(_multi_turn, table=MULTI_TURN_BALANCED_TABLE, depths=True)),
     "methods": Block("pressure.md", ("pressure_methods.csv",), _methods),
     "presses": Block("pressure.md", ("pressure_presses.csv",), _presses),
+    "presses-gemma": Block("pressure.md", ("gemma-3-270m/pressure_presses.csv",),
+                           functools.partial(_presses, table="gemma-3-270m/pressure_presses.csv")),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
     "budget-audit": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_audit),
     "budget-records": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_records),
