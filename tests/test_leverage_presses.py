@@ -143,7 +143,6 @@ def test_scores_of_a_compressed_cache_are_refused(byte_tokenizer):
             C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1, prefill_chunk=40)
 
 
-
 def test_a_shared_prefill_refuses_a_whole_prompt_scorer_only_where_the_prompt_was_split(byte_tokenizer):
     """Fed a question after its context, a prefill shared with NonCausalAttn (which scores the whole prompt from one
     call) still serves every other policy, and NonCausalAttn's query-agnostic state (the context alone, one call):

@@ -170,7 +170,6 @@ def test_methods_table_counts_intervals_and_means_by_hand():
     assert summary.loc[("B", "query-aware"), "value_served"] == pytest.approx((0 + 0.2 + 0.4) / 3)
 
 
-
 def presses_rows() -> pd.DataFrame:
     """4 needles, the full cache answers 3 (n3 it misses); SnapKV finds n0 n1, A n1 n2 n3, B none (query-agnostic)."""
     found = {"FullCache": [1, 1, 1, 0], "SnapKV": [1, 1, 0, 0], "A": [0, 1, 1, 1], "B": [0, 0, 0, 0]}
@@ -205,6 +204,7 @@ def test_presses_figure_and_docs_block_from_the_table(tmp_path):
     block = docs_tables.rendered("presses", tmp_path)
     assert "answers: 3." in block and "| A | 2/3 [" in block and "| 1 / 1 |" in block
     assert "| 0.200-0.202 | 0 / 2 |" in block
+
 
 def test_methods_figure_and_docs_block_from_the_table(tmp_path):
     from snapkv_lab.app import docs_tables

@@ -412,6 +412,10 @@ def _head_types(data_dir: Path, model: str = "") -> str:
     return "\n".join(lines)
 
 
+def _share_range(low: float, high: float) -> str:
+    """A share of the full cache's KV entries held, least to most, to 3 decimals (one number where they round alike)."""
+    return f"{low:.3f}" if round(low, 3) == round(high, 3) else f"{low:.3f}-{high:.3f}"
+
 
 def _presses(data_dir: Path, table: str = "pressure_presses.csv") -> str:
     """The presses suite per press (query-agnostic) on the needles the full cache answers: found [95% Wilson], the KV
@@ -425,12 +429,11 @@ def _presses(data_dir: Path, table: str = "pressure_presses.csv") -> str:
              "| press (query-agnostic) | found [95%] | KV entries held (share) | found by it alone / by SnapKV alone |",
              "|---|---|---:|---:|"]
     for r in summary.itertuples():
-        held = (f"{r.kv_share_min:.3f}" if round(r.kv_share_min, 3) == round(r.kv_share_max, 3)
-                else f"{r.kv_share_min:.3f}-{r.kv_share_max:.3f}")
         pairs = "-" if r.policy == "SnapKV" else f"{r.only_policy} / {r.only_baseline}"
-        lines.append(f"| {r.policy} | {r.correct}/{r.asked} [{r.correct_low:.2f}, {r.correct_high:.2f}] | {held} | "
-                     f"{pairs} |")
+        lines.append(f"| {r.policy} | {r.correct}/{r.asked} [{r.correct_low:.2f}, {r.correct_high:.2f}] | "
+                     f"{_share_range(r.kv_share_min, r.kv_share_max)} | {pairs} |")
     return "\n".join(lines)
+
 
 def _long_generation(data_dir: Path) -> str:
     """The long-generation run per policy: codes copied, output length, KV footprint, each with its interval."""
@@ -460,8 +463,7 @@ def _methods(data_dir: Path) -> str:
     def share(policy):
         if held is None:
             return "-"
-        low, high = held.loc[policy]
-        return f"{low:.3f}" if round(low, 3) == round(high, 3) else f"{low:.3f}-{high:.3f}"
+        return _share_range(*held.loc[policy])
 
     lines = ["| method | query-aware: found [95%] | query-agnostic: found [95%] | kept tokens (longest layer) | "
              "KV entries held (share) | coverage / oracle | needle attention served |",

@@ -46,7 +46,6 @@ def budget_labels(capacity: pd.Series) -> pd.Series:
                      index=capacity.index)
 
 
-
 def paired_table(table: pd.DataFrame, baseline: str = "SnapKV") -> pd.DataFrame:
     """Per compressed policy and mode of a needle table, on the contexts the full cache answers (RULER's grade): found
     / asked with its Wilson interval, the KV entries held (kv_share, least and most), and the discordant pairs with
@@ -66,6 +65,7 @@ def paired_table(table: pd.DataFrame, baseline: str = "SnapKV") -> pd.DataFrame:
                   .groupby(["policy", "mode"], sort=False)[["only_policy", "only_baseline"]].sum().reset_index())
     return found.merge(shares, on=["policy", "mode"]).merge(discordant, on=["policy", "mode"]).assign(
         answered=len(answered))
+
 
 def methods_table(table: pd.DataFrame) -> pd.DataFrame:
     """The methods suite (data/pressure_methods.csv) per policy and mode, the full cache first: found / asked with its
