@@ -172,6 +172,25 @@ def test_query_filters_are_the_main_signed_direction_of_the_queries(byte_tokeniz
     assert len(list((tmp_path / "query_filters").iterdir())) == 1
 
 
+@pytest.mark.slow
+def test_the_shipped_filters_are_read_for_the_bundled_model_and_point_as_measured_ones(smollm, tmp_path, monkeypatch):
+    """SmolLM2's filters at the defaults (8192 tokens) ship in the package (scripts/ship_calibrations.py): an empty
+    cache folder reads them, no forward run, nothing written; filters measured here over the calibration's first 1024
+    tokens point the same way in every (layer, KV head) (cosine > 0.98; 0.995 at least when shipped)."""
+    from snapkv_lab.policies import query_filters as module
+
+    model, tokenizer = smollm
+    monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path))
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "intercept_attention", lambda *a, **k: pytest.fail("the shipped filters were not read"))
+        shipped = query_filters(model, tokenizer)
+    assert not (tmp_path / "query_filters").exists()
+    config = model.config
+    assert shipped.shape == (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    measured = query_filters(model, tokenizer, tokens=1024, cache=False)
+    assert float((shipped * measured).sum(-1).min()) > 0.98
+
+
 def test_qfilters_keeps_the_keys_furthest_along_the_query_direction(byte_tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path))
     model = tiny()

@@ -58,3 +58,28 @@ def test_pooled_scores_equal_a_plain_count_over_eager_maps_and_are_cached(smollm
     again = retrieval_heads(model, tokenizer, lengths=LENGTHS, depths=DEPTHS, max_new_tokens=NEW, progress=False)
     assert again.equals(table)
     assert list((tmp_path / "retrieval_heads").glob("SmolLM2-135M-Instruct-*.csv"))
+
+
+@pytest.mark.slow
+def test_the_shipped_table_is_read_for_the_bundled_model_and_holds_a_prompt_measured_again(smollm, tmp_path,
+                                                                                           monkeypatch):
+    """SmolLM2's table at the defaults ships in the package (scripts/ship_calibrations.py): an empty cache folder
+    reads it, no capture run, nothing written; it pools its prompts as the measurement does (hits over copy steps, 10
+    prompts of 1000 and 2000 tokens); one of them measured again here counts no more copy steps or hits at any head
+    than the table holds, and some hits (a table of another model, or of other settings, would not hold them)."""
+    from snapkv_lab.policies import retrieval_heads as module
+
+    model, tokenizer = smollm
+    monkeypatch.setenv("SNAPKV_LAB_CACHE", str(tmp_path))
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "capture", lambda *a, **k: pytest.fail("the shipped table was not read"))
+        shipped = retrieval_heads(model, tokenizer, progress=False)
+    assert not (tmp_path / "retrieval_heads").exists()
+    assert len(shipped) == model.config.num_hidden_layers * model.config.num_attention_heads
+    assert (shipped.prompts == 10).all()  # SmolLM2 finds every default needle
+    scored = shipped.copy_steps > 0
+    assert (shipped.retrieval_score[scored] == shipped.retrieval_hits[scored] / shipped.copy_steps[scored]).all()
+    again = retrieval_heads(model, tokenizer, lengths=(1000,), depths=(0.5,), cache=False, progress=False)
+    both = again.merge(shipped, on=["layer", "head"], suffixes=("_again", ""))
+    assert len(both) == len(shipped) and again.retrieval_hits.sum() > 0
+    assert (both.copy_steps_again <= both.copy_steps).all() and (both.retrieval_hits_again <= both.retrieval_hits).all()

@@ -15,7 +15,9 @@ positive. Here:
       the published filters' shape (layers, kv_heads, head_dim);
     - the right singular vector is the top eigenvector of Q^T Q, accumulated sequence by sequence in float64.
 kvpress's QFilterPress loads the authors' published filters from the Hub and scores -<f, k>: their filters point
-the other way, and the kept set is the same. Results are cached per model and settings in the cache folder.
+the other way, and the kept set is the same. Results are cached per model and settings in the cache folder; the
+bundled SmolLM2's ship in the package (policies/weights/query_filters/, written by scripts/ship_calibrations.py), as
+the authors publish theirs, so that a new machine does not measure them again (28 s on one core).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from ..core.hooks import intercept_attention
 from ..core.models import measured_cache_path, write_whole
 from ..tasks.corpus import haystack_ids
+from .trained_weights import find_file
 
 TOKENS, SEQUENCE = 8192, 1024
 
@@ -35,12 +38,14 @@ TOKENS, SEQUENCE = 8192, 1024
 def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQUENCE,
                   cache: bool = True) -> torch.Tensor:
     """(layers, kv_heads, head_dim) float32 unit vectors on the model's device: per layer and KV head, the main
-    direction of its query heads' post-RoPE queries over `tokens` calibration tokens (module doc). cache: read and
-    write <cache folder>/query_filters/<model>-<hash>.pt."""
+    direction of its query heads' post-RoPE queries over `tokens` calibration tokens (module doc). cache: read the
+    filters shipped in the package (policies/weights/query_filters/: the bundled models' at the defaults) or
+    <cache folder>/query_filters/<model>-<hash>.pt, else measure and write the latter."""
     sequence = _sequence(model, tokens, sequence)
     path = filters_path(model, tokens, sequence)
-    if cache and path.exists():
-        return torch.load(path).to(model.device)
+    found = find_file("query_filters", path.name)  # shipped (module doc), else measured here before
+    if cache and found is not None:
+        return torch.load(found).to(model.device)
     gram, total = {}, {}  # per layer: (kv_heads, d, d) sum of q q^T, (kv_heads, d) sum of q
 
     def collect(module, query, key, value, attention_mask, **kwargs):

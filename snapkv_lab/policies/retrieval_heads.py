@@ -15,12 +15,15 @@ by its key) instead of the official needle sentences:
 The score pools the prompts as hits over copy steps (the official averages per-test scores normalised by the
 needle's length: the two agree when every answer copies the needle once). Results are cached per model and
 settings in the cache folder (`models.cache_dir()`), so a policy built from them (DuoAttention, HeadKV) pays the
-captures once per model.
+captures once per model; the bundled SmolLM2's table ships in the package (policies/weights/retrieval_heads/, written
+by scripts/ship_calibrations.py), as the official detection ships its models' scores (head_score/*.json), so that a
+new machine does not capture its 10 prompts again (65 s on one core).
 """
 
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -29,6 +32,7 @@ from ..core.capture import capture
 from ..core.models import measured_cache_path, write_whole
 from ..core.progress import progress_bar
 from ..tasks.needles import needle_context
+from .trained_weights import find_file
 
 LENGTHS = (1000, 2000)
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -40,12 +44,13 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
     """One row per (layer, query head): prompts (needle prompts counted), copy_steps and retrieval_hits summed
     over them, retrieval_score = hits / copy steps (NaN with no copy step). Needle prompts: every length x depth x
     sample (`tasks.needles.needle_context`). found_only=False counts every prompt, found or not (not the official
-    filter). cache: read and write <cache folder>/retrieval_heads/<model>-<settings hash>.csv."""
-    settings = dict(model=str(getattr(model.config, "name_or_path", "")), lengths=list(lengths), depths=list(depths),
-                    samples=samples, max_new_tokens=max_new_tokens, found_only=found_only)
-    path = measured_cache_path("retrieval_heads", model, settings, "csv")
-    if cache and path.exists():
-        return pd.read_csv(path)
+    filter). cache: read the table shipped in the package (policies/weights/retrieval_heads/: the bundled models' at
+    the defaults) or <cache folder>/retrieval_heads/<model>-<settings hash>.csv, else measure and write the latter."""
+    path = table_path(model, lengths=lengths, depths=depths, samples=samples, max_new_tokens=max_new_tokens,
+                      found_only=found_only)
+    found = find_file("retrieval_heads", path.name)  # shipped (module doc), else measured here before
+    if cache and found is not None:
+        return pd.read_csv(found)
     tables, counted = [], 0  # per counted prompt and layer: copy steps and hits (no other statistic of head_table's)
     specs = [(n, depth, sample) for n in lengths for depth in depths for sample in range(samples)]
     for n, depth, sample in progress_bar(specs, desc="retrieval heads", disable=not progress):
@@ -74,6 +79,15 @@ def retrieval_heads(model, tokenizer, *, lengths=LENGTHS, depths=DEPTHS, samples
     if cache:
         write_whole(path, lambda tmp: pooled.to_csv(tmp, index=False))
     return pooled
+
+
+def table_path(model, *, lengths=LENGTHS, depths=DEPTHS, samples: int = 1, max_new_tokens: int = 16,
+               found_only: bool = True) -> Path:
+    """Where `retrieval_heads(model, ...)` with these settings is cached (it may not exist yet); a shipped table has
+    this file's name."""
+    settings = dict(model=str(getattr(model.config, "name_or_path", "")), lengths=list(lengths), depths=list(depths),
+                    samples=samples, max_new_tokens=max_new_tokens, found_only=found_only)
+    return measured_cache_path("retrieval_heads", model, settings, "csv")
 
 
 # model -> (layers, query heads) retrieval scores: measured once per model object (the table itself is cached on disk)

@@ -20,7 +20,8 @@ PACKAGED = Path(__file__).parent / "weights"
 
 
 def find_file(kind: str, name: str) -> Path | None:
-    """The weights file `name` of `kind` ("kvzap", "fastkvzip"): shipped in the package, else trained into the cache
+    """The file `name` of `kind` (trained weights: "kvzap", "fastkvzip"; measured calibrations and statistics:
+    "retrieval_heads", "query_filters", "expected_attention"): shipped in the package, else written into the cache
     folder; None when neither exists."""
     return next((path for path in (PACKAGED / kind / name, cache_dir() / kind / name) if path.exists()), None)
 
