@@ -3,6 +3,8 @@ logits of a plain second forward, which Surprisal no longer runs (it reads the p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_tiny_llama
@@ -124,6 +126,29 @@ def test_kept_positions_of_context_then_question_match_the_plain_rule(kernel, by
         assert all(torch.equal(k[0], ref) for k in kept)
 
 
+def test_a_context_and_its_questions_pay_the_output_head_once_per_token(byte_tokenizer):
+    """Query-agnostic, then two different questions fed after the same context (query-aware): each prompt's surprisal is
+    the plain one of its own tokens, and the output head reads each context position once over the three prompts (a
+    question pays its own tokens' rows only, the second question's not taken from the first's)."""
+    model = make_tiny_llama(initializer_range=0.3)
+    ids = torch.randint(2, 256, (1, N), generator=torch.Generator().manual_seed(3))
+    other = torch.randint(2, 256, (1, N - 70), generator=torch.Generator().manual_seed(4))
+    context = SharedPrefill.run(model, byte_tokenizer, ids[:, :70], [sl.Surprisal()])
+    prompts = [(context, ids[:, :70]), (context.extend(ids[:, 70:]), ids),
+               (context.extend(other), torch.cat([ids[:, :70], other], 1))]
+    references = [reference_surprisal(model, tokens) for _, tokens in prompts]
+    rows = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[1]))
+    try:
+        for (prefill, _), reference in zip(prompts, references, strict=True):
+            torch.testing.assert_close(prefill.prompt().surprisal()[0], reference, atol=1e-4, rtol=1e-5)
+            assert torch.equal(prefill.prompt().surprisal(), prefill.prompt().surprisal())  # kept, not recomputed
+    finally:
+        handle.remove()
+    assert rows == [69, N - 70, N - 70]  # row i predicts token i + 1: the context's last row is the question's first
+
+
 def test_keeps_exactly_its_sinks_however_wide_the_pooling(byte_tokenizer):
     """The sinks are kept, and pooling does not spread their forced top score to their neighbours: with a 31-token
     kernel and every score zero but one token's, the rest of the budget goes to that token's neighbourhood."""
@@ -133,12 +158,7 @@ def test_keeps_exactly_its_sinks_however_wide_the_pooling(byte_tokenizer):
     prompt = SharedPrefill.run(model, byte_tokenizer, ids, [policy]).prompt()
     flat = torch.zeros(1, N)
     flat[:, 50] = 1.0  # one surprising token: its 31 neighbours rank next, the sinks' neighbours do not
-    original = surprisal.token_surprisal
-    try:
-        surprisal.token_surprisal = lambda model, hidden, ids: flat.clone()
-        scores = policy.prompt_scores(prompt)
-    finally:
-        surprisal.token_surprisal = original
+    scores = policy.prompt_scores(dataclasses.replace(prompt, surprisal=lambda: flat))  # as the engine gave them
     kept = policy.keep(scores[0][0], N, model.config.num_key_value_heads, 0, 2)[0].tolist()
     assert kept[:policy.sinks] == list(range(policy.sinks)) and kept[-WINDOW:] == list(range(N - WINDOW, N))
     picked = kept[policy.sinks:-WINDOW]  # the budget left after sinks and window: 28 of the 31 tied positions

@@ -32,6 +32,7 @@ from ..core.inputs import eos_ids, padded_positions
 from ..core.timing import SectionTimer, stopwatch
 from ..policies.base import Policy, Prompt
 from ..policies.decoding import seeded
+from ..policies.surprisal import token_surprisal
 from .engine import compress_layers, refuse_unseen_layers, row_lengths
 from .greedy import greedy_decode
 from .layers import fork, held_positions, row_cache
@@ -63,6 +64,10 @@ class SharedPrefill:
     # Scores made after the prefill (Policy.needs) by scoring_key: paid once per prefill, by the first state that needs
     # them.
     after_prefill_scores: dict = field(default_factory=dict)
+    # [(ids (1, k), surprisal (1, k))] the model's surprisal at a row's tokens (Prompt.surprisal), computed when asked
+    # for, by this prefill and every prefill fed from the same one (a context's, each of its questions'): one list,
+    # from which a row whose tokens begin as a computed row's pays only the rest.
+    surprisals: list = field(default_factory=list)
 
     @classmethod
     @torch.inference_mode()
@@ -112,7 +117,7 @@ class SharedPrefill:
                             for layer, fed in fed_inputs.items()}
         return SharedPrefill(self.model, self.tokenizer, torch.cat([self.ids, ids], 1), cache, logits, recorder,
                              elapsed.seconds, keeps_final_hidden=self.keeps_final_hidden, final_hidden=final_hidden,
-                             mask=mask, layer_inputs=layer_inputs)
+                             mask=mask, layer_inputs=layer_inputs, surprisals=self.surprisals)
 
     def extend(self, ids: torch.Tensor) -> SharedPrefill:
         """The prefill of this context followed by ids (batch, m), e.g. a question (query-aware mode)."""
@@ -130,7 +135,27 @@ class SharedPrefill:
             layer: states[row:row + 1, pads:] for layer, states in self.layer_inputs.items()}
         return Prompt(self.model, self.tokenizer, self.ids[row:row + 1, pads:], cache, hidden, queries,
                       feed=functools.partial(feed, self.model, cache),
-                      draft=functools.partial(draft, self.model, self.tokenizer, cache, hidden), layer_inputs=inputs)
+                      draft=functools.partial(draft, self.model, self.tokenizer, cache, hidden), layer_inputs=inputs,
+                      surprisal=None if hidden is None else functools.partial(self._surprisal, row))
+
+    @torch.inference_mode()
+    def _surprisal(self, row: int) -> torch.Tensor:
+        """Prompt.surprisal of batch row `row`, its pads cut off: computed once, and only past the longest start it
+        shares with a row computed before (`surprisals`)."""
+        pads = 0 if self.pads is None else int(self.pads[row])
+        ids = self.ids[row:row + 1, pads:]
+        known, shared = None, 0
+        for seen, values in self.surprisals:
+            length = min(seen.shape[1], ids.shape[1])
+            differ = (seen[0, :length] != ids[0, :length]).nonzero()
+            common = int(differ[0]) if len(differ) else length
+            if common > shared:
+                known, shared = values[:, :common], common
+        if shared == ids.shape[1]:
+            return known
+        values = token_surprisal(self.model, self.final_hidden[row:row + 1, pads:], ids, known=known)
+        self.surprisals.append((ids, values))
+        return values
 
     def _after_prefill_scores(self, policy: Policy) -> dict:
         """{layer: (batch, rows, n)} the policy's scores made after the prefill, each prompt's left-padded back to the

@@ -143,6 +143,9 @@ class Prompt:
         Q-Cache's pseudo queries).
     layer_inputs: {layer: (1, n, hidden_size)} every attention layer's input hidden states over the prompt (after
         the decoder layer's input norm), what a trained scorer reads ("layer_inputs": KVzap, FastKVzip).
+    surprisal() -> (1, n): the model's surprisal at each prompt token, from `final_hidden` (given with it:
+        policies.surprisal.token_surprisal), paid once per prompt; a prompt extended from another (a context, then its
+        question) pays only its new tokens' (Surprisal).
     """
 
     model: object
@@ -154,6 +157,7 @@ class Prompt:
     feed: Callable | None = None
     draft: Callable | None = None
     layer_inputs: dict | None = None
+    surprisal: Callable | None = None
 
     @property
     def n_tokens(self) -> int:

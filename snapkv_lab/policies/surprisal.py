@@ -16,7 +16,9 @@ fails"):
 One set of positions serves every layer and KV head. Cost: no second forward. The prefill that fills the cache
 already computes every position's final hidden states and drops all but the last before its output head
 (`logits_to_keep=1`); SharedPrefill keeps them (hooks.capture_final_hidden) when a policy reads them, and the
-scores are the output head over them, LOGIT_ELEMENTS logits at a time. It needs the whole prompt's hidden states, so
+scores are the output head over them, LOGIT_ELEMENTS logits at a time, computed by the engine once per prompt
+(`Prompt.surprisal`): a question fed after its context pays only its own tokens' rows, the context's being the same
+(the model is causal). It needs the whole prompt's hidden states, so
 Surprisal scores after the prefill (`scores_after_prefill`; snapkv_lab.generate,
 compare, SharedPrefill), never live at a layer's attention call (`compress` refuses it).
 """
@@ -38,13 +40,19 @@ from .snapkv import FACT_TOKENS
 LOGIT_ELEMENTS = 1 << 26
 
 
-def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor, known: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """(batch, n) -log p(ids[:, i] | ids[:, :i]) under `model`, from the decoder's final hidden states (batch, n,
-    hidden_size) over ids; 0 at position 0 (nothing predicts it)."""
+    hidden_size) over ids; 0 at position 0 (nothing predicts it). known: (batch, k) the first k positions' surprisal,
+    already computed over the same first tokens (a causal model's at a token reads only the tokens before it): only
+    the others are computed."""
     head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    first = 0 if known is None else max(known.shape[1] - 1, 0)  # the hidden state predicting the first unknown token
+    if known is not None:
+        out[:, :known.shape[1]] = known
     rows = max(1, LOGIT_ELEMENTS // (ids.shape[0] * head.weight.shape[0]))
-    for start in range(0, ids.shape[1] - 1, rows):
+    for start in range(first, ids.shape[1] - 1, rows):
         stop = min(start + rows, ids.shape[1] - 1)
         logits = head(hidden[:, start:stop]).float()  # (batch, rows, vocab): row i predicts token i + 1
         if cap:
@@ -76,12 +84,13 @@ class Surprisal(Policy):
 
     def prompt_scores(self, prompt: Prompt) -> dict[int, torch.Tensor]:
         """{layer: (1, kv_heads, n)} for every full-attention layer of the prompt's cache (sliding ones keep their
-        own), from the final hidden states (1, n, hidden_size) its prefill kept (`prompt.final_hidden`)."""
+        own), from the surprisal the engine computed over the final hidden states its prefill kept
+        (`prompt.surprisal`, `prompt.final_hidden`)."""
         hidden, ids = prompt.final_hidden, prompt.ids
-        if hidden is None or hidden.shape[:2] != ids.shape:
+        if hidden is None or hidden.shape[:2] != ids.shape or prompt.surprisal is None:
             raise ValueError(f"{self.label} scores from the final hidden states of the prefill of ids, which the "
                              "engine keeps (SharedPrefill): run it through snapkv_lab.generate or compare")
-        scores = token_surprisal(prompt.model, hidden, ids)
+        scores = prompt.surprisal().clone()
         # protected: kept, and never pooled into their neighbours (base.Policy.ranked)
         scores[:, :self.sinks] = math.inf
         return {i: scores[:, None].expand(-1, layer.keys.shape[1], -1)
