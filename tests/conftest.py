@@ -23,16 +23,23 @@ else:
 # Files whose tests start Jupyter kernels (the notebooks share one kernel per process; the browser tests start
 # JupyterLab) run in one worker, one after the other, as they did before the suite ran in parallel.
 KERNEL_FILES = ("test_notebook", "test_browser")
+# The groups that take longest (docs/performance.md, summed --durations=0 of a clean-clone run), handed out first so
+# that neither worker starts one as the other runs out of work (xdist's own order, pyproject's --no-loadscope-reorder
+# aside, would be by number of tests: the kernel group, 300 s in 12 tests, came late).
+LONGEST_GROUPS = ("kernels", "test_peer", "test_budgets", "test_gemma", "test_sweep_grid", "test_docs")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Each test file is one xdist group (its module-scoped fixtures, such as the kvpress worker, built once); the
-    kernel files are one group between them."""
+    kernel files are one group between them. The longest groups come first (LONGEST_GROUPS), the rest as collected."""
+    groups = {}
     for item in items:
         name = item.path.stem
-        group = "kernels" if name.startswith(KERNEL_FILES) else name
-        item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = "kernels" if name.startswith(KERNEL_FILES) else name
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    rank = {group: i for i, group in enumerate(LONGEST_GROUPS)}
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: a file's tests keep their order
 
 
 class ByteTokenizer:
