@@ -358,3 +358,22 @@ def test_sliding_window_mask_is_not_taken_for_padding(byte_tokenizer):
         with pytest.warns(UserWarning, match="every layer of this model uses sliding-window attention"):
             sl.generate(model, byte_tokenizer, ids, policy=sl.Surprisal(capacity=CAPACITY, kept_tail=WINDOW),
                         max_new_tokens=2)
+
+
+def test_a_prompt_within_the_budget_is_not_compressed_though_sliding_layers_hold_less(byte_tokenizer):
+    """`CompressionState.compressed`, which an answer's row records (AnswerRun.compressed: its fact_kept is 1 when
+    false) and the needle budget audit rebuilds: false for a prompt within the policy's budget and for the full cache,
+    though a sliding layer holds only its window (64 tokens over a window of 16); true over the budget."""
+    from families import FAMILIES
+
+    from snapkv_lab.compression.shared import SharedPrefill
+
+    model = FAMILIES["gemma3-sliding"]()
+    ids = torch.randint(2, 256, (1, 64), generator=torch.Generator().manual_seed(0))
+    within, over = sl.SnapKV(capacity=80, window_size=8), sl.SnapKV(capacity=24, window_size=8)
+    shared = SharedPrefill.run(model, byte_tokenizer, ids, [within, over])
+    states = {policy.capacity: shared.state(policy) for policy in (within, over)}
+    full = shared.state(sl.FullCache())
+    assert min(int(kept.shape[-1]) for kept in full.kept_indices.values()) < 64  # a sliding layer's window
+    assert not states[80].compressed(64) and not full.compressed(64)
+    assert states[24].compressed(64)

@@ -256,7 +256,7 @@ def answer(model, tokenizer, state: CompressionState, logits, ids, questions, ex
     row_lengths = None if mask is None else row_cache_lengths(state.cache, pads)
     batch, n = ids.shape
     entries = HeldEntries.of_state(model, state, batch, n, pads)
-    compressed = bool(set(state.kept_indices) - set(state.sliding_layers)) and state.policy.budget(n) is not None
+    compressed = state.compressed(n)
     described = [{} if describe is None else describe(question_index + i, state, n) for i in range(len(questions))]
     decoded = None
     if batch == 1 and mask is None and stop is None and answers_batched(state, extras):

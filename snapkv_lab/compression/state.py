@@ -80,6 +80,12 @@ class CompressionState:
     def selection_seconds(self) -> float:
         return 0.0 if self.timer is None else self.timer.seconds
 
+    def compressed(self, n_tokens: int) -> bool:
+        """Whether the policy compressed an n_tokens prompt: some layer beyond the sliding ones (which keep the model's
+        own cache) holds its selection, and the prompt is over the policy's budget (within it, the prompt is kept
+        whole)."""
+        return bool(set(self.kept_indices) - set(self.sliding_layers)) and self.policy.budget(n_tokens) is not None
+
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         if self.phase is Phase.DECODE:
             self._after_prefill(module, query, key, value, kwargs)

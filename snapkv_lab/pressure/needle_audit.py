@@ -112,10 +112,11 @@ def context_entries(model, tokenizer, config: dict) -> pd.DataFrame:
             query = context.queries[index]
             entries = HeldEntries.of_state(model, state, 1, prompt.n_tokens)
             fed = questions[index].shape[1] if mode == "query-agnostic" else 0
-            compressed = mode != "full"
+            compressed = state.compressed(prompt.n_tokens)  # as the run decided it (pressure.runner, AnswerRun)
             rows.append(dict(spec=json.dumps(config["context"], sort_keys=True),
                              key={**context.meta, **query.meta}["key"],
-                             policy=policy.scorer_label, capacity=policy.capacity if compressed else None, mode=mode,
+                             policy=policy.scorer_label, capacity=None if mode == "full" else policy.capacity,
+                             mode=mode,
                              prompt_tokens=prompt.n_tokens + fed, cache_length=max(cache_lengths(state.cache)),
                              fact_kept=kept_fraction(state, query.span) if compressed else 1.0,
                              value_kept=kept_fraction(state, query.value_span) if compressed else 1.0,
