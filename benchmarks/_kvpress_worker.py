@@ -24,7 +24,8 @@ do the work. All presses but KVzip share one prefill: each press's hook is regis
 every attention layer, and forward hooks run in registration order; ours put the full keys and values back into
 the cache before each press's hook (which prunes them in place) and read what it kept after it. The prefill's
 own attention never reads a layer's cache after that layer's hooks, so each press sees exactly what it would
-see alone. KVzipPress scores by extra reconstruction passes after its prefill and runs alone; so does KVComposePress
+see alone. KVzipPress scores by extra reconstruction passes after its prefill and runs alone (two presses that score
+alike share one reconstruction, each selecting with its own compress_post: run_kvzip); so does KVComposePress
 (the prompt fed again), which prunes the cache as its context closes (run_kvcompose).
 
 How kept positions are read: a press that prunes leaves (batch, kv_heads, kept, head_dim) keys in the cache;
@@ -288,13 +289,32 @@ def given_kvzap(press, weights: dict | None) -> None:
     press.post_init_from_model = lambda model: None
 
 
+# (kvzip_plus_normalization, chunk_size) -> the scores a KVzipPress's reconstruction left (score_val) on this request's
+# ids: what its other fields (compression_ratio, layerwise, n_sink) leave alone, as compress_post alone reads them
+KVZIP_SCORES: dict = {}
+
+
 def run_kvzip(model, ids: torch.Tensor, press) -> dict:
-    """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks."""
+    """{layer: kept} of a KVzipPress: its own prefill, its reconstruction passes, then compress_post's masks. A press
+    that scores as one run before (KVZIP_SCORES: KVzip layerwise after KVzip) takes that run's scores into its own
+    compress_post, which selects from them (kvzip_press.py:369-405), instead of reconstructing the prompt again."""
     from transformers import DynamicCache
 
     clear_masks(model)
-    with torch.no_grad(), press(model):
-        model(ids, past_key_values=DynamicCache(config=model.config))
+    key = (press.kvzip_plus_normalization, press.chunk_size)
+    if key in KVZIP_SCORES:
+        press.score_val = KVZIP_SCORES[key].clone()  # compress_post writes the sinks' scores into it
+        press.compress_post(model)
+    else:
+        select = press.compress_post
+
+        def recorded(model):
+            KVZIP_SCORES[key] = press.score_val.clone()
+            select(model)
+
+        press.compress_post = recorded
+        with torch.no_grad(), press(model):
+            model(ids, past_key_values=DynamicCache(config=model.config))
     n, kv_heads = ids.shape[1], model.config.num_key_value_heads
     kept = {}
     for module in attention_modules(model):

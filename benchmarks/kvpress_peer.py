@@ -631,7 +631,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     import snapkv_lab
     from snapkv_lab.core.models import bundled_checkpoint
     from snapkv_lab.policies.kvzap import find_weights
-    from snapkv_lab.policies.query_filters import filters_path
+    from snapkv_lab.policies.query_filters import find_filters
     from snapkv_lab.policies.query_statistics import find_statistics
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
@@ -655,7 +655,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
         presses = {row.label: row.press.format(ratio=ratio, head_ratio=pattern and pattern["head_ratio"])
                    for row in rows}
         theirs = worker.finish({row.label: presses[row.label] for row in later},
-                               q_filters=filters_path(model),  # calibrated by run_ours's QFilters
+                               q_filters=find_filters(model),  # shipped, or calibrated by run_ours's QFilters
                                duo_pattern=pattern)
     finally:
         worker.close()

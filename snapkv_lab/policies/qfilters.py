@@ -14,7 +14,7 @@ import torch
 from ..core.checks import check_int
 from ..core.hooks import attention_modules
 from .base import AttentionCall, Policy
-from .query_filters import TOKENS, filters_path, query_filters
+from .query_filters import TOKENS, find_filters, query_filters
 
 # attention module -> {calibration tokens: (kv_heads, head_dim) its filters}: set by `prepare`, so that scoring needs
 # only the call's module
@@ -45,7 +45,7 @@ class QFilters(Policy):
         modules = attention_modules(model)
         if all(self.calibration_tokens in _FILTERS.get(m, {}) for m in modules.values()):
             return
-        if tokenizer is None and not filters_path(model, self.calibration_tokens).exists():
+        if tokenizer is None and find_filters(model, self.calibration_tokens) is None:  # shipped, or measured before
             raise ValueError(f"{self.label} calibrates its query directions on text the first time it meets a model: "
                              "pass tokenizer= to compress, or run snapkv_lab.generate / compare once")
         with torch.inference_mode(False):  # prepared inside generate, scored later perhaps under autograd too

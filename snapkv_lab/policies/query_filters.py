@@ -42,8 +42,7 @@ def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQ
     filters shipped in the package (policies/weights/query_filters/: the bundled models' at the defaults) or
     <cache folder>/query_filters/<model>-<hash>.pt, else measure and write the latter."""
     sequence = _sequence(model, tokens, sequence)
-    path = filters_path(model, tokens, sequence)
-    found = find_file("query_filters", path.name)  # shipped (module doc), else measured here before
+    path, found = filters_path(model, tokens, sequence), find_filters(model, tokens, sequence)
     if cache and found is not None:
         return torch.load(found).to(model.device)
     gram, total = {}, {}  # per layer: (kv_heads, d, d) sum of q q^T, (kv_heads, d) sum of q
@@ -69,6 +68,12 @@ def filters_path(model, tokens: int = TOKENS, sequence: int = SEQUENCE) -> Path:
     """Where `query_filters(model, ..., tokens=tokens, sequence=sequence)` is cached (it may not exist yet)."""
     settings = dict(tokens=tokens, sequence=_sequence(model, tokens, sequence))
     return measured_cache_path("query_filters", model, settings, "pt")
+
+
+def find_filters(model, tokens: int = TOKENS, sequence: int = SEQUENCE) -> Path | None:
+    """The file `query_filters(model, ...)` reads: shipped in the package (module doc), else measured into the cache
+    folder before; None before either."""
+    return find_file("query_filters", filters_path(model, tokens, sequence).name)
 
 
 def _sequence(model, tokens: int, sequence: int) -> int:
