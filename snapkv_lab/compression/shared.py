@@ -127,23 +127,21 @@ class SharedPrefill:
         """Batch row `row` of this prefill as its batch-1 prompt (its pads cut off), with all a policy that scores after
         the prefill may need (`Policy.needs`; see policies.base.Prompt)."""
         pads = 0 if self.pads is None else int(self.pads[row])
-        cache = row_cache(self.cache, row, pads)
+        ids, cache = self.ids[row:row + 1, pads:], row_cache(self.cache, row, pads)
         hidden = None if self.final_hidden is None else self.final_hidden[row:row + 1, pads:]
         queries = {layer: (query[row], slots - pads, self.recorder.settings[layer])
                    for layer, (query, slots) in self.recorder.recent.items()}
         inputs = None if self.layer_inputs is None else {
             layer: states[row:row + 1, pads:] for layer, states in self.layer_inputs.items()}
-        return Prompt(self.model, self.tokenizer, self.ids[row:row + 1, pads:], cache, hidden, queries,
+        return Prompt(self.model, self.tokenizer, ids, cache, hidden, queries,
                       feed=functools.partial(feed, self.model, cache),
                       draft=functools.partial(draft, self.model, self.tokenizer, cache, hidden), layer_inputs=inputs,
-                      surprisal=None if hidden is None else functools.partial(self._surprisal, row))
+                      surprisal=None if hidden is None else functools.partial(self._surprisal, ids, hidden))
 
     @torch.inference_mode()
-    def _surprisal(self, row: int) -> torch.Tensor:
-        """Prompt.surprisal of batch row `row`, its pads cut off: computed once, and only past the longest start it
-        shares with a row computed before (`surprisals`)."""
-        pads = 0 if self.pads is None else int(self.pads[row])
-        ids = self.ids[row:row + 1, pads:]
+    def _surprisal(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Prompt.surprisal of one prompt, ids (1, n) and its final hidden states (1, n, hidden_size): computed once,
+        and only past the longest start it shares with a prompt computed before (`surprisals`)."""
         known, shared = None, 0
         for seen, values in self.surprisals:
             length = min(seen.shape[1], ids.shape[1])
@@ -153,7 +151,7 @@ class SharedPrefill:
                 known, shared = values[:, :common], common
         if shared == ids.shape[1]:
             return known
-        values = token_surprisal(self.model, self.final_hidden[row:row + 1, pads:], ids, known=known)
+        values = token_surprisal(self.model, hidden, ids, known=known)
         self.surprisals.append((ids, values))
         return values
 

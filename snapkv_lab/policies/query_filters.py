@@ -42,8 +42,8 @@ def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQ
     filters shipped in the package (policies/weights/query_filters/: the bundled models' at the defaults) or
     <cache folder>/query_filters/<model>-<hash>.pt, else measure and write the latter."""
     sequence = _sequence(model, tokens, sequence)
-    path, found = filters_path(model, tokens, sequence), find_filters(model, tokens, sequence)
-    if cache and found is not None:
+    found = find_filters(model, tokens, sequence) if cache else None
+    if found is not None:
         return torch.load(found).to(model.device)
     gram, total = {}, {}  # per layer: (kv_heads, d, d) sum of q q^T, (kv_heads, d) sum of q
 
@@ -60,7 +60,7 @@ def query_filters(model, tokenizer, *, tokens: int = TOKENS, sequence: int = SEQ
             model(chunk[None], use_cache=False, logits_to_keep=1)
     filters = torch.stack([_main_direction(gram[layer], total[layer]) for layer in sorted(gram)]).float()
     if cache:
-        write_whole(path, lambda tmp: torch.save(filters.cpu(), tmp))
+        write_whole(filters_path(model, tokens, sequence), lambda tmp: torch.save(filters.cpu(), tmp))
     return filters.to(model.device)
 
 
