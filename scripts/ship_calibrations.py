@@ -30,18 +30,20 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
 
-    start = time.perf_counter()
-    heads = retrieval_heads.retrieval_heads(model, tokenizer, cache=False)
-    target = PACKAGED / "retrieval_heads" / retrieval_heads.table_path(model).name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    heads.to_csv(target, index=False)
-    print(f"{target} ({time.perf_counter() - start:.0f} s)")
+    ship("retrieval_heads", retrieval_heads.table_path(model).name,
+         lambda: retrieval_heads.retrieval_heads(model, tokenizer, cache=False),
+         lambda table, target: table.to_csv(target, index=False))
+    ship("query_filters", query_filters.filters_path(model).name,
+         lambda: query_filters.query_filters(model, tokenizer, cache=False).cpu(), torch.save)
 
+
+def ship(folder: str, name: str, measure, save) -> None:
+    """Measure a calibration and save it as PACKAGED/folder/name (save(value, path)), saying how long it took."""
     start = time.perf_counter()
-    filters = query_filters.query_filters(model, tokenizer, cache=False)
-    target = PACKAGED / "query_filters" / query_filters.filters_path(model).name
+    value = measure()
+    target = PACKAGED / folder / name
     target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(filters.cpu(), target)
+    save(value, target)
     print(f"{target} ({time.perf_counter() - start:.0f} s)")
 
 

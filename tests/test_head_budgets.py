@@ -182,6 +182,9 @@ def test_duoattention_keeps_everything_in_its_best_heads_and_sinks_and_recent_in
         assert torch.equal(run.kept_indices[layer][0], reference), layer
     held = sum(int((k[0] >= 0).sum()) for k in run.kept_indices)
     assert held <= 2 * 2 * budget  # layers x KV heads x budget: never more than the label's budget
+    # and short of it by less than one head's n - s positions (heads are whole: the floor in full_count), the bound
+    # evaluation.audit.BUDGET_DEPARTURES states for DuoAttention
+    assert held > 2 * 2 * budget - (N - min(sink + recent, budget))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -35,7 +35,7 @@ from ..compression.layers import cache_lengths
 from ..policies import parse_policy
 from ..tasks.ruler_needles import TASKS
 from .grid import build_context
-from .runner import kept_fraction
+from .runner import kept_spans
 
 CELL_KIND = "needle-entries"
 KEYS = ["spec", "key", "policy", "capacity", "mode"]
@@ -118,8 +118,7 @@ def context_entries(model, tokenizer, config: dict) -> pd.DataFrame:
                              policy=policy.scorer_label, capacity=None if mode == "full" else policy.capacity,
                              mode=mode,
                              prompt_tokens=prompt.n_tokens + fed, cache_length=max(cache_lengths(state.cache)),
-                             fact_kept=kept_fraction(state, query.span) if compressed else 1.0,
-                             value_kept=kept_fraction(state, query.value_span) if compressed else 1.0,
+                             **kept_spans(state, query, compressed),
                              decoding_eviction=compressed and changes_while_decoding(policy, prompt.n_tokens),
                              **entries.columns(),
                              layer_kv_share=json.dumps([round(s, 5) for s in entries.layer_shares()[0]])))

@@ -37,6 +37,13 @@ def kept_fraction(kept: CompressionState | GenerationResult, span: tuple[int, in
     return float(kept_mask(kept, end)[compressed, :, start:end].float().mean())
 
 
+def kept_spans(kept: CompressionState | GenerationResult, query, compressed: bool) -> dict:
+    """A row's fact_kept and value_kept: the kept_fraction of the query's fact and value spans, 1.0 each when the run
+    was not compressed (the whole cache held)."""
+    spans = {"fact_kept": query.span, "value_kept": query.value_span}
+    return {column: kept_fraction(kept, span) if compressed else 1.0 for column, span in spans.items()}
+
+
 @torch.inference_mode()
 def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_POLICIES, capacities=CAPACITIES,
                   modes=MODES, max_new_tokens: int = 24, progress: bool = True, on_context=None,
@@ -79,8 +86,7 @@ def run_retrieval(model, tokenizer, contexts: list[Context], policies=DEFAULT_PO
                              mode=run.mode, expected=query.answer, output=redact_essays(run.text),
                              correct=found(query.answer, run.text),
                              exact=found_exactly(query.answer, run.text),
-                             fact_kept=kept_fraction(run, query.span) if run.compressed else 1.0,
-                             value_kept=kept_fraction(run, query.value_span) if run.compressed else 1.0,
+                             **kept_spans(run, query, run.compressed),
                              cache_length=max(run.cache_lengths), **run.entries.columns(),
                              prompt_tokens=run.prompt_tokens, prefill_s=shared.seconds,
                              decode_ms_per_token=ms_per_token(run.step_seconds), **run.extra))
