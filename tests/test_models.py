@@ -193,3 +193,29 @@ def test_local_path_in_bfloat16_and_eager(tmp_path):
     assert trace.meta["dtype"] == "bfloat16" and trace.n_generated == 3
     probs = trace.attention(1)
     torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), atol=1e-5, rtol=0)
+
+
+def test_a_gguf_header_parsed_once_holds_what_ggufs_own_reader_parses():
+    """models.gguf_parsed_once's reader slices a plain view of the file's memory map: every field and tensor it
+    parses equals gguf's own reader's (offsets, types, parts and their dtypes, tensor bytes)."""
+    import gguf
+    import numpy as np
+
+    from snapkv_lab.core.models import gguf_parsed_once
+
+    path = bundled_gguf_path()
+    own = gguf.GGUFReader(path)
+    with gguf_parsed_once():
+        parsed = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is parsed  # once per file
+    assert type(parsed) is not gguf.GGUFReader and list(parsed.fields) == list(own.fields)
+    for name, field in own.fields.items():
+        other = parsed.fields[name]
+        assert (other.offset, other.types, other.data) == (field.offset, field.types, field.data), name
+        assert [(part.dtype, part.tobytes()) for part in other.parts] == [(part.dtype, part.tobytes())
+                                                                           for part in field.parts], name
+    assert len(parsed.tensors) == len(own.tensors)
+    for tensor, other in zip(own.tensors, parsed.tensors):
+        assert (other.name, other.tensor_type, other.data_offset) == (tensor.name, tensor.tensor_type,
+                                                                      tensor.data_offset)
+        assert np.array_equal(other.data, tensor.data)
