@@ -191,7 +191,8 @@ def gguf_parsed_once():
     Gemma 3's 262k-token vocabulary among them: seconds) anew for the tokenizer, for the config and for the weights.
     The parsed reader maps the file read-only, so the reads that share it see what each would have parsed. It slices
     a plain ndarray view of its memory map (the same bytes): np.memmap's Python-level slicing, once per field part,
-    was most of the parse (Gemma 3's header: 9.5 s with it, 2.6 s without; tests/test_models.py checks the fields alike)."""
+    was most of the parse (Gemma 3's header: 9.5 s with it, 2.6 s without; tests/test_models.py checks the fields
+    alike)."""
     import gguf
     import numpy as np
 
