@@ -40,6 +40,9 @@ def official_adjust(budgets, total, prefix_len):
 def test_integer_budgets_as_the_official_adjust_budgets():
     # hand-worked: [10, 50, 3] capped at 40 gives 10 back, 5 to each layer below; 63 is 3 over 60: one from each
     assert adjust_budgets([10.7, 50.2, 3.1], 60, 40) == [14, 39, 7]
+    # the excess is spread once: [50, 38, 2] capped at 40 gives 10 back, 5 to each layer below, which lifts the second
+    # past its prefix; a layer keeps at most its prefix, so 3 of the 90 go unused (evaluation.audit.BUDGET_DEPARTURES)
+    assert adjust_budgets([50.0, 38.0, 2.0], 90, 40) == official_adjust([50.0, 38.0, 2.0], 90, 40) == [40, 43, 7]
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         layers = int(torch.randint(2, 9, (1,), generator=generator))

@@ -195,14 +195,21 @@ def budget_records(data_dir="data") -> pd.DataFrame:
 # (docs/benchmarks.md): kv_share - budget_share at its least and most there, and why. Every other policy holds its
 # budget to within ROUNDING either way, and is never over_budget.
 BUDGET_DEPARTURES = {
-    "PyramidKV": (-0.043, 0.0035, "over on SmolLM2: the official integer schedule gives a layer a whole position "
+    "PyramidKV": (-0.121, 0.0035, "over on SmolLM2: the official integer schedule gives a layer a whole position "
                   "per head more; under on Gemma 3 270M: the schedule runs over all 18 layers, and the 3 it compresses "
-                  "(5, 11, 17; the rest slide) sit past its middle, where budgets are smaller"),
+                  "(5, 11, 17; the rest slide) sit past its middle, where budgets are smaller (0.448 of the full "
+                  "cache against 0.568 at 16257 tokens and capacity 0.5)"),
     "SnapKV(per_query_head=True)": (0.0, 0.52, "over by design: one selection per query head, each stored (heads / "
                                     "kv_heads times the entries)"),
-    "ChunkKV": (-0.004, 0.0, "under: cause not traced"),
-    "CAKE": (-0.020, 0.0, "under: cause not traced"),
-    "DuoAttention(rolling=False)": (-0.010, 0.0, "under: cause not traced"),
+    "ChunkKV": (-0.004, 0.0, "under: whole chunks, kvpress's int(n_chunks B / n) of them, the prompt's last (shorter) "
+                "chunk possibly among them: up to 2 (chunk_size - 1) positions per head fewer than B (policies.chunkkv)"),
+    "CAKE": (-0.020, 0.0, "under: the official integer budgets (cake/utils.py adjust_budgets) spread a capped layer's "
+             "excess once, so a layer that spread lifts past its prefix keeps its prefix and the rest goes unused (3 "
+             "of SmolLM2's 30 layers on a 3998-token prompt at capacity 0.75: 37.6 positions per KV head)"),
+    "DuoAttention(rolling=False)": (-0.196, 0.0, "under: whole heads, floor(L K (B - s) / (n - s)) of them keeping "
+                                    "all n positions, so up to one head's n - s positions go unused: 1/90 of the "
+                                    "compressed entries on SmolLM2 (90 KV heads), up to 1/3 on Gemma 3 270M (3): "
+                                    "0.156 of the full cache at 16257 tokens and capacity 0.25, no head full"),
     "HeadKV(policy=SnapKV(window_size=32))": (-0.55, 0.0, "under: the official slicing leaves unused what a head's "
                                               "share holds beyond its prefix (HeadKV(redistribute=True) matches)"),
     "SimLayerKV": (-0.38, 0.0, "no budget (its budget_share is the full cache's): its lazy layers keep sinks and "
