@@ -201,8 +201,9 @@ BUDGET_DEPARTURES = {
                   "cache against 0.568 at 16257 tokens and capacity 0.5)"),
     "SnapKV(per_query_head=True)": (0.0, 0.52, "over by design: one selection per query head, each stored (heads / "
                                     "kv_heads times the entries)"),
-    "ChunkKV": (-0.004, 0.0, "under: whole chunks, kvpress's int(n_chunks B / n) of them, the prompt's last (shorter) "
-                "chunk possibly among them: up to 2 (chunk_size - 1) positions per head fewer than B (policies.chunkkv)"),
+    "ChunkKV": (-0.004, 0.0, "under: whole chunks, kvpress's int(n_chunks B / n) of them, the prompt's last "
+                "(shorter) chunk possibly among them: up to 2 (chunk_size - 1) positions per head fewer than B "
+                "(policies.chunkkv)"),
     "CAKE": (-0.020, 0.0, "under: the official integer budgets (cake/utils.py adjust_budgets) spread a capped layer's "
              "excess once, so a layer that spread lifts past its prefix keeps its prefix and the rest goes unused (3 "
              "of SmolLM2's 30 layers on a 3998-token prompt at capacity 0.75: 37.6 positions per KV head)"),
