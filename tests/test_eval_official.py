@@ -667,3 +667,13 @@ def test_the_docs_leaderboard_flags_a_cell_held_over_budget(tmp_path):
         tmp_path / "eval_flagged.csv", index=False)  # a tenth of the cache short of its budget: named
     assert "Held under budget by more than 0.01 of the full cache on average: SnapKV (agnostic 0.5)" in _leaderboard(
         tmp_path, "flagged")
+    # a model whose sliding-window layers keep their own cache: the budget allows more than 1 - ratio (0.7 here), and
+    # a cell is under budget against what its budget allows, not against 1 - ratio
+    sliding = compressed.map({True: 0.7, False: 1.0})
+    table.assign(over_budget=False, budget_share=sliding, kv_share=sliding - compressed * 0.05).to_csv(
+        tmp_path / "eval_flagged.csv", index=False)
+    assert "Held under budget by more than 0.01 of the full cache on average: SnapKV (agnostic 0.5)" in _leaderboard(
+        tmp_path, "flagged")
+    table.assign(over_budget=False, budget_share=sliding, kv_share=sliding).to_csv(tmp_path / "eval_flagged.csv",
+                                                                                 index=False)
+    assert "under budget" not in _leaderboard(tmp_path, "flagged")

@@ -125,7 +125,7 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
                       "mean share of the full cache's KV entries held, least to most, per ratio: " + "; ".join(
                           f"{ratio:g}: {part.kv_share.min():.3f} to {part.kv_share.max():.3f}"
                           for ratio, part in compressed.groupby("ratio"))]
-        under = compressed[compressed.kv_share < 1 - compressed.ratio - UNDER_BUDGET]
+        under = compressed[compressed.kv_share < compressed.budget_share - UNDER_BUDGET]
         cells = {policy: ", ".join(f"{mode.removeprefix('query-')} {ratio:g}" for mode, ratio in zip(part["mode"],
                                                                                                     part.ratio))
                  for policy, part in under.groupby("policy", sort=False)}

@@ -34,13 +34,18 @@ def lengths(table: pd.DataFrame) -> list[int]:
     return sorted(table.length.dropna().unique()) if "length" in table.columns else []
 
 
+# What a run's rows record of the KV entries they held (compression.entries), and how an example's or a cell's rows
+# sum up: its mean share of the full cache held and allowed, and whether any held more than allowed.
+HELD = {"kv_share": "mean", "budget_share": "mean", "over_budget": "any"}
+
+
 def example_scores(table: pd.DataFrame) -> pd.DataFrame:
     """One row per (dataset, [length,] task, example, policy, budget, mode): the mean score over its questions, x 100,
-    and where the table records them, the mean kv_share and whether any question's cache held more than its budget
-    (over_budget; compression.entries). The full cache's rows are repeated under every mode of the run, so that each
-    mode's line has its baseline."""
+    and where the table records them, the mean kv_share and budget_share and whether any question's cache held more
+    than its budget (over_budget; compression.entries). The full cache's rows are repeated under every mode of the
+    run, so that each mode's line has its baseline."""
     keys = [*_scope(table), "task", "example", "policy", _budget(table), "mode"]
-    held = dict(kv_share=("kv_share", "mean"), over_budget=("over_budget", "any")) if "kv_share" in table else {}
+    held = {column: (column, how) for column, how in HELD.items() if column in table}
     scores = table.groupby(keys, dropna=False, sort=False).agg(score=("score", "mean"), **held).reset_index()
     scores["score"] *= 100
     modes = [m for m in scores["mode"].unique() if m != "full"] or ["full"]
@@ -76,7 +81,8 @@ def leaderboard(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0, tasks=No
     """Per (dataset, [length,] policy, budget, mode): the average over tasks of the task scores, with its interval and
     the number of tasks and examples: kvpress's leaderboard (score vs compression ratio per method), full cache
     included (ratio 0). Where the table records KV entries: kv_share (the mean share of the uncompressed cache's
-    entries held) and over_budget (some example held more than the budget: not a matched-totals comparison). tasks:
+    entries held), budget_share (the mean share its budget allows: above 1 - ratio where sliding-window layers keep
+    their own cache) and over_budget (some example held more than the budget: not a matched-totals comparison). tasks:
     average over these alone (None: every task of the table; `averages` gives RULER's 13 and its 11 synthetic ones
     side by side)."""
     if tasks is not None:
@@ -87,8 +93,7 @@ def leaderboard(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0, tasks=No
     for key, part in scores.groupby(keys, dropna=False, sort=False):
         groups = [task.score.to_numpy() for _, task in part.groupby("task", sort=False)]
         estimate, low, high = _interval(groups, n_boot, seed)
-        held = (dict(kv_share=part.kv_share.mean(), over_budget=bool(part.over_budget.any()))
-                if "kv_share" in part else {})
+        held = {column: part[column].agg(how) for column, how in HELD.items() if column in part}
         rows.append(dict(zip(keys, key), score=estimate, low=low, high=high, tasks=len(groups), examples=len(part),
                          **held))
     return pd.DataFrame(rows).sort_values([*_scope(table), "mode", "policy", budget], ignore_index=True)
