@@ -435,13 +435,13 @@ def _presses(data_dir: Path, table: str = "pressure_presses.csv") -> str:
     return "\n".join(lines)
 
 
-def _long_generation(data_dir: Path) -> str:
-    """The long-generation run per policy: codes copied, output length, KV footprint, each with its interval."""
+def _long_generation(data_dir: Path, table: str = "long_generation.csv") -> str:
+    """A long-generation run per policy: codes copied, output length, KV footprint, each with its interval."""
     import pandas as pd
 
     from ..pressure.long_generation import long_generation_markdown
 
-    return long_generation_markdown(pd.read_csv(data_dir / "long_generation.csv"))
+    return long_generation_markdown(pd.read_csv(data_dir / table))
 
 
 def _methods(data_dir: Path) -> str:
@@ -614,6 +614,8 @@ BLOCKS = {
     "presses-gemma": Block("pressure.md", ("gemma-3-270m/pressure_presses.csv",),
                            functools.partial(_presses, table="gemma-3-270m/pressure_presses.csv")),
     "long-generation": Block("long-generation.md", ("long_generation.csv",), _long_generation),
+    "long-generation-gemma": Block("long-generation.md", ("gemma-3-270m/long_generation.csv",),
+                                   functools.partial(_long_generation, table="gemma-3-270m/long_generation.csv")),
     "budget-audit": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_audit),
     "budget-records": Block("benchmarks.md", (BUDGET_AUDIT,), _budget_records),
     "needle-audit": Block("benchmarks.md", NEEDLE_AUDITS, _needle_audit),
