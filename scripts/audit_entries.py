@@ -29,7 +29,8 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=None,
                         help="audit the first N examples only (the others' columns left empty; a rerun resumes)")
     parser.add_argument("--first", type=int, default=0,
-                        help="leave the first K examples out as well (parts run side by side: --first K --examples N)")
+                        help="leave the first K examples out as well: --first K --examples N audits examples K+1 "
+                        "to N (parts run side by side)")
     parser.add_argument("--entries-only", type=Path, default=None, metavar="CSV",
                         help="write the audited rows (each table's name, its key columns and the entry columns) to CSV "
                              "and leave the tables as they are: an audit in parts read before the tables are filled")

@@ -648,6 +648,8 @@ def test_a_budget_audit_recomputes_the_entries_a_run_recorded(toy, tiny_as_defau
                                   check_dtype=False)
     with pytest.raises(ValueError, match="not in the audit"):
         fill_from_entries(older, entries_of(part, "t.csv"), "t.csv")
+    with pytest.raises(ValueError, match="selects none of them"):  # examples is where a part ends: [1:1] is empty
+        audit_entries(older, model=None, data_dir=tmp_path / "part", first=1, examples=1)
 
     changed = older.assign(context_tokens=older.context_tokens + 1)
     with pytest.raises(ValueError, match="cannot be recomputed"):

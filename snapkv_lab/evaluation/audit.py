@@ -89,7 +89,11 @@ def audit_entries(table: pd.DataFrame, *, model: str | None = None, data_dir="da
     from ..sweep import ResultStore, run_cells
 
     store = ResultStore(Path(data_dir) / "cells" / CELL_KIND)
-    cells = audit_cells(table, model)[first:examples]
+    every = audit_cells(table, model)
+    cells = every[first:examples]
+    if not cells:  # examples is where the part ends: --first 2 --examples 2 selects nothing
+        raise ValueError(f"no example to audit: the tables hold {len(every)}, and first={first}, examples={examples} "
+                         "selects none of them (examples is where the part ends, not how many it holds)")
     found = run_cells(cells, example_entries, store, model=model, desc="budget audit")
     found = found.drop(columns="layer_kv_share").drop_duplicates(KEYS)
     keyed = table.drop(columns=[c for c in COLUMNS if c in table], errors="ignore").assign(
