@@ -143,33 +143,45 @@ def test_scores_of_a_compressed_cache_are_refused(byte_tokenizer):
             C.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1, prefill_chunk=40)
 
 
-def test_a_shared_prefill_refuses_a_whole_prompt_scorer_only_where_the_prompt_was_split(byte_tokenizer):
+def test_a_shared_prefill_serves_a_whole_prompt_scorer_query_aware_from_one_call_over_the_whole_prompt(byte_tokenizer):
     """Fed a question after its context, a prefill shared with NonCausalAttn (which scores the whole prompt from one
-    call) still serves every other policy, and NonCausalAttn's query-agnostic state (the context alone, one call):
-    only its state over the split prompt is refused. Its query-agnostic state equals a prefill of it alone."""
+    call) serves every other policy as if NonCausalAttn were not there, and NonCausalAttn's query-agnostic state from
+    the context alone. Its query-aware state is kvpress's query-aware press: the kvpress reference over context and
+    question prefilled together, each chunk of 64 seeing itself whole. That prompt is fed again once, for every
+    policy that refused the split."""
     from snapkv_lab.compression import SharedPrefill
-    from snapkv_lab.compression.generation import run_states
-    from snapkv_lab.policies.base import WholePromptOnly
+    from snapkv_lab.compression.generation import answer_runs, run_states
 
     model = tiny()
     ids = distinct_ids(120, 3)[:1]
     context, question = ids[:, :100], ids[:, 100:]
-    non_causal, snapkv = C.NonCausalAttn(capacity=30), C.SnapKV(capacity=30, window_size=8)
+    non_causal, snapkv = C.NonCausalAttn(capacity=30, chunk_size=64), C.SnapKV(capacity=30, window_size=8)
     shared = SharedPrefill.run(model, byte_tokenizer, context, [non_causal, snapkv])
     aware = shared.extend(question)
-    with pytest.raises(WholePromptOnly, match="must be prefilled in one call.*20 queries over 120 keys"):
-        aware.state(non_causal)
     without = SharedPrefill.run(model, byte_tokenizer, context, [snapkv]).extend(question).state(snapkv)
     for layer, kept in without.kept_indices.items():  # the other policy's state as if NonCausalAttn were not there
         assert kept.shape[-1] == 30 and torch.equal(aware.state(snapkv).kept_indices[layer], kept)
-    alone = SharedPrefill.run(model, byte_tokenizer, context, [non_causal]).state(non_causal)
-    runs = {(policy.name, mode): state for _, policy, mode, _, state in
-            run_states(shared, [question], [non_causal], ["query-agnostic"])}
-    assert set(runs) == {("FullCache", "full"), ("NonCausalAttn", "query-agnostic")}
-    for layer, kept in alone.kept_indices.items():
-        assert kept.shape[-1] == 30 and torch.equal(runs["NonCausalAttn", "query-agnostic"].kept_indices[layer], kept)
-    with pytest.raises(WholePromptOnly):
-        list(run_states(shared, [question], [non_causal], ["query-aware"]))
+    assert aware.serving(snapkv) is aware and shared.serving(non_causal) is shared
+    refed = aware.serving(non_causal)
+    assert refed is not aware and refed.refed and aware.serving(non_causal) is refed  # fed again once
+    assert torch.equal(refed.ids, ids)
+
+    runs = {(policy.name, mode): (prompt, state) for _, policy, mode, prompt, state in
+            run_states(shared, [question], [non_causal], ["query-aware", "query-agnostic"])}
+    assert set(runs) == {("FullCache", "full"), ("NonCausalAttn", "query-agnostic"), ("NonCausalAttn", "query-aware")}
+    agnostic = [ref_non_causal(queries, keys, values, 64) for _, queries, keys, values, _ in projections(model, context)]
+    whole = [ref_non_causal(queries, keys, values, 64) for _, queries, keys, values, _ in projections(model, ids)]
+    for (prompt, state), scores, n in ((runs["NonCausalAttn", "query-agnostic"], agnostic, 100),
+                                       (runs["NonCausalAttn", "query-aware"], whole, 120)):
+        assert prompt.n_tokens == n
+        kept = [state.kept_indices[layer] for layer in range(len(scores))]
+        assert_same_selection(kept, [top_with_tail(s, 30, n) for s in scores], scores, 0)
+    assert runs["NonCausalAttn", "query-aware"][0].refed
+    # Its answer is the live compressor's over the whole prompt, fed in one call (kvpress's query-aware run).
+    answered, = answer_runs(model, byte_tokenizer, shared, [question], [non_causal], ["query-aware"],
+                            max_new_tokens=6, full=False)
+    live = C.generate(model, byte_tokenizer, ids, policy=non_causal, max_new_tokens=6)
+    assert torch.equal(answered.token_ids, live.token_ids)
 
 
 def ref_cur(keys, values, n_sink=4, w=16, start_aligned=True):

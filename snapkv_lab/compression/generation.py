@@ -348,7 +348,8 @@ def answer_runs(model, tokenizer, shared: SharedPrefill, questions: list, polici
         agnostic = mode == "query-agnostic" and questions[index] is not None
         yield from answer(model, tokenizer, state, None if agnostic else prompt.logits, prompt.ids, [texts[index]],
                           [questions[index] if agnostic else None],
-                          prefill_seconds=shared.seconds + state.selection_seconds, max_new_tokens=max_new_tokens,
+                          prefill_seconds=(prompt.seconds if prompt.refed else shared.seconds) + state.selection_seconds,
+                          max_new_tokens=max_new_tokens,
                           mask=shared.mask, mode=mode, question_index=index, describe=describe, end_ids=end_ids,
                           min_new_tokens=min_new_tokens)
 
@@ -356,8 +357,9 @@ def answer_runs(model, tokenizer, shared: SharedPrefill, questions: list, polici
 def run_states(shared: SharedPrefill, questions: list, policies, modes=MODES, *, full: bool = True
                ) -> Iterator[tuple[int, Policy, str, SharedPrefill, CompressionState]]:
     """The compression states `answer_runs` answers from, in its order: (question index, policy, mode, the prefill
-    compressed: the context's query-agnostic, the context and question's otherwise, the state). A study of what
-    policies keep (compression.entries, a budget audit) reads these without decoding."""
+    compressed: the context's query-agnostic, the context and question's otherwise, or that prompt fed again in one call
+    for a policy that scores the whole prompt from one attention call (SharedPrefill.serving), the state). A study of
+    what policies keep (compression.entries, a budget audit) reads these without decoding."""
     if set(modes) - set(MODES):
         raise ValueError(f"modes must be among {MODES}, got {list(modes)}")
     runs = [(FullCache(), "full")] if full else []
@@ -366,5 +368,5 @@ def run_states(shared: SharedPrefill, questions: list, policies, modes=MODES, *,
     for index, question in enumerate(questions):
         aware = shared.extend(question) if question is not None and needs_aware else shared
         for policy, mode in runs:
-            prompt = shared if mode == "query-agnostic" and question is not None else aware
+            prompt = (shared if mode == "query-agnostic" and question is not None else aware).serving(policy)
             yield index, policy, mode, prompt, prompt.state(policy)

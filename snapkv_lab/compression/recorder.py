@@ -40,7 +40,8 @@ class ScoreRecorder:
 
     defer_refusals (a prefill shared by several policies): a policy that scores the whole prompt from one call and is
     handed a later chunk (policies.base.WholePromptOnly) is not scored further, and its refusal is kept in
-    `refused[score_table]` for whoever builds its state from these scores; the others go on. Otherwise (the live
+    `refused[score_table]` (its state is then built from the prompt fed again in one call: SharedPrefill.serving); the
+    others go on. Otherwise (the live
     compressor, one policy) the refusal is raised at once.
     """
 

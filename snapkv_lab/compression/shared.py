@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,10 @@ class SharedPrefill:
     # for, by this prefill and every prefill fed from the same one (a context's, each of its questions'): one list,
     # from which a row whose tokens begin as a computed row's pays only the rest.
     surprisals: list = field(default_factory=list)
+    # This prefill's prompt fed again in one call for the policies that score the whole prompt from one attention call
+    # and refused the split one (`serving`): built when first asked for, once for all of them.
+    _whole: SharedPrefill | None = field(default=None, repr=False)
+    refed: bool = False  # this is such a prefill: `seconds` is the whole prompt's forward, not its last chunk's
 
     @classmethod
     @torch.inference_mode()
@@ -123,6 +127,20 @@ class SharedPrefill:
         """The prefill of this context followed by ids (batch, m), e.g. a question (query-aware mode)."""
         return self._fed(ids)
 
+    def serving(self, policy: Policy) -> SharedPrefill:
+        """The prefill `policy`'s state is built from: this one, or, where the policy scores the whole prompt from one
+        attention call and this prompt was fed in two (a question after its context: the query-aware mode), the same
+        prompt fed again in one call to the policies that refused it (policies.base.WholePromptOnly), as kvpress scores
+        a query-aware prefill. That forward is paid once per prompt, when the first such policy is asked for; every
+        other policy is served by this prefill."""
+        if policy.score_table not in self.recorder.refused:
+            return self
+        if self._whole is None:
+            refused = [p for label, p in self.recorder.policies.items() if label in self.recorder.refused]
+            self._whole = replace(SharedPrefill.run(self.model, self.tokenizer, self.ids, refused,
+                                                                mask=self.mask), refed=True)
+        return self._whole
+
     def prompt(self, row: int = 0) -> Prompt:
         """Batch row `row` of this prefill as its batch-1 prompt (its pads cut off), with all a policy that scores after
         the prefill may need (`Policy.needs`; see policies.base.Prompt)."""
@@ -170,9 +188,10 @@ class SharedPrefill:
     @torch.inference_mode()
     def state(self, policy: Policy) -> CompressionState:
         """The compressor's state after prefill under `policy`: a compressed copy of the full cache (a fork where every
-        row fits its budget), kept_indices for every layer, the selection time (scoring after the prefill included)."""
-        if policy.score_table in self.recorder.refused:  # fed in chunks it cannot score: its scores stop short
-            raise self.recorder.refused[policy.score_table]
+        row fits its budget), kept_indices for every layer, the selection time (scoring after the prefill included).
+        A policy that refused this prefill's split prompt is served by its prompt fed in one call (`serving`)."""
+        if (served := self.serving(policy)) is not self:
+            return served.state(policy)
         n, n_layers, pads = self.n_tokens, self.model.config.num_hidden_layers, self.pads
         compresses = any(policy.budget(length) is not None for length in row_lengths(n, self.ids.shape[0], pads))
         compresses = compresses or (policy.storage is not None and policy.storage.packs)  # channels, bits

@@ -144,7 +144,7 @@ def converse(model, tokenizer, shared: SharedPrefill, turns: list[Turn], policy,
     as_ids = lambda ids: torch.tensor([ids], dtype=torch.long, device=model.device)  # noqa: E731
     ends = tuple(dict.fromkeys((*eos_ids(model, tokenizer), *end_ids)))
     aware = mode != "query-agnostic"
-    first = shared.extend(as_ids(turns[0].question)) if aware else shared
+    first = (shared.extend(as_ids(turns[0].question)) if aware else shared).serving(policy)
     state, logits, n = first.state(policy), first.logits, first.n_tokens
     capacity = policy.budget(n)  # the first compression's budget in tokens: what every later one keeps
     fed = first.ids[0].tolist()

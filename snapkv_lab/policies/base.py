@@ -94,8 +94,9 @@ class AttentionCall:
 class WholePromptOnly(NotImplementedError):
     """A policy that scores the whole prompt from one attention call was handed a call with fewer queries than keys (a
     prompt chunk after the first, a question fed after its context). A prefill shared by several policies records the
-    refusal for that policy alone and raises it when that policy's state is asked for (compression.recorder), so
-    that the others, and this one's state before the split, still build."""
+    refusal for that policy alone (compression.recorder), so that the others, and this one's state before the split,
+    still build; its state over the split prompt is built from that prompt fed again in one call
+    (compression.shared.SharedPrefill.serving). The live compressor, one policy, raises it."""
 
 
 def whole_prompt(call: AttentionCall, name: str) -> None:
