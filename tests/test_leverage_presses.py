@@ -169,8 +169,7 @@ def test_a_shared_prefill_serves_a_whole_prompt_scorer_query_aware_from_one_call
     runs = {(policy.name, mode): (prompt, state) for _, policy, mode, prompt, state in
             run_states(shared, [question], [non_causal], ["query-aware", "query-agnostic"])}
     assert set(runs) == {("FullCache", "full"), ("NonCausalAttn", "query-agnostic"), ("NonCausalAttn", "query-aware")}
-    agnostic = [ref_non_causal(queries, keys, values, 64) for _, queries, keys, values, _ in projections(model, context)]
-    whole = [ref_non_causal(queries, keys, values, 64) for _, queries, keys, values, _ in projections(model, ids)]
+    agnostic, whole = ([ref_non_causal(q, k, v, 64) for _, q, k, v, _ in projections(model, x)] for x in (context, ids))
     for (prompt, state), scores, n in ((runs["NonCausalAttn", "query-agnostic"], agnostic, 100),
                                        (runs["NonCausalAttn", "query-aware"], whole, 120)):
         assert prompt.n_tokens == n

@@ -346,10 +346,10 @@ def answer_runs(model, tokenizer, shared: SharedPrefill, questions: list, polici
     texts = texts or [None] * len(questions)
     for index, _, mode, prompt, state in run_states(shared, questions, policies, modes, full=full):
         agnostic = mode == "query-agnostic" and questions[index] is not None
+        fed = prompt.seconds if prompt.refed else shared.seconds  # a prompt fed again in one call: that forward
         yield from answer(model, tokenizer, state, None if agnostic else prompt.logits, prompt.ids, [texts[index]],
                           [questions[index] if agnostic else None],
-                          prefill_seconds=(prompt.seconds if prompt.refed else shared.seconds) + state.selection_seconds,
-                          max_new_tokens=max_new_tokens,
+                          prefill_seconds=fed + state.selection_seconds, max_new_tokens=max_new_tokens,
                           mask=shared.mask, mode=mode, question_index=index, describe=describe, end_ids=end_ids,
                           min_new_tokens=min_new_tokens)
 
