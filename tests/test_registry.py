@@ -91,6 +91,27 @@ def test_generate_compress_and_compare_agree(name, model, byte_tokenizer):
     assert all(torch.equal(a, b) for a, b in zip(run.kept_indices, single.kept_indices, strict=True))
 
 
+@pytest.mark.parametrize("name", [name for name in NAMES if name != "FullCache"])
+def test_query_aware_over_a_prefill_split_by_its_question_is_the_live_compressor_over_the_whole_prompt(
+        name, model, byte_tokenizer):
+    """A context prefilled once for many questions, a question fed after it on a fork (evaluate's and the needle
+    suites' query-aware runs), then compressed: the same kept positions and tokens as the live compressor fed context
+    and question in one call, as kvpress runs a query-aware press. Whole-prompt scorers (NonCausalAttn, Compactor,
+    PerChunk, Blockwise) are served by the prompt fed again in one call (SharedPrefill.serving); windows spanning the
+    split take the context's last queries (compression.recorder)."""
+    from snapkv_lab.compression import SharedPrefill
+    from snapkv_lab.compression.generation import answer_runs
+
+    policy = build_with_tail(name, 8, capacity=40)
+    ids = prompt(seed=3)
+    shared = SharedPrefill.run(model, byte_tokenizer, ids[:, :130], [policy])
+    split, = answer_runs(model, byte_tokenizer, shared, [ids[:, 130:]], [policy], ["query-aware"], max_new_tokens=NEW,
+                         full=False)
+    live = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=NEW)
+    assert torch.equal(split.token_ids, live.token_ids)
+    assert all(torch.equal(a, b) for a, b in zip(split.kept_indices, live.kept_indices, strict=True))
+
+
 def test_registry_names_are_class_names_and_exported():
     for name, cls in snapkv_lab.POLICIES.items():
         assert cls.__name__ == name and getattr(snapkv_lab, name) is cls
