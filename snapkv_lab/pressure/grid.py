@@ -190,12 +190,11 @@ SUITES = {
     # The newer methods on the 15 dev needles at 25%, both modes, with the ablations' coverage columns.
     "methods": Suite("pressure_methods.csv", dev_needle_specs, METHOD_POLICIES, (ABLATION_CAPACITY,),
                      describe="coverage", max_new_tokens=ANSWER_TOKENS),
-    # kvpress's other presses on the same 15 dev needles at 25% (no coverage columns: their cost), query-agnostic:
-    # kvpress's own protocol (the context compressed alone, the question after), and the one mode several of them
-    # have, as they score the whole prompt in one call (NonCausalAttn, Compactor), which a question fed after the
-    # context would split.
-    "presses": Suite("pressure_presses.csv", dev_needle_specs, PRESS_POLICIES, (ABLATION_CAPACITY,),
-                     ("query-agnostic",), max_new_tokens=ANSWER_TOKENS),
+    # kvpress's other presses on the same 15 dev needles at 25% (no coverage columns: their cost), both modes: the
+    # whole-prompt scorers (NonCausalAttn, Compactor) query-aware from the context and question fed again in one call
+    # (SharedPrefill.serving).
+    "presses": Suite("pressure_presses.csv", dev_needle_specs, PRESS_POLICIES, (ABLATION_CAPACITY,), MODES,
+                     max_new_tokens=ANSWER_TOKENS),
 }
 
 
