@@ -253,6 +253,18 @@ def given_statistics(press, path: str | None) -> None:
     press.mu, press.cov = stored["mean"].float(), stored["cov"].float()
 
 
+def given_curve(press, path: str | None) -> None:
+    """LUKVPress with the budget curve snapkv_lab's LUKV reads (a .npy of (99, layers, KV heads) prune ratios) instead
+    of the one it would download for Llama-3.1-8B-Instruct (lukv_press.py:33-36); its post_init_from_model loads
+    nothing once `_budget_curves` is set (:94-97)."""
+    if path is None:
+        raise ValueError("LUKVPress needs the request's lukv_curve (GitHub is out of reach, and its curve is another "
+                         "model's)")
+    import numpy
+
+    press._budget_curves = numpy.load(path, allow_pickle=False)
+
+
 def read_rerotation(press) -> None:
     """KeyRerotationPress leaving the sorted kept indices it re-rotates (key_rerotation_press.py:147-150) on the
     module, as `module.rerotated_indices` (batch, kv_heads, kept), for `kept_positions`."""
@@ -393,6 +405,8 @@ def main(request_path: str, out_path: str) -> None:
             read_rerotation(press)
         if isinstance(press, kvpress.ExpectedAttentionStatsPress):
             given_statistics(press, request.get("query_statistics"))
+        if isinstance(press, kvpress.LUKVPress):
+            given_curve(press, request.get("lukv_curve"))
         if isinstance(press, kvpress.ObservedAttentionPress):
             try:
                 results[name] = {"kept": run_eager(model, ids, name, press), "error": None}

@@ -46,6 +46,18 @@ _ABSENT = object()
 # wrapper's capacity, the row's RATIO).
 PER_LAYER_RATIOS = [0.5] * 10 + [RATIO] * 10 + [0.875] * 10
 PER_LAYER_OURS = tuple([int(N_TOKENS * 0.5)] * 10 + [None] * 10 + [int(N_TOKENS * 0.125)] * 10)
+# The LUKV row's budget curve, handed to both sides (kvpress would download Llama-3.1-8B's alone): seeded prune ratios,
+# each row's ratio +- 0.15 per layer and KV head (`lukv_curve`), written where the row's expression reads it.
+LUKV_CURVE = Path(tempfile.gettempdir()) / "snapkv_lab_peer_lukv_curve.npy"
+
+
+def lukv_curve(layers: int, kv_heads: int, path: Path = LUKV_CURVE, seed: int = 0) -> Path:
+    """Write a (99, layers, kv_heads) float32 LU-KV budget curve to `path`: at ratio r = (i + 1) / 100, prune ratios
+    drawn uniformly from [r - 0.15, r + 0.15] within [0, 0.99], seeded."""
+    ratios = numpy.arange(1, 100)[:, None, None] / 100
+    drawn = numpy.random.default_rng(seed).uniform(-0.15, 0.15, (99, layers, kv_heads))
+    numpy.save(path, numpy.clip(ratios + drawn, 0, 0.99).astype(numpy.float32))
+    return path
 
 
 @dataclass(frozen=True)
@@ -313,6 +325,14 @@ ROWS = [
         "kvpress would load them from the Hub (:72-81); the worker hands it the lab's file, made by kvpress's recipe "
         "(policies/query_statistics.py), so both read the same numbers.",
         expect={"kept_tail": 0}),
+    Row("LUKV", f"LUKV(curve={str(LUKV_CURVE)!r})",
+        "LUKVPress(press=ExpectedAttentionPress(epsilon=2e-2), compression_ratio={ratio})",
+        "Same definition and defaults (sink 4, window 1, ExpectedAttention with epsilon 0.02) under one curve on both "
+        "sides (`lukv_curve`: kvpress's LUKVPress would download Llama-3.1-8B-Instruct's, for another model; the "
+        "worker hands it this one): row 74 of the curve for ratio 0.75, each KV head's keep count from its prune "
+        "ratio, the layer's rounded total, the remainder to the largest fractions (lukv_press.py:141-169), the top "
+        "of ExpectedAttention's scores with the protected positions first (:133-139, :175); the layers ragged, "
+        "kvpress's masked."),
     Row("KVCompose", "KVCompose()", "KVComposePress(compression_ratio={ratio})",
         "Same definition and defaults (kvpress's is the authors' code): the prompt fed again over its cache at the "
         "positions after it (kvcompose_press.py:392-420), each query head's largest attention from those tokens, "
@@ -442,16 +462,18 @@ class KvpressRun:
     them, not what it computes. values: the labels whose kept values the worker returns too (merging presses);
     kvzap_weights: {model_type: the safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's);
     query_statistics: the file our ExpectedAttention(statistics="shipped") reads, for ExpectedAttentionStatsPress
-    (which would load the Hub's)."""
+    (which would load the Hub's); lukv_curve: the budget curve our LUKV reads, for LUKVPress (which would download
+    Llama-3.1-8B-Instruct's)."""
 
     def __init__(self, venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], values=(),
-                 kvzap_weights: dict | None = None, query_statistics: str | None = None):
+                 kvzap_weights: dict | None = None, query_statistics: str | None = None, lukv_curve: str | None = None):
         self.folder = tempfile.TemporaryDirectory()
         folder = Path(self.folder.name)
         request, self.result = folder / "request.json", folder / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
                                        "threads": torch.get_num_threads(), "values": list(values),
                                        "kvzap_weights": kvzap_weights, "query_statistics": query_statistics,
+                                       "lukv_curve": lukv_curve,
                                        "more": True}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
@@ -635,6 +657,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     from snapkv_lab.policies.query_statistics import find_statistics
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
+    lukv_curve(model.config.num_hidden_layers, model.config.num_key_value_heads)  # before the LUKV row is built
     ids = prompt_ids(tokenizer, n_tokens)
     capacity = n_kept(len(ids), ratio)
     built = {row.label: our_policy(row, capacity) for row in rows}
@@ -644,7 +667,8 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
                         {row.label: row.press.format(ratio=ratio) for row in rows if row not in later}, with_values,
                         kvzap_weights={kind: str(find_weights(model, kind)) for kind in ("linear", "mlp")
                                        if find_weights(model, kind) is not None},
-                        query_statistics=None if find_statistics(model) is None else str(find_statistics(model)))
+                        query_statistics=None if find_statistics(model) is None else str(find_statistics(model)),
+                        lukv_curve=str(LUKV_CURVE))
     try:
         start = time.perf_counter()
         ours, logits, our_values = run_ours(model, tokenizer, ids,

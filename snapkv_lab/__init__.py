@@ -43,6 +43,7 @@ _EXPORTS = {  # public name -> its module
     "PerLayer": "policies", "PerChunk": "policies", "Composed": "policies",
     "KeyRerotation": "policies", "Blockwise": "policies",
     "KVCompose": "policies",
+    "LUKV": "policies",
     "compress": "compression", "generate": "compression", "compare": "compression.compare",
     "span_effects": "compression.span_effects", "causal_coverage": "views.causal",
     "attention_coverage": "views.coverage", "explore": "views.explorer",

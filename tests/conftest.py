@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -178,10 +179,38 @@ def random_models_have_trained_scorers(tmp_path_factory):
         return path
 
     gates.original = found_gates
+    from snapkv_lab.policies import lukv
+
+    found_curve = lukv.find_curve
+
+    def curve(model):  # and for LU-KV's budget curves
+        path = found_curve(model)
+        if path is not None:
+            return path
+        config = model.config
+        path = tmp_path_factory.getbasetemp() / "lukv" / f"{config.num_hidden_layers}x{config.num_key_value_heads}.npy"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.save(path, synthetic_lukv_curve(config.num_hidden_layers, config.num_key_value_heads))
+        return path
+
+    curve.original = found_curve  # (none is shipped: every model gets the synthetic curve in tests)
     with pytest.MonkeyPatch.context() as patch:  # session-wide: module fixtures prefill every policy (test_budgets)
         patch.setattr(kvzap, "find_weights", weights)
         patch.setattr(fastkvzip, "find_weights", gates)
+        patch.setattr(lukv, "find_curve", curve)
         yield
+
+
+def synthetic_lukv_curve(layers: int, kv_heads: int) -> np.ndarray:
+    """(99, layers, kv_heads) float32 prune ratios for a random model: at ratio r each layer evicts r of its positions
+    on average, its heads r + d_h with the d_h spread evenly over [-s, s], s = min(r, 1 - r) / 2 (odd layers the other
+    way round), so that heads keep different counts and every layer holds the uniform total."""
+    ratios = np.arange(1, 100)[:, None, None] / 100
+    spread = np.minimum(ratios, 1 - ratios) / 2
+    offsets = np.linspace(-1, 1, kv_heads) if kv_heads > 1 else np.zeros(1)
+    signs = np.where(np.arange(layers) % 2, -1.0, 1.0)[:, None]
+    return (ratios + spread * signs[None] * offsets[None, None]).astype(np.float32)
 
 
 @pytest.fixture

@@ -16,14 +16,14 @@ from snapkv_lab.compression.generation import chunk_sizes, forward
 N, NEW, CHUNK = 160, 6, 48
 NAMES = sorted(snapkv_lab.POLICIES)
 # No meaning under chunks: a pass over the whole prompt (KVzip, KVgrad, Surprisal, LookaheadQCache's drafted answer),
-# head-wise budgets (ragged layers), budgets shared across layers (CAKE, GlobalAllocation), a mean over the queries that
-# saw each position (ObservedAttention: a compacted cache's slots no longer tell their positions), a prefill's every key
-# position and query (LeverageScore, NonCausalAttn, Compactor), a trained scorer over the whole prompt's layer inputs
-# (KVzap, FastKVzip), packed storage (ThinK, KIVI), each chunk scored alone by its own queries (PerChunk), blocks
-# simulated over one prefill call (Blockwise: the real block-wise prefill is this chunked one).
+# head-wise budgets (ragged layers: AdaKV, HeadKV, LUKV), budgets shared across layers (CAKE, GlobalAllocation), a mean
+# over the queries that saw each position (ObservedAttention: a compacted cache's slots no longer tell their positions),
+# a prefill's every key position and query (LeverageScore, NonCausalAttn, Compactor), a trained scorer over the whole
+# prompt's layer inputs (KVzap, FastKVzip), packed storage (ThinK, KIVI), each chunk scored alone by its own queries
+# (PerChunk), blocks simulated over one prefill call (Blockwise: the real block-wise prefill is this chunked one).
 REFUSED = {"KVzip", "Surprisal", "AdaKV", "HeadKV", "CAKE", "LookaheadQCache", "GlobalAllocation", "ObservedAttention",
            "KVgrad", "LeverageScore", "NonCausalAttn", "Compactor", "KVzap", "FastKVzip", "ThinK", "KIVI", "PerChunk",
-           "Blockwise", "KVCompose"}
+           "Blockwise", "KVCompose", "LUKV"}
 
 
 def prompt(seed=0, n=N):

@@ -48,6 +48,7 @@ _MODULES = {
     "KeyRerotation": "key_rerotation",  # kept keys re-rotated to contiguous positions (issue 54)
     "Blockwise": "blockwise",  # kvpress's BlockPress: block-wise selection simulated over one prefill (issue 54)
     "KVCompose": "kvcompose",  # composite tokens from the prompt fed again, budgets across layers (issue 54)
+    "LUKV": "lukv",  # head-wise budgets read off an LU-KV budget curve, over any scorer (issue 54)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_MODULES)
 # Written in a list of policies in place of every compressor the registry holds (all but the full cache).

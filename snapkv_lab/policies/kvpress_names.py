@@ -57,16 +57,11 @@ KVPRESS: dict[str, str] = {
     # kvpress's own CaM form: DecodingEviction(policy=scorer, capacity=None, interval=512, target=2048,
     # merging="cam"); the authors' CaM (zyxxmu/cam) is the lab's `CAM`, another method (policies.decoding_merge)
     "CAMPress": "DecodingEviction",
+    "LUKVPress": "LUKV",  # the curve given (curve=PATH): none is made or shipped for the bundled models
 }
 
 # kvpress 0.5.5's presses with no lab equivalent yet, and why (docs/faithfulness.md, "Not yet in the lab").
 KVPRESS_NOT_YET: dict[str, str] = {
-    "LUKVPress": "LU-KV (arXiv 2602.08585) takes a per-model, per-scorer budget curve, (99 ratios, layers, KV heads), "
-                 "that kvpress downloads at run time from baidu-baige/LU-KV on GitHub (lukv_press.py:19-35); the one "
-                 "published is for Llama-3.1-8B-Instruct with ExpectedAttentionPress(epsilon=2e-2), none for a "
-                 "bundled model, and the code that makes one (LU-KV's evaluation/curve_data/generate_curve.sh: "
-                 "step1_<model>.py scorer statistics over a dataset, step2_compute_curve.py) is neither in kvpress "
-                 "nor reachable here: not written",
     "RestoreKVPress": "KVzip plus 8 restore tokens encoded once through a LoRA adapter (arXiv 2608.01247, "
                       "restorekv_press.py:18-100); kvpress ships inference only and loads the trained embeddings and "
                       "adapters from the Hub (higokri/RestoreKV-<model>: Llama-3.1-8B-Instruct, Qwen3-8B; :46-58). "
