@@ -137,8 +137,8 @@ class SharedPrefill:
             return self
         if self._whole is None:
             refused = [p for label, p in self.recorder.policies.items() if label in self.recorder.refused]
-            self._whole = replace(SharedPrefill.run(self.model, self.tokenizer, self.ids, refused,
-                                                                mask=self.mask), refed=True)
+            whole = SharedPrefill.run(self.model, self.tokenizer, self.ids, refused, mask=self.mask)
+            self._whole = replace(whole, refed=True)
         return self._whole
 
     def prompt(self, row: int = 0) -> Prompt:
