@@ -203,7 +203,23 @@ def test_presses_figure_and_docs_block_from_the_table(tmp_path):
     assert sorted(round(x, 3) for trace in traces for x in trace["x"]) == [0.0, 0.5, 0.75]  # B, SnapKV, A of all 4
     block = docs_tables.rendered("presses", tmp_path)
     assert "answers: 3." in block and "| A | 2/3 [" in block and "| 1 / 1 |" in block
-    assert "| 0.200-0.202 | 0 / 2 |" in block
+    assert "| 0 / 2 | 0.200-0.202 |" in block and "query-aware" not in block  # one mode run: its columns alone
+
+
+def test_the_presses_docs_block_reads_each_mode_beside_the_other(tmp_path):
+    """Both modes: per press, each mode's found and discordant pairs with SnapKV in that mode, then its KV shares."""
+    from snapkv_lab.app import docs_tables
+
+    agnostic = presses_rows()
+    aware = agnostic[agnostic.policy != "FullCache"].assign(mode="query-aware", kv_share=0.25)
+    aware.loc[(aware.policy == "A") & (aware.key == "n0"), "correct"] = True  # A finds all 3 with the question
+    aware.loc[(aware.policy == "SnapKV") & (aware.key == "n0"), "correct"] = False
+    pd.concat([agnostic, aware]).assign(cache_length=1024, model="M").to_csv(tmp_path / "pressure_presses.csv",
+                                                                             index=False)
+    block = docs_tables.rendered("presses", tmp_path)
+    assert "| press | query-aware: found [95%] | it alone / SnapKV alone | query-agnostic: found [95%] |" in block
+    assert "| A | 3/3 [0.44, 1.00] | 2 / 0 | 2/3 [0.21, 0.94] | 1 / 1 | 0.250 / 0.256 |" in block
+    assert "| SnapKV | 1/3 [" in block and "| - | 2/3 [" in block
 
 
 def test_methods_figure_and_docs_block_from_the_table(tmp_path):

@@ -418,20 +418,30 @@ def _share_range(low: float, high: float) -> str:
 
 
 def _presses(data_dir: Path, table: str = "pressure_presses.csv") -> str:
-    """The presses suite per press (query-agnostic) on the needles the full cache answers: found [95% Wilson], the KV
-    entries held, and the needles it and SnapKV find alone (discordant pairs; descriptive, not in the family)."""
+    """The presses suite per press and mode on the needles the full cache answers: found [95% Wilson], the needles it
+    and SnapKV find alone in that mode (discordant pairs; descriptive, not in the family), and the KV entries held."""
     import pandas as pd
 
     from ..pressure.tables import paired_table
 
-    summary = paired_table(pd.read_csv(data_dir / table)).query("mode == 'query-agnostic'")
+    summary = paired_table(pd.read_csv(data_dir / table))
+    modes = [m for m in ("query-aware", "query-agnostic") if m in set(summary["mode"])]
+    by_mode = {mode: summary[summary["mode"] == mode].set_index("policy") for mode in modes}
+    head = " | ".join(f"{mode}: found [95%] | it alone / SnapKV alone" for mode in modes)
     lines = [f"Needles the full cache answers: {int(summary.answered.iloc[0])}.", "",
-             "| press (query-agnostic) | found [95%] | KV entries held (share) | found by it alone / by SnapKV alone |",
-             "|---|---|---:|---:|"]
-    for r in summary.itertuples():
-        pairs = "-" if r.policy == "SnapKV" else f"{r.only_policy} / {r.only_baseline}"
-        lines.append(f"| {r.policy} | {r.correct}/{r.asked} [{r.correct_low:.2f}, {r.correct_high:.2f}] | "
-                     f"{_share_range(r.kv_share_min, r.kv_share_max)} | {pairs} |")
+             f"| press | {head} | KV entries held (share; {' / '.join(modes)}) |",
+             "|---|" + "---|---:|" * len(modes) + "---:|"]
+    for policy in dict.fromkeys(summary.policy):
+        cells, shares = [], []
+        for mode in modes:
+            if policy not in by_mode[mode].index:  # a press not run in this mode
+                cells += ["-", "-"]
+                continue
+            r = by_mode[mode].loc[policy]
+            cells += [f"{r.correct}/{r.asked} [{r.correct_low:.2f}, {r.correct_high:.2f}]",
+                      "-" if policy == "SnapKV" else f"{r.only_policy} / {r.only_baseline}"]
+            shares.append(_share_range(r.kv_share_min, r.kv_share_max))
+        lines.append(f"| {policy} | {' | '.join(cells)} | {' / '.join(shares)} |")
     return "\n".join(lines)
 
 
