@@ -25,8 +25,9 @@ every attention layer, and forward hooks run in registration order; ours put the
 the cache before each press's hook (which prunes them in place) and read what it kept after it. The prefill's
 own attention never reads a layer's cache after that layer's hooks, so each press sees exactly what it would
 see alone. KVzipPress scores by extra reconstruction passes after its prefill and runs alone (two presses that score
-alike share one reconstruction, each selecting with its own compress_post: run_kvzip); so does KVComposePress
-(the prompt fed again), which prunes the cache as its context closes (run_kvcompose).
+alike share one reconstruction, each selecting with its own compress_post: run_kvzip); so do KVComposePress
+(the prompt fed again), which prunes the cache as its context closes (run_kvcompose), and FastKVzipPress, which
+selects once every layer is scored, after the prefill (run_post_prefill).
 
 How kept positions are read: a press that prunes leaves (batch, kv_heads, kept, head_dim) keys in the cache;
 each kept row is matched with the full keys' rows (post-RoPE keys of distinct positions never coincide).
@@ -301,6 +302,33 @@ def given_kvzap(press, weights: dict | None) -> None:
     press.post_init_from_model = lambda model: None
 
 
+def given_gates(press, path: str | None) -> None:
+    """FastKVzipPress with the gates snapkv_lab's FastKVzip reads (a safetensors file of one gate per layer, keyed
+    "layers.<layer>.<parameter>", kvpress's FastKVzipGate's parameter names; (input_dim, kv_heads, group) in its
+    metadata) instead of the published ones it would fetch from the Hub (fastkvzip_press.py:76-102); its
+    post_init_from_model loads nothing once `gates` is set (:172-175)."""
+    if path is None:
+        raise ValueError("FastKVzipPress needs the request's fastkvzip_gates (the Hub is out of reach, and its gates "
+                         "are other models')")
+    from kvpress.presses.fastkvzip_press import FastKVzipGate
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, "pt") as file:
+        metadata = file.metadata()
+    layers = json.loads(metadata["layers"])
+    if layers != list(range(len(layers))):
+        raise ValueError(f"{path} holds gates for layers {layers} only; FastKVzipPress scores every layer")
+    input_dim, kv_heads, group = json.loads(metadata["shape"])
+    stored = load_file(path)
+    press.gates = []
+    for layer in layers:
+        gate = FastKVzipGate(layer, input_dim, kv_heads, group, torch.float32)
+        prefix = f"layers.{layer}."
+        gate.load_state_dict({k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)})
+        press.gates.append(gate.eval())
+
+
 # (kvzip_plus_normalization, chunk_size) -> the scores a KVzipPress's reconstruction left (score_val) on this request's
 # ids: what its other fields (compression_ratio, layerwise, n_sink) leave alone, as compress_post alone reads them
 KVZIP_SCORES: dict = {}
@@ -327,11 +355,27 @@ def run_kvzip(model, ids: torch.Tensor, press) -> dict:
         press.compress_post = recorded
         with torch.no_grad(), press(model):
             model(ids, past_key_values=DynamicCache(config=model.config))
+    return masked_kept(model, ids, press)
+
+
+def run_post_prefill(model, ids: torch.Tensor, press) -> dict:
+    """{layer: kept} of a press that scores in its prefill and masks after it (FastKVzipPress: compress_post, once
+    every layer is scored), alone."""
+    from transformers import DynamicCache
+
+    clear_masks(model)
+    with torch.no_grad(), press(model):
+        model(ids, past_key_values=DynamicCache(config=model.config))
+    return masked_kept(model, ids, press)
+
+
+def masked_kept(model, ids: torch.Tensor, press) -> dict:
+    """{layer: kept} from the masks a head-wise press left on every attention module."""
     n, kv_heads = ids.shape[1], model.config.num_key_value_heads
     kept = {}
     for module in attention_modules(model):
         if module.masked_key_indices is None:
-            raise RuntimeError(f"layer {module.layer_idx}: KVzipPress masked nothing")
+            raise RuntimeError(f"layer {module.layer_idx}: {type(press).__name__} masked nothing")
         kept[module.layer_idx] = masked_to_positions(module.masked_key_indices, kv_heads, n)
     return kept
 
@@ -407,14 +451,17 @@ def main(request_path: str, out_path: str) -> None:
             given_statistics(press, request.get("query_statistics"))
         if isinstance(press, kvpress.LUKVPress):
             given_curve(press, request.get("lukv_curve"))
+        if isinstance(press, kvpress.FastKVzipPress):
+            given_gates(press, request.get("fastkvzip_gates"))
         if isinstance(press, kvpress.ObservedAttentionPress):
             try:
                 results[name] = {"kept": run_eager(model, ids, name, press), "error": None}
             except Exception as err:  # one failing press must not hide the others
                 traceback.print_exc()
                 results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
-        elif isinstance(press, (kvpress.KVzipPress, kvpress.KVComposePress)):
-            run = run_kvzip if isinstance(press, kvpress.KVzipPress) else run_kvcompose
+        elif isinstance(press, (kvpress.KVzipPress, kvpress.KVComposePress, kvpress.FastKVzipPress)):
+            run = {kvpress.KVzipPress: run_kvzip, kvpress.KVComposePress: run_kvcompose,
+                   kvpress.FastKVzipPress: run_post_prefill}[type(press)]
             try:
                 start = time.perf_counter()
                 results[name] = {"kept": run(model, ids, press), "error": None}

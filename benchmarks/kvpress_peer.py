@@ -60,6 +60,31 @@ def lukv_curve(layers: int, kv_heads: int, path: Path = LUKV_CURVE, seed: int = 
     return path
 
 
+# The FastKVzip rows' gates, handed to both sides (kvpress would download the published ones, for 7-8B models only):
+# seeded gates of the model's shapes (`fastkvzip_gates`), written where the rows' expressions read them.
+FASTKVZIP_GATES = Path(tempfile.gettempdir()) / "snapkv_lab_peer_fastkvzip_gates.safetensors"
+
+
+def fastkvzip_gates(model, path: Path = FASTKVZIP_GATES, seed: int = 0) -> Path:
+    """Write seeded Fast KVzip gates for every layer of `model` to `path`, in the file format snapkv_lab's FastKVzip
+    reads: the projections at PyTorch's initialisation, the sink keys, norms and biases drawn as well (an untrained
+    gate's are zeros and ones, under which the sink term is the same for every position)."""
+    from snapkv_lab.policies.fastkvzip import Gates
+
+    config = model.config
+    torch.manual_seed(seed)
+    gates = Gates(list(range(config.num_hidden_layers)), config.hidden_size, config.num_key_value_heads,
+                  config.num_attention_heads // config.num_key_value_heads)
+    with torch.no_grad():
+        for gate in gates.layers.values():
+            gate.k_base.normal_()
+            gate.b.normal_()
+            gate.q_norm.weight.uniform_(0.5, 1.5)
+            gate.k_norm.weight.uniform_(0.5, 1.5)
+    gates.save(path, {"seed": seed, "made_by": "benchmarks/kvpress_peer.py fastkvzip_gates"})
+    return path
+
+
 @dataclass(frozen=True)
 class Row:
     """One method side by side.
@@ -284,6 +309,20 @@ ROWS = [
         "states (kvzap_press.py:70-82) and keep the top n_kept per KV head, no window (ScorerPress; ours kept_tail 0). "
         "The MLP (kvpress's default model_type) is trained on the machine, not shipped: compared the same way by "
         "model_type='mlp' on both sides once scripts/train_kvzap.py --model-type mlp has run."),
+    Row("FastKVzip", f"FastKVzip(weights={str(FASTKVZIP_GATES)!r})", "FastKVzipPress(compression_ratio={ratio})",
+        "Same gates, same inference: kvpress would fetch the published gates from the Hub (7-8B models only), so both "
+        "sides read one seeded set (`fastkvzip_gates`; the worker loads it into kvpress's own FastKVzipGate, same "
+        "parameter names). Each layer's gate scores every position from the attention's input hidden states "
+        "(fastkvzip_press.py:25-73, :207-213); the first 4 and the last max(1, int(1000 x 0.02)) = 20 positions kept "
+        "(:214-226); one bottom count of int(30 x 3 x 1000 x 0.75) = 67500 over every layer and KV head (:240-247), "
+        "ours one top count of 250 x 30 x 3 = 22500, the same; the layers ragged, kvpress's masked."),
+    Row("FastKVzip layerwise", f"AdaKV(policy=FastKVzip(weights={str(FASTKVZIP_GATES)!r}, allocation='uniform'), "
+        "alpha_safeguard=0.0)",
+        "FastKVzipPress(compression_ratio={ratio}, layerwise=True)",
+        "As the FastKVzip row, each layer its own count: kvpress prunes int(3 x 1000 x 0.75) = 2250 per layer, bottom "
+        "k over its KV heads together (fastkvzip_press.py:237-239, :253-256), so the heads of a layer share its "
+        "budget: AdaKV's per-layer selection without its safeguard (alpha_safeguard=0) over FastKVzip's scores, not "
+        "FastKVzip(allocation='uniform') alone, which gives every head 250."),
     # kvpress's wrappers around any press (issue 54).
     Row("PerLayer", f"PerLayer(policy={SNAP}, layer_capacities={PER_LAYER_OURS})",
         f"PerLayerCompressionPress(press={SNAP_PRESS}, compression_ratios={PER_LAYER_RATIOS})",
@@ -463,17 +502,19 @@ class KvpressRun:
     kvzap_weights: {model_type: the safetensors file our KVzap reads}, for KVzapPress (which would load nvidia's);
     query_statistics: the file our ExpectedAttention(statistics="shipped") reads, for ExpectedAttentionStatsPress
     (which would load the Hub's); lukv_curve: the budget curve our LUKV reads, for LUKVPress (which would download
-    Llama-3.1-8B-Instruct's)."""
+    Llama-3.1-8B-Instruct's); fastkvzip_gates: the gates our FastKVzip reads, for FastKVzipPress (which would load
+    the published ones)."""
 
     def __init__(self, venv: Path, checkpoint: Path, ids: list[int], presses: dict[str, str], values=(),
-                 kvzap_weights: dict | None = None, query_statistics: str | None = None, lukv_curve: str | None = None):
+                 kvzap_weights: dict | None = None, query_statistics: str | None = None, lukv_curve: str | None = None,
+                 fastkvzip_gates: str | None = None):
         self.folder = tempfile.TemporaryDirectory()
         folder = Path(self.folder.name)
         request, self.result = folder / "request.json", folder / "kvpress.pt"
         request.write_text(json.dumps({"model": str(checkpoint), "ids": ids, "presses": presses, "attn": "sdpa",
                                        "threads": torch.get_num_threads(), "values": list(values),
                                        "kvzap_weights": kvzap_weights, "query_statistics": query_statistics,
-                                       "lukv_curve": lukv_curve,
+                                       "lukv_curve": lukv_curve, "fastkvzip_gates": fastkvzip_gates,
                                        "more": True}))
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
@@ -657,7 +698,8 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
     from snapkv_lab.policies.query_statistics import find_statistics
 
     model, tokenizer = snapkv_lab.load_model(device="cpu", dtype="float32", attn_implementation="sdpa")
-    lukv_curve(model.config.num_hidden_layers, model.config.num_key_value_heads)  # before the LUKV row is built
+    lukv_curve(model.config.num_hidden_layers, model.config.num_key_value_heads)  # before the rows are built
+    fastkvzip_gates(model)
     ids = prompt_ids(tokenizer, n_tokens)
     capacity = n_kept(len(ids), ratio)
     built = {row.label: our_policy(row, capacity) for row in rows}
@@ -668,7 +710,7 @@ def side_by_side(venv: Path, rows=ROWS, n_tokens: int = N_TOKENS, ratio: float =
                         kvzap_weights={kind: str(find_weights(model, kind)) for kind in ("linear", "mlp")
                                        if find_weights(model, kind) is not None},
                         query_statistics=None if find_statistics(model) is None else str(find_statistics(model)),
-                        lukv_curve=str(LUKV_CURVE))
+                        lukv_curve=str(LUKV_CURVE), fastkvzip_gates=str(FASTKVZIP_GATES))
     try:
         start = time.perf_counter()
         ours, logits, our_values = run_ours(model, tokenizer, ids,

@@ -139,8 +139,9 @@ class FastKVzip(Policy):
 
     sinks: the first positions kept (score 1; kvpress n_sink 4). window_ratio: the last max(1, int(n * ratio))
         positions kept (kvpress window_ratio 0.02, below 32k tokens; its 4096-token window beyond is for chunked
-        prefill, which is not here). allocation: "global" (kvpress layerwise=False, the default) or "uniform"
-        (layerwise=True: every layer and KV head keeps the budget). weights: None: the gates trained for this model
+        prefill, which is not here). allocation: "global" (kvpress layerwise=False, the default) or "uniform" (every
+        layer and KV head keeps the budget; kvpress's layerwise=True shares each layer's budget between its KV heads:
+        AdaKV(FastKVzip(allocation="uniform"), alpha_safeguard=0.0)). weights: None: the gates trained for this model
         (refused, naming the command that trains them, when there are none); a path: that safetensors file.
     """
 
