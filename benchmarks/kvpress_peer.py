@@ -66,22 +66,13 @@ FASTKVZIP_GATES = Path(tempfile.gettempdir()) / "snapkv_lab_peer_fastkvzip_gates
 
 
 def fastkvzip_gates(model, path: Path = FASTKVZIP_GATES, seed: int = 0) -> Path:
-    """Write seeded Fast KVzip gates for every layer of `model` to `path`, in the file format snapkv_lab's FastKVzip
-    reads: the projections at PyTorch's initialisation, the sink keys, norms and biases drawn as well (an untrained
-    gate's are zeros and ones, under which the sink term is the same for every position)."""
+    """Write seeded Fast KVzip gates for every layer of `model` to `path` (`Gates.drawn`), in the file format
+    snapkv_lab's FastKVzip reads."""
     from snapkv_lab.policies.fastkvzip import Gates
 
     config = model.config
-    torch.manual_seed(seed)
-    gates = Gates(list(range(config.num_hidden_layers)), config.hidden_size, config.num_key_value_heads,
-                  config.num_attention_heads // config.num_key_value_heads)
-    with torch.no_grad():
-        for gate in gates.layers.values():
-            gate.k_base.normal_()
-            gate.b.normal_()
-            gate.q_norm.weight.uniform_(0.5, 1.5)
-            gate.k_norm.weight.uniform_(0.5, 1.5)
-    gates.save(path, {"seed": seed, "made_by": "benchmarks/kvpress_peer.py fastkvzip_gates"})
+    Gates.drawn(list(range(config.num_hidden_layers)), config.hidden_size, config.num_key_value_heads,
+                config.num_attention_heads // config.num_key_value_heads, seed).save(path, {"seed": seed})
     return path
 
 

@@ -168,14 +168,9 @@ def random_models_have_trained_scorers(tmp_path_factory):
         path = tmp_path_factory.getbasetemp() / "fastkvzip" / fastkvzip.weights_name(model)
         if not path.exists():
             config = model.config
-            with torch.random.fork_rng():
-                torch.manual_seed(0)
-                gates = fastkvzip.Gates(list(range(config.num_hidden_layers)), config.hidden_size,
-                                        config.num_key_value_heads,
-                                        config.num_attention_heads // config.num_key_value_heads)
-                for parameter in gates.parameters():
-                    torch.nn.init.normal_(parameter, std=0.5)
-                gates.save(path)
+            fastkvzip.Gates.drawn(list(range(config.num_hidden_layers)), config.hidden_size,
+                                  config.num_key_value_heads,
+                                  config.num_attention_heads // config.num_key_value_heads).save(path)
         return path
 
     gates.original = found_gates

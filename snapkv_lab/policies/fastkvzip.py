@@ -86,6 +86,23 @@ class Gates(nn.Module):
         self.shape = (input_dim, kv_heads, group)
         self.layers = nn.ModuleDict({str(layer): Gate(input_dim, kv_heads, group) for layer in layers})
 
+    @classmethod
+    def drawn(cls, layers: list[int], input_dim: int, kv_heads: int, group: int, seed: int = 0) -> Gates:
+        """Untrained gates of these shapes under `seed`: the projections at PyTorch's initialisation, the sink keys
+        and biases from N(0, 1) and the norms' weights from U(0.5, 1.5) (initial zeros and ones would score every
+        position's sink term alike; larger draws saturate the scores at 0 and 1, where ties decide). What the tests
+        and the kvpress side by side hand a model that has no trained gates."""
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            gates = cls(layers, input_dim, kv_heads, group)
+            with torch.no_grad():
+                for gate in gates.layers.values():
+                    gate.k_base.normal_()
+                    gate.b.normal_()
+                    gate.q_norm.weight.uniform_(0.5, 1.5)
+                    gate.k_norm.weight.uniform_(0.5, 1.5)
+        return gates.eval()
+
     @property
     def trained_layers(self) -> list[int]:
         return [int(layer) for layer in self.layers]
