@@ -127,7 +127,7 @@ class LUKV(Wrapper):
         """The inner ranking over every position, the protected ones above all others in position order: the first
         `sink`, the last `window`, and, where a score is +inf anywhere (kvpress's max + 1 is then +inf too), each
         head's +inf positions (tied with them in kvpress, its stable sort taking them by position)."""
-        ranked = self.policy.ranked(scores, budget).clone()
+        ranked = self.policy.ranked(scores, budget)
         n = ranked.shape[-1]
         protected = torch.zeros_like(ranked, dtype=torch.bool)
         protected[:, :min(self.sink, n)] = True
