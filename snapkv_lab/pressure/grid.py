@@ -25,6 +25,7 @@ from ..policies import (
     Compactor,
     DuoAttention,
     EntropyGatedChunkKV,
+    FastKVzip,
     Finch,
     HeadKV,
     KeyDiff,
@@ -82,12 +83,12 @@ METHOD_POLICIES = (SnapKV(), HeadKV(), DuoAttention(), CAKE(), RKV(), KeyDiff(),
                    HeadKV(redistribute=True), LookaheadQCache(window_size=8))
 # kvpress 0.5.5's presses that the lab added for issue 54 (scorers, trained scorers, layer/threshold policies, and the
 # axes beyond eviction: merging, key channels, quantization), each at its authors' defaults, beside SnapKV. The
-# wrappers that only re-apply a scorer (PerLayer, PerChunk, Blockwise, Composed, KeyRerotation) and FastKVzip (its
-# gates are trained per model and none is shipped: `scripts/train_kvzap.py --method fastkvzip`) are left out; KVzap
-# runs the linear model, the one shipped for both bundled models (kvpress's default is the MLP).
+# wrappers that only re-apply a scorer (PerLayer, PerChunk, Blockwise, Composed, KeyRerotation) are left out; KVzap
+# runs the linear model, the one shipped for both bundled models (kvpress's default is the MLP); FastKVzip the gates
+# shipped for both (scripts/train_kvzap.py --method fastkvzip).
 PRESS_POLICIES = (SnapKV(), LeverageScore(), NonCausalAttn(), Compactor(), CUR(), Cap(), ObservedAttention(), Finch(),
-                  EntropyGatedChunkKV(), KVgrad(), KVCompose(), KVzap(model_type="linear"), SimLayerKV(), DMS(),
-                  Merging(), ThinK(), KIVI(), CAM())
+                  EntropyGatedChunkKV(), KVgrad(), KVCompose(), KVzap(model_type="linear"), FastKVzip(), SimLayerKV(),
+                  DMS(), Merging(), ThinK(), KIVI(), CAM())
 MAX_NEW_TOKENS = 24  # answers such as codes need 24-32 new tokens
 # A context spec names its builder and that builder's arguments (JSON-able, so that it keys a cell).
 CONTEXTS = {"needle": needle_context, "lines": lines_context, "ruler": ruler_context}
