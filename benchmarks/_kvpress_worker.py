@@ -460,8 +460,9 @@ def main(request_path: str, out_path: str) -> None:
                 traceback.print_exc()
                 results[name] = {"kept": None, "error": f"{type(err).__name__}: {err}"}
         elif isinstance(press, (kvpress.KVzipPress, kvpress.KVComposePress, kvpress.FastKVzipPress)):
-            run = {kvpress.KVzipPress: run_kvzip, kvpress.KVComposePress: run_kvcompose,
-                   kvpress.FastKVzipPress: run_post_prefill}[type(press)]
+            # isinstance, not type: KVgradPress is a KVzipPress and shares its reconstruction runner
+            run = (run_kvcompose if isinstance(press, kvpress.KVComposePress)
+                   else run_post_prefill if isinstance(press, kvpress.FastKVzipPress) else run_kvzip)
             try:
                 start = time.perf_counter()
                 results[name] = {"kept": run(model, ids, press), "error": None}
