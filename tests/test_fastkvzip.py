@@ -130,3 +130,18 @@ def test_a_model_without_gates_is_refused_with_the_command(tiny_model, byte_toke
     with pytest.raises(ValueError, match=r"scripts/train_kvzap.py --method fastkvzip --model unseen-model"):
         C.generate(tiny_model, byte_tokenizer, torch.tensor([list(b"x" * 80)]), policy=C.FastKVzip(capacity=40),
                    max_new_tokens=1)
+
+
+@pytest.mark.parametrize("bundled", ["smollm", "gemma"])
+def test_shipped_gates_compress_the_bundled_models(request, bundled):
+    """The gates shipped for both bundled models (scripts/train_kvzap.py --method fastkvzip --ship) are the ones found
+    for them, and compress a prompt to its budget: one selection over every compressed layer and KV head, which
+    holds capacity x layers x KV heads in all (sliding-window layers keep their own window)."""
+    model, tokenizer = request.getfixturevalue(bundled)
+    path = fastkvzip.find_weights.original(model)
+    assert path is not None and path.parent == fastkvzip.SHIPPED
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 12, return_tensors="pt")["input_ids"]
+    result = C.generate(model, tokenizer, ids, policy=C.FastKVzip(capacity=32), max_new_tokens=1)
+    layers = fastkvzip.Gates.load(path).trained_layers
+    held = sum(int((result.kept_indices[layer] >= 0).sum()) for layer in layers)
+    assert held == 32 * len(layers) * model.config.num_key_value_heads
