@@ -52,14 +52,15 @@ def _causal_coverage(data_dir: Path, model: str = "") -> str:
     return markdown(read_table(data_dir / model / TABLE))
 
 
-def _scorer_allocation(data_dir: Path) -> str:
-    """The scorer x allocation study's scores and each method's decomposition (app.scorer_allocation_plots.report)."""
+def _scorer_allocation(data_dir: Path, model: str = "") -> str:
+    """The scorer x allocation study's scores and each method's decomposition (app.scorer_allocation_plots.report), of
+    the model whose folder under data_dir is `model` (SmolLM2's: data_dir itself)."""
     import pandas as pd
 
     from .scorer_allocation import TABLE
     from .scorer_allocation_plots import report
 
-    return report(pd.read_csv(data_dir / TABLE, dtype={"example": str, "prediction": str}))
+    return report(pd.read_csv(data_dir / model / TABLE, dtype={"example": str, "prediction": str}))
 
 
 def _nolima(data_dir: Path, model: str = "") -> str:
@@ -587,6 +588,8 @@ BLOCKS = {
                                                          model="gemma-3-270m")),
     "leaderboard-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv",),
                                 functools.partial(_leaderboard, name="ruler_4k_ratios")),
+    "leaderboard-presses": Block("benchmarks.md", ("eval_ruler_4k_presses.csv",),
+                                 functools.partial(_leaderboard, name="ruler_4k_presses")),
     "difference-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv", *FAMILY_FILES),
                                functools.partial(_differences, name="ruler_4k_ratios", every_budget=True)),
     "leaderboard-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv",),
@@ -631,6 +634,8 @@ BLOCKS = {
     "needle-audit": Block("benchmarks.md", NEEDLE_AUDITS, _needle_audit),
     "score-bytes": Block("score_bytes.md", ("score_bytes.csv",), _score_bytes),
     "scorer-allocation": Block("scorer_allocation.md", ("scorer_allocation.csv",), _scorer_allocation),
+    "scorer-allocation-gemma": Block("scorer_allocation.md", ("gemma-3-270m/scorer_allocation.csv",),
+                                     functools.partial(_scorer_allocation, model="gemma-3-270m")),
     "head-types": Block("explorer.md", ("findings_b.csv", "retrieval_heads.csv"), _head_types),
     "head-types-gemma": Block("explorer.md", ("gemma-3-270m/findings_b.csv", "gemma-3-270m/retrieval_heads.csv"),
                               functools.partial(_head_types, model="gemma-3-270m")),
