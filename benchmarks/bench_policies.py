@@ -4,6 +4,7 @@
     python benchmarks/bench_policies.py                               # 2k, 4k, 8k prompts, every policy
     python benchmarks/bench_policies.py --lengths 1024 --new-tokens 8 --policies SnapKV TOVA
     python benchmarks/bench_policies.py --lengths 2048 4096 --policies FullCache Surprisal --new-tokens 4 --repeats 3
+    python benchmarks/bench_policies.py --lengths 4096 --policies FullCache "KVzap(model_type='linear')" FastKVzip
 
 Table 1, one row per (prompt length, policy), each run through `snapkv_lab.generate` (live compression):
 kv_ratio = KV bytes after prefill / the full cache's; scoring_% = the compressor's own time (scoring, top-k,
@@ -26,13 +27,18 @@ from tqdm.auto import tqdm
 
 import snapkv_lab
 from snapkv_lab.core.timing import stopwatch
+from snapkv_lab.policies import policy_from_config, policy_spec
 
 COMPARED = ("FullCache", "SnapKV", "PyramidKV", "AdaKV", "TOVA", "StreamingLLM")
 
 
-def policy(name: str, ratio: float):
-    cls = snapkv_lab.POLICIES[name]
-    return cls() if name == "FullCache" else cls(capacity=ratio)
+def policy(label: str, ratio: float):
+    """The policy a label names (a registered name, or one with settings: "KVzap(model_type='linear')"), at
+    capacity `ratio` unless the label sets its own."""
+    config = policy_spec(label)
+    if config["name"] != "FullCache":
+        config.setdefault("capacity", ratio)
+    return policy_from_config(config)
 
 
 def per_policy(subject, lengths, names, ratio: float, new_tokens: int, repeats: int = 1) -> pd.DataFrame:
@@ -76,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8128])
     parser.add_argument("--policies", nargs="+", default=sorted(snapkv_lab.POLICIES),
-                        choices=sorted(snapkv_lab.POLICIES))
+                        help="registered names, or labels with settings: \"KVzap(model_type='linear')\"")
     parser.add_argument("--ratio", type=float, default=0.25, help="capacity as a fraction of the prompt")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each (length, policy); times: their median")
