@@ -677,3 +677,9 @@ def test_the_docs_leaderboard_flags_a_cell_held_over_budget(tmp_path):
     table.assign(over_budget=False, budget_share=sliding, kv_share=sliding).to_csv(tmp_path / "eval_flagged.csv",
                                                                                  index=False)
     assert "under budget" not in _leaderboard(tmp_path, "flagged")
+    # a policy with no budget (a threshold: budget_share is the full cache's) is not "under budget": its share is said
+    table.assign(over_budget=False, budget_share=1.0, kv_share=compressed.map({True: 0.05, False: 1.0})).to_csv(
+        tmp_path / "eval_flagged.csv", index=False)
+    text = _leaderboard(tmp_path, "flagged")
+    assert "under budget" not in text and "No budget (the ratio is not theirs to hold; the share held, least to " \
+        "most): SnapKV 0.050 to 0.050" in text

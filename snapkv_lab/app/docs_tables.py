@@ -126,13 +126,19 @@ def _leaderboard(data_dir: Path, name: str = "ruler", model: str = "") -> str:
                       "mean share of the full cache's KV entries held, least to most, per ratio: " + "; ".join(
                           f"{ratio:g}: {part.kv_share.min():.3f} to {part.kv_share.max():.3f}"
                           for ratio, part in compressed.groupby("ratio"))]
-        under = compressed[compressed.kv_share < compressed.budget_share - UNDER_BUDGET]
+        unbudgeted = compressed.budget_share >= 1  # a threshold or a layer test decides what it holds
+        under = compressed[~unbudgeted & (compressed.kv_share < compressed.budget_share - UNDER_BUDGET)]
         cells = {policy: ", ".join(f"{mode.removeprefix('query-')} {ratio:g}" for mode, ratio in zip(part["mode"],
                                                                                                     part.ratio))
                  for policy, part in under.groupby("policy", sort=False)}
         if cells:  # fair to the others, but not matched totals either
             lines[-1] += (f". Held under budget by more than {UNDER_BUDGET} of the full cache on average: "
                           + "; ".join(f"{policy} ({where})" for policy, where in cells.items()))
+        free = compressed[unbudgeted].groupby("policy", sort=False).kv_share
+        if len(free):  # no budget to be under: what it held is said instead
+            lines[-1] += (". No budget (the ratio is not theirs to hold; the share held, least to most): "
+                          + "; ".join(f"{policy} {low:.3f} to {high:.3f}" for policy, (low, high) in
+                                      free.agg(["min", "max"]).iterrows()))
     return "\n".join(lines + ["", _full_cache_per_task(table)])
 
 
