@@ -20,6 +20,7 @@ policies so that a change in the machine's load reaches each policy alike.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pandas as pd
 from _common import add_model_options, describe, load_subject, parse_model_options, report, result_name
@@ -27,18 +28,16 @@ from tqdm.auto import tqdm
 
 import snapkv_lab
 from snapkv_lab.core.timing import stopwatch
-from snapkv_lab.policies import policy_from_config, policy_spec
+from snapkv_lab.policies import parse_policy
 
 COMPARED = ("FullCache", "SnapKV", "PyramidKV", "AdaKV", "TOVA", "StreamingLLM")
 
 
 def policy(label: str, ratio: float):
-    """The policy a label names (a registered name, or one with settings: "KVzap(model_type='linear')"), at
-    capacity `ratio` unless the label sets its own."""
-    config = policy_spec(label)
-    if config["name"] != "FullCache":
-        config.setdefault("capacity", ratio)
-    return policy_from_config(config)
+    """The policy a label names (a registered name, or one with settings: "KVzap(model_type='linear')";
+    policies.parse_policy, which refuses a setting the policy does not take) at capacity `ratio`, as eval builds it."""
+    named = parse_policy(label)
+    return named if isinstance(named, snapkv_lab.FullCache) else dataclasses.replace(named, capacity=ratio)
 
 
 def per_policy(subject, lengths, names, ratio: float, new_tokens: int, repeats: int = 1) -> pd.DataFrame:

@@ -22,7 +22,7 @@ from ..compression import SharedPrefill
 from ..compression.entries import ENTRY_COLUMNS as COLUMNS
 from ..compression.entries import HeldEntries
 from ..compression.generation import MODES, run_states
-from ..policies import policy_config, policy_from_config, upgrade_config
+from ..policies import policy_config, policy_from_config, policy_spec, upgrade_config
 from .run import prepared_example
 
 CELL_KIND = "entries"
@@ -231,7 +231,7 @@ ROUNDING = 0.002  # of the full cache's entries: a position per head in every la
 def budget_departure(policy: str) -> tuple[float, float, str] | None:
     """The bounds BUDGET_DEPARTURES states for a policy's label: its own, else its class's (a key without arguments
     covers every label of that class, PyramidAllocation under any scorer), else None (held to ROUNDING)."""
-    return BUDGET_DEPARTURES.get(policy, BUDGET_DEPARTURES.get(policy.split("(", 1)[0]))
+    return BUDGET_DEPARTURES.get(policy) or BUDGET_DEPARTURES.get(policy_spec(policy)["name"])
 
 
 def budget_gaps(data_dir="data") -> pd.DataFrame:
