@@ -138,6 +138,17 @@ def test_the_docs_tables_read_the_familys_files():
         assert set(docs_tables.FAMILY_FILES) <= set(docs_tables.BLOCKS[name].reads)
 
 
+def test_the_docs_say_holm_ran_over_every_primary_row_of_the_committed_family():
+    """The docs' difference table names the family Holm adjusted over: every primary row, the multi-turn runs' (each
+    policy against itself, not against SnapKV) as well; it once counted only the rows against SnapKV (568 of 612)."""
+    from snapkv_lab.app.docs_tables import _differences
+
+    primary = int((family.read_family(ROOT / "data" / family.FAMILY).evidence == family.PRIMARY).sum())
+    results = family.read_family_results(ROOT / "data")
+    assert (results.baseline != "SnapKV").any()  # the committed family holds comparisons of another baseline
+    assert f"Holm's adjustment over the family's {primary} primary comparisons" in _differences(ROOT / "data")
+
+
 def test_a_comparison_past_holm_over_its_run_but_not_over_the_family_is_marked_nowhere(runs):
     """KVzip keeps task a's eight answers where SnapKV keeps none (p = 2 / 2^8 = 0.0078 on the answered examples and
     on the mean over tasks alike): over its own run (one comparison) it would pass, and over a family of two it

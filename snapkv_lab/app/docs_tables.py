@@ -184,8 +184,10 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
 
     table = f"{model}/eval_{name}.csv" if model else f"eval_{name}.csv"
     results = read_family_results(data_dir)
-    means = results[(results.analysis == "task mean") & (results.baseline == BASELINE)]
-    asked = int((means.evidence == PRIMARY).sum())
+    every_mean = results[results.analysis == "task mean"]
+    # Holm runs over every primary row, the multi-turn runs' (each policy against itself) included
+    asked = int((every_mean.evidence == PRIMARY).sum())
+    means = every_mean[every_mean.baseline == BASELINE]
     rows = means[means.table == table]
     ratios = sorted(rows.ratio.unique())
     steps = ratios if every_budget else [ratios[len(ratios) // 2]]
