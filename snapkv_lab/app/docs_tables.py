@@ -598,6 +598,8 @@ BLOCKS = {
                                 functools.partial(_leaderboard, name="ruler_4k_ratios")),
     "leaderboard-presses": Block("benchmarks.md", ("eval_ruler_4k_presses.csv",),
                                  functools.partial(_leaderboard, name="ruler_4k_presses")),
+    "difference-presses": Block("benchmarks.md", ("eval_ruler_4k_presses.csv", *FAMILY_FILES),
+                                functools.partial(_differences, name="ruler_4k_presses", every_budget=True)),
     "difference-ratios": Block("benchmarks.md", ("eval_ruler_4k_ratios.csv", *FAMILY_FILES),
                                functools.partial(_differences, name="ruler_4k_ratios", every_budget=True)),
     "leaderboard-ratios-gemma": Block("benchmarks.md", ("gemma-3-270m/eval_ruler_4k_ratios.csv",),
