@@ -146,6 +146,7 @@ def test_the_docs_say_holm_ran_over_every_primary_row_of_the_committed_family():
     primary = int((family.read_family(ROOT / "data" / family.FAMILY).evidence == family.PRIMARY).sum())
     results = family.read_family_results(ROOT / "data")
     assert (results.baseline != "SnapKV").any()  # the committed family holds comparisons of another baseline
+    assert primary == results.loc[results.analysis == "answered", "p_holm"].notna().sum()  # the rows Holm adjusted
     assert f"Holm's adjustment over the family's {primary} primary comparisons" in _differences(ROOT / "data")
 
 

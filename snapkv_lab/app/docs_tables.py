@@ -179,15 +179,13 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
     (and ratio: the middle one, or every one), the difference [95% interval] and the sign-flip p, bold where Holm
     over the family's primary comparisons leaves it under 0.05. A run that shares its examples with the comparisons'
     primary run says so and bolds nothing."""
-    from ..evaluation.family import FAMILY, PRIMARY, SAME, parse_examples, read_family, read_family_results
+    from ..evaluation.family import FAMILY, PRIMARY, SAME, holm_size, parse_examples, read_family, read_family_results
     from ..evaluation.leaderboard_plots import BASELINE, _modes, by_difference
 
     table = f"{model}/eval_{name}.csv" if model else f"eval_{name}.csv"
     results = read_family_results(data_dir)
-    every_mean = results[results.analysis == "task mean"]
-    # Holm runs over every primary row, the multi-turn runs' (each policy against itself) included
-    asked = int((every_mean.evidence == PRIMARY).sum())
-    means = every_mean[every_mean.baseline == BASELINE]
+    family = read_family(data_dir / FAMILY)
+    means = results[(results.analysis == "task mean") & (results.baseline == BASELINE)]
     rows = means[means.table == table]
     ratios = sorted(rows.ratio.unique())
     steps = ratios if every_budget else [ratios[len(ratios) // 2]]
@@ -200,15 +198,15 @@ def _differences(data_dir: Path, name: str = "ruler", model: str = "", every_bud
             f"interval] and the p of a paired sign-flip test (exact; ~ drawn: Monte Carlo, past 20 nonzero "
             f"differences of several sizes)")
     if others:
-        examples = read_family(data_dir / FAMILY).drop_duplicates("table").set_index("table").examples
+        examples = family.drop_duplicates("table").set_index("table").examples
         own = parse_examples(examples[table])
         shared = ", ".join(f"{len(own & parse_examples(examples[other]))} of its {len(own)} examples are {other}'s"
                            for other in others)
         head += (f". Not separate evidence ({shared}): these comparisons are counted on that run, and nothing here is "
                  f"bold (\"The family of comparisons\" below):")
     else:
-        head += (f"; bold where it holds after Holm's adjustment over the family's {asked} primary comparisons (every "
-                 f"run the docs report: \"The family of comparisons\" below), p_holm < 0.05:")
+        head += (f"; bold where it holds after Holm's adjustment over the family's {holm_size(family)} primary "
+                 f"comparisons (every run the docs report: \"The family of comparisons\" below), p_holm < 0.05:")
     lines = [head, "", "| policy | " + " | ".join(mode.removeprefix("query-") + (f" {step:g}" if every_budget else "")
                                                   for mode, step in columns) + " |",
              "|---|" + "---|" * len(columns)]
@@ -243,18 +241,19 @@ def _family_runs(data_dir: Path) -> str:
         PRIMARY,
         SAME,
         SETTINGS,
+        holm_size,
         parse_examples,
         read_family,
         read_family_results,
     )
 
     results = read_family_results(data_dir)
-    examples = read_family(data_dir / FAMILY).drop_duplicates("table").set_index("table").examples
+    family = read_family(data_dir / FAMILY)
+    examples = family.drop_duplicates("table").set_index("table").examples
     answered, means = (results[results.analysis == a].set_index(["table", "policy", "ratio", "mode", *SETTINGS])
                        for a in ("answered", "task mean"))
-    primary = answered.evidence == PRIMARY
     both = (answered.separated.eq(True) & means.separated.eq(True)).sum()
-    m = int(primary.sum())
+    m = holm_size(family)
     fewest = next(n for n in range(1, 64) if 2 / 2 ** n <= ALPHA / m)
     lines = [f"{len(answered)} comparisons (every policy against SnapKV at every ratio and mode; in a multi-turn run, "
              f"each policy against itself at another turn, feed or compress option) in "

@@ -152,6 +152,12 @@ def rows_for(data_dir, table: str, baseline: str | None = "SnapKV", evidence: st
                               evidence=evidence, examples=format_examples(results)))[COLUMNS]
 
 
+def holm_size(family: pd.DataFrame) -> int:
+    """How many comparisons Holm adjusts over (family_results): the family's primary rows, every baseline's and the
+    multi-turn runs' (each policy against itself) alike. family: the family file's rows (read_family)."""
+    return int((family.evidence == PRIMARY).sum())
+
+
 def _refuse(condition: bool, message: str) -> None:
     if condition:
         raise ValueError(message)
@@ -362,6 +368,5 @@ def run_adjustment(path, baseline: str = "SnapKV") -> Adjustment:
     key = ["policy", "ratio", "mode"]
     means, answered = (results.loc[results.analysis == a, [*key, "p_holm"]] for a in ("task mean", "answered"))
     adjusted = means.merge(answered.rename(columns={"p_holm": "p_holm_answered"}), on=key, how="outer")
-    family_size = int((family.evidence == PRIMARY).sum())
     return Adjustment(adjusted.reset_index(drop=True),
-                      f"Holm over the family's {family_size} primary comparisons ({folder.name}/{FAMILY})")
+                      f"Holm over the family's {holm_size(family)} primary comparisons ({folder.name}/{FAMILY})")
