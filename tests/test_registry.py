@@ -92,6 +92,22 @@ def test_generate_compress_and_compare_agree(name, model, byte_tokenizer):
 
 
 @pytest.mark.parametrize("name", [name for name in NAMES if name != "FullCache"])
+def test_budgets_sharing_one_prefill_keep_what_each_keeps_alone(name, model, byte_tokenizer):
+    """compare (and every eval) scores policies that differ only in budget once per prefill (Policy.score_table,
+    scoring_key). A scorer whose scores depend on its budget (Compactor's blending, the compression ratio; CAM's
+    sinks, half the budget) must not be served another budget's: each budget keeps what it keeps run alone."""
+    policies = [build_with_tail(name, 8, capacity=capacity) for capacity in (40, 100)]
+    ids = prompt(seed=4)
+    table = snapkv_lab.compare(model, byte_tokenizer, [ids], policies=policies, max_new_tokens=1, progress=False)
+    for policy, row in zip(policies, table.itertuples(), strict=True):
+        assert row.policy == policy.label
+        alone = snapkv_lab.generate(model, byte_tokenizer, ids, policy=policy, max_new_tokens=1)
+        shared = table.results[row.Index]
+        assert all(torch.equal(a, b) for a, b in zip(shared.kept_indices, alone.kept_indices, strict=True)), \
+            f"{policy.label} kept other positions beside another budget than alone"
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if name != "FullCache"])
 def test_query_aware_over_a_prefill_split_by_its_question_is_the_live_compressor_over_the_whole_prompt(
         name, model, byte_tokenizer):
     """A context prefilled once for many questions, a question fed after it on a fork (evaluate's and the needle

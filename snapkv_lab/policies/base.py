@@ -201,6 +201,12 @@ class Policy:
     # layer it finds busy, DMS what scores above its threshold): its entries are counted against the full cache.
     capacity_sets_entries: ClassVar[bool] = True
 
+    @property
+    def budget_in_scores(self) -> bool:
+        """True where `score` reads the budget (Compactor's blending, CAM's and DuoAttention's sinks), so that policies
+        differing only in budget score differently and never share a score table (`score_table`, `scoring_key`)."""
+        return False
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         _read_old_budget_arguments(cls)
@@ -304,8 +310,9 @@ class Policy:
     @property
     def score_table(self) -> str:
         """The key of this policy's scores in a recorder (compression.recorder): its scorer_label, so that policies
-        differing only in budget share one table; a policy whose scores depend on its budget (Blockwise) adds it."""
-        return self.scorer_label
+        differing only in budget share one table; its label, budget included, where its scores read the budget
+        (`budget_in_scores`)."""
+        return self.label if self.budget_in_scores else self.scorer_label
 
     @property
     def label(self) -> str:
@@ -317,10 +324,12 @@ class Policy:
         """The scorer alone: policies with equal keys score identically, since the budget, pooling, GQA reduction
         and layout act after scoring (in `keep`), and a subclass that only changes those defaults (FactKV of KVzip)
         scores as the class that defines the scoring. Lets scores made after the prefill be shared between such
-        variants."""
+        variants; a policy whose scores read its budget (`budget_in_scores`) adds it."""
         scorer = next(c for c in type(self).__mro__ if "score" in vars(c) or "prompt_scores" in vars(c))
-        settings = ", ".join(self._differences(scorer(), skip=("capacity", *SELECTION)))
-        return f"{scorer.__name__}({settings})" if settings else scorer.__name__
+        settings = self._differences(scorer(), skip=("capacity", *SELECTION))
+        if self.budget_in_scores:
+            settings.append(f"capacity={self.capacity!r}")
+        return f"{scorer.__name__}({', '.join(settings)})" if settings else scorer.__name__
 
     def budget(self, n_tokens: int) -> int | None:
         """Positions kept per head on average for an n-token prompt, or None when the prompt is left untouched."""

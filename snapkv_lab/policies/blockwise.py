@@ -59,9 +59,8 @@ class Blockwise(Wrapper):
         return 0  # every query of the prompt: a block's scorer reads what it needs among them
 
     @property
-    def score_table(self) -> str:
-        """The label, capacity included: the scores are the kept set at that budget."""
-        return self.label
+    def budget_in_scores(self) -> bool:
+        return True  # the scores are the kept set at the budget
 
     @property
     def scoring_key(self) -> str:

@@ -85,6 +85,10 @@ class CAM(EvictsWhileDecoding, Policy):
         super().__post_init__()
         self.check_interval()
 
+    @property
+    def budget_in_scores(self) -> bool:
+        return self.sinks is None  # the sinks on top of the scores are a share of the budget
+
     def sink_count(self, budget: int) -> int:
         """The first positions kept under a budget of `budget` positions."""
         if self.sinks is not None:

@@ -52,6 +52,10 @@ class Compactor(Policy):
         check_int("sketch_dimension", self.sketch_dimension, 1)
         check_int("seed", self.seed)
 
+    @property
+    def budget_in_scores(self) -> bool:
+        return self.blending is None  # blended by the compression ratio
+
     def compression_ratio(self, n_tokens: int) -> float:
         """kvpress's compression_ratio of an n-token prompt under this capacity (blending's default)."""
         if self.capacity is None:

@@ -90,6 +90,10 @@ class DuoAttention(Policy):
         order[:sinks] = call.n_keys + sinks - order[:sinks]  # above every recency, the first sink highest
         return order.expand(call.key.shape[0], -1)
 
+    @property
+    def budget_in_scores(self) -> bool:
+        return True  # the sinks scored first are a share of a budget below sink_size + recent_size (sinks_kept)
+
     def decode_window(self, n_tokens: int) -> tuple[int, int] | None:
         """(sinks, recent) of the streaming heads as decoding goes: what they kept of an n-token prompt, rolling
         (None under rolling=False, or when the prompt fits the budget and no head streams)."""

@@ -86,6 +86,7 @@ class Wrapper(Policy):
     voters = _inner("voters")
     scoring_key = _inner("scoring_key")
     storage = _inner("storage")
+    budget_in_scores = _inner("budget_in_scores")
 
     @property
     def selects_across_layers(self) -> bool:
