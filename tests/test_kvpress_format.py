@@ -97,7 +97,9 @@ def test_export_has_kvpress_files_keys_and_columns(run, exported):
 
 
 def test_export_then_import_gives_the_run_table(run, exported):
-    """The task scores read back from the exported files are the run's (metrics.json rounds to 2 decimals)."""
+    """The task scores read back from the exported files are the run's (metrics.json rounds to 2 decimals), on a run
+    whose predictions kvpress's scorer and RULER's score alike (test_import_reads_kvpress_score_where_the_scorers_differ:
+    where they do not, the files hold kvpress's)."""
     back = read_kvpress(exported)
     ours = task_scores(run, n_boot=0)
     # task_scores repeats the full cache's rows under each mode, as its lines' baseline; the run has them once
@@ -109,6 +111,21 @@ def test_export_then_import_gives_the_run_table(run, exported):
     assert (merged.score - merged.score_kvpress).abs().max() <= 0.005 + 1e-9
     assert (merged.examples == merged.examples_kvpress).all()
     assert set(back.model) == {"SmolLM2-135M-Instruct"}
+
+
+def test_import_reads_kvpress_score_where_the_scorers_differ(run, tmp_path):
+    """kvpress's scorer removes control characters (calculate_metrics.py:33-34), RULER's metric reads a newline as a
+    space: a reference split by a line break is found by kvpress's and missed by RULER's (the committed leaderboard has
+    one such row: HeadKV at 0.75 without the question, niah_multivalue, "435134\n4."). The exported files, and what
+    is read back from them, hold kvpress's score, as its leaderboard would; the lab's table keeps RULER's."""
+    row = run[(run.policy == "SnapKV") & (run.task == "niah_single_1")].iloc[[0]]
+    reference = json.loads(row.references.iloc[0])[0]
+    split = row.assign(prediction=f"The number is {reference[:3]}\n{reference[3:]}.", score=0.0)
+    full = run[(run.policy == "FullCache") & (run.example == row.example.iloc[0]) & (run.task == "niah_single_1")]
+    export_kvpress(pd.concat([full, split], ignore_index=True), tmp_path)
+    back = read_kvpress(tmp_path).set_index(["policy", "mode"]).score
+    assert back[(row.policy.iloc[0], row["mode"].iloc[0])] == 100.0
+    assert string_match("niah_single_1", split.prediction.iloc[0], [reference]) == 100.0
 
 
 def test_read_kvpress_fixture():
