@@ -98,6 +98,19 @@ def test_query_aware_leaves_the_first_answer_token_alone_and_bad_spans_are_refus
     assert (aware.kl == 0).all() and (aware.logprob_delta == 0).all()  # a one-token answer comes from the prefill
     with pytest.raises(ValueError, match="spans are"):
         span_effects(model, ByteTokenizer(), context, "q", spans=[(90, 120)], progress=False)
+    with pytest.raises(ValueError, match="spans are"):  # a float span is not cut to whole positions silently
+        span_effects(model, ByteTokenizer(), context, "q", spans=[(0.5, 3.7)], progress=False)
+    # a layer or KV head the model does not have hides nothing: refused, not a row of zeros
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    for subset, match in ((dict(layers=[layers]), "layers are"), (dict(layers=[-1]), "layers are"),
+                          (dict(heads=[kv_heads]), "heads are"), (dict(heads=[-1]), "heads are")):
+        with pytest.raises(ValueError, match=match):
+            span_effects(model, ByteTokenizer(), context, "q", block=32, progress=False, **subset)
+    with pytest.raises(ValueError, match="question is empty"):
+        span_effects(model, ByteTokenizer(), context, [], block=32, progress=False)
+    for bad in (dict(batch_size=0), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError, match="positive whole number"):
+            span_effects(model, ByteTokenizer(), context, "q", block=32, progress=False, **bad)
 
 
 def test_every_kv_head_chosen_is_the_whole_layer_and_a_sliding_model_runs():
@@ -141,6 +154,21 @@ def test_the_minimal_set_search_finds_the_two_blocks_the_answer_needs_within_its
     assert max(probe.seen) <= 2  # never more sets per forward than batch_size
     starved = minimal_evicting_set(KnownAnswer({a, b}), effects, budget=1, batch_size=2)
     assert not starved.changed and starved.forwards == 1 and starved.spans == [a, d]
+
+
+def test_the_pruning_tries_every_member_in_batches_before_calling_a_set_minimal():
+    """Ten spans, all needed but the top-ranked one: pruning tries the weakest first, so the one member that can go
+    is the last of its round, past the first batch. Each round goes on batch by batch until a member can be dropped
+    or every one was tried; a budget that ends a round first leaves the set not `minimal`."""
+    from snapkv_lab.compression.span_search import minimal_evicting_set
+
+    spans = [(8 * i, 8 * i + 8) for i in range(10)]
+    effects = pd.DataFrame(dict(start=[s for s, _ in spans], end=[e for _, e in spans],
+                                kl=[10.0 - i for i in range(10)]))  # ranked in order: spans[0] strongest
+    found = minimal_evicting_set(KnownAnswer(set(spans[1:])), effects, budget=16, batch_size=4)
+    assert found.changed and sorted(found.spans) == spans[1:] and found.minimal
+    starved = minimal_evicting_set(KnownAnswer(set(spans[1:])), effects, budget=4, batch_size=4)
+    assert starved.changed and len(starved.spans) == 10 and not starved.minimal
 
 
 def test_the_search_and_the_localisation_run_on_a_model(model):

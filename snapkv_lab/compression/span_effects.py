@@ -28,6 +28,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -48,12 +49,27 @@ def default_spans(n: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, n)) for start in range(0, n, block)]
 
 
+def _whole(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _checked_spans(spans, n: int) -> list[tuple[int, int]]:
-    spans = [(int(start), int(end)) for start, end in spans]
-    bad = [(s, e) for s, e in spans if not 0 <= s < e <= n]
+    spans = [tuple(span) for span in spans]
+    bad = [span for span in spans if len(span) != 2 or not all(map(_whole, span)) or not 0 <= span[0] < span[1] <= n]
     if bad:
         raise ValueError(f"spans are (start, end) context positions with 0 <= start < end <= {n}, got {bad[:3]}")
-    return spans
+    return [(int(start), int(end)) for start, end in spans]
+
+
+def _checked_indices(name: str, indices, count: int) -> set[int] | None:
+    """A layers= or heads= subset as a set, each a whole number in [0, count); None (all) stays None."""
+    if indices is None:
+        return None
+    indices = list(indices)
+    bad = [i for i in indices if not _whole(i) or not 0 <= i < count]
+    if bad:
+        raise ValueError(f"{name} are indices in [0, {count}) (the cache's {name}), got {bad[:3]}")
+    return {int(i) for i in indices}
 
 
 def _batched(cache: DynamicCache, rows: int) -> DynamicCache:
@@ -133,7 +149,12 @@ class EvictionProbe:
         if ids.shape[0] != 1:
             raise ValueError(f"span effects take one context, got a batch of {ids.shape[0]}")
         n = ids.shape[1]
+        if not _whole(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive whole number, got {max_new_tokens!r}")
         asked = encode_continuation(tokenizer, question).to(model.device)[None]
+        if asked.shape[1] == 0 and not query_aware:
+            raise ValueError("the question is empty: a query-agnostic probe feeds it after the eviction (give one, or "
+                             "query_aware=True to evict after the context alone)")
         prompt = torch.cat([ids, asked], 1) if query_aware else ids
         cache = DynamicCache(config=model.config)
         prefill = model(prompt, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -160,8 +181,10 @@ class EvictionProbe:
         layers, heads: the layer indices and KV heads they are hidden from (None: all)."""
         if not sets:
             return []
-        hider = _Hider(self.cache, self.start if self.first is not None else self.n,
-                       None if layers is None else set(layers), heads)
+        layers = _checked_indices("layers", layers, len(self.cache.layers))
+        heads = _checked_indices("heads", heads, self.cache.layers[0].keys.shape[1])
+        hider = _Hider(self.cache, self.start if self.first is not None else self.n, layers,
+                       None if heads is None else sorted(heads))
         hider.sets = [_checked_spans(spans, self.n) for spans in sets]
         evicted, reference = self._logprobs(hider, self.reference.shape[-1]), self.reference
         kl = (reference.exp() * (reference - evicted)).sum(-1).mean(-1)  # (rows,)
@@ -210,6 +233,8 @@ def span_effects(model, tokenizer, context, question, *, spans=None, block: int 
 def probe_spans(probe: EvictionProbe, spans, *, layers=None, heads=None, batch_size: int = 8,
                 progress: bool = True) -> pd.DataFrame:
     """span_effects' table for a probe already prefilled: one row per span, each hidden alone."""
+    if not _whole(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size is spans per forward, a positive whole number, got {batch_size!r}")
     spans = _checked_spans(spans, probe.n)
     rows = []
     batches = range(0, len(spans), batch_size)

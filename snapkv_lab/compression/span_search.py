@@ -21,12 +21,15 @@ from .span_effects import EvictionProbe
 class EvictingSet:
     """A search's result. spans: the set found (context positions), smallest first found by the search; changed:
     whether hiding it changes the greedy answer (False: none did within the budget, and spans is the largest set
-    tried); effect: its row (kl, logprob_delta, answer_changed); forwards: the batched forwards the search ran."""
+    tried); effect: its row (kl, logprob_delta, answer_changed); forwards: the batched forwards the search ran;
+    minimal: whether every member was tried out and none can be dropped (False where the budget ended the pruning
+    first, or where nothing changed the answer)."""
 
     spans: list[tuple[int, int]]
     changed: bool
     effect: dict
     forwards: int
+    minimal: bool = False
 
 
 def minimal_evicting_set(probe: EvictionProbe, effects: pd.DataFrame, *, budget: int = 16,
@@ -36,9 +39,10 @@ def minimal_evicting_set(probe: EvictionProbe, effects: pd.DataFrame, *, budget:
 
     Greedy, then pruned: spans are ranked by their own KL; the prefixes of that ranking (the top 1, 2, ... spans) are
     tried in batches until one changes the answer; then members are dropped one at a time, the weakest first, while
-    the set without it still changes the answer (each round tries every member in one batch). The result is minimal
-    in the sense that no single member can be dropped; a smaller set of other spans may exist (the search is greedy,
-    not exhaustive: 2^spans sets)."""
+    the set without it still changes the answer (each round tries the members in batches of `batch_size`, one forward
+    each, until one can be dropped or every one has been tried). Where the budget lets the last round try every
+    member, the result is minimal in the sense that no single member can be dropped (`minimal`); a smaller set of
+    other spans may exist (the search is greedy, not exhaustive: 2^spans sets)."""
     if budget < 1 or batch_size < 1:
         raise ValueError(f"budget and batch_size are positive counts of forwards and sets, got {budget}, {batch_size}")
     by_kl = effects.sort_values("kl", ascending=False, kind="stable")
@@ -59,16 +63,25 @@ def minimal_evicting_set(probe: EvictionProbe, effects: pd.DataFrame, *, budget:
         found, effect = prefixes[-1], rows[-1]
     if not effect["answer_changed"]:
         return EvictingSet(found, False, effect, used)
-    while len(found) > 1 and used < budget:
+    minimal = len(found) == 1
+    while not minimal and used < budget:
         # weakest first: the member whose own KL is smallest is tried first among those whose removal still works
         trials = [[s for s in found if s != drop] for drop in reversed(found)]
-        rows = probe.effects(trials[:batch_size])
-        used += 1
-        hit = next((i for i, row in enumerate(rows) if row["answer_changed"]), None)
-        if hit is None:
+        tried, dropped = 0, False
+        while tried < len(trials) and used < budget and not dropped:
+            batch = trials[tried:tried + batch_size]
+            rows = probe.effects(batch)
+            used += 1
+            hit = next((i for i, row in enumerate(rows) if row["answer_changed"]), None)
+            if hit is None:
+                tried += len(batch)
+            else:
+                found, effect, dropped = batch[hit], rows[hit], True
+        if not dropped:  # every member tried and none can go, or the budget ended the round
+            minimal = tried == len(trials)
             break
-        found, effect = trials[hit], rows[hit]
-    return EvictingSet(found, True, effect, used)
+        minimal = len(found) == 1
+    return EvictingSet(found, True, effect, used, minimal)
 
 
 def layer_effects(probe: EvictionProbe, spans: list[tuple[int, int]], layers=None) -> pd.DataFrame:
