@@ -98,8 +98,8 @@ def test_export_has_kvpress_files_keys_and_columns(run, exported):
 
 def test_export_then_import_gives_the_run_table(run, exported):
     """The task scores read back from the exported files are the run's (metrics.json rounds to 2 decimals), on a run
-    whose predictions kvpress's scorer and RULER's score alike (test_import_reads_kvpress_score_where_the_scorers_differ:
-    where they do not, the files hold kvpress's)."""
+    whose predictions kvpress's scorer and RULER's score alike (where they do not, the files hold kvpress's:
+    test_import_reads_kvpress_score_where_the_scorers_differ)."""
     back = read_kvpress(exported)
     ours = task_scores(run, n_boot=0)
     # task_scores repeats the full cache's rows under each mode, as its lines' baseline; the run has them once
