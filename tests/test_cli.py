@@ -163,10 +163,13 @@ def test_needle_refuses_bad_grid_options_before_any_model_runs(monkeypatch, caps
     (["eval", "--ratios", "1.5"], "share of KV pairs removed"),
     (["needle", "--model", "nobody/no-such-model"], "cannot load model 'nobody/no-such-model'"),
     (["eval", "--model", "."], "the folder has no config.json"),
+    (["eval", "--export", "csv", "out"], "--export csv: the formats are kvpress"),
+    (["eval", "--import", "no/such"], "--import no/such: no such folder of kvpress results"),
+    (["eval", "--reuse", "no_such.csv"], "--reuse no_such.csv: no such table"),
 ])
 def test_bad_options_and_models_are_one_line_in_a_second_without_torch(args, said, tmp_path):
-    """As a newcomer runs it: a fresh process, offline, an empty hub cache. The refusal is one line after the
-    usage, exit status 2, and torch is never imported (the seconds it costs)."""
+    """As a newcomer runs it: a fresh process, offline, an empty hub cache. The refusal is one line (argparse's own
+    too, without its usage), exit status 2, and torch is never imported (the seconds it costs)."""
     import os
     import time
 
@@ -180,6 +183,7 @@ def test_bad_options_and_models_are_one_line_in_a_second_without_torch(args, sai
     assert "heavy: [] status: 2" in result.stdout, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("snapkv-lab")]
     assert len(lines) == 1 and said in lines[0] and "Traceback" not in result.stderr
+    assert "usage:" not in result.stderr, result.stderr
 
 
 def test_figures_from_a_folder_without_tables_says_where_they_are_and_asks_for_no_model(tmp_path, capsys):

@@ -17,8 +17,16 @@ The command line reruns the project's experiments on the bundled SmolLM2-135M-In
 redraws its figures from the tables in data/; the library itself is used from Python and notebooks."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its mistakes said in one line (argparse prints its whole usage first); the subcommands'
+    parsers are of this class too (add_subparsers makes them of the parent's)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snapkv-lab", description=DESCRIPTION,
+    parser = _Parser(prog="snapkv-lab", description=DESCRIPTION,
                                      epilog="Run `snapkv-lab <command> --help` for a command's options.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"snapkv-lab {__version__}")

@@ -126,6 +126,10 @@ def evaluate(args) -> int:
     start = time.perf_counter()
     if not _names_known("eval", lambda: check_datasets_and_tasks(args.dataset, args.tasks, DATASET_TASKS)):
         return 2
+    refused = _bad_paths_or_format(args)  # before torch loads: a wrong path or format is said in a second
+    if refused:
+        print(f"snapkv-lab eval: error: {refused}", file=sys.stderr)
+        return 2
     from ..core.figure_files import model_folders
     from ..evaluation import RATIOS, draw, eval_cells
     from ..evaluation import evaluate as run
@@ -146,10 +150,6 @@ def evaluate(args) -> int:
             import_ray()
     except (ValueError, ImportError, FileNotFoundError, ConnectionError) as err:
         print(f"snapkv-lab eval: error: {err}", file=sys.stderr)
-        return 2
-    missing = [path for path in args.reuse or () if not Path(path).is_file()]
-    if missing:
-        print(f"snapkv-lab eval: error: --reuse {' '.join(missing)}: no such table", file=sys.stderr)
         return 2
     try:  # --export and --import are checked before the run too: kvpress's results read now, a bad folder said now
         peers = _kvpress_options(args)
@@ -186,15 +186,27 @@ def evaluate(args) -> int:
 EXPORT_FORMATS = ("kvpress",)
 
 
+def _bad_paths_or_format(args) -> str | None:
+    """What eval's paths and export format get wrong, read without torch: --reuse tables, --import folders, the
+    --export format; None when nothing."""
+    missing = [path for path in args.reuse or () if not Path(path).is_file()]
+    if missing:
+        return f"--reuse {' '.join(missing)}: no such table"
+    missing = [path for path in args.import_dirs or () if not Path(path).is_dir()]
+    if missing:
+        return f"--import {' '.join(missing)}: no such folder of kvpress results"
+    if args.export and args.export[0] not in EXPORT_FORMATS:
+        return f"--export {args.export[0]}: the formats are {', '.join(EXPORT_FORMATS)}"
+    return None
+
+
 def _kvpress_options(args):
-    """--export and --import checked against the run's options: the export's format and whether kvpress's format can
-    hold the run (kvpress_format.check_exportable); --import's folders read (kvpress_format.read_kvpress, None
-    without --import)."""
+    """--export and --import checked against the run's options (their paths and format first: _bad_paths_or_format):
+    whether kvpress's format can hold the run (kvpress_format.check_exportable); --import's folders read
+    (kvpress_format.read_kvpress, None without --import)."""
     if args.export:
         from ..evaluation.kvpress_format import check_exportable
 
-        if args.export[0] not in EXPORT_FORMATS:
-            raise ValueError(f"--export {args.export[0]}: the formats are {', '.join(EXPORT_FORMATS)}")
         check_exportable(args.dataset, bool(args.capacities))
     if not args.import_dirs:
         return None
