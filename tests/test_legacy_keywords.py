@@ -139,3 +139,28 @@ def test_every_public_function_taking_a_renamed_keyword_takes_its_old_name(modul
             continue
         if renamed_to & set(inspect.signature(function).parameters):
             assert hasattr(function, "__wrapped__"), f"{module}.{name} takes a renamed keyword without its old name"
+
+
+def test_a_policy_takes_window_size_as_it_meant_before_the_kept_tail_had_its_name():
+    """Before 2026-11-26 `window_size` named the last tokens every policy keeps by right; it stays SnapKV's family's
+    observation window, and elsewhere reads as kept_tail, warning; a wrapper's was its inner policy's window, as the
+    stored configs read (policies.upgrade_config)."""
+    import warnings
+
+    from snapkv_lab import POLICIES
+
+    for name in ("TOVA", "H2O", "StreamingLLM", "KNorm", "KVzip"):
+        with pytest.warns(DeprecationWarning, match="now named 'kept_tail'"):
+            old = POLICIES[name](window_size=16)
+        assert old == POLICIES[name](kept_tail=16)
+    with pytest.warns(DeprecationWarning, match="now named 'kept_tail'"):
+        wrapped = POLICIES["AdaKV"](window_size=64)
+    assert wrapped == POLICIES["AdaKV"](policy=POLICIES["SnapKV"](window_size=64))
+    with pytest.warns(DeprecationWarning):
+        over_knorm = POLICIES["AdaKV"](policy=POLICIES["KNorm"](), window_size=8)
+    assert over_knorm.policy.kept_tail == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # today's name on SnapKV's family: no warning
+        assert POLICIES["SnapKV"](window_size=64).window_size == 64
+    with pytest.raises(TypeError, match="both 'window_size' and 'kept_tail'"), pytest.warns(DeprecationWarning):
+        POLICIES["TOVA"](window_size=4, kept_tail=8)

@@ -177,10 +177,21 @@ def expand_policies(policies) -> list:
     return [name for entry in policies for name in (every if entry == ALL_POLICIES else [entry])]
 
 
+def _former_window(config: dict) -> bool:
+    """Whether a config, or one it wraps, gives window_size to a class without an observation window."""
+    inner = any(_former_window(v) for v in config.values() if isinstance(v, dict))
+    if "window_size" not in config or config.get("name") not in _MODULES:
+        return inner
+    return inner or "window_size" not in {f.name for f in dataclasses.fields(__getattr__(config["name"]))}
+
+
 def parse_policy(text: str):
     """The policy `policy_spec(text)` describes, built: a setting the policy does not take, or a value it refuses,
     is refused with the settings it takes."""
     config = policy_spec(text)
+    if _former_window(config):  # the classes take it, warning, for code written before; a command line is told
+        raise ValueError(f"{text!r}: window_size is the observation window of SnapKV's family, the last tokens kept "
+                         f"by right are kept_tail")
     try:
         return policy_from_config(config)
     except TypeError as error:

@@ -165,8 +165,37 @@ class Prompt:
         return self.ids.shape[1]
 
 
+KEPT_TAIL_RENAMED = "2026-11-26"  # window_size, where it named the last tokens kept by right, became kept_tail
+
+
+class _ReadsOldKeywords(type):
+    """A policy class also takes `window_size` as it was before the kept tail had its own name (KEPT_TAIL_RENAMED),
+    warning (DeprecationWarning), where the class has no observation window of its own: TOVA(window_size=1) is
+    TOVA(kept_tail=1), and a wrapper's window was its inner policy's (AdaKV(window_size=64) is
+    AdaKV(policy=SnapKV(window_size=64))), as policies.upgrade_config reads stored configs."""
+
+    def __call__(cls, *args, **keywords):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if "window_size" in keywords and "window_size" not in fields:
+            keywords = dict(keywords)
+            value = keywords.pop("window_size")
+            warnings.warn(f"{cls.__name__}(): the keyword 'window_size' is now named 'kept_tail' (since "
+                          f"{KEPT_TAIL_RENAMED}; window_size is the observation window of SnapKV's family, a "
+                          "wrapper's that of its inner policy)", DeprecationWarning, stacklevel=2)
+            if "policy" in fields:
+                inner = keywords.get("policy") or fields["policy"].default_factory()
+                has_window = "window_size" in {f.name for f in dataclasses.fields(inner)}
+                keywords["policy"] = dataclasses.replace(inner, **{"window_size" if has_window else "kept_tail": value})
+            elif "kept_tail" in keywords:
+                raise TypeError(f"{cls.__name__}() got both 'window_size' and 'kept_tail', one keyword under its name "
+                                f"before {KEPT_TAIL_RENAMED} and today's: pass 'kept_tail' alone")
+            else:
+                keywords["kept_tail"] = value
+        return super().__call__(*args, **keywords)
+
+
 @dataclass
-class Policy:
+class Policy(metaclass=_ReadsOldKeywords):
     """Base policy: keep `capacity` positions per KV head after prefill (see module doc).
 
     capacity: total positions kept per head (prefix picks + kept tail), as tokens (int), or as a ratio of
