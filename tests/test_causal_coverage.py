@@ -38,6 +38,13 @@ def test_the_oracle_spills_into_the_next_span_and_bounds_coverage():
     assert out["coverage"] <= out["oracle"] + 1e-12  # here equal: this kept set is one of the oracle's ties
     with pytest.raises(ValueError, match="negative"):
         causal_coverage(table.assign(kl=[-1.0, 0, 0]), mask)
+    with pytest.raises(ValueError, match="missing"):
+        causal_coverage(table.assign(kl=[float("nan"), 0, 0]), mask)
+    # overlapping spans would count positions 1-2's effect twice, and the oracle would fall below the coverage
+    with pytest.raises(ValueError, match="disjoint"):
+        causal_coverage(effects((0, 3, 1.0), (2, 6, 2.0)), mask)
+    with pytest.raises(ValueError, match="covers 8 positions"):  # a mask shorter than the spans' context
+        causal_coverage(table, mask, n_tokens=10)
 
 
 def test_a_generation_results_kept_positions_are_read(byte_tokenizer):

@@ -16,6 +16,7 @@ heads); effects are taken as additive over spans, a first-order reading that spa
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -30,10 +31,18 @@ def causal_coverage(effects: pd.DataFrame, kept, *, effect: str = "kl", n_tokens
     if effects.empty:
         raise ValueError("effects holds no span")
     values = effects[effect].to_numpy(dtype=float)
-    if (values < 0).any():
-        raise ValueError(f"the {effect!r} column has negative effects: coverage needs a non-negative measure (kl)")
+    if np.isnan(values).any() or (values < 0).any():
+        raise ValueError(f"the {effect!r} column has negative or missing effects: coverage needs a non-negative "
+                         "measure (kl)")
     n = int(effects.end.max()) if n_tokens is None else n_tokens
+    spans = effects[["start", "end"]].sort_values("start").to_numpy()
+    if (spans[:, 0] < 0).any() or (spans[:, 1] <= spans[:, 0]).any() or (spans[1:, 0] < spans[:-1, 1]).any() or \
+            spans[:, 1].max() > n:
+        raise ValueError(f"effects' spans must be disjoint (start, end) positions within the {n}-token context: an "
+                         "overlap would count one position's effect twice, in the coverage and the oracle")
     mask = kept if isinstance(kept, torch.Tensor) else kept_mask(kept, n)
+    if mask.shape[-1] < n:
+        raise ValueError(f"the kept mask covers {mask.shape[-1]} positions, fewer than the {n}-token context")
     share = mask[..., :n].float().mean(dim=tuple(range(mask.ndim - 1)))  # (n,) kept share of each position
     lengths = (effects.end - effects.start).to_numpy(dtype=float)
     span_share = [float(share[s:e].mean()) for s, e in zip(effects.start, effects.end, strict=True)]
