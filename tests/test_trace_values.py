@@ -73,3 +73,12 @@ def test_a_trace_without_values_says_how_to_get_them(byte_tokenizer_module):
     assert trace.values is None
     with pytest.raises(ValueError, match="values=True"):
         trace.value_attention(0)
+
+
+def test_values_of_a_model_without_o_proj_are_refused_before_the_run(byte_tokenizer_module):
+    """GPT-2 names its output projection c_proj: capture(values=True) says so at once, not a KeyError after the run."""
+    from families import FAMILIES
+
+    with pytest.raises(NotImplementedError, match="o_proj"):
+        snapkv_lab.capture(FAMILIES["gpt2"](), byte_tokenizer_module, torch.tensor([[5, 6, 7, 8]]), max_new_tokens=1,
+                           values=True, progress=False)

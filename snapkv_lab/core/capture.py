@@ -113,7 +113,7 @@ def capture(
     check_context_length(model, prompt_len + (max_new_tokens if forced is None else len(forced)),
                          "the prompt and its continuation")
     modules = attention_modules(model) if values else {}
-    if values and not all(hasattr(m, "o_proj") for m in modules.values()):
+    if values and not modules:  # attention_modules finds the layers by their `o_proj`: GPT-2's is c_proj
         raise NotImplementedError("capture(values=True) reads each layer's output projection `o_proj`, which this "
                                   "model's attention layers do not name so")
     recorder = _QKRecorder(None if layers is None else set(layers), store_device, values)
