@@ -308,12 +308,12 @@ def test_a_paired_difference_separates_methods_whose_leaderboard_intervals_overl
     row = paired_difference(five, n_boot=200).iloc[0]
     assert row.low == row.high == 100 and row.p == pytest.approx(2 / 32)
     assert row.p_method == "exact" and row.nonzero == 5
-    # past 20 nonzero differences the flips are drawn: 21 agreeing examples are never matched by chance, and p is
-    # the floor the column states
+    # past 20 nonzero differences of two sizes (no binomial count) the flips are counted by their sums: 21
+    # agreeing examples are matched by 2 of the 2^21 sign assignments, all positive and all negative
     many = _scores([("a", e, p, 0.5, "query-aware", s) for e in range(21)
-                    for p, s in (("SnapKV", 0.0), ("KVzip", 0.1 + 0.1 * (e == 0)))])  # two sizes: no binomial count
+                    for p, s in (("SnapKV", 0.0), ("KVzip", 0.1 + 0.1 * (e == 0)))])
     row = paired_difference(many, n_boot=0, n_perm=2000).iloc[0]
-    assert row.p == pytest.approx(1 / 2001) and row.p_method == "monte carlo (floor 1/2001)" and row.nonzero == 21
+    assert row.p == pytest.approx(2 / 2 ** 21) and row.p_method == "exact" and row.nonzero == 21
     with pytest.raises(ValueError, match="no rows of 'TOVA'"):
         paired_difference(mixed, baseline="TOVA")
     alone = paired_difference(mixed[mixed.policy == "SnapKV"])  # nothing to read against it: no rows, same columns

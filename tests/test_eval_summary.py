@@ -63,9 +63,10 @@ def test_differences_of_one_magnitude_are_counted_exactly_at_any_number():
     assert sign_flip_test(differences, np.full(29, 1 / 29)) == (pytest.approx(exact), "exact")
 
 
-def test_past_twenty_nonzero_differences_of_several_sizes_the_flips_are_drawn_and_p_says_its_floor():
+def test_past_twenty_nonzero_differences_of_several_sizes_the_flips_are_counted_by_their_sums_or_drawn():
     # 22 differences of sizes 1 and 2: the exact p by the definition, the distribution of sum(signs * differences)
-    # built by convolution over the examples, against 20,000 drawn flips
+    # built by convolution over the examples (written here as dictionaries of counts), against the test's count,
+    # and against 20,000 drawn flips where the sizes are no whole multiples of one unit
     differences = np.array([2.0] * 8 + [1.0] * 8 + [-1.0] * 4 + [-2.0] * 2)
     counts = {0: 1}
     for d in differences.astype(int):
@@ -76,11 +77,27 @@ def test_past_twenty_nonzero_differences_of_several_sizes_the_flips_are_drawn_an
         counts = shifted
     observed = abs(int(differences.sum()))
     exact = sum(n for total, n in counts.items() if abs(total) >= observed) / 2 ** len(differences)
-    p, method = sign_flip_test(differences, np.full(22, 1 / 22), n_resamples=20000, seed=3)
+    assert sign_flip_test(differences, np.full(22, 1 / 22), n_resamples=20000, seed=3) == (pytest.approx(exact),
+                                                                                            "exact")
+    # the leaderboard's weights, 1 / (tasks x examples in the task), and scores of three references: still counted
+    weights = np.r_[np.full(15, 1 / (2 * 15)), np.full(7, 1 / (2 * 7))]
+    assert sign_flip_test(differences * 100 / 3, weights)[1] == "exact"
+    # sizes with no common unit (irrational ratios): the flips are drawn, p near the count of the same signs' sums
+    odd = differences * np.sqrt([2.0, 3.0])[np.arange(22) % 2]
+    counts = {0.0: 1}
+    for d in np.abs(odd):
+        shifted: dict[float, int] = {}
+        for total, n in counts.items():
+            for signed in (d, -d):
+                key = round(total + signed, 9)
+                shifted[key] = shifted.get(key, 0) + n
+        counts = shifted
+    exact = sum(n for total, n in counts.items() if abs(total) >= abs(odd.sum()) - 1e-9) / 2 ** 22
+    p, method = sign_flip_test(odd, np.full(22, 1 / 22), n_resamples=20000, seed=3)
     assert method == "monte carlo (floor 1/20001)"
     assert p == pytest.approx(exact, abs=4 * math.sqrt(exact / 20000))
     # every drawn flip short of the observed: p is the floor, never 0
-    assert sign_flip_test(np.r_[np.ones(20), 2.0], np.full(21, 1 / 21), n_resamples=999) == (
+    assert sign_flip_test(np.r_[np.ones(20), np.sqrt(2.0)], np.full(21, 1 / 21), n_resamples=999) == (
         pytest.approx(1 / 1000), "monte carlo (floor 1/1000)")
 
 

@@ -141,11 +141,52 @@ def gap_to_full(table: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Da
 
 
 # A sign-flip test enumerates every assignment of signs when the nonzero paired differences number at most
-# EXACT_UP_TO (2^20 patterns, seconds in scipy); past that, unless they share one magnitude (a binomial count), it
-# draws N_RESAMPLES of them, so that p never goes below 1 / (N_RESAMPLES + 1): about 1e-5, under the smallest
-# threshold Holm sets on a family of a few hundred.
+# EXACT_UP_TO (2^20 patterns, seconds in scipy); past that it counts them by their sums where the weighted
+# differences are whole multiples of one unit with at most COUNTED_SUMS sums between the extremes (scores of a few
+# references, each example weighing 1/n or 1/(tasks x n_task): every committed run), and only otherwise draws
+# N_RESAMPLES of them, so that p never goes below 1 / (N_RESAMPLES + 1): about 1e-5, under the smallest threshold
+# Holm sets on a family of a few hundred.
 EXACT_UP_TO = 20
 N_RESAMPLES = 100_000
+COUNTED_SUMS = 20_000_000
+_UNIT_DENOMINATOR = 10 ** 7  # the largest denominator a term's fraction is read back with (fractions.limit_denominator)
+
+
+def _whole_terms(terms: np.ndarray) -> np.ndarray | None:
+    """|terms| as whole multiples of one unit (int64), or None where no unit of denominator at most
+    _UNIT_DENOMINATOR gives them back to float rounding, or their sum passes COUNTED_SUMS."""
+    import math
+    from fractions import Fraction
+
+    sizes = np.abs(terms)
+    fractions = [Fraction(float(size)).limit_denominator(_UNIT_DENOMINATOR) for size in sizes]
+    unit = 1
+    for fraction in fractions:
+        unit = unit * fraction.denominator // math.gcd(unit, fraction.denominator)
+        if unit > COUNTED_SUMS:
+            return None
+    whole = np.array([fraction.numerator * (unit // fraction.denominator) for fraction in fractions], dtype=np.int64)
+    if whole.sum() > COUNTED_SUMS or not np.allclose(whole / unit, sizes, rtol=1e-9, atol=0):
+        return None
+    return whole
+
+
+def _counted_sign_flip(whole: np.ndarray, observed: int) -> float:
+    """Two-sided p of the sign flip of whole-number terms of sizes `whole`: the share of the 2^n sign assignments
+    whose |sum| reaches `observed` (the observed |sum|), from the distribution of the signed sum built one term at a
+    time (a convolution: exact counts, each a float64 integer below 2^53 for n up to 52)."""
+    total = int(whole.sum())
+    counts = np.zeros(2 * total + 1)  # counts[s + total]: the assignments whose sum is s
+    counts[total] = 1.0
+    reach = 0  # the sums so far lie in [-reach, reach]
+    for size in map(int, whole):
+        current = counts[total - reach:total + reach + 1].copy()
+        counts[total - reach:total + reach + 1] = 0.0
+        counts[total - reach - size:total + reach - size + 1] += current
+        counts[total - reach + size:total + reach + size + 1] += current
+        reach += size
+    sums = np.abs(np.arange(-total, total + 1))
+    return float(counts[sums >= observed].sum() / counts.sum())
 
 
 def sign_flip_test(differences: np.ndarray, weights: np.ndarray, n_resamples: int = N_RESAMPLES,
@@ -159,7 +200,8 @@ def sign_flip_test(differences: np.ndarray, weights: np.ndarray, n_resamples: in
     nonzero terms weights * differences share one magnitude (an example won or lost, each weighing the same: the
     statistic counts signs, and p is the two-sided binomial test's, scipy.stats.binomtest, at any n), or when there
     are at most EXACT_UP_TO of them (scipy.stats.permutation_test(permutation_type="samples") enumerates all 2^n
-    flips); else n_resamples drawn flips ("monte carlo (floor 1/(n_resamples+1))": the drawn count is taken with
+    flips), or when they are whole multiples of one unit (every flip counted by its sum: _counted_sign_flip); else
+    n_resamples drawn flips ("monte carlo (floor 1/(n_resamples+1))": the drawn count is taken with
     the observed flip, so that p is never 0). Unlike a percentile bootstrap, which collapses to a point on one or two
     examples per task, it cannot call fewer than six agreeing examples a difference (all of five agree: p = 2 / 32)."""
     from scipy.stats import binomtest, permutation_test
@@ -176,6 +218,11 @@ def sign_flip_test(differences: np.ndarray, weights: np.ndarray, n_resamples: in
     if np.allclose(np.abs(terms), abs(terms[0]), rtol=1e-9, atol=0):
         return float(binomtest(int(np.count_nonzero(terms > 0)), len(terms)).pvalue), "exact"
     exact = len(terms) <= EXACT_UP_TO
+    whole = None if exact else _whole_terms(terms)
+    if whole is not None:
+        # the observed statistic is |sum(terms)|: flipping every sign of the terms' sizes to the observed ones
+        observed = abs(int(whole[terms > 0].sum()) - int(whole[terms < 0].sum()))
+        return _counted_sign_flip(whole, observed), "exact"
     result = permutation_test((differences,), lambda x, axis: np.abs((x * weights).sum(axis=axis)),
                               permutation_type="samples", vectorized=True, alternative="greater",
                               n_resamples=np.inf if exact else n_resamples, batch=2 ** 15, rng=seed)
