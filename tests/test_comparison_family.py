@@ -106,6 +106,20 @@ def test_the_family_reads_the_answered_examples_first_and_adjusts_over_its_prima
     assert results.loc[("eval_big.csv", "answered")].iloc[0].p_holm == pytest.approx(2 * 2 / 2 ** 8)
 
 
+def test_a_run_whose_full_cache_answers_nothing_keeps_its_answered_rows_and_holm_counts_them(runs):
+    """A run with no answered example (a task the full cache fails throughout, as NoLiMa's non-literal one on SmolLM2)
+    has an "answered" row per comparison, 0 examples and p 1, that Holm counts like any other primary row; its rows
+    once lost their baseline and fell out of the results."""
+    _run(runs / "eval_failed.csv", {"b": range(20, 23)}, kvzip_wins=True)
+    rows = pd.concat([family.rows_for(runs, "eval_big.csv"), family.rows_for(runs, "eval_failed.csv")])
+    results = family.family_results(runs, rows, n_boot=0)
+    failed = results[(results.table == "eval_failed.csv") & (results.analysis == "answered")]
+    assert len(failed) == 1 and failed.iloc[0].examples == 0 and failed.iloc[0].p == 1.0
+    assert failed.iloc[0].baseline == "SnapKV" and failed.iloc[0].p_holm == 1.0
+    big = results[(results.table == "eval_big.csv") & (results.analysis == "answered")].iloc[0]
+    assert big.p_holm == pytest.approx(2 * 2 / 2 ** 8)  # Holm over both primary rows
+
+
 def test_the_committed_family_holds_and_its_results_are_what_the_code_computes():
     """The family file names what the committed tables hold; the committed results are its own (each primary row's
     p_holm Holm over the primary rows' p), and recomputing the runs of few examples (exact tests, seconds) gives the

@@ -239,7 +239,8 @@ def _table_results(data_dir: Path, table: str, baseline: str, n_boot: int, seed:
     # a comparison with no answered example still has its answered row: no difference, nothing to reject
     nothing = comparisons(results, baseline).merge(out.loc[out.analysis == "answered", key], how="left", indicator=True)
     nothing = nothing[nothing._merge == "left_only"].drop(columns="_merge")
-    empty = nothing.assign(analysis="answered", examples=0, nonzero=0, tasks=0, p=1.0, p_method="no examples")
+    empty = nothing.assign(baseline=baseline, analysis="answered", examples=0, nonzero=0, tasks=0, p=1.0,
+                           p_method="no examples")
     return pd.concat([out, empty], ignore_index=True).assign(table=table, setting="", baseline_setting="")
 
 
