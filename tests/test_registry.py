@@ -298,3 +298,15 @@ def test_every_kvpress_press_has_an_equivalent_or_says_why_not():
     assert sorted([*KVPRESS, *KVPRESS_NOT_YET, *BASE_PRESSES]) == sorted(KVPRESS_055)
     assert set(KVPRESS.values()) <= set(snapkv_lab.policies.POLICY_NAMES)
     assert all(len(why) > 20 for why in KVPRESS_NOT_YET.values())
+
+
+@pytest.mark.parametrize("wrapper", ["AdaKV", "ThinK", "Merging", "KIVI", "ChunkKV"])
+def test_a_budget_given_to_the_wrapped_policy_alone_is_refused_not_replaced(wrapper):
+    """A wrapper's budget is its own and is set on the policy it wraps: SnapKV(capacity=51) inside a wrapper with no
+    budget of its own would silently keep the wrapper's default instead (ThinK's, every position). Given to the
+    wrapper, or to both alike, it holds."""
+    inner = snapkv_lab.SnapKV(capacity=51)
+    with pytest.raises(ValueError, match=f"give it capacity=51 \\({wrapper}\\(policy=SnapKV"):
+        snapkv_lab.POLICIES[wrapper](policy=inner)
+    assert snapkv_lab.POLICIES[wrapper](policy=inner, capacity=51).policy.capacity == 51
+    assert snapkv_lab.POLICIES[wrapper](policy=snapkv_lab.SnapKV(), capacity=51).policy.capacity == 51

@@ -106,6 +106,8 @@ def test_query_aware_leaves_the_first_answer_token_alone_and_bad_spans_are_refus
                           (dict(heads=[kv_heads]), "heads are"), (dict(heads=[-1]), "heads are")):
         with pytest.raises(ValueError, match=match):
             span_effects(model, ByteTokenizer(), context, "q", block=32, progress=False, **subset)
+    with pytest.raises(ValueError, match="the context, question and answer"):  # past the model's 1024 positions
+        span_effects(model, ByteTokenizer(), ids(1020, 8), "q", answer=[5, 6, 7, 8], block=32, progress=False)
     with pytest.raises(ValueError, match="question is empty"):
         span_effects(model, ByteTokenizer(), context, [], block=32, progress=False)
     for bad in (dict(batch_size=0), dict(max_new_tokens=0)):

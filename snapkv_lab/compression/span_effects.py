@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..core.hooks import intercept_attention, with_cache
-from ..core.inputs import encode_batch, encode_continuation, eos_ids
+from ..core.inputs import check_context_length, encode_batch, encode_continuation, eos_ids
 from ..core.progress import progress_bar
 from .greedy import eos_cut, forward, greedy_decode
 from .layers import fork, held_positions
@@ -152,6 +152,9 @@ class EvictionProbe:
         if not _whole(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive whole number, got {max_new_tokens!r}")
         asked = encode_continuation(tokenizer, question).to(model.device)[None]
+        given = None if answer is None else encode_continuation(tokenizer, answer).to(model.device)[None]
+        check_context_length(model, n + asked.shape[1] + (max_new_tokens if given is None else given.shape[1]),
+                             "the context, question and answer")
         if asked.shape[1] == 0 and not query_aware:
             raise ValueError("the question is empty: a query-agnostic probe feeds it after the eviction (give one, or "
                              "query_aware=True to evict after the context alone)")
@@ -165,7 +168,7 @@ class EvictionProbe:
             generated, _ = greedy_decode(model, asking, logits, n + asked.shape[1], max_new_tokens, eos)
             answer = generated[:, :eos_cut(generated[0].tolist(), eos) + 1]
         else:
-            answer = encode_continuation(tokenizer, answer).to(model.device)[None]
+            answer = given
         if answer.shape[1] == 0:
             raise ValueError("the answer is empty: give one, or a max_new_tokens that lets the model answer")
         # Teacher forcing: the tokens whose next-token distributions are the answer's (not the last answer token's).

@@ -168,11 +168,17 @@ class Prompt:
 KEPT_TAIL_RENAMED = "2026-11-26"  # window_size, where it named the last tokens kept by right, became kept_tail
 
 
-class _ReadsOldKeywords(type):
-    """A policy class also takes `window_size` as it was before the kept tail had its own name (KEPT_TAIL_RENAMED),
-    warning (DeprecationWarning), where the class has no observation window of its own: TOVA(window_size=1) is
-    TOVA(kept_tail=1), and a wrapper's window was its inner policy's (AdaKV(window_size=64) is
-    AdaKV(policy=SnapKV(window_size=64))), as policies.upgrade_config reads stored configs."""
+class _PolicyCalls(type):
+    """What a policy class's call checks before its dataclass __init__ (which cannot see which keywords were given).
+
+    `window_size` as it was before the kept tail had its own name (KEPT_TAIL_RENAMED), where the class has no
+    observation window of its own, warning (DeprecationWarning): TOVA(window_size=1) is TOVA(kept_tail=1), and a
+    wrapper's window was its inner policy's (AdaKV(window_size=64) is AdaKV(policy=SnapKV(window_size=64))), as
+    policies.upgrade_config reads stored configs.
+
+    A wrapper's budget is its own (policies.wrapper): an inner policy given a budget of its own and no budget on the
+    wrapper (ThinK(policy=SnapKV(capacity=51))) is refused, since the wrapper would silently replace it by its default.
+    """
 
     def __call__(cls, *args, **keywords):
         fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
@@ -191,11 +197,18 @@ class _ReadsOldKeywords(type):
                                 f"before {KEPT_TAIL_RENAMED} and today's: pass 'kept_tail' alone")
             else:
                 keywords["kept_tail"] = value
+        inner = keywords.get("policy")
+        if "policy" in fields and "capacity" not in keywords and isinstance(inner, Policy):
+            inner_default = {f.name: f.default for f in dataclasses.fields(inner)}.get("capacity")
+            if inner.capacity not in (fields["capacity"].default, inner_default):
+                raise ValueError(f"{cls.__name__} keeps its own budget and sets it on the policy it wraps: give it "
+                                 f"capacity={inner.capacity!r} ({cls.__name__}(policy={type(inner).__name__}(...), "
+                                 f"capacity={inner.capacity!r})), not {type(inner).__name__}")
         return super().__call__(*args, **keywords)
 
 
 @dataclass
-class Policy(metaclass=_ReadsOldKeywords):
+class Policy(metaclass=_PolicyCalls):
     """Base policy: keep `capacity` positions per KV head after prefill (see module doc).
 
     capacity: total positions kept per head (prefix picks + kept tail), as tokens (int), or as a ratio of
