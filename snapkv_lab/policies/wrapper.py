@@ -1,6 +1,7 @@
 """What policies that wrap another policy share (AdaKV, ChunkKV, CriticalKV, DecodingEviction).
 
-The wrapper's budget is the one that counts: its capacity and per_query_head are copied onto the inner policy, and
+The wrapper's budget is the one that counts: its capacity and per_query_head are copied onto the inner policy (an
+inner policy given a capacity of its own, with none given to the wrapper, is refused: base._PolicyCalls), and
 its kept_tail when set (None, the default, leaves the inner policy's own: SnapKV's is its observation window). The
 inner policy's pooling, kernel_size, gqa and observation window (`SnapKV(window_size=64)`) stay its own. A wrapper
 changes one step of the inner policy's pipeline (see base): AdaKV the budgets per head, ChunkKV and CriticalKV the
