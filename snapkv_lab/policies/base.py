@@ -198,13 +198,14 @@ class _PolicyCalls(type):
             else:
                 keywords["kept_tail"] = value
         inner = keywords.get("policy")
+        built = super().__call__(*args, **keywords)  # its own refusals first (a policy that cannot be wrapped)
         if "policy" in fields and "capacity" not in keywords and isinstance(inner, Policy):
             inner_default = {f.name: f.default for f in dataclasses.fields(inner)}.get("capacity")
             if inner.capacity not in (fields["capacity"].default, inner_default):
                 raise ValueError(f"{cls.__name__} keeps its own budget and sets it on the policy it wraps: give it "
                                  f"capacity={inner.capacity!r} ({cls.__name__}(policy={type(inner).__name__}(...), "
                                  f"capacity={inner.capacity!r})), not {type(inner).__name__}")
-        return super().__call__(*args, **keywords)
+        return built
 
 
 @dataclass
