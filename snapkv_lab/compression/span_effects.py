@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ..core.checks import check_int
 from ..core.hooks import intercept_attention, with_cache
 from ..core.inputs import check_context_length, encode_batch, encode_continuation, eos_ids
 from ..core.progress import progress_bar
@@ -149,8 +150,7 @@ class EvictionProbe:
         if ids.shape[0] != 1:
             raise ValueError(f"span effects take one context, got a batch of {ids.shape[0]}")
         n = ids.shape[1]
-        if not _whole(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive whole number, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, 1, kind="a positive whole number")
         asked = encode_continuation(tokenizer, question).to(model.device)[None]
         given = None if answer is None else encode_continuation(tokenizer, answer).to(model.device)[None]
         check_context_length(model, n + asked.shape[1] + (max_new_tokens if given is None else given.shape[1]),
@@ -236,8 +236,7 @@ def span_effects(model, tokenizer, context, question, *, spans=None, block: int 
 def probe_spans(probe: EvictionProbe, spans, *, layers=None, heads=None, batch_size: int = 8,
                 progress: bool = True) -> pd.DataFrame:
     """span_effects' table for a probe already prefilled: one row per span, each hidden alone."""
-    if not _whole(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size is spans per forward, a positive whole number, got {batch_size!r}")
+    check_int("batch_size", batch_size, 1, kind="a positive whole number")
     spans = _checked_spans(spans, probe.n)
     rows = []
     batches = range(0, len(spans), batch_size)

@@ -114,8 +114,9 @@ def upgrade_config(config: dict) -> dict:
         config["rolling"] = False  # (2026-11-29): what the prefill kept stayed, every generated token with it
     if "window_size" not in config:
         return config
-    fields = {f.name for f in dataclasses.fields(__getattr__(config["name"]))}
-    if "window_size" in fields:
+    from .base import has_observation_window
+
+    if has_observation_window(__getattr__(config["name"])):
         return config
     value = config.pop("window_size")
     if "policy" not in config:
@@ -182,7 +183,9 @@ def _former_window(config: dict) -> bool:
     inner = any(_former_window(v) for v in config.values() if isinstance(v, dict))
     if "window_size" not in config or config.get("name") not in _MODULES:
         return inner
-    return inner or "window_size" not in {f.name for f in dataclasses.fields(__getattr__(config["name"]))}
+    from .base import has_observation_window
+
+    return inner or not has_observation_window(__getattr__(config["name"]))
 
 
 def parse_policy(text: str):

@@ -168,6 +168,11 @@ class Prompt:
 KEPT_TAIL_RENAMED = "2026-11-26"  # window_size, where it named the last tokens kept by right, became kept_tail
 
 
+def has_observation_window(policy) -> bool:
+    """Whether a policy class (or policy) has `window_size`, an observation window of its own (SnapKV's family)."""
+    return any(f.name == "window_size" for f in dataclasses.fields(policy))
+
+
 class _PolicyCalls(type):
     """What a policy class's call checks before its dataclass __init__ (which cannot see which keywords were given).
 
@@ -182,7 +187,7 @@ class _PolicyCalls(type):
 
     def __call__(cls, *args, **keywords):
         fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-        if "window_size" in keywords and "window_size" not in fields:
+        if "window_size" in keywords and not has_observation_window(cls):
             keywords = dict(keywords)
             value = keywords.pop("window_size")
             warnings.warn(f"{cls.__name__}(): the keyword 'window_size' is now named 'kept_tail' (since "
@@ -190,8 +195,8 @@ class _PolicyCalls(type):
                           "wrapper's that of its inner policy)", DeprecationWarning, stacklevel=2)
             if "policy" in fields:
                 inner = keywords.get("policy") or fields["policy"].default_factory()
-                has_window = "window_size" in {f.name for f in dataclasses.fields(inner)}
-                keywords["policy"] = dataclasses.replace(inner, **{"window_size" if has_window else "kept_tail": value})
+                renamed = "window_size" if has_observation_window(inner) else "kept_tail"
+                keywords["policy"] = dataclasses.replace(inner, **{renamed: value})
             elif "kept_tail" in keywords:
                 raise TypeError(f"{cls.__name__}() got both 'window_size' and 'kept_tail', one keyword under its name "
                                 f"before {KEPT_TAIL_RENAMED} and today's: pass 'kept_tail' alone")
